@@ -1,0 +1,70 @@
+"""Per-slice step cost: normal step on one micro-batch vs degraded and naive exact steps on two.
+
+Run: python benchmarks/step_cost.py --config configs/tiny.yaml --json OUT.json
+Time is the median over interleaved repeats in one process; memory is XLA's compiled
+temp memory (activations, gradients, optimizer temporaries) of each program.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from mecefo_jax import model, sharding, steps, train_state  # noqa: E402
+from mecefo_jax.config import load_config  # noqa: E402
+
+
+def main(argv=None):
+  p = common.parser(__doc__.splitlines()[0])
+  p.add_argument('--repeats', type=int, default=10)
+  args = p.parse_args(argv)
+  cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  graphdef, _, _ = model.abstract(cfg.model)
+  b = cfg.train.micro_batch
+  roles = {'normal_1': steps.Role(exact=b), 'degraded_2': steps.Role(degraded=2 * b),
+           'naive_2': steps.Role(exact=2 * b)}
+  compiled = {n: steps.compile_step(cfg, mesh, r, graphdef) for n, r in roles.items()}
+  shardings = train_state.state_shardings(cfg, mesh)
+  states = {n: jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)()
+            for n in roles}
+  if cfg.mecefo.basis == 'svd':
+    states['degraded_2'] = steps.compile_refresh(cfg, mesh)(states['degraded_2'])
+  rng = np.random.default_rng(0)
+  tokens = {n: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
+                           jnp.int32) for n, r in roles.items()}
+
+  def runner(name):
+    def run():
+      states[name], metrics = compiled[name](states[name], tokens[name])
+      return metrics
+    return run
+
+  times = common.interleaved_times({n: runner(n) for n in roles}, args.repeats)
+  mem = {n: steps.memory_summary(c) for n, c in compiled.items()}
+  temp = {n: m.get('temp_bytes', 0) for n, m in mem.items()}
+  t = {n: v['median_s'] for n, v in times.items()}
+  result = {
+      'config': args.config, 'overrides': args.overrides, 'device': common.device_info(),
+      'micro_batch': b, 'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo),
+      'times': times, 'memory': mem,
+      'time_ratio': t['degraded_2'] / t['normal_1'],
+      'memory_ratio': temp['degraded_2'] / max(temp['normal_1'], 1),
+      'naive_time_ratio': t['naive_2'] / t['normal_1'],
+      'naive_memory_ratio': temp['naive_2'] / max(temp['normal_1'], 1),
+  }
+  rows = [{'step': n, 'median_ms': 1e3 * t[n], 'temp_MiB': temp[n] / 2**20,
+           'time_vs_normal': t[n] / t['normal_1'], 'mem_vs_normal': temp[n] / max(temp['normal_1'], 1)}
+          for n in roles]
+  common.emit(result, common.markdown_table(rows, list(rows[0])), args.json)
+  return result
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,185 @@
+"""Frozen typed run configuration; YAML files and dotted CLI overrides only override the defaults."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A bad configuration value; the message is one line naming the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  d_model: int = 64
+  n_layers: int = 2
+  n_heads: int = 4
+  ffn_dim: int = 172
+  seq_len: int = 64
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  compute_dtype: str = 'float32'  # 'bfloat16' on accelerators; params stay param_dtype
+  param_dtype: str = 'float32'
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+  slice: int = -1  # data-parallel replicas; -1 = all devices left after fsdp * tensor
+  fsdp: int = 1  # in-slice parameter sharding (ZeRO-3 style)
+  tensor: int = 1  # in-slice tensor parallelism
+
+
+@dataclass(frozen=True)
+class MeCeFOConfig:
+  basis: str = 'svd'  # 'svd' (paper: top singular subspace of W) | 'gaussian' (unbiased)
+  rank: int = 0  # low-rank Wgrad rank; 0 = rank_fraction * d_in of each FFN matrix
+  rank_fraction: float = 0.25
+  tau: int = 10  # svd bases are recomputed every tau steps while degraded steps run
+  power_iters: int = 2  # randomized-SVD power iterations
+  ffn_remat: str = 'dots'  # 'full' (keep only the FFN input) | 'dots' (also gate/up outputs)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+  lr: float = 3e-3
+  warmup_steps: int = 20
+  min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 200
+  micro_batch: int = 8  # sequences per slice per step; global batch = slices * micro_batch
+  seed: int = 0
+  log_every: int = 10
+  out_dir: str = 'runs/latest'
+  data: str = 'synthetic'
+
+
+@dataclass(frozen=True)
+class Config:
+  model: ModelConfig = field(default_factory=ModelConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  mecefo: MeCeFOConfig = field(default_factory=MeCeFOConfig)
+  optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+  train: TrainConfig = field(default_factory=TrainConfig)
+
+
+_CHOICES = {
+    'model.compute_dtype': ('float32', 'bfloat16', 'float16'),
+    'model.param_dtype': ('float32', 'bfloat16'),
+    'mecefo.basis': ('svd', 'gaussian'),
+    'mecefo.ffn_remat': ('full', 'dots'),
+}
+
+
+def _coerce(key: str, value, typ):
+  if typ is float and not isinstance(value, bool):
+    # PyYAML reads '3e-3' (no dot) as a string; accept any float literal.
+    try:
+      value = float(value) if isinstance(value, (int, str)) else value
+    except ValueError:
+      pass
+  if typ is bool or isinstance(value, bool):
+    ok = isinstance(value, bool) and typ is bool
+  else:
+    ok = isinstance(value, typ)
+  if not ok:
+    raise ConfigError(f"config key '{key}' must be {typ.__name__}, got {value!r}")
+  if key in _CHOICES and value not in _CHOICES[key]:
+    raise ConfigError(f"config key '{key}' must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+  return value
+
+
+def _apply(cfg, updates: dict, prefix: str = ''):
+  """Returns cfg with `updates` (a nested dict) applied, checking names and types."""
+  hints = typing.get_type_hints(type(cfg))
+  names = [f.name for f in dataclasses.fields(cfg)]
+  changes = {}
+  for name, value in updates.items():
+    key = f'{prefix}{name}'
+    if name not in names:
+      raise ConfigError(f"unknown config key '{key}'; allowed: {', '.join(prefix + n for n in names)}")
+    if dataclasses.is_dataclass(hints[name]):
+      if not isinstance(value, dict):
+        raise ConfigError(f"config key '{key}' is a section; give it a mapping, got {value!r}")
+      changes[name] = _apply(getattr(cfg, name), value, key + '.')
+    else:
+      changes[name] = _coerce(key, value, hints[name])
+  return dataclasses.replace(cfg, **changes)
+
+
+def parse_override(text: str) -> dict:
+  """'model.n_layers=4' -> {'model': {'n_layers': 4}} (value parsed as YAML)."""
+  if '=' not in text:
+    raise ConfigError(f"override {text!r} must look like section.key=value")
+  dotted, raw = text.split('=', 1)
+  value = yaml.safe_load(raw) if raw.strip() else ''
+  nested: dict = {}
+  node = nested
+  parts = dotted.strip().split('.')
+  for part in parts[:-1]:
+    node = node.setdefault(part, {})
+  node[parts[-1]] = value
+  return nested
+
+
+def validate(cfg: Config) -> Config:
+  """Shape checks that do not need devices; mesh-vs-devices is checked when the mesh is built."""
+  m, t, mc = cfg.model, cfg.train, cfg.mecefo
+  positive = {'model.vocab_size': m.vocab_size, 'model.d_model': m.d_model,
+              'model.n_layers': m.n_layers, 'model.n_heads': m.n_heads, 'model.ffn_dim': m.ffn_dim,
+              'model.seq_len': m.seq_len, 'train.steps': t.steps,
+              'train.micro_batch': t.micro_batch, 'train.log_every': t.log_every,
+              'mecefo.tau': mc.tau, 'mesh.fsdp': cfg.mesh.fsdp, 'mesh.tensor': cfg.mesh.tensor}
+  for key, value in positive.items():
+    if value < 1:
+      raise ConfigError(f"config key '{key}' must be >= 1, got {value}")
+  if m.d_model % m.n_heads:
+    raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+  if m.head_dim % 2:
+    raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even for RoPE")
+  if cfg.mesh.slice == 0 or cfg.mesh.slice < -1:
+    raise ConfigError(f"config key 'mesh.slice' must be >= 1 or -1 (all devices), got {cfg.mesh.slice}")
+  if not 0.0 < mc.rank_fraction <= 1.0:
+    raise ConfigError(f"mecefo.rank_fraction must be in (0, 1], got {mc.rank_fraction}")
+  if mc.rank < 0 or mc.rank > min(m.d_model, m.ffn_dim):
+    raise ConfigError(f"mecefo.rank must be in [0, {min(m.d_model, m.ffn_dim)}] (0 = auto), got {mc.rank}")
+  if mc.power_iters < 0:
+    raise ConfigError(f"mecefo.power_iters must be >= 0, got {mc.power_iters}")
+  return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+  """Defaults, then the YAML file at `path`, then dotted overrides; validated."""
+  cfg = Config()
+  if path is not None:
+    path = Path(path)
+    if not path.is_file():
+      raise ConfigError(f"config file {str(path)!r} not found")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+      raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    cfg = _apply(cfg, data)
+  for text in overrides:
+    cfg = _apply(cfg, parse_override(text))
+  return validate(cfg)
+
+
+def to_dict(cfg: Config) -> dict:
+  return dataclasses.asdict(cfg)

@@ -1,0 +1,133 @@
+"""LLaMA-style decoder in Flax NNX: thin modules owning parameters and their logical axes."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mecefo_jax import ops
+from mecefo_jax.config import ModelConfig
+from mecefo_jax.layers import MeCeFOLinear
+
+# Top-level parameter names inside a block whose gradient comes only from exact micro-batches.
+ATTENTION_BRANCH = ('attn', 'attn_norm')
+
+
+def _linear(d_in, d_out, axes, cfg: ModelConfig, rngs):
+  return MeCeFOLinear(d_in, d_out, use_bias=False, dtype=jnp.dtype(cfg.compute_dtype),
+                      param_dtype=jnp.dtype(cfg.param_dtype),
+                      kernel_init=nnx.initializers.normal(cfg.init_std),
+                      kernel_metadata={'logical_axes': axes}, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, cfg: ModelConfig):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(cfg.param_dtype)), logical_axes=('norm',))
+    self.eps = cfg.norm_eps
+
+  def __call__(self, x):
+    return ops.rms_norm(x, self.scale[...], self.eps)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.q = _linear(d, d, ('embed', 'heads'), cfg, rngs)
+    self.k = _linear(d, d, ('embed', 'heads'), cfg, rngs)
+    self.v = _linear(d, d, ('embed', 'heads'), cfg, rngs)
+    self.o = _linear(d, d, ('heads', 'embed'), cfg, rngs)
+    self.n_heads, self.rope_theta = cfg.n_heads, cfg.rope_theta
+
+  def __call__(self, x_BxLxD):
+    b, l, d = x_BxLxD.shape
+    split = lambda t: t.reshape(b, l, self.n_heads, d // self.n_heads)
+    q = ops.rope(split(self.q(x_BxLxD)), self.rope_theta)
+    k = ops.rope(split(self.k(x_BxLxD)), self.rope_theta)
+    out_BxLxHxK = ops.causal_attention(q, k, split(self.v(x_BxLxD)))
+    return self.o(out_BxLxHxK.reshape(b, l, d))
+
+
+class FeedForward(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.gate = _linear(cfg.d_model, cfg.ffn_dim, ('embed', 'mlp'), cfg, rngs)
+    self.up = _linear(cfg.d_model, cfg.ffn_dim, ('embed', 'mlp'), cfg, rngs)
+    self.down = _linear(cfg.ffn_dim, cfg.d_model, ('mlp', 'embed'), cfg, rngs)
+    self.dtype = jnp.dtype(cfg.compute_dtype)
+
+  def kernels(self):
+    return tuple(m.kernel[...].astype(self.dtype) for m in (self.gate, self.up, self.down))
+
+
+class Block(nnx.Module):
+  """Pre-norm block; `degraded` cuts the attention backward and remats a low-rank FFN."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg)
+    self.attn = Attention(cfg, rngs)
+    self.ffn_norm = RMSNorm(cfg.d_model, cfg)
+    self.ffn = FeedForward(cfg, rngs)
+
+  def __call__(self, h_BxLxD, degraded: bool = False, bases=None, remat: str = 'dots'):
+    a = self.attn(self.attn_norm(h_BxLxD))
+    # Forward stays exact; backward sees only the residual path around attention.
+    h_BxLxD = h_BxLxD + (jax.lax.stop_gradient(a) if degraded else a)
+    branch = ffn_branch
+    if degraded:
+      branch = jax.checkpoint(ffn_branch, policy=ops.remat_policy(remat), static_argnums=(6,))
+    f = branch(h_BxLxD, self.ffn_norm.scale[...], *self.ffn.kernels(),
+               bases if degraded else None, self.ffn_norm.eps)
+    return h_BxLxD + f
+
+
+def ffn_branch(h, norm_scale, w_gate, w_up, w_down, bases, eps):
+  """norm + SwiGLU FFN as one pure function, so jax.checkpoint keeps only its input h."""
+  return ops.swiglu_ffn(ops.rms_norm(h, norm_scale, eps), w_gate, w_up, w_down, bases)
+
+
+class LLaMA(nnx.Module):
+  """Decoder-only LM: embedding, n pre-norm blocks, final RMSNorm, untied LM head."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.embed = nnx.Param(
+        nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model),
+                                              jnp.dtype(cfg.param_dtype)),
+        logical_axes=('vocab', 'embed'))
+    for i in range(cfg.n_layers):
+      setattr(self, f'block{i}', Block(cfg, rngs))
+    self.final_norm = RMSNorm(cfg.d_model, cfg)
+    self.head = _linear(cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), cfg, rngs)
+    self.n_layers, self.dtype = cfg.n_layers, jnp.dtype(cfg.compute_dtype)
+
+  def __call__(self, tokens_BxL, degraded: bool = False, bases=None, remat: str = 'dots'):
+    h = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
+    for i in range(self.n_layers):
+      block_bases = bases[f'block{i}'] if bases is not None else None
+      h = getattr(self, f'block{i}')(h, degraded, block_bases, remat)
+    return self.head(self.final_norm(h))
+
+
+def create(cfg: ModelConfig, seed: int = 0):
+  """(graphdef, params as a pure dict) for a freshly initialised model."""
+  graphdef, state = nnx.split(LLaMA(cfg, nnx.Rngs(params=seed)))
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def abstract(cfg: ModelConfig):
+  """(graphdef, params ShapeDtypeStructs, params logical axes) without allocating."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg, nnx.Rngs(params=0))))
+  axes = jax.tree.map(lambda v: v.get_metadata().get('logical_axes'), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return graphdef, nnx.to_pure_dict(shapes), nnx.to_pure_dict(axes)
+
+
+def forward(graphdef, params, tokens_BxL, degraded=False, bases=None, remat='dots'):
+  """Pure forward: logits [B, L, V] from a pure params dict."""
+  return nnx.merge(graphdef, params)(tokens_BxL, degraded, bases, remat)
+
+
+def is_attention_branch(path) -> bool:
+  """True for parameters that degraded micro-batches give no gradient (MECEFO.md §2.1)."""
+  keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
+  return any(k in ATTENTION_BRANCH for k in keys)

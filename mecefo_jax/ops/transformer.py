@@ -1,0 +1,64 @@
+"""Pure-JAX transformer math: RMSNorm, RoPE, causal attention, SwiGLU FFN, cross-entropy."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from mecefo_jax.ops.lowrank import lowrank_matmul
+
+# Names that the 'dots' remat policy keeps: the two big FFN matmul outputs.
+FFN_SAVED_NAMES = ('ffn_gate', 'ffn_up')
+
+
+def rms_norm(x_BxLxD, scale_D, eps: float = 1e-6):
+  """RMSNorm computed in float32, returned in x's dtype."""
+  x32 = x_BxLxD.astype(jnp.float32)
+  inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * inv * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+def rope(x_BxLxHxK, theta: float = 10000.0):
+  """Rotary position embedding (rotate-half form) over the last dim."""
+  seq_len, head_dim = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1]
+  half = head_dim // 2
+  freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle_LxK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freq_K2[None, :]
+  sin, cos = jnp.sin(angle_LxK2)[None, :, None, :], jnp.cos(angle_LxK2)[None, :, None, :]
+  x32 = x_BxLxHxK.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxK.dtype)
+
+
+def causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK):
+  """Causal softmax attention; XLA on CPU, fused kernels where the backend has them."""
+  return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+
+
+def swiglu_ffn(x_BxLxD, w_gate_DxF, w_up_DxF, w_down_FxD, bases=None):
+  """SwiGLU FFN, down(silu(x@gate) * (x@up)); with `bases` the weight grads are low-rank.
+
+  bases: None (exact) or a dict with 'gate' [D, r], 'up' [D, r], 'down' [F, r].
+  """
+  b = bases or {}
+  gate = checkpoint_name(lowrank_matmul(x_BxLxD, w_gate_DxF, b.get('gate')), 'ffn_gate')
+  up = checkpoint_name(lowrank_matmul(x_BxLxD, w_up_DxF, b.get('up')), 'ffn_up')
+  return lowrank_matmul(jax.nn.silu(gate) * up, w_down_FxD, b.get('down'))
+
+
+def remat_policy(name: str):
+  """jax.checkpoint policy for the degraded FFN: 'full' keeps only the input, 'dots' also the gate/up outputs."""
+  if name == 'full':
+    return jax.checkpoint_policies.nothing_saveable
+  if name == 'dots':
+    return jax.checkpoint_policies.save_only_these_names(*FFN_SAVED_NAMES)
+  raise ValueError(f"remat policy must be 'full' or 'dots', got {name!r}")
+
+
+def token_cross_entropy(logits_BxLxV, targets_BxL):
+  """Per-token cross-entropy in float32, [B, L]."""
+  logits32 = logits_BxLxV.astype(jnp.float32)
+  logz = jax.nn.logsumexp(logits32, axis=-1)
+  picked = jnp.take_along_axis(logits32, targets_BxL[..., None], axis=-1)[..., 0]
+  return logz - picked

@@ -1,0 +1,156 @@
+"""Normal and degraded train steps as pure functions, compiled ahead of time per slice plan."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from mecefo_jax import model, ops
+from mecefo_jax.config import Config
+from mecefo_jax.sharding import batch_sharding, replicated
+from mecefo_jax.train_state import (TrainState, gaussian_bases, init_state, make_optimizer,
+                                    state_shardings, svd_bases)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Role:
+  """One slice's work in a step: sequences run with the exact step, then with the degraded step."""
+  exact: int = 0
+  degraded: int = 0
+
+  @property
+  def rows(self) -> int:
+    return self.exact + self.degraded
+
+
+def _loss_sum(params, tokens_NxL1, graphdef, degraded, bases, remat):
+  logits = model.forward(graphdef, params, tokens_NxL1[:, :-1], degraded, bases, remat)
+  return ops.token_cross_entropy(logits, tokens_NxL1[:, 1:]).sum()
+
+
+def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: Config):
+  """Summed loss and gradients of one slice's rows; degraded rows give attention no gradient.
+
+  Returns (grads, loss_sum, exact_tokens, degraded_tokens); gradients are sums over tokens.
+  """
+  seq = tokens_RxL1.shape[-1] - 1
+  grad_fn = jax.value_and_grad(_loss_sum)
+  loss, grads = jnp.zeros((), jnp.float32), None
+  if role.exact:
+    loss, grads = grad_fn(params, tokens_RxL1[:role.exact], graphdef, False, None, None)
+  if role.degraded:
+    if cfg.mecefo.basis == 'gaussian':
+      bases = gaussian_bases(cfg, key)
+    rows = tokens_RxL1[role.exact:role.rows]
+    d_loss, d_grads = grad_fn(params, rows, graphdef, True, bases, cfg.mecefo.ffn_remat)
+    loss = loss + d_loss
+    grads = d_grads if grads is None else jax.tree.map(jnp.add, grads, d_grads)
+  counts = (jnp.asarray(role.exact * seq, jnp.float32), jnp.asarray(role.degraded * seq, jnp.float32))
+  return grads, loss, *counts
+
+
+def combine(grads_sum, exact_tokens, total_tokens):
+  """MECEFO.md §3: attention-branch grads average over exact tokens only, the rest over all."""
+  def mean(path, g):
+    denom = exact_tokens if model.is_attention_branch(path) else total_tokens
+    return g / jnp.maximum(denom, 1.0)
+  return jax.tree_util.tree_map_with_path(mean, grads_sum)
+
+
+def _freeze_attention(new, old, frozen):
+  """Keep attention-branch leaves (params and their optimizer moments) at `old` when frozen."""
+  pick = lambda path, n, o: jnp.where(frozen, o, n) if model.is_attention_branch(path) else n
+  return jax.tree_util.tree_map_with_path(pick, new, old)
+
+
+def apply_gradients(state: TrainState, grads, exact_tokens, tx) -> tuple[TrainState, jax.Array]:
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  # No exact micro-batch this step: attention gets no update at all (not a zero-grad update).
+  frozen = exact_tokens == 0
+  params = _freeze_attention(params, state.params, frozen)
+  opt_state = _freeze_attention(opt_state, state.opt_state, frozen)
+  return state._replace(step=state.step + 1, params=params, opt_state=opt_state), optax.global_norm(grads)
+
+
+def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg):
+  """Every slice has the same role: one plain SPMD program, no per-slice branching."""
+  s, l1 = tokens_SxRxL1.shape[0], tokens_SxRxL1.shape[2]
+  # All slices' exact rows first, then all degraded rows, as one flat batch.
+  exact = tokens_SxRxL1[:, :role.exact].reshape(-1, l1)
+  degraded = tokens_SxRxL1[:, role.exact:role.rows].reshape(-1, l1)
+  return contribution(state.params, state.bases, jnp.concatenate([exact, degraded]), key,
+                      role=Role(role.exact * s, role.degraded * s), graphdef=graphdef, cfg=cfg)
+
+
+def make_step_fn(cfg: Config, role: Role, graphdef):
+  """The pure step `(state, tokens_SxRxL1) -> (state, metrics)`: every slice plays `role`.
+
+  Role(exact=B) is the normal step; Role(degraded=k*B) a slice doing its own and k-1 extra
+  micro-batches degraded. Slices with different roles run separate per-slice programs
+  (a collective inside a per-slice branch of one SPMD program deadlocks, MECEFO.md §8).
+  """
+  tx = make_optimizer(cfg)
+
+  def step(state: TrainState, tokens_SxRxL1):
+    key = jax.random.fold_in(state.rng, state.step)
+    grads_sum, loss_sum, exact_tokens, degraded_tokens = _uniform_sums(
+        state, tokens_SxRxL1, key, role, graphdef, cfg)
+    total = exact_tokens + degraded_tokens
+    grads = combine(grads_sum, exact_tokens, total)
+    new_state, grad_norm = apply_gradients(state, grads, exact_tokens, tx)
+    metrics = {'loss': loss_sum / total, 'grad_norm': grad_norm,
+               'exact_tokens': exact_tokens, 'degraded_tokens': degraded_tokens}
+    return new_state, metrics
+
+  return step
+
+
+def batch_shape(cfg: Config, n_slices: int, role: Role) -> tuple[int, int, int]:
+  return n_slices, role.rows, cfg.model.seq_len + 1
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_state(cfg: Config):
+  return jax.eval_shape(lambda: init_state(cfg))
+
+
+def compile_step(cfg: Config, mesh: Mesh, role: Role, graphdef):
+  """AOT-compiled step for `role` on `mesh`: state donated, identical state in/out shardings."""
+  state_sh = state_shardings(cfg, mesh)
+  jitted = jax.jit(make_step_fn(cfg, role, graphdef), donate_argnums=0,
+                   in_shardings=(state_sh, batch_sharding(mesh)),
+                   out_shardings=(state_sh, replicated(mesh)))
+  tokens = jax.ShapeDtypeStruct(batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
+  compiled = jitted.lower(_abstract_state(cfg), tokens).compile()
+  log.info('compiled step %s on mesh %s: %s', role, dict(mesh.shape), memory_summary(compiled))
+  return compiled
+
+
+def compile_refresh(cfg: Config, mesh: Mesh):
+  """AOT-compiled `state -> state` recomputing the svd bases; run every tau degraded steps."""
+  state_sh = state_shardings(cfg, mesh)
+
+  def refresh(state: TrainState) -> TrainState:
+    key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1)
+    return state._replace(bases=svd_bases(state.params, cfg, key), bases_step=state.step)
+
+  jitted = jax.jit(refresh, donate_argnums=0, in_shardings=(state_sh,), out_shardings=state_sh)
+  return jitted.lower(_abstract_state(cfg)).compile()
+
+
+def memory_summary(compiled) -> dict:
+  """Bytes from XLA's compiled memory analysis (per device); {} where the backend has none."""
+  mem = compiled.memory_analysis()
+  if mem is None:
+    return {}
+  keys = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
+          'alias_size_in_bytes', 'generated_code_size_in_bytes')
+  return {k.replace('_size_in_bytes', '_bytes'): int(getattr(mem, k, 0)) for k in keys}
