@@ -85,6 +85,7 @@ _CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'mecefo.basis': ('svd', 'gaussian'),
     'mecefo.ffn_remat': ('full', 'dots'),
+    'train.data': ('synthetic',),
 }
 
 

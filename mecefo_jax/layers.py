@@ -15,12 +15,15 @@ class MeCeFOLinear(nnx.Linear):
   Calling it without a basis is exactly `nnx.Linear`. With `basis` ([in_features, r])
   the forward is unchanged and the kernel gradient is projected onto span(basis)
   (see `mecefo_jax.ops.lowrank_matmul`). The low-rank path uses a plain matmul, so a
-  custom `dot_general` applies only to exact calls.
+  custom `dot_general` applies only to exact calls, and so do `nnx.Linear`'s call
+  keywords (`out_sharding`).
   """
 
-  def __call__(self, inputs: jax.Array, basis: jax.Array | None = None) -> jax.Array:
+  def __call__(self, inputs: jax.Array, basis: jax.Array | None = None, **kwargs) -> jax.Array:
     if basis is None:
-      return super().__call__(inputs)
+      return super().__call__(inputs, **kwargs)
+    if any(v is not None for v in kwargs.values()):
+      raise ValueError(f'{sorted(kwargs)} are not supported with a basis (low-rank path)')
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
@@ -41,7 +44,7 @@ class MeCeFODense(nn.Dense):
                         (jnp.shape(inputs)[-1], self.features), self.param_dtype)
     bias = (self.param('bias', self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
     y = lowrank_matmul(inputs, kernel, basis)
     if bias is not None:
       y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))

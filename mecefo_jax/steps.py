@@ -16,7 +16,7 @@ from mecefo_jax.sharding import batch_sharding, replicated
 from mecefo_jax.train_state import (TrainState, gaussian_bases, init_state, make_optimizer,
                                     state_shardings, svd_bases)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger('mecefo')
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -77,7 +77,7 @@ def apply_gradients(state: TrainState, grads, exact_tokens, tx) -> tuple[TrainSt
   frozen = exact_tokens == 0
   params = _freeze_attention(params, state.params, frozen)
   opt_state = _freeze_attention(opt_state, state.opt_state, frozen)
-  return state._replace(step=state.step + 1, params=params, opt_state=opt_state), optax.global_norm(grads)
+  return state._replace(step=state.step + 1, params=params, opt_state=opt_state), optax.tree.norm(grads)
 
 
 def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg):

@@ -27,8 +27,10 @@ class TrainState(NamedTuple):
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   """AdamW with linear warmup and cosine decay; weight decay only on matrices."""
   o = cfg.optimizer
+  warmup = min(o.warmup_steps, cfg.train.steps)
+  # Start at lr/(warmup+1), not 0, so that step 0 already trains.
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, o.lr, min(o.warmup_steps, cfg.train.steps), max(cfg.train.steps, o.warmup_steps + 1),
+      o.lr / (warmup + 1), o.lr, warmup, max(cfg.train.steps, warmup + 1),
       end_value=o.lr * o.min_lr_ratio)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   adamw = optax.adamw(schedule, o.b1, o.b2, o.eps, o.weight_decay, mask=decay_mask)

@@ -22,7 +22,8 @@ def _core_fwd(x, w, basis):
 
 def _core_bwd(res, g):
   xv, w, basis = res
-  dx = jnp.matmul(g, w.T).astype(g.dtype)
+  # xv has x's dtype (the basis is cast to it), so dx matches x even when w's dtype differs.
+  dx = jnp.matmul(g, w.T).astype(xv.dtype)
   r, d_out = xv.shape[-1], g.shape[-1]
   xv_Txr = xv.reshape(-1, r)
   g_Txo = g.reshape(-1, d_out)

@@ -1,0 +1,40 @@
+"""train.py end to end (subprocess) and its one-line errors for bad configuration."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(*args, timeout=300):
+  return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_train_py_loss_goes_down(tmp_path):
+  proc = _train('train.steps=120', '--out', str(tmp_path))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = json.loads((tmp_path / 'report.json').read_text())
+  for key in ('steps', 'first_loss', 'final_loss', 'tokens', 'wall_s', 'params_sha256'):
+    assert key in report
+  assert report['steps'] == 120 and len(report['params_sha256']) == 64
+  assert report['final_loss'] < report['first_loss'] - 1.0, report['losses']
+  assert report['final_loss'] > report['entropy_floor']
+
+
+@pytest.mark.parametrize('override, needle', [
+    ('model.n_heads=5', 'model.n_heads=5 must divide model.d_model=64'),
+    ('model.nope=1', "unknown config key 'model.nope'"),
+    ('model.n_layers=two', "config key 'model.n_layers' must be int"),
+    ('mesh.slice=64', 'mesh.slice*mesh.fsdp*mesh.tensor = 64 exceeds the'),
+    ('mecefo.basis=qr', "config key 'mecefo.basis' must be one of svd, gaussian"),
+])
+def test_bad_config_fails_with_one_clear_line(override, needle):
+  proc = _train(override, 'train.steps=1', timeout=120)
+  assert proc.returncode == 2
+  lines = [l for l in proc.stderr.strip().splitlines() if l.startswith('error:')]
+  assert len(lines) == 1 and needle in lines[0], proc.stderr[-1500:]
