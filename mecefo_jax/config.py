@@ -72,12 +72,21 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+  failures: str = 'none'  # none | low | mid | high (MECEFO.md §5) | trace:PATH
+  takeover: str = 'neighbor'  # neighbor (paper) | spread (ours) | drop | naive (baselines)
+  cluster_step_s: float = 60.0  # simulated cluster seconds per step, so short runs cover hours
+  max_degraded_rows: int = 0  # most rows one degraded pass holds; 0 = 2 * train.micro_batch
+
+
+@dataclass(frozen=True)
 class Config:
   model: ModelConfig = field(default_factory=ModelConfig)
   mesh: MeshConfig = field(default_factory=MeshConfig)
   mecefo: MeCeFOConfig = field(default_factory=MeCeFOConfig)
   optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
   train: TrainConfig = field(default_factory=TrainConfig)
+  faults: FaultConfig = field(default_factory=FaultConfig)
 
 
 _CHOICES = {
@@ -86,6 +95,7 @@ _CHOICES = {
     'mecefo.basis': ('svd', 'gaussian'),
     'mecefo.ffn_remat': ('full', 'dots'),
     'train.data': ('synthetic',),
+    'faults.takeover': ('neighbor', 'spread', 'drop', 'naive'),
 }
 
 
@@ -155,6 +165,8 @@ def validate(cfg: Config) -> Config:
     raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
   if m.head_dim % 2:
     raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even for RoPE")
+  if t.micro_batch % cfg.mesh.fsdp:
+    raise ConfigError(f"train.micro_batch={t.micro_batch} must be divisible by mesh.fsdp={cfg.mesh.fsdp}")
   if cfg.mesh.slice == 0 or cfg.mesh.slice < -1:
     raise ConfigError(f"config key 'mesh.slice' must be >= 1 or -1 (all devices), got {cfg.mesh.slice}")
   if not 0.0 < mc.rank_fraction <= 1.0:
@@ -163,6 +175,11 @@ def validate(cfg: Config) -> Config:
     raise ConfigError(f"mecefo.rank must be in [0, {min(m.d_model, m.ffn_dim)}] (0 = auto), got {mc.rank}")
   if mc.power_iters < 0:
     raise ConfigError(f"mecefo.power_iters must be >= 0, got {mc.power_iters}")
+  f = cfg.faults
+  if f.failures not in ('none', 'low', 'mid', 'high') and not f.failures.startswith('trace:'):
+    raise ConfigError(f"faults.failures must be none, low, mid, high or trace:PATH, got {f.failures!r}")
+  if f.cluster_step_s <= 0 or f.max_degraded_rows < 0:
+    raise ConfigError('faults.cluster_step_s must be > 0 and faults.max_degraded_rows >= 0')
   return cfg
 
 

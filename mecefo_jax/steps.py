@@ -21,9 +21,14 @@ log = logging.getLogger('mecefo')
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Role:
-  """One slice's work in a step: sequences run with the exact step, then with the degraded step."""
+  """One slice's work in a step: sequences run with the exact step, then with the degraded step.
+
+  `passes` > 1 runs the degraded rows in that many sequential chunks (lax.scan), so that a
+  slice carrying many orphaned micro-batches keeps the memory of one chunk.
+  """
   exact: int = 0
   degraded: int = 0
+  passes: int = 1
 
   @property
   def rows(self) -> int:
@@ -49,11 +54,35 @@ def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: 
     if cfg.mecefo.basis == 'gaussian':
       bases = gaussian_bases(cfg, key)
     rows = tokens_RxL1[role.exact:role.rows]
-    d_loss, d_grads = grad_fn(params, rows, graphdef, True, bases, cfg.mecefo.ffn_remat)
+    d_loss, d_grads = _degraded_passes(grad_fn, params, rows, bases, role.passes, graphdef, cfg)
     loss = loss + d_loss
     grads = d_grads if grads is None else jax.tree.map(jnp.add, grads, d_grads)
   counts = (jnp.asarray(role.exact * seq, jnp.float32), jnp.asarray(role.degraded * seq, jnp.float32))
   return grads, loss, *counts
+
+
+def _degraded_passes(grad_fn, params, rows_DxL1, bases, passes, graphdef, cfg):
+  run = lambda r: grad_fn(params, r, graphdef, True, bases, cfg.mecefo.ffn_remat)
+  if passes == 1:
+    return run(rows_DxL1)
+  chunks = rows_DxL1.reshape(passes, -1, rows_DxL1.shape[-1])
+
+  def one_pass(acc, chunk):
+    loss, grads = run(chunk)
+    return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  return jax.lax.scan(one_pass, zeros, chunks)[0]
+
+
+def split_passes(degraded_rows: int, max_rows: int) -> int:
+  """Fewest equal passes of at most max_rows rows each (0 = no limit)."""
+  if max_rows <= 0 or degraded_rows <= max_rows:
+    return 1
+  passes = -(-degraded_rows // max_rows)
+  while degraded_rows % passes:
+    passes += 1
+  return passes
 
 
 def combine(grads_sum, exact_tokens, total_tokens):
@@ -83,6 +112,8 @@ def apply_gradients(state: TrainState, grads, exact_tokens, tx) -> tuple[TrainSt
 def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg):
   """Every slice has the same role: one plain SPMD program, no per-slice branching."""
   s, l1 = tokens_SxRxL1.shape[0], tokens_SxRxL1.shape[2]
+  if role.passes != 1:
+    raise ValueError('multi-pass roles run per slice (slice_steps), not in the fused step')
   # All slices' exact rows first, then all degraded rows, as one flat batch.
   exact = tokens_SxRxL1[:, :role.exact].reshape(-1, l1)
   degraded = tokens_SxRxL1[:, role.exact:role.rows].reshape(-1, l1)

@@ -1,0 +1,228 @@
+"""Host controller: per step, the live slices, their roles, where every micro-batch goes."""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from mecefo_jax import data, sharding, slice_steps, steps, takeover
+from mecefo_jax.config import Config
+from mecefo_jax.failures import FailureEvent, FailureSchedule
+from mecefo_jax.train_state import state_shardings
+
+log = logging.getLogger('mecefo')
+
+# Time categories of the goodput breakdown (seconds).
+GOODPUT_KEYS = ('normal_productive', 'degraded_productive', 'compile', 'rejoin', 'lost')
+
+
+class SliceFailure(RuntimeError):
+  """Raised (e.g. by an error hook) while dispatching or running one slice's work."""
+
+  def __init__(self, slice_: int, message: str = ''):
+    super().__init__(message or f'slice {slice_} failed')
+    self.slice = slice_
+
+
+class AllSlicesDown(RuntimeError):
+  pass
+
+
+class Controller:
+  """Owns the train state and runs each step on the live slices with the takeover policy."""
+
+  def __init__(self, cfg: Config, mesh, graphdef, corpus, schedule: FailureSchedule, state):
+    self.cfg, self.mesh, self.graphdef, self.corpus = cfg, mesh, graphdef, corpus
+    self.n_slices, self.micro_batch = mesh.shape['slice'], cfg.train.micro_batch
+    self.schedule, self.policy = schedule, cfg.faults.takeover
+    self.max_rows = cfg.faults.max_degraded_rows or 2 * self.micro_batch
+    self.state, self.state_slices = state, tuple(range(self.n_slices))
+    self.failed: set[int] = set()
+    self.error_hooks: list[Callable[[int, int], None]] = []  # (slice, step); may raise
+    self.events: list[dict] = []
+    self.goodput = dict.fromkeys(GOODPUT_KEYS, 0.0)
+    self.samples = collections.Counter()  # exact / degraded / dropped sample counts
+    self._programs: dict = {}
+    self._bases_step: int | None = None
+    self._last_end: float | None = None
+
+  # --- failure state -------------------------------------------------------------------------
+  def live(self) -> tuple[int, ...]:
+    return tuple(s for s in range(self.n_slices) if s not in self.failed)
+
+  def _apply(self, event: FailureEvent, wall_s: float) -> None:
+    if event.kind == 'fail' and event.slice not in self.failed:
+      self.failed.add(event.slice)
+    elif event.kind == 'repair' and event.slice in self.failed:
+      self.failed.discard(event.slice)
+    else:
+      return  # no change (already failed / not failed)
+    self.events.append({**event.to_dict(), 'wall_s': wall_s, 'live': len(self.live())})
+    log.warning('step %d: slice %d %s (%s); live slices %s', event.step, event.slice,
+                'FAILED' if event.kind == 'fail' else 'repaired, rejoining', event.source,
+                list(self.live()))
+
+  # --- programs ----------------------------------------------------------------------------
+  def _program(self, key, build):
+    if key not in self._programs:
+      t0 = time.perf_counter()
+      self._programs[key] = build()
+      self.goodput['compile'] += time.perf_counter() - t0
+    return self._programs[key]
+
+  def _fused(self, live, role):
+    mesh = sharding.submesh(self.mesh, live)
+    return self._program(('fused', live, role),
+                         lambda: steps.compile_step(self.cfg, mesh, role, self.graphdef))
+
+  def _group(self, slices, role):
+    mesh = sharding.submesh(self.mesh, slices)
+    return self._program(('group', slices, role),
+                         lambda: slice_steps.compile_group(self.cfg, mesh, role, self.graphdef))
+
+  def _update(self, live):
+    mesh = sharding.submesh(self.mesh, live)
+    return self._program(('update', live), lambda: slice_steps.compile_update(self.cfg, mesh))
+
+  def _refresh(self, live):
+    mesh = sharding.submesh(self.mesh, live)
+    return self._program(('refresh', live), lambda: steps.compile_refresh(self.cfg, mesh))
+
+  # --- state placement ---------------------------------------------------------------------
+  def _place_state(self, live: tuple[int, ...]) -> None:
+    """Move the state onto exactly the live slices: a view when shrinking, a copy on rejoin."""
+    if live == self.state_slices:
+      return
+    keep = tuple(s for s in self.state_slices if s in live)
+    if keep != self.state_slices:
+      mesh = sharding.submesh(self.mesh, keep)
+      self.state = slice_steps.view(self.state, mesh, state_shardings(self.cfg, mesh))
+    if keep != live:
+      # Rejoin: the repaired slices receive the current state from live peers.
+      t0 = time.perf_counter()
+      mesh = sharding.submesh(self.mesh, live)
+      self.state = jax.block_until_ready(jax.device_put(self.state, state_shardings(self.cfg, mesh)))
+      self.goodput['rejoin'] += time.perf_counter() - t0
+    self.state_slices = live
+
+  # --- one step ----------------------------------------------------------------------------
+  def step(self, step: int, wall_s: float = 0.0) -> dict:
+    """Runs training step `step`; returns its metrics (device scalars)."""
+    for event in self.schedule.events_at(step):
+      self._apply(event, wall_s)
+    while True:
+      live = self.live()
+      if not live:
+        raise AllSlicesDown(
+            f'all {self.n_slices} slices are down at step {step}; nothing can run. The state of '
+            f'step {step} is the last one trained; resume with `python train.py --resume` '
+            'when devices return.')
+      try:
+        for s in live:
+          for hook in self.error_hooks:
+            hook(s, step)
+        return self._timed(step, live)
+      except SliceFailure as err:
+        self._apply(FailureEvent(step, err.slice, 'fail', f'error: {err}'), wall_s)
+
+  def _timed(self, step: int, live: tuple[int, ...]) -> dict:
+    """Runs the step and books its wall time (minus compile and rejoin) by category."""
+    start = self._last_end if self._last_end is not None else time.perf_counter()
+    overhead = self.goodput['compile'] + self.goodput['rejoin']
+    metrics, processed = self._run(step, live)
+    if self.failed:
+      # Steps under failure keep training: degraded-productive, except what `drop` skips.
+      jax.block_until_ready(metrics)
+    self._last_end = time.perf_counter()
+    spent = self._last_end - start - (self.goodput['compile'] + self.goodput['rejoin'] - overhead)
+    total_rows = self.n_slices * self.micro_batch
+    if not self.failed:
+      self.goodput['normal_productive'] += spent
+    else:
+      self.goodput['degraded_productive'] += spent * processed / total_rows
+      self.goodput['lost'] += spent * (total_rows - processed) / total_rows
+    return metrics
+
+  def _run(self, step: int, live: tuple[int, ...]) -> tuple[dict, int]:
+    work, dropped = takeover.plan(live, self.n_slices, self.micro_batch, self.policy,
+                                  self.mesh.shape['fsdp'])
+    roles = {s: self._role(w) for s, w in work.items()}
+    ids_SxB = data.sample_ids(step, self.n_slices, self.micro_batch)
+    processed = self._account(work, dropped)
+    self._place_state(live)
+    if any(r.degraded for r in roles.values()):
+      self._maybe_refresh_bases(step, live)
+    if len(set(roles.values())) == 1 and roles[live[0]].passes == 1:
+      role = roles[live[0]]
+      tokens = np.stack([self._tokens(ids_SxB, work[s]) for s in live])
+      program = self._fused(live, role)
+      batch = jax.device_put(tokens, sharding.batch_sharding(sharding.submesh(self.mesh, live)))
+      self.state, metrics = program(self.state, batch)
+    else:
+      metrics = self._run_groups(live, roles, work, ids_SxB)
+    return metrics, processed
+
+  def _run_groups(self, live, roles, work, ids_SxB) -> dict:
+    groups = collections.defaultdict(list)
+    for s in live:
+      groups[roles[s]].append(s)
+    outputs = []
+    for role, slices in groups.items():
+      slices = tuple(slices)
+      mesh = sharding.submesh(self.mesh, slices)
+      state_view = slice_steps.view(self.state, mesh, state_shardings(self.cfg, mesh))
+      tokens = np.stack([self._tokens(ids_SxB, work[s]) for s in slices])
+      batch = jax.device_put(tokens, sharding.batch_sharding(mesh))
+      outputs.append((slices, self._group(slices, role)(state_view, batch)))
+    # Each slice's sums stay on its devices; the stack over the live mesh places them by device.
+    live_mesh = sharding.submesh(self.mesh, live)
+    sums = slice_steps.stack_groups([out for _, out in outputs], self.cfg, live_mesh)
+    self.state, metrics = self._update(live)(self.state, sums)
+    return metrics
+
+  def _role(self, w: takeover.SliceWork) -> steps.Role:
+    exact, degraded = w.counts()
+    return steps.Role(exact, degraded, steps.split_passes(degraded, self.max_rows))
+
+  def _tokens(self, ids_SxB, w: takeover.SliceWork) -> np.ndarray:
+    ids = [ids_SxB[r.owner, r.start:r.stop] for r in (*w.exact, *w.degraded)]
+    return self.corpus.sequences(np.concatenate(ids))
+
+  def _account(self, work, dropped) -> int:
+    """Counts samples by how they were processed; returns how many were processed."""
+    processed = 0
+    for w in work.values():
+      exact, degraded = w.counts()
+      self.samples['exact'] += exact
+      self.samples['degraded'] += degraded
+      processed += exact + degraded
+    self.samples['dropped'] += sum(r.n for r in dropped)
+    return processed
+
+  def _maybe_refresh_bases(self, step: int, live) -> None:
+    """svd bases are recomputed every tau steps, and only when degraded work runs."""
+    if self.cfg.mecefo.basis != 'svd':
+      return
+    if self._bases_step is None:
+      self._bases_step = int(self.state.bases_step)  # host copy; one sync per run
+    if self._bases_step < 0 or step - self._bases_step >= self.cfg.mecefo.tau:
+      self.state = self._refresh(live)(self.state)
+      self._bases_step = step
+
+  # --- checks ------------------------------------------------------------------------------
+  def replica_hashes(self) -> dict[int, str]:
+    """sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
+    out = {}
+    for s in self.state_slices:
+      mesh = sharding.submesh(self.mesh, (s,))
+      params = slice_steps.view(self.state.params, mesh, state_shardings(self.cfg, mesh).params)
+      h = hashlib.sha256()
+      for leaf in jax.tree.leaves(jax.device_get(params)):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+      out[s] = h.hexdigest()
+    return out

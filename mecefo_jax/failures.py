@@ -1,0 +1,104 @@
+"""Failure sources feeding one schedule: deterministic API, Poisson presets, trace files."""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from mecefo_jax.config import ConfigError
+
+# MECEFO.md §5: (mean hours between failures in the cluster, hours until repair).
+PRESETS = {'low': (2.0, 4.0), 'mid': (1.0, 3.0), 'high': (0.5, 2.0)}
+KINDS = ('fail', 'repair')
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class FailureEvent:
+  step: int
+  slice: int
+  kind: str  # 'fail' | 'repair'
+  source: str = 'api'
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+class FailureSchedule:
+  """Events by step; the controller applies a step's events before planning that step."""
+
+  def __init__(self, n_slices: int):
+    self.n_slices = n_slices
+    self._events: dict[int, list[FailureEvent]] = defaultdict(list)
+
+  def _add(self, slice_: int, step: int, kind: str, source: str) -> None:
+    if not 0 <= slice_ < self.n_slices:
+      raise ConfigError(f'failure event slice {slice_} out of range [0, {self.n_slices})')
+    if step < 0:
+      raise ConfigError(f'failure event step must be >= 0, got {step}')
+    self._events[step].append(FailureEvent(step, slice_, kind, source))
+
+  def fail_at(self, slice_: int, step: int, source: str = 'api') -> 'FailureSchedule':
+    self._add(slice_, step, 'fail', source)
+    return self
+
+  def repair_at(self, slice_: int, step: int, source: str = 'api') -> 'FailureSchedule':
+    self._add(slice_, step, 'repair', source)
+    return self
+
+  def events_at(self, step: int) -> list[FailureEvent]:
+    # Repairs first: a slice repaired and failed again in one step ends up failed.
+    return sorted(self._events.get(step, ()), key=lambda e: (e.kind != 'repair', e.slice))
+
+  def all_events(self) -> list[FailureEvent]:
+    return sorted(e for evs in self._events.values() for e in evs)
+
+  @classmethod
+  def preset(cls, name: str, n_slices: int, steps: int, cluster_step_s: float,
+             seed: int = 0) -> 'FailureSchedule':
+    """Poisson failures on random live slices over `steps` steps of `cluster_step_s` seconds."""
+    if name not in PRESETS:
+      raise ConfigError(f"failure preset must be one of {', '.join(PRESETS)}, got {name!r}")
+    mean_h, repair_h = PRESETS[name]
+    sched, rng = cls(n_slices), np.random.default_rng(seed)
+    horizon_s, t, repaired_at = steps * cluster_step_s, 0.0, {}  # slice -> repair time (s)
+    while True:
+      t += rng.exponential(mean_h * 3600.0)
+      if t >= horizon_s:
+        return sched
+      live = [s for s in range(n_slices) if repaired_at.get(s, -1.0) <= t]
+      if not live:
+        continue  # every slice is already down: nothing left to hit
+      victim = int(rng.choice(live))
+      repaired_at[victim] = t + repair_h * 3600.0
+      sched.fail_at(victim, int(t // cluster_step_s), f'preset:{name}')
+      if repaired_at[victim] < horizon_s:
+        sched.repair_at(victim, int(repaired_at[victim] // cluster_step_s), f'preset:{name}')
+
+  @classmethod
+  def from_trace(cls, path: str | Path, n_slices: int) -> 'FailureSchedule':
+    """One event per line: `step slice fail|repair`; blank lines and # comments ignored."""
+    path = Path(path)
+    if not path.is_file():
+      raise ConfigError(f'failure trace {str(path)!r} not found')
+    sched = cls(n_slices)
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+      fields = line.split('#', 1)[0].split()
+      if not fields:
+        continue
+      if len(fields) != 3 or fields[2] not in KINDS or not all(f.isdigit() for f in fields[:2]):
+        raise ConfigError(f"{path}:{lineno}: expected 'step slice fail|repair', got {line.strip()!r}")
+      step, slice_ = int(fields[0]), int(fields[1])
+      (sched.fail_at if fields[2] == 'fail' else sched.repair_at)(slice_, step, f'trace:{path.name}')
+    return sched
+
+  @classmethod
+  def from_spec(cls, spec: str, n_slices: int, steps: int, cluster_step_s: float,
+                seed: int) -> 'FailureSchedule':
+    """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'."""
+    if spec == 'none':
+      return cls(n_slices)
+    if spec.startswith('trace:'):
+      return cls.from_trace(spec[len('trace:'):], n_slices)
+    return cls.preset(spec, n_slices, steps, cluster_step_s, seed)

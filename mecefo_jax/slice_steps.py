@@ -1,0 +1,97 @@
+"""Per-slice programs for steps where slices play different roles, and the cross-slice update.
+
+Slices with different roles cannot share one SPMD program without per-slice branches, and a
+collective inside such a branch deadlocks (MECEFO.md §8). So each group of slices with the
+same role runs its own program on its own devices (in-slice sharding intact), producing
+per-slice gradient sums; one update program over the live slices then reduces them across
+slices (outside any branch), applies the §3 rule and the optimizer, identically everywhere.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mecefo_jax import steps
+from mecefo_jax.config import Config
+from mecefo_jax.sharding import batch_sharding, replicated
+from mecefo_jax.train_state import TrainState, make_optimizer, state_shardings
+
+
+def view(tree, mesh: Mesh, shardings):
+  """Zero-copy view of replicated-over-slice arrays restricted to the devices of `mesh`."""
+  devices = set(mesh.devices.flat)
+
+  def one(x, sh):
+    shards = [s.data for s in x.addressable_shards if s.device in devices]
+    return jax.make_array_from_single_device_arrays(x.shape, sh, shards)
+  return jax.tree.map(one, tree, shardings)
+
+
+def _stacked(sh: NamedSharding, mesh: Mesh) -> NamedSharding:
+  """Sharding of a per-slice stack [n_slices, *x]: dim 0 over 'slice', the rest as x."""
+  return NamedSharding(mesh, P('slice', *sh.spec))
+
+
+def sums_shardings(cfg: Config, mesh: Mesh):
+  param_sh = state_shardings(cfg, mesh).params
+  per_slice = NamedSharding(mesh, P('slice'))
+  return (jax.tree.map(lambda s: _stacked(s, mesh), param_sh), per_slice, per_slice, per_slice)
+
+
+def stack_groups(outputs, cfg: Config, mesh: Mesh):
+  """Assemble per-group per-slice sums into arrays over `mesh` (zero-copy, by device)."""
+  target = sums_shardings(cfg, mesh)
+  n = mesh.shape['slice']
+
+  def one(sh, *group_leaves):
+    shards = [s.data for leaf in group_leaves for s in leaf.addressable_shards]
+    shape = (n, *group_leaves[0].shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, sh, shards)
+  return jax.tree.map(one, target, *outputs)
+
+
+def compile_group(cfg: Config, mesh: Mesh, role: steps.Role, graphdef):
+  """`(state, tokens_GxRxL1) -> per-slice (grads, loss, exact_tokens, degraded_tokens)` on `mesh`."""
+  def group(state: TrainState, tokens_GxRxL1):
+    key = jax.random.fold_in(state.rng, state.step)
+    one = functools.partial(steps.contribution, state.params, state.bases, key=key, role=role,
+                            graphdef=graphdef, cfg=cfg)
+    # vmap over the group's slices: each slice's sums stay on its own devices, unreduced.
+    return jax.vmap(lambda t: one(t))(tokens_GxRxL1)
+
+  state_sh = state_shardings(cfg, mesh)
+  jitted = jax.jit(group, in_shardings=(state_sh, batch_sharding(mesh)),
+                   out_shardings=sums_shardings(cfg, mesh))
+  tokens = jax.ShapeDtypeStruct(steps.batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
+  return jitted.lower(steps._abstract_state(cfg), tokens).compile()
+
+
+def compile_update(cfg: Config, mesh: Mesh):
+  """`(state, stacked sums) -> (state, metrics)`: reduce across slices, §3 rule, optimizer."""
+  tx = make_optimizer(cfg)
+
+  def update(state: TrainState, sums):
+    grads_sum, loss_sum, exact, degraded = jax.tree.map(lambda x: x.sum(0), sums)
+    total = exact + degraded
+    grads = steps.combine(grads_sum, exact, total)
+    new_state, grad_norm = steps.apply_gradients(state, grads, exact, tx)
+    metrics = {'loss': loss_sum / jnp.maximum(total, 1.0), 'grad_norm': grad_norm,
+               'exact_tokens': exact, 'degraded_tokens': degraded}
+    return new_state, metrics
+
+  state_sh = state_shardings(cfg, mesh)
+  sums_sh = sums_shardings(cfg, mesh)
+  jitted = jax.jit(update, donate_argnums=0, in_shardings=(state_sh, sums_sh),
+                   out_shardings=(state_sh, replicated(mesh)))
+  abstract_sums = jax.tree.map(lambda sh, x: jax.ShapeDtypeStruct((mesh.shape['slice'], *x.shape), x.dtype),
+                               sums_sh, _abstract_sums(cfg))
+  return jitted.lower(steps._abstract_state(cfg), abstract_sums).compile()
+
+
+def _abstract_sums(cfg: Config):
+  params = steps._abstract_state(cfg).params
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  return (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params), scalar, scalar, scalar)

@@ -1,0 +1,331 @@
+"""REFT-style snapshots: async Orbax saves to tmpfs with checksum manifests, plus a durable tier."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = 'mecefo_manifest.json'
+_HASH_BLOCK = 1 << 22
+
+
+class SnapshotError(ValueError):
+  """A snapshot directory is unusable, or a background save failed."""
+
+
+class SnapshotWarning(UserWarning):
+  """A snapshot was skipped because its checksums do not match."""
+
+
+def state_nbytes(state: Any) -> int:
+  """Logical (global, one replica) byte size of the leaves of `state`; works on abstract leaves."""
+  return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+             for leaf in jax.tree.leaves(state))
+
+
+def default_snapshot_dir(run_name: str) -> Path:
+  """/dev/shm/mecefo/<run_name>: tmpfs, so snapshots outlive a crash of the trainer process."""
+  base = Path('/dev/shm') if Path('/dev/shm').is_dir() else Path(tempfile.gettempdir())
+  (base / 'mecefo').mkdir(exist_ok=True)
+  return base / 'mecefo' / run_name
+
+
+# ---- capacity -------------------------------------------------------------------------------------
+
+def _check_writable(directory: Path) -> Path:
+  """The existing directory that will hold `directory`; raises unless we can create files there."""
+  existing = directory if directory.exists() else directory.parent
+  if not existing.is_dir():
+    raise SnapshotError(f'snapshot directory {directory}: parent {existing} does not exist '
+                        f'or is not a directory')
+  try:  # os.access says yes to root on read-only mounts; only a real write tells
+    with tempfile.NamedTemporaryFile(dir=existing, prefix='.mecefo-probe-'):
+      pass
+  except OSError as e:
+    raise SnapshotError(f'snapshot directory {directory}: {existing} is not writable '
+                        f'({errno.errorcode.get(e.errno, e.errno)})') from None
+  return existing
+
+
+def check_capacity(directory: str | os.PathLike, state_bytes: int, keep: int, *,
+                   factor: float = 1.0) -> None:
+  """Raises SnapshotError unless `directory` is writable and has room for keep+1 snapshots."""
+  directory = Path(directory)
+  existing = _check_writable(directory)
+  needed = int(state_bytes * (keep + 1) * factor)  # keep finished + one in flight
+  free = shutil.disk_usage(existing).free
+  if free < needed:
+    raise SnapshotError(f'snapshot directory {directory}: {free / 2**20:.1f} MiB free < '
+                        f'{needed / 2**20:.1f} MiB needed ({keep}+1 snapshots of '
+                        f'{state_bytes / 2**20:.1f} MiB x {factor:g})')
+
+
+# ---- manifests ------------------------------------------------------------------------------------
+
+def _sha256(path: epath.Path) -> str:
+  digest = hashlib.sha256()
+  with path.open('rb') as f:
+    while block := f.read(_HASH_BLOCK):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _files(root: epath.Path):
+  for child in sorted(root.iterdir()):
+    if child.is_dir():
+      yield from _files(child)
+    elif child.name != MANIFEST_NAME:
+      yield child
+
+
+def write_manifest(step_dir: str | os.PathLike) -> None:
+  """sha256 and size of every file of a finished snapshot; its presence marks the snapshot complete."""
+  step_dir = epath.Path(step_dir)
+  files = {str(f.relative_to(step_dir)): {'bytes': f.stat().length, 'sha256': _sha256(f)}
+           for f in _files(step_dir)}
+  staging = step_dir / (MANIFEST_NAME + '.tmp')
+  staging.write_text(json.dumps({'format': 1, 'files': files}, indent=1))
+  staging.rename(step_dir / MANIFEST_NAME)  # atomic: a manifest is either whole or absent
+
+
+def verify_manifest(step_dir: str | os.PathLike) -> str | None:
+  """None if every file listed in the manifest is present and intact, else what is wrong."""
+  step_dir = epath.Path(step_dir)
+  manifest = step_dir / MANIFEST_NAME
+  if not manifest.exists():
+    return 'no manifest (incomplete snapshot)'
+  try:
+    files = json.loads(manifest.read_text())['files']
+  except (ValueError, KeyError) as e:
+    return f'unreadable manifest ({e})'
+  for name, expected in files.items():
+    path = step_dir / name
+    if not path.exists():
+      return f'{name} is missing'
+    if path.stat().length != expected['bytes'] or _sha256(path) != expected['sha256']:
+      return f'{name} fails its sha256 check'
+  return None
+
+
+# ---- copies that donation cannot touch ------------------------------------------------------------
+
+def _private_copy(state: Any) -> Any:
+  """A fresh device copy of `state` with the same shardings that no train step will donate."""
+  shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+  return jax.device_put(state, shardings, may_alias=False)
+
+
+def _on_cpu(state: Any) -> bool:
+  return any(device.platform == 'cpu'
+             for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
+             for device in leaf.sharding.device_set)
+
+
+# ---- one tier: an Orbax manager plus manifests ----------------------------------------------------
+
+class _Tier:
+  """An async Orbax CheckpointManager whose finished steps get a checksum manifest."""
+
+  def __init__(self, name: str, directory: str | os.PathLike, keep: int):
+    self.name = name
+    self.directory = epath.Path(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+                                           create=True, cleanup_tmp_directories=True)
+    self._orbax = ocp.CheckpointManager(self.directory, item_names=('state', 'meta'),
+                                        options=options)
+    self._finisher: threading.Thread | None = None
+    self._error: BaseException | None = None
+
+  def step_dir(self, step: int) -> epath.Path:
+    return self.directory / str(step)
+
+  def steps(self) -> list[int]:
+    self._orbax.reload()  # another process (the crashed trainer) may have written them
+    return sorted(self._orbax.all_steps(), reverse=True)
+
+  def save(self, step: int, state: Any, meta: dict) -> None:
+    self.wait()
+    if step in self._orbax.all_steps():
+      if verify_manifest(self.step_dir(step)) is None:
+        return  # e.g. re-saving the step just restored: same state, nothing to do
+      self._orbax.delete(step)
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+    self._orbax.save(step, args=args, force=True)  # returns once the D2H copy is done
+    self._finisher = threading.Thread(target=self._finish, args=(step,), daemon=True,
+                                      name=f'mecefo-{self.name}-manifest-{step}')
+    self._finisher.start()
+
+  def _finish(self, step: int) -> None:
+    try:
+      self._orbax.wait_until_finished()  # the step dir is renamed into place by now
+      write_manifest(self.step_dir(step))
+    except BaseException as e:  # surfaced by the next wait() in the training thread
+      self._error = e
+
+  def wait(self) -> None:
+    if self._finisher is not None:
+      self._finisher.join()
+      self._finisher = None
+    if self._error is not None:
+      error, self._error = self._error, None
+      raise SnapshotError(f'{self.name} snapshot in {self.directory} failed: {error}') from error
+
+  def restore(self, step: int, target: Any) -> tuple[Any, dict]:
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+    restored = self._orbax.restore(step, args=args)
+    return restored.state, restored.meta
+
+  def delete(self, step: int) -> None:
+    self._orbax.delete(step)
+
+  def close(self) -> None:
+    try:
+      self.wait()
+    finally:
+      self._orbax.close()
+
+
+# ---- the manager ----------------------------------------------------------------------------------
+
+class SnapshotManager:
+  """In-memory snapshots every `every` steps (keep `keep`), durable ones every `durable_every`."""
+
+  def __init__(self, directory: str | os.PathLike, *, every: int = 1, keep: int = 2,
+               durable_dir: str | os.PathLike | None = None, durable_every: int = 0,
+               durable_keep: int = 3, min_free_factor: float = 1.1,
+               state_bytes: int | None = None, copy_before_save: bool | None = None):
+    """`state_bytes` checks capacity now, else at the first save. `copy_before_save`: None = only
+    on CPU, where the 'host copy' Orbax takes may be a view of the device buffer (see maybe_save)."""
+    if every < 1 or keep < 1 or durable_every < 0 or durable_keep < 1:
+      raise SnapshotError(f'need every >= 1, keep >= 1, durable_every >= 0, durable_keep >= 1; got '
+                          f'{every}, {keep}, {durable_every}, {durable_keep}')
+    if durable_every and durable_dir is None:
+      raise SnapshotError(f'durable_every={durable_every} needs a durable_dir')
+    self.every, self.keep = every, keep
+    self.durable_every, self.durable_keep = durable_every, durable_keep
+    self.min_free_factor = min_free_factor
+    self.copy_before_save = copy_before_save
+    self.preempted = False  # set by the SIGTERM handler
+    self._capacity_checked = False
+    durable_dir = durable_dir if durable_every else None
+    self._check_dirs(Path(directory), durable_dir, state_bytes or 0)
+    self._capacity_checked = state_bytes is not None
+    self._memory = _Tier('memory', directory, keep)
+    self._durable = _Tier('durable', durable_dir, durable_keep) if durable_dir else None
+
+  @property
+  def tiers(self) -> list[_Tier]:
+    return [self._memory] + ([self._durable] if self._durable else [])
+
+  def _check_dirs(self, directory: Path, durable_dir, state_bytes: int) -> None:
+    check_capacity(directory, state_bytes, self.keep, factor=self.min_free_factor)
+    if durable_dir is not None and '://' not in str(durable_dir):  # buckets: nothing to check
+      check_capacity(Path(durable_dir), state_bytes, self.durable_keep,
+                     factor=self.min_free_factor)
+
+  def maybe_save(self, step: int, state: Any, meta: dict) -> bool:
+    """Starts an async snapshot of `state` when `step` is due; True if one was started.
+
+    Blocks only for a save still in flight and for the copy of `state` off the buffers that the
+    next (donating) train step reuses. Orbax's save() does the device-to-host transfer
+    synchronously (np.asarray of each shard) and writes in a background thread. On GPU/TPU that
+    is a real host copy. On CPU the 'host copy' is a zero-copy view of the device buffer (when a
+    shard is written whole); the CPU runtime then silently declines to donate that buffer, so data
+    stays right but donation is lost, and nothing guarantees it. There we first take a private
+    device copy (device_put with may_alias=False), which nobody donates.
+    """
+    memory_due = step % self.every == 0
+    durable_due = self._durable is not None and step % self.durable_every == 0
+    if not (memory_due or durable_due):
+      return False
+    if not self._capacity_checked:
+      durable_dir = self._durable.directory if self._durable else None
+      self._check_dirs(Path(self._memory.directory), durable_dir, state_nbytes(state))
+      self._capacity_checked = True
+    copy = self.copy_before_save if self.copy_before_save is not None else _on_cpu(state)
+    snapshot = _private_copy(state) if copy else state
+    meta = json.loads(json.dumps(meta))  # written later in the background: freeze it now
+    if memory_due:
+      self._memory.save(step, snapshot, meta)
+    if durable_due:
+      self._durable.save(step, snapshot, meta)
+    return True
+
+  def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
+    """(step, state, meta) of the newest intact snapshot, in-memory before durable, else None.
+
+    `target`: pytree of jax.ShapeDtypeStruct with .sharding (or arrays) to restore onto.
+    Snapshots that fail their checks are skipped with a warning and deleted, so that the steps
+    trained again after this restore can be saved under their numbers.
+    """
+    self.wait_until_finished()
+    candidates = sorted(((step, rank, tier) for rank, tier in enumerate(self.tiers)
+                         for step in tier.steps()), key=lambda c: (-c[0], c[1]))
+    for step, _, tier in candidates:
+      problem = verify_manifest(tier.step_dir(step))
+      if problem is None:
+        state, meta = tier.restore(step, target)
+        log.info('restored %s snapshot %s', tier.name, tier.step_dir(step))
+        return step, state, meta
+      self._reject(tier, step, problem)
+    return None
+
+  def _reject(self, tier: _Tier, step: int, problem: str) -> None:
+    message = f'skipping {tier.name} snapshot {tier.step_dir(step)}: {problem}'
+    if problem.startswith('no manifest'):
+      log.warning(message)  # expected after a crash during a save
+    else:
+      warnings.warn(message, SnapshotWarning, stacklevel=3)
+    tier.delete(step)
+
+  def wait_until_finished(self) -> None:
+    """Blocks until every started snapshot is written and has its manifest."""
+    for tier in self.tiers:
+      tier.wait()
+
+  def close(self) -> None:
+    for tier in self.tiers:
+      tier.close()
+
+  def __enter__(self) -> SnapshotManager:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def install_sigterm_handler(manager: SnapshotManager, *, exit_code: int = 128 + signal.SIGTERM):
+  """On SIGTERM (preemption): wait for in-flight snapshots, then exit. Main thread only.
+
+  Sets manager.preempted, finishes the writes, calls any previous Python handler, then raises
+  SystemExit(exit_code) so that `finally` blocks run. Returns the previous handler.
+  """
+  previous = signal.getsignal(signal.SIGTERM)
+
+  def on_sigterm(signum, frame):
+    log.warning('SIGTERM: waiting for in-flight snapshots before exiting')
+    manager.preempted = True
+    manager.wait_until_finished()
+    if callable(previous):
+      previous(signum, frame)
+    raise SystemExit(exit_code)
+
+  signal.signal(signal.SIGTERM, on_sigterm)
+  return previous

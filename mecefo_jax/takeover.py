@@ -1,0 +1,86 @@
+"""Takeover policies: which live slice processes which rows of every micro-batch in a step."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+POLICIES = ('neighbor', 'spread', 'drop', 'naive')
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """Rows [start, stop) of slice `owner`'s micro-batch."""
+  owner: int
+  start: int
+  stop: int
+
+  @property
+  def n(self) -> int:
+    return self.stop - self.start
+
+
+@dataclasses.dataclass
+class SliceWork:
+  exact: list[Rows] = dataclasses.field(default_factory=list)
+  degraded: list[Rows] = dataclasses.field(default_factory=list)
+
+  def counts(self) -> tuple[int, int]:
+    return sum(r.n for r in self.exact), sum(r.n for r in self.degraded)
+
+
+def ring_next(live: Sequence[int], failed_slice: int, n_slices: int) -> int:
+  """The next live slice after `failed_slice` on the ring 0..n-1."""
+  for k in range(1, n_slices + 1):
+    if (failed_slice + k) % n_slices in live:
+      return (failed_slice + k) % n_slices
+  raise ValueError('no live slice')
+
+
+def _split(n_rows: int, parts: int, granule: int) -> list[int]:
+  """n_rows split over parts as evenly as possible in multiples of granule rows."""
+  units = n_rows // granule
+  return [granule * (units // parts + (1 if i < units % parts else 0)) for i in range(parts)]
+
+
+def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1
+         ) -> tuple[dict[int, SliceWork], list[Rows]]:
+  """(work of every live slice, rows dropped) for one step. MECEFO.md §1.
+
+  neighbor: the next live slice on the ring does its own and the orphans, all degraded.
+  naive: the same neighbour does both exactly (the baseline that runs out of memory).
+  spread: each orphaned micro-batch is split evenly over all live slices (starting after the
+    failed one); each runs its own rows exactly and only its share degraded.
+  drop: orphans are skipped (smaller global batch), like torchft.
+  `granule` (dividing micro_batch) keeps spread shares shardable over a slice's fsdp devices.
+  """
+  if micro_batch % granule:
+    raise ValueError(f'granule {granule} must divide micro_batch {micro_batch}')
+  if policy not in POLICIES:
+    raise ValueError(f'takeover policy must be one of {POLICIES}, got {policy!r}')
+  live = sorted(live)
+  if not live:
+    raise ValueError('no live slice')
+  work = {s: SliceWork(exact=[Rows(s, 0, micro_batch)]) for s in live}
+  orphans = [s for s in range(n_slices) if s not in live]
+  dropped: list[Rows] = []
+  for f in orphans:
+    whole = Rows(f, 0, micro_batch)
+    if policy == 'drop':
+      dropped.append(whole)
+    elif policy in ('neighbor', 'naive'):
+      carrier = work[ring_next(live, f, n_slices)]
+      carrier.exact.append(whole) if policy == 'naive' else carrier.degraded.append(whole)
+    else:
+      order = sorted(live, key=lambda s: (s - f) % n_slices)
+      start = 0
+      for s, n in zip(order, _split(micro_batch, len(live), granule)):
+        if n:
+          work[s].degraded.append(Rows(f, start, start + n))
+        start += n
+  if policy == 'neighbor':
+    # The paper's neighbour runs the degraded step on both of its micro-batches.
+    for w in work.values():
+      if w.degraded and w.exact:
+        w.degraded = w.exact + w.degraded
+        w.exact = []
+  return work, dropped
