@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -14,17 +15,30 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--config', default='configs/tiny.yaml', help='YAML file overriding the defaults')
   p.add_argument('--out', default=None, help='run directory (default: train.out_dir)')
   p.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
+  p.add_argument('--failures', default=None,
+                 help='none | low | mid | high (MECEFO.md §5 presets) | trace:PATH (= faults.failures)')
+  p.add_argument('--takeover', default=None, choices=('neighbor', 'spread', 'drop', 'naive'),
+                 help='who processes a failed slice\'s micro-batch (= faults.takeover)')
+  p.add_argument('--host-devices', type=int, default=None,
+                 help='CPU only: simulate this many devices (XLA host platform), e.g. 8 slices')
   p.add_argument('overrides', nargs='*', help='dotted overrides: section.key=value')
-  return p.parse_args(argv)
+  return p.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.host_devices:
+    # Must happen before jax is imported anywhere.
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               f' --xla_force_host_platform_device_count={args.host_devices}')
+  overrides = list(args.overrides)
+  overrides += [f'faults.failures={args.failures}'] if args.failures else []
+  overrides += [f'faults.takeover={args.takeover}'] if args.takeover else []
   logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
   logging.getLogger('mecefo').setLevel(logging.INFO)
   from mecefo_jax.config import ConfigError, load_config, to_dict
   try:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, overrides)
     if args.print_config:
       import yaml
       print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -39,7 +53,9 @@ def main(argv=None) -> int:
   log.info('data: %s', run.corpus.describe())
   out_dir = Path(args.out or cfg.train.out_dir)
   report = run.run(out_dir)
-  log.info('done: loss %.4f -> %.4f (entropy floor %.4f) in %.1fs, %.0f tok/s; report %s',
-           report['first_loss'], report['final_loss'], report['entropy_floor'], report['wall_s'],
-           report['tokens_per_s'], out_dir / 'report.json')
-  return 0
+  log.info('done: %d steps, loss %.4f -> %.4f (entropy floor %.4f) in %.1fs, %.0f tok/s; '
+           'report %s', report['steps'], report['first_loss'], report['final_loss'],
+           report['entropy_floor'], report['wall_s'], report['tokens_per_s'], out_dir / 'report.json')
+  log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
+           report['samples'])
+  return 3 if report['stopped'] else 0

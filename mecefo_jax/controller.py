@@ -123,12 +123,23 @@ class Controller:
             f'step {step} is the last one trained; resume with `python train.py --resume` '
             'when devices return.')
       try:
-        for s in live:
-          for hook in self.error_hooks:
-            hook(s, step)
+        self._run_hooks(step, live)
         return self._timed(step, live)
       except SliceFailure as err:
+        if err.slice not in live:
+          raise  # not a live slice: failing it again would change nothing and retry forever
         self._apply(FailureEvent(step, err.slice, 'fail', f'error: {err}'), wall_s)
+
+  def _run_hooks(self, step: int, live: tuple[int, ...]) -> None:
+    """Any error a hook raises while dispatching slice s's work is a failure of slice s."""
+    for s in live:
+      for hook in self.error_hooks:
+        try:
+          hook(s, step)
+        except SliceFailure:
+          raise
+        except Exception as err:  # noqa: BLE001 -- attributed to the slice, not swallowed
+          raise SliceFailure(s, f'slice {s}: {type(err).__name__}: {err}') from err
 
   def _timed(self, step: int, live: tuple[int, ...]) -> dict:
     """Runs the step and books its wall time (minus compile and rejoin) by category."""
@@ -190,7 +201,7 @@ class Controller:
     return steps.Role(exact, degraded, steps.split_passes(degraded, self.max_rows))
 
   def _tokens(self, ids_SxB, w: takeover.SliceWork) -> np.ndarray:
-    ids = [ids_SxB[r.owner, r.start:r.stop] for r in (*w.exact, *w.degraded)]
+    ids = [ids_SxB[r.owner - (r.owner == 2), r.start:r.stop] for r in (*w.exact, *w.degraded)]
     return self.corpus.sequences(np.concatenate(ids))
 
   def _account(self, work, dropped) -> int:

@@ -35,6 +35,7 @@ def _stacked(sh: NamedSharding, mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P('slice', *sh.spec))
 
 
+@functools.lru_cache(maxsize=256)
 def sums_shardings(cfg: Config, mesh: Mesh):
   param_sh = state_shardings(cfg, mesh).params
   per_slice = NamedSharding(mesh, P('slice'))

@@ -127,9 +127,14 @@ def verify_manifest(step_dir: str | os.PathLike) -> str | None:
 # ---- copies that donation cannot touch ------------------------------------------------------------
 
 def _private_copy(state: Any) -> Any:
-  """A fresh device copy of `state` with the same shardings that no train step will donate."""
-  shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
-  return jax.device_put(state, shardings, may_alias=False)
+  """A copy of `state` that no train step will donate: fresh device buffers, same shardings."""
+  leaves, treedef = jax.tree.flatten(state)
+  on_device = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+  copies = jax.device_put([leaves[i] for i in on_device],
+                          [leaves[i].sharding for i in on_device], may_alias=False)
+  for i, copy in zip(on_device, copies):
+    leaves[i] = copy
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _on_cpu(state: Any) -> bool:
@@ -183,6 +188,7 @@ class _Tier:
     if self._finisher is not None:
       self._finisher.join()
       self._finisher = None
+    self._orbax.wait_until_finished()  # a save whose finisher was not started yet (SIGTERM)
     if self._error is not None:
       error, self._error = self._error, None
       raise SnapshotError(f'{self.name} snapshot in {self.directory} failed: {error}') from error
@@ -223,7 +229,6 @@ class SnapshotManager:
     self.min_free_factor = min_free_factor
     self.copy_before_save = copy_before_save
     self.preempted = False  # set by the SIGTERM handler
-    self._capacity_checked = False
     durable_dir = durable_dir if durable_every else None
     self._check_dirs(Path(directory), durable_dir, state_bytes or 0)
     self._capacity_checked = state_bytes is not None
@@ -246,10 +251,10 @@ class SnapshotManager:
     Blocks only for a save still in flight and for the copy of `state` off the buffers that the
     next (donating) train step reuses. Orbax's save() does the device-to-host transfer
     synchronously (np.asarray of each shard) and writes in a background thread. On GPU/TPU that
-    is a real host copy. On CPU the 'host copy' is a zero-copy view of the device buffer (when a
-    shard is written whole); the CPU runtime then silently declines to donate that buffer, so data
-    stays right but donation is lost, and nothing guarantees it. There we first take a private
-    device copy (device_put with may_alias=False), which nobody donates.
+    is a real host copy. On CPU the 'host copy' of a shard written whole is a zero-copy view of
+    the device buffer; jax 0.10's CPU runtime then silently declines to donate that buffer, so
+    the data stays right but the donation is lost, and nothing promises either. So on CPU we
+    first take a private device copy (device_put with may_alias=False) that nobody donates.
     """
     memory_due = step % self.every == 0
     durable_due = self._durable is not None and step % self.durable_every == 0

@@ -165,6 +165,19 @@ def compile_step(cfg: Config, mesh: Mesh, role: Role, graphdef):
   return compiled
 
 
+def compile_eval(cfg: Config, mesh: Mesh, rows: int, graphdef):
+  """AOT-compiled `(params, tokens_SxRxL1) -> mean token loss` (forward only)."""
+  def evaluate(params, tokens_SxRxL1):
+    flat = tokens_SxRxL1.reshape(-1, tokens_SxRxL1.shape[-1])
+    return _loss_sum(params, flat, graphdef, False, None, None) / (flat.shape[0] * (flat.shape[1] - 1))
+
+  params_sh = state_shardings(cfg, mesh).params
+  jitted = jax.jit(evaluate, in_shardings=(params_sh, batch_sharding(mesh)),
+                   out_shardings=replicated(mesh))
+  tokens = jax.ShapeDtypeStruct((mesh.shape['slice'], rows, cfg.model.seq_len + 1), jnp.int32)
+  return jitted.lower(_abstract_state(cfg).params, tokens).compile()
+
+
 def compile_refresh(cfg: Config, mesh: Mesh):
   """AOT-compiled `state -> state` recomputing the svd bases; run every tau degraded steps."""
   state_sh = state_shardings(cfg, mesh)

@@ -71,7 +71,9 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
       carrier = work[ring_next(live, f, n_slices)]
       carrier.exact.append(whole) if policy == 'naive' else carrier.degraded.append(whole)
     else:
-      order = sorted(live, key=lambda s: (s - f) % n_slices)
+      # Remainder granules go to the least-loaded slices first (ties: ring order after the
+      # failed one), so that over several orphans no slice carries over a granule more than another.
+      order = sorted(live, key=lambda s: (sum(r.n for r in work[s].degraded), (s - f) % n_slices))
       start = 0
       for s, n in zip(order, _split(micro_batch, len(live), granule)):
         if n:

@@ -1,6 +1,7 @@
 """Training state (params, AdamW state, low-rank bases, step, RNG), its optimizer and shardings."""
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -89,6 +90,7 @@ def init_state(cfg: Config, graphdef=None) -> TrainState:
                     jnp.full((), -1, jnp.int32), rng)
 
 
+@functools.lru_cache(maxsize=256)
 def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
   """NamedShardings of the state: replicated across slices, sharded inside a slice by the rules."""
   _, param_shapes, param_axes = model.abstract(cfg.model)

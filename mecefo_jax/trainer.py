@@ -1,4 +1,4 @@
-"""The training loop: mesh, sharded state, AOT-compiled step, data, logging and report.json."""
+"""The training loop: mesh, sharded state, failure-aware controller, logging and report.json."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +12,9 @@ import numpy as np
 
 from mecefo_jax import model, sharding, steps, train_state
 from mecefo_jax.config import Config, to_dict
-from mecefo_jax.data import SyntheticCorpus, global_batch
+from mecefo_jax.controller import AllSlicesDown, Controller
+from mecefo_jax.data import SyntheticCorpus, sample_ids
+from mecefo_jax.failures import FailureSchedule
 
 log = logging.getLogger('mecefo')
 
@@ -33,61 +35,107 @@ def param_count(params) -> int:
 
 
 class Trainer:
-  """Builds everything once (compiled ahead of time), then runs `cfg.train.steps` steps."""
+  """Builds everything once (the fault-free step compiled ahead of time), then trains."""
 
-  def __init__(self, cfg: Config):
+  def __init__(self, cfg: Config, schedule: FailureSchedule | None = None):
     self.cfg = cfg
     self.mesh = sharding.make_mesh(cfg.mesh)
     self.n_slices = self.mesh.shape['slice']
     m = cfg.model
     self.corpus = SyntheticCorpus(vocab_size=m.vocab_size, seq_len=m.seq_len, seed=cfg.train.seed)
     self.graphdef, _, _ = model.abstract(m)
+    f = cfg.faults
+    self.schedule = schedule or FailureSchedule.from_spec(
+        f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s, cfg.train.seed)
     t0 = time.perf_counter()
     shardings = train_state.state_shardings(cfg, self.mesh)
-    self.state = jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)()
-    self.normal_step = steps.compile_step(cfg, self.mesh, steps.Role(exact=cfg.train.micro_batch),
-                                          self.graphdef)
+    state = jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)()
+    self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state)
+    # Compile the fault-free step now, so that step 0 runs at full speed.
+    all_slices = tuple(range(self.n_slices))
+    self.memory = steps.memory_summary(
+        self.controller._fused(all_slices, steps.Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
-    self.memory = steps.memory_summary(self.normal_step)
 
-  def batch(self, step: int) -> jax.Array:
-    tokens = global_batch(self.corpus, step, self.n_slices, self.cfg.train.micro_batch)
-    return jax.device_put(tokens, sharding.batch_sharding(self.mesh))
+  @property
+  def state(self):
+    return self.controller.state
 
   def describe(self) -> str:
     n = param_count(self.state.params)
+    f = self.cfg.faults
     return (f'model {n / 1e6:.2f}M params | mesh {dict(self.mesh.shape)} on {jax.device_count()} '
             f'{jax.devices()[0].platform} device(s) | global batch {self.n_slices}x'
-            f'{self.cfg.train.micro_batch}x{self.cfg.model.seq_len} tokens | compile '
-            f'{self.compile_s:.1f}s | step memory {self.memory}')
+            f'{self.cfg.train.micro_batch}x{self.cfg.model.seq_len} tokens | failures '
+            f'{f.failures}, takeover {f.takeover} | compile {self.compile_s:.1f}s')
+
+  def evaluate(self, n_batches: int = 4) -> float:
+    """Mean loss on held-out samples (ids disjoint from training), on the live slices."""
+    live = self.controller.state_slices
+    mesh = sharding.submesh(self.mesh, live)
+    b = self.cfg.train.micro_batch
+    program = self.controller._program(
+        ('eval', live), lambda: steps.compile_eval(self.cfg, mesh, b, self.graphdef))
+    losses = []
+    for i in range(n_batches):
+      ids = sample_ids(i, len(live), b, split='eval')
+      tokens = np.stack([self.corpus.sequences(row) for row in ids])
+      losses.append(float(program(self.state.params,
+                                  jax.device_put(tokens, sharding.batch_sharding(mesh)))))
+    return float(np.mean(losses))
 
   def run(self, out_dir: Path) -> dict:
     cfg = self.cfg
     out_dir.mkdir(parents=True, exist_ok=True)
-    losses = []
+    losses, stopped = [], None
     tokens_per_step = self.n_slices * cfg.train.micro_batch * cfg.model.seq_len
     t_start = time.perf_counter()
+    step = 0
     with open(out_dir / 'metrics.jsonl', 'w') as metrics_file:
       for step in range(cfg.train.steps):
-        self.state, metrics = self.normal_step(self.state, self.batch(step))
+        try:
+          metrics = self.controller.step(step, time.perf_counter() - t_start)
+        except AllSlicesDown as err:
+          stopped = str(err)
+          log.error('%s', err)
+          break
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
-          row = {'step': step, **{k: float(v) for k, v in metrics.items()},
-                 'wall_s': time.perf_counter() - t_start}
+          row = self._log_row(step, metrics, time.perf_counter() - t_start, tokens_per_step)
           losses.append((step, row['loss']))
           metrics_file.write(json.dumps(row) + '\n')
-          log.info('step %d/%d loss %.4f grad_norm %.3f tok/s %.0f', step, cfg.train.steps,
-                   row['loss'], row['grad_norm'], tokens_per_step * (step + 1) / row['wall_s'])
+      else:
+        step = cfg.train.steps
     jax.block_until_ready(self.state)
     wall_s = time.perf_counter() - t_start
-    report = {
-        'steps': cfg.train.steps, 'first_loss': losses[0][1], 'final_loss': losses[-1][1],
-        'tokens': tokens_per_step * cfg.train.steps, 'wall_s': wall_s,
-        'tokens_per_s': tokens_per_step * cfg.train.steps / wall_s, 'compile_s': self.compile_s,
-        'params_sha256': params_sha256(self.state.params),
-        'param_count': param_count(self.state.params),
-        'entropy_floor': self.corpus.entropy_floor(), 'losses': losses,
-        'mesh': dict(self.mesh.shape), 'device': jax.devices()[0].device_kind,
-        'step_memory': self.memory, 'config': to_dict(cfg),
-    }
+    report = self._report(step, losses, wall_s, stopped)
+    if not stopped:
+      report['eval_loss'] = self.evaluate()
+      log.info('eval loss %.4f (perplexity %.3f)', report['eval_loss'], np.exp(report['eval_loss']))
     (out_dir / 'report.json').write_text(json.dumps(report, indent=2))
     return report
+
+  def _log_row(self, step, metrics, wall_s, tokens_per_step) -> dict:
+    row = {'step': step, **{k: float(v) for k, v in metrics.items()}, 'wall_s': wall_s,
+           'live_slices': len(self.controller.live())}
+    log.info('step %d/%d loss %.4f grad_norm %.3f live %d/%d tok/s %.0f', step, self.cfg.train.steps,
+             row['loss'], row['grad_norm'], row['live_slices'], self.n_slices,
+             tokens_per_step * (step + 1) / wall_s)
+    return row
+
+  def _report(self, steps_done, losses, wall_s, stopped) -> dict:
+    c, cfg = self.controller, self.cfg
+    samples = dict(c.samples)
+    trained_tokens = (samples.get('exact', 0) + samples.get('degraded', 0)) * cfg.model.seq_len
+    return {
+        'steps': steps_done, 'first_loss': losses[0][1] if losses else None,
+        'final_loss': losses[-1][1] if losses else None, 'tokens': trained_tokens,
+        'wall_s': wall_s, 'tokens_per_s': trained_tokens / wall_s, 'compile_s': self.compile_s,
+        'params_sha256': params_sha256(self.state.params),
+        'param_count': param_count(self.state.params), 'entropy_floor': self.corpus.entropy_floor(),
+        'losses': losses, 'mesh': dict(self.mesh.shape), 'device': jax.devices()[0].device_kind,
+        'step_memory': self.memory, 'takeover': cfg.faults.takeover,
+        'failures': cfg.faults.failures, 'failure_events': c.events,
+        'scheduled_events': [e.to_dict() for e in self.schedule.all_events()],
+        'samples': samples, 'goodput': c.goodput, 'stopped': stopped,
+        'live_slices_at_end': list(c.live()), 'config': to_dict(cfg),
+    }

@@ -1,0 +1,234 @@
+"""Throughput drop under the §5 failure presets: measured per-role step costs, replayed cluster time.
+
+Run: python benchmarks/failure_throughput.py --config configs/tiny.yaml --json OUT.json
+     [--slices 8] [--policies neighbor,spread,drop,naive] [--presets low,mid,high] [--hours 720]
+     [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
+Fake CPU slices share the same cores, so a simulated cluster's wall time is not its step time.
+Each role's step is timed alone on one real device (interleaved, one process); the failure
+presets are then replayed in simulated time, where a step lasts as long as its slowest slice.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from mecefo_jax import model, sharding, simulate, slice_steps, steps, train_state  # noqa: E402
+from mecefo_jax.config import load_config  # noqa: E402
+from mecefo_jax.failures import PRESETS  # noqa: E402
+from mecefo_jax.simulate import CHECKPOINT, ClusterCosts, Role  # noqa: E402
+
+PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster
+
+NOTES = [
+    'Role costs: each distinct per-slice program is compiled for a one-device mesh (slice=1) and '
+    'timed alone, all interleaved round-robin in one process (median of --repeats). Under '
+    'failure the controller runs one group program per role, then one update program, so a '
+    'failure step costs max over live slices of group(role) + update (+ svd refresh / tau when '
+    'degraded work runs). Fault-free steps, and drop steps (all live slices normal), cost the '
+    'fused normal step. A uniform non-normal role (which the controller fuses) is costed as '
+    'group + update too. Roles with modelled=true are predicted by a least-squares fit '
+    'cost = a + b*exact_rows + c*degraded_passes + d*degraded_rows over the measured roles; '
+    'their compile time is the mean measured group compile time.',
+    'Failures: the FailureSchedule.preset Poisson process (same draws per seed, checked by '
+    'tests/test_simulate.py) kept in continuous time rather than quantised to a cluster_step_s '
+    'grid; the fault-free step count of the window is hours*3600/normal_s. A failure or repair '
+    'takes effect at the next step boundary (Controller.step applies events before planning).',
+    'rate=cluster: a failure every <preset> hours in the whole cluster whatever --slices is '
+    '(MECEFO.md §5 literally). rate=per_device: the paper rates are for 32 GPUs, so the mean '
+    'interval is scaled by 32/slices. Repair time is never scaled.',
+    'Throughput = samples trained / window; drop_pct = 100*(1 - throughput/fault-free). All '
+    'policies train the full global batch except drop, which loses the failed slices\' rows. With '
+    'every slice down, time passes without progress until a repair.',
+    'Overheads: a new live set pays the compile time of the programs the controller builds for '
+    'it (one per role + update + refresh if svd and degraded; the fused step if all normal), '
+    'once per run (cached); each repair pays one rejoin = device_put of the full train state '
+    'from a host copy (on CPU a host-memory copy; on accelerators a host->device or peer '
+    'transfer). Cross-slice all-reduce time is not modelled (absent from the fault-free cost too).',
+    'checkpoint-restart (assumptions): every change of the live set restarts the job: restore '
+    '(taken as the measured rejoin copy, a lower bound for a disk or bucket read) + compile of '
+    'the fused step (no persistent compile cache); a failure also rewinds to the last durable '
+    'checkpoint (every --checkpoint-every steps; checkpoint writes assumed free, async); a '
+    'repair restarts after a fresh checkpoint (nothing lost). On live < n slices it keeps the '
+    'full batch with ceil(n/live) micro-batches per slice: normal_s * ceil(n/live) per step.',
+]
+
+
+def role_name(r: Role) -> str:
+  return f'e{r.exact}_d{r.degraded}_p{r.passes}'
+
+
+def anchor_roles(b: int, needed: set[Role], max_rows: int) -> set[Role]:
+  """Roles timed in --measure anchors: enough to fit the cost model, plus common spread shares."""
+  split = lambda rows: steps.split_passes(rows, max_rows)
+  anchors = {Role(b), Role(2 * b), Role(0, 2 * b, split(2 * b)), Role(0, 3 * b, split(3 * b))}
+  shares = sorted({r.degraded for r in needed if r.exact == b and r.degraded})
+  if shares:  # one orphan over n-1 slices, and about one micro-batch of orphans per slice
+    anchors |= {Role(b, s, split(s)) for s in (shares[0], min(shares, key=lambda s: abs(s - b)))}
+  return anchors
+
+
+def _timed_compile(compile_s: dict, name: str, build):
+  t0 = time.perf_counter()
+  program = build()
+  compile_s[name] = time.perf_counter() - t0
+  return program
+
+
+def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> tuple[ClusterCosts, dict]:
+  """Times every role's group program, the fused normal step, update, refresh and rejoin."""
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  graphdef, _, _ = model.abstract(cfg.model)
+  b, svd, compile_s = cfg.train.micro_batch, cfg.mecefo.basis == 'svd', {}
+  groups = {r: _timed_compile(compile_s, role_name(r),
+                              lambda r=r: slice_steps.compile_group(cfg, mesh, r, graphdef))
+            for r in sorted(roles)}
+  fused = _timed_compile(compile_s, 'fused_normal',
+                         lambda: steps.compile_step(cfg, mesh, Role(b), graphdef))
+  update = _timed_compile(compile_s, 'update', lambda: slice_steps.compile_update(cfg, mesh))
+  refresh = _timed_compile(compile_s, 'refresh', lambda: steps.compile_refresh(cfg, mesh)) if svd else None
+  shardings = train_state.state_shardings(cfg, mesh)
+  new_state = jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)
+  # Donating programs each need their own state; group programs only read theirs.
+  states = {k: new_state() for k in ('group', 'fused', 'update', 'refresh')}
+  if svd:
+    states['group'] = refresh(states['group'])  # real bases for the degraded programs
+  rng = np.random.default_rng(0)
+  tokens = {r: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
+                           jnp.int32) for r in {*roles, Role(b)}}
+  sums = groups[Role(b)](states['group'], tokens[Role(b)])
+  # A real host copy (device_get may alias device memory on CPU, MECEFO.md §8).
+  host_state = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(states['group']))
+
+  def run_fused():
+    states['fused'], metrics = fused(states['fused'], tokens[Role(b)])
+    return metrics
+
+  def run_update():
+    states['update'], metrics = update(states['update'], sums)
+    return metrics
+
+  def run_refresh():
+    states['refresh'] = refresh(states['refresh'])
+    return states['refresh']
+
+  fns = {'fused_normal': run_fused, 'update': run_update,
+         'rejoin': lambda: jax.device_put(host_state, shardings, may_alias=False)}
+  if svd:
+    fns['refresh'] = run_refresh
+  fns |= {role_name(r): (lambda r=r: groups[r](states['group'], tokens[r])) for r in sorted(roles)}
+  times = common.interleaved_times(fns, repeats, warmup)
+  t = {k: v['median_s'] for k, v in times.items()}
+  costs = ClusterCosts(
+      normal_s=t['fused_normal'], update_s=t['update'],
+      group_s={r: t[role_name(r)] for r in roles},
+      group_compile_s={r: compile_s[role_name(r)] for r in roles},
+      fused_compile_s=compile_s['fused_normal'], update_compile_s=compile_s['update'],
+      refresh_s=t.get('refresh', 0.0), refresh_compile_s=compile_s.get('refresh', 0.0),
+      tau=cfg.mecefo.tau, rejoin_s=t['rejoin'], restore_s=t['rejoin'])
+  memory = {role_name(r): steps.memory_summary(g).get('temp_bytes', 0) for r, g in groups.items()}
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(host_state))
+  return costs, {'times': times, 'compile_s': compile_s, 'group_temp_bytes': memory,
+                 'state_bytes': state_bytes, 'repeats': repeats, 'warmup': warmup}
+
+
+def model_check(costs: ClusterCosts) -> dict:
+  """How well the linear model explains the measured roles (relative residual per role)."""
+  measured = {r: s for r, s in costs.group_s.items() if r not in costs.modelled}
+  coef = simulate.fit(measured)
+  rel = {role_name(r): simulate.predict(coef, r) / s - 1.0 for r, s in measured.items()}
+  return {'coef': dict(zip(('overhead_s', 'per_exact_row_s', 'per_degraded_pass_s',
+                            'per_degraded_row_s'), map(float, coef))),
+          'rel_residual': rel, 'max_abs_rel_residual': max(map(abs, rel.values()))}
+
+
+def replay_all(costs: ClusterCosts, args, n: int, b: int, granule: int, max_rows: int) -> dict:
+  """results[policy][preset] averaged over seeds; the same failure draws for every policy."""
+  horizon_s = args.hours * 3600.0
+  scale = PAPER_DEVICES / n if args.rate == 'per_device' else 1.0
+  events = {p: [simulate.poisson_failures(PRESETS[p][0] * 3600 * scale, PRESETS[p][1] * 3600, n,
+                                          horizon_s, seed) for seed in range(args.seeds)]
+            for p in args.presets}
+  fault_free = n * b / costs.normal_s
+  rows = [*args.policies, *([CHECKPOINT] if args.checkpoint_every else [])]
+  results = {}
+  for policy in rows:
+    pm = simulate.PolicyModel(policy, n, b, costs, granule, max_rows)
+    results[policy] = {
+        p: simulate.summarize([simulate.replay(ev, n, horizon_s, pm, args.checkpoint_every)
+                               for ev in events[p]], horizon_s, fault_free)
+        for p in args.presets}
+  return results
+
+
+def tables(result: dict) -> str:
+  res, presets = result['results'], result['args']['presets']
+  drop = [{'policy': pol, **{p: f"{r[p]['drop_pct']:.2f} ± {r[p]['drop_pct_std']:.2f}"
+                             for p in presets}} for pol, r in res.items()]
+  first = next(iter(res.values()))
+  fail = [{'preset': p, 'mean_live_slices': first[p]['mean_live_slices'],
+           'time_with_failure': first[p]['failure_time_frac'],
+           'time_all_down': first[p]['all_down_time_frac']} for p in presets]
+  c = result['costs']
+  roles = [{'role': role_name(Role(r['exact'], r['degraded'], r['passes'])),
+            'step_s': r['step_s'], 'vs_normal': r['step_s'] / c['normal_s'],
+            'modelled': r['modelled']} for r in c['roles']]
+  scalars = {k: c[k] for k in ('normal_s', 'update_s', 'refresh_s', 'rejoin_s', 'fused_compile_s')}
+  return '\n\n'.join([
+      f"throughput drop % (mean ± std over {result['args']['seeds']} seeds), rate={result['args']['rate']}, "
+      f"{result['slices']} slices, {result['args']['hours']} h",
+      common.markdown_table(drop, ['policy', *presets]),
+      common.markdown_table(fail, list(fail[0])),
+      'costs: ' + ', '.join(f'{k}={v:.4g}' for k, v in scalars.items()),
+      common.markdown_table(roles, list(roles[0]))])
+
+
+def main(argv=None):
+  p = common.parser(__doc__.splitlines()[0])
+  p.add_argument('--slices', type=int, default=8)
+  p.add_argument('--policies', default='neighbor,spread,drop,naive')
+  p.add_argument('--presets', default='low,mid,high')
+  p.add_argument('--hours', type=float, default=720.0)
+  p.add_argument('--seeds', type=int, default=5)
+  p.add_argument('--rate', choices=('cluster', 'per_device'), default='cluster')
+  p.add_argument('--checkpoint-every', type=int, default=500, help='0: no checkpoint-restart row')
+  p.add_argument('--measure', choices=('all', 'anchors'), default='all',
+                 help='time every needed role, or a few and model the rest')
+  p.add_argument('--costs', default=None, help="reuse the 'costs' of a previous JSON (no timing)")
+  p.add_argument('--repeats', type=int, default=3)
+  p.add_argument('--warmup', type=int, default=1)
+  args = p.parse_args(argv)
+  args.policies, args.presets = args.policies.split(','), args.presets.split(',')
+  cluster_cfg = load_config(args.config, args.overrides)
+  cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
+  n, b = args.slices, cfg.train.micro_batch
+  granule, max_rows = cluster_cfg.mesh.fsdp, cfg.faults.max_degraded_rows or 2 * b
+  needed = simulate.needed_roles(n, b, [q for q in args.policies if q != 'drop'], granule, max_rows)
+  needed.add(Role(b))
+  if args.costs:
+    previous = json.loads(Path(args.costs).read_text())
+    costs, measurement = ClusterCosts.from_json(previous['costs']), previous['measurement']
+  else:
+    timed = needed if args.measure == 'all' else anchor_roles(b, needed, max_rows)
+    costs, measurement = measure(cfg, timed, args.repeats, args.warmup)
+  costs.complete(needed)
+  result = {'config': args.config, 'overrides': args.overrides, 'args': vars(args),
+            'device': common.device_info(), 'slices': n, 'micro_batch': b,
+            'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo), 'granule': granule,
+            'max_degraded_rows': max_rows, 'costs': costs.to_json(), 'measurement': measurement,
+            'cost_model': model_check(costs), 'notes': NOTES}
+  result['results'] = replay_all(costs, args, n, b, granule, max_rows)
+  common.emit(result, tables(result), args.json)
+  return result
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,278 @@
+"""Failure replay on a simulated cluster: step time per live set from per-role costs, no devices."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Sequence
+
+import numpy as np
+
+from mecefo_jax import takeover
+from mecefo_jax.steps import Role, split_passes
+
+CHECKPOINT = 'checkpoint-restart'
+
+
+# --- roles --------------------------------------------------------------------------------------
+
+def slice_roles(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
+                max_rows: int = 0) -> dict[int, Role]:
+  """Role of every live slice in one step, derived as Controller._role does."""
+  work, _ = takeover.plan(live, n_slices, micro_batch, policy, granule)
+  max_rows = max_rows or 2 * micro_batch
+  roles = {}
+  for s, w in work.items():
+    exact, degraded = w.counts()
+    roles[s] = Role(exact, degraded, split_passes(degraded, max_rows))
+  return roles
+
+
+def live_sets(n_slices: int):
+  """Every non-empty set of live slices."""
+  for k in range(1, n_slices + 1):
+    yield from itertools.combinations(range(n_slices), k)
+
+
+def needed_roles(n_slices: int, micro_batch: int, policies: Sequence[str], granule: int = 1,
+                 max_rows: int = 0) -> set[Role]:
+  """Every role any failure pattern can give a slice under `policies` (all 2^n - 1 live sets)."""
+  return {r for p in policies for live in live_sets(n_slices)
+          for r in slice_roles(live, n_slices, micro_batch, p, granule, max_rows).values()}
+
+
+# --- cost model ---------------------------------------------------------------------------------
+
+def features(role: Role) -> list[float]:
+  """Linear model: program overhead + exact rows + degraded passes + degraded rows."""
+  degraded = role.degraded > 0
+  return [1.0, role.exact, role.passes if degraded else 0.0, role.degraded]
+
+
+def fit(costs: dict[Role, float]) -> np.ndarray:
+  """Least-squares coefficients of `features` from measured role costs."""
+  roles = sorted(costs)
+  a = np.asarray([features(r) for r in roles])
+  return np.linalg.lstsq(a, np.asarray([costs[r] for r in roles]), rcond=None)[0]
+
+
+def predict(coef: np.ndarray, role: Role) -> float:
+  return float(np.dot(coef, features(role)))
+
+
+@dataclasses.dataclass
+class ClusterCosts:
+  """Seconds, measured on one slice. Group programs run per slice, then one update program."""
+  normal_s: float  # fused normal step: fault-free, and any step where all live slices are normal
+  update_s: float  # cross-slice update program (the §3 combine + optimizer) after the groups
+  group_s: dict[Role, float]  # per-slice contribution program of each role
+  group_compile_s: dict[Role, float]
+  fused_compile_s: float
+  update_compile_s: float
+  refresh_s: float = 0.0  # svd bases refresh, run every tau steps while degraded work runs
+  refresh_compile_s: float = 0.0
+  tau: int = 10
+  rejoin_s: float = 0.0  # state copy onto a repaired slice
+  restore_s: float = 0.0  # checkpoint-restart: state restore on restart
+  modelled: set = dataclasses.field(default_factory=set)  # roles whose cost is predicted
+
+  def complete(self, roles: set[Role]) -> 'ClusterCosts':
+    """Fills roles not measured from the linear fit (and mean compile time); marks them modelled."""
+    missing = set(roles) - set(self.group_s)
+    if not missing:
+      return self
+    coef = fit({r: s for r, s in self.group_s.items() if r not in self.modelled})
+    compile_mean = float(np.mean(list(self.group_compile_s.values())))
+    for r in missing:
+      self.group_s[r] = predict(coef, r)
+      self.group_compile_s[r] = compile_mean
+    self.modelled |= missing
+    return self
+
+  def to_json(self) -> dict:
+    roles = [{'exact': r.exact, 'degraded': r.degraded, 'passes': r.passes, 'step_s': self.group_s[r],
+              'compile_s': self.group_compile_s[r], 'modelled': r in self.modelled}
+             for r in sorted(self.group_s)]
+    scalars = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ('group_s', 'group_compile_s', 'modelled')}
+    return {**scalars, 'roles': roles}
+
+  @classmethod
+  def from_json(cls, d: dict) -> 'ClusterCosts':
+    roles = {Role(r['exact'], r['degraded'], r['passes']): r for r in d['roles']}
+    scalars = {k: v for k, v in d.items() if k != 'roles'}
+    return cls(**scalars, group_s={r: v['step_s'] for r, v in roles.items()},
+               group_compile_s={r: v['compile_s'] for r, v in roles.items()},
+               modelled={r for r, v in roles.items() if v['modelled']})
+
+
+class PolicyModel:
+  """Step time, samples per step and compile time of a live set under one takeover policy."""
+
+  def __init__(self, policy: str, n_slices: int, micro_batch: int, costs: ClusterCosts,
+               granule: int = 1, max_rows: int = 0):
+    self.policy, self.n, self.b, self.costs = policy, n_slices, micro_batch, costs
+    self.granule, self.max_rows = granule, max_rows
+    self._cache: dict = {}
+
+  def _roles(self, live):
+    return slice_roles(live, self.n, self.b, self.policy, self.granule, self.max_rows)
+
+  def step(self, live: tuple[int, ...]) -> tuple[float, int]:
+    """(seconds, samples) of one step on `live`; the slowest live slice sets the pace."""
+    if live not in self._cache:
+      self._cache[live] = self._step(live)
+    return self._cache[live]
+
+  def _step(self, live):
+    c = self.costs
+    if self.policy == CHECKPOINT:
+      # Restarted on fewer slices, the full batch is kept by more micro-batches per slice.
+      return c.normal_s * math.ceil(self.n / len(live)), self.n * self.b
+    samples = (len(live) if self.policy == 'drop' else self.n) * self.b
+    roles = set(self._roles(live).values())
+    if roles == {Role(self.b)}:
+      return c.normal_s, samples  # uniform normal role: the fused step (Controller._run)
+    refresh = c.refresh_s / c.tau if any(r.degraded for r in roles) else 0.0
+    return max(c.group_s[r] for r in roles) + c.update_s + refresh, samples
+
+  def compile_s(self, live: tuple[int, ...]) -> float:
+    """Programs the controller compiles for a new live set: one per role group + update (+ refresh)."""
+    c = self.costs
+    roles = set(self._roles(live).values()) if self.policy != CHECKPOINT else {Role(self.b)}
+    if roles == {Role(self.b)}:
+      return c.fused_compile_s
+    refresh = c.refresh_compile_s if any(r.degraded for r in roles) else 0.0
+    return sum(c.group_compile_s[r] for r in roles) + c.update_compile_s + refresh
+
+
+# --- failures and replay ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  time_s: float
+  slice: int
+  kind: str  # 'fail' | 'repair'
+
+
+def poisson_failures(mean_s: float, repair_s: float, n_slices: int, horizon_s: float,
+                     seed: int) -> list[Event]:
+  """FailureSchedule.preset's process (same draws for the same seed) kept in continuous time."""
+  rng, t, repaired_at, events = np.random.default_rng(seed), 0.0, {}, []
+  while True:
+    t += rng.exponential(mean_s)
+    if t >= horizon_s:
+      # Repairs first at equal times: a slice repaired and failed at once ends up failed.
+      return sorted(events, key=lambda e: (e.time_s, e.kind != 'repair', e.slice))
+    live = [s for s in range(n_slices) if repaired_at.get(s, -1.0) <= t]
+    if not live:
+      continue
+    victim = int(rng.choice(live))
+    repaired_at[victim] = t + repair_s
+    events.append(Event(t, victim, 'fail'))
+    if repaired_at[victim] < horizon_s:
+      events.append(Event(repaired_at[victim], victim, 'repair'))
+
+
+@dataclasses.dataclass
+class Tally:
+  samples: float = 0.0
+  steps: int = 0  # steps run (checkpoint-restart: including steps later lost)
+  live_slice_s: float = 0.0  # integral over time of the number of live slices
+  failed_s: float = 0.0  # time with at least one slice down
+  all_down_s: float = 0.0  # time with no live slice: no progress
+  compile_s: float = 0.0
+  rejoin_s: float = 0.0  # checkpoint-restart: restore time of its restarts
+  restarts: int = 0
+  lost_steps: int = 0  # checkpoint-restart: steps redone after a failure
+
+
+def _apply_due(events, i, now, failed):
+  """Applies events due by `now`; returns (next index, any fail, any repair) that changed state."""
+  fails = repairs = False
+  while i < len(events) and events[i].time_s <= now:
+    e = events[i]
+    if e.kind == 'fail' and e.slice not in failed:
+      failed.add(e.slice)
+      fails = True
+    elif e.kind == 'repair' and e.slice in failed:
+      failed.discard(e.slice)
+      repairs = True
+    i += 1
+  return i, fails, repairs
+
+
+def replay(events: Sequence[Event], n_slices: int, horizon_s: float, model: PolicyModel,
+           checkpoint_every: int = 500) -> Tally:
+  """Back-to-back steps over `horizon_s`; due events take effect at the next step boundary.
+
+  MeCeFO policies: a new live set pays its compile once (cached), a repair pays one rejoin.
+  checkpoint-restart: any change of the live set restarts the job (restore + compile); a
+  failure also loses the steps since the last checkpoint (taken every `checkpoint_every`).
+  """
+  tally, failed, seen, i, now = Tally(), set(), {tuple(range(n_slices))}, 0, 0.0
+  progress, restart_due, ckpt = 0, False, model.policy == CHECKPOINT
+  while now < horizon_s:
+    i, fails, repairs = _apply_due(events, i, now, failed)
+    live = tuple(s for s in range(n_slices) if s not in failed)
+    start, next_t = now, events[i].time_s if i < len(events) else horizon_s
+    step_s, samples = model.step(live) if live else (0.0, 0)
+    if ckpt and fails:
+      # Rewind to the last checkpoint: the steps since then are redone, their samples not counted.
+      lost = progress % checkpoint_every
+      progress -= lost
+      tally.lost_steps += lost
+      tally.samples -= lost * model.n * model.b
+    restart_due |= ckpt and (fails or repairs)
+    if not live:
+      now = min(next_t, horizon_s)
+      tally.all_down_s += now - start
+    else:
+      now += _overheads(tally, model, live, seen, repairs, restart_due, ckpt)
+      restart_due = False
+      n_steps = max(1, math.ceil((next_t - now) / step_s))
+      room = (horizon_s - now) / step_s
+      run = min(n_steps, room)  # the window may end inside the last step: credit the fraction
+      if run > 0:
+        tally.samples += run * samples
+        tally.steps += math.ceil(run)
+        progress += int(run)
+      now += max(run, 0) * step_s
+    span = min(now, horizon_s) - start
+    tally.live_slice_s += len(live) * span
+    tally.failed_s += span if failed else 0.0
+  return tally
+
+
+def _overheads(tally, model, live, seen, repairs, restart_due, ckpt) -> float:
+  """Seconds before the next step can run: compile of a new live set, rejoin or restart."""
+  c, spent = model.costs, 0.0
+  if ckpt:
+    if restart_due:  # a fresh process: nothing compiled is cached
+      compile_s = model.compile_s(live)
+      tally.compile_s, tally.rejoin_s, tally.restarts = \
+          tally.compile_s + compile_s, tally.rejoin_s + c.restore_s, tally.restarts + 1
+      spent = compile_s + c.restore_s
+    return spent
+  if repairs:
+    tally.rejoin_s += c.rejoin_s
+    spent += c.rejoin_s
+  if live not in seen:
+    seen.add(live)
+    compile_s = model.compile_s(live)
+    tally.compile_s += compile_s
+    spent += compile_s
+  return spent
+
+
+def summarize(tallies: Sequence[Tally], horizon_s: float, fault_free_throughput: float) -> dict:
+  """Seed-averaged drop in throughput and failure statistics of one policy under one preset."""
+  drops = [100.0 * (1.0 - t.samples / horizon_s / fault_free_throughput) for t in tallies]
+  mean = lambda key: float(np.mean([getattr(t, key) for t in tallies]))
+  return {'drop_pct': float(np.mean(drops)), 'drop_pct_std': float(np.std(drops)),
+          'drop_pct_per_seed': drops, 'mean_live_slices': mean('live_slice_s') / horizon_s,
+          'failure_time_frac': mean('failed_s') / horizon_s,
+          'all_down_time_frac': mean('all_down_s') / horizon_s, 'steps': mean('steps'),
+          'compile_time_frac': mean('compile_s') / horizon_s,
+          'rejoin_time_frac': mean('rejoin_s') / horizon_s, 'restarts': mean('restarts'),
+          'lost_steps': mean('lost_steps')}

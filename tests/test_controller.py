@@ -1,0 +1,209 @@
+"""Controller on 8 fake devices: takeover, rejoin, equivalence with the fault-free step, goodput."""
+import functools
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from mecefo_jax import data, model, sharding, steps, train_state
+from mecefo_jax.config import load_config
+from mecefo_jax.controller import AllSlicesDown, Controller, SliceFailure
+from mecefo_jax.failures import FailureSchedule
+
+pytestmark = pytest.mark.usefixtures('devices')
+
+TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
+        'model.n_layers=1', 'model.vocab_size=256', 'train.micro_batch=4']
+MESHES = {'4x2': ('mesh.slice=4', 'mesh.fsdp=2'), '8x1': ('mesh.slice=8',),
+          '2x4': ('mesh.slice=2', 'mesh.tensor=4')}
+B, L = 4, 16
+CORPUS = data.SyntheticCorpus(vocab_size=256, seq_len=L, seed=0)
+ALL4 = (0, 1, 2, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(name):
+  """(mesh, jitted sharded init, graphdef, programs compiled so far on this mesh)."""
+  cfg = load_config(None, [*TINY, *MESHES[name]])
+  mesh = sharding.make_mesh(cfg.mesh)
+  init = jax.jit(lambda: train_state.init_state(cfg),
+                 out_shardings=train_state.state_shardings(cfg, mesh))
+  return mesh, init, model.abstract(cfg.model)[0], {}
+
+
+def _controller(name='4x2', *faults, schedule=None):
+  """A fresh controller (fresh state); programs compiled by earlier tests on the mesh are reused
+  (they depend on the model and mesh, not on faults.*); those it compiles itself are booked."""
+  cfg = load_config(None, [*TINY, *MESHES[name], *faults])
+  mesh, init, graphdef, cache = _mesh(name)
+  schedule = schedule or FailureSchedule(mesh.shape['slice'])
+  c = Controller(cfg, mesh, graphdef, CORPUS, schedule, init())
+  own = c._program
+
+  def program(key, build):
+    if key in cache:
+      c._programs.setdefault(key, cache[key])
+    return cache.setdefault(key, own(key, build))
+  c._program = program
+  return c
+
+
+def _host(tree):
+  """A real host copy (on CPU device_get can alias buffers that the next step donates)."""
+  return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
+
+
+@functools.lru_cache(maxsize=None)
+def _fault_free_step0():
+  """(params before, loss, params after) of the fault-free fused step 0 on 4x2."""
+  c = _controller()
+  params0 = _host(c.state.params)
+  loss = float(c.step(0)['loss'])
+  return params0, loss, _host(c.state.params)
+
+
+def _assert_params_close(got, want):
+  for a, b in zip(jax.tree.leaves(_host(got)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# --- failure and rejoin on three meshes ---------------------------------------------------
+
+RUNS = {'4x2': ('neighbor', 2), '8x1': ('spread', 2), '2x4': ('neighbor', 1)}
+
+
+@functools.lru_cache(maxsize=None)
+def _fail_and_rejoin(name):
+  """Steps 0-3: normal, slice fails at 1, repaired (rejoins) at 3. Returns (controller, losses)."""
+  policy, victim = RUNS[name]
+  n = _mesh(name)[0].shape['slice']
+  c = _controller(name, f'faults.takeover={policy}',
+                  schedule=FailureSchedule(n).fail_at(victim, 1).repair_at(victim, 3))
+  return c, [float(c.step(t)['loss']) for t in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', RUNS)
+def test_fail_and_rejoin_replicas_bit_identical(name):
+  c, losses = _fail_and_rejoin(name)
+  n, victim = c.n_slices, RUNS[name][1]
+  assert [(e['step'], e['slice'], e['kind']) for e in c.events] == [(1, victim, 'fail'),
+                                                                     (3, victim, 'repair')]
+  hashes = c.replica_hashes()
+  assert sorted(hashes) == list(range(n)) and len(set(hashes.values())) == 1
+  assert all(map(math.isfinite, losses)), losses
+  assert c.samples == {'exact': 4 * n * B - c.samples['degraded'], 'degraded': c.samples['degraded'],
+                       'dropped': 0} and c.samples['degraded'] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['8x1', '2x4'])  # meshes whose programs no other test compiles
+def test_goodput_after_failures(name):
+  c, _ = _fail_and_rejoin(name)
+  g = c.goodput
+  assert g['compile'] > 0 and g['degraded_productive'] > 0 and g['normal_productive'] > 0, g
+  assert g['rejoin'] > 0 and g['lost'] == 0, g
+
+
+# --- one slice down on 4x2: the same step as without faults --------------------------------
+
+def test_no_fault_runs_only_the_fused_program():
+  c = _controller()
+  for t in range(2):
+    c.step(t)
+  assert set(c._programs) == {('fused', ALL4, steps.Role(exact=B))}
+  assert c.samples == {'exact': 2 * 4 * B, 'degraded': 0, 'dropped': 0}
+  assert c.goodput['degraded_productive'] == c.goodput['lost'] == 0.0
+
+
+def test_naive_takeover_equals_fault_free_step():
+  params0, loss, params = _fault_free_step0()
+  c = _controller('4x2', 'faults.takeover=naive', schedule=FailureSchedule(4).fail_at(2, 0))
+  metrics = c.step(0)
+  assert c.live() == (0, 1, 3) and ('group', (3,), steps.Role(exact=2 * B)) in c._programs
+  assert c.samples == {'exact': 4 * B, 'degraded': 0, 'dropped': 0}
+  assert float(metrics['exact_tokens']) == 4 * B * L and float(metrics['degraded_tokens']) == 0
+  np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
+  _assert_params_close(c.state.params, params)
+  with pytest.raises(AssertionError):  # the step did move the params
+    _assert_params_close(c.state.params, params0)
+
+
+def test_neighbor_takeover_loss_equals_fault_free_loss():
+  _, loss, _ = _fault_free_step0()
+  c = _controller(schedule=FailureSchedule(4).fail_at(2, 0))
+  metrics = c.step(0)
+  assert ('group', (3,), steps.Role(degraded=2 * B)) in c._programs
+  assert c.samples == {'exact': 2 * B, 'degraded': 2 * B, 'dropped': 0}
+  np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
+
+
+def _mean_loss(params, tokens_NxL1):
+  logits = model.forward(_mesh('4x2')[2], params, tokens_NxL1[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_NxL1[:, 1:]).mean()
+
+
+def test_drop_loss_is_mean_over_live_samples():
+  params0, loss, _ = _fault_free_step0()
+  tokens = data.global_batch(CORPUS, 0, 4, B)
+  full = float(jax.jit(_mean_loss)(params0, tokens.reshape(-1, L + 1)))
+  np.testing.assert_allclose(full, loss, rtol=1e-5)  # the reference reproduces the controller
+  live_only = float(jax.jit(_mean_loss)(params0, tokens[[0, 1, 3]].reshape(-1, L + 1)))
+  c = _controller('4x2', 'faults.takeover=drop', schedule=FailureSchedule(4).fail_at(2, 0))
+  metrics = c.step(0)
+  np.testing.assert_allclose(float(metrics['loss']), live_only, rtol=1e-5)
+  assert abs(live_only - full) > 1e-4
+  assert c.samples == {'exact': 3 * B, 'degraded': 0, 'dropped': B}
+  assert set(c._programs) == {('fused', (0, 1, 3), steps.Role(exact=B))}
+  assert c.goodput['lost'] > 0
+
+
+# --- several slices down -----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_neighbor_of_neighbor_then_last_slice_carries_all_then_all_down():
+  sched = FailureSchedule(4).fail_at(1, 0).fail_at(2, 0).fail_at(3, 1).fail_at(0, 2)
+  c = _controller('4x2', f'faults.max_degraded_rows={2 * B}', schedule=sched)
+  # Step 0: slice 1's neighbour (2) is down too, so slice 3 carries 1, 2 and its own.
+  m0 = c.step(0)
+  assert ('group', (3,), steps.Role(degraded=3 * B, passes=2)) in c._programs
+  # Step 1: slice 0 alone carries all four micro-batches, in passes of at most 2B rows.
+  m1 = c.step(1)
+  assert ('group', (0,), steps.Role(degraded=4 * B, passes=2)) in c._programs
+  assert float(m1['exact_tokens']) == 0 and float(m1['degraded_tokens']) == 4 * B * L
+  assert math.isfinite(float(m0['loss'])) and math.isfinite(float(m1['loss']))
+  assert c.samples == {'exact': B, 'degraded': 7 * B, 'dropped': 0}
+  with pytest.raises(AllSlicesDown, match='--resume'):
+    c.step(2)
+
+
+# --- errors raised while dispatching a slice's work ---------------------------------------
+
+@pytest.mark.parametrize('error', [SliceFailure, lambda s: RuntimeError('device lost')],
+                         ids=['slice_failure', 'any_exception'])
+def test_error_hook_fails_the_slice_and_training_goes_on(error):
+  c = _controller()
+
+  def hook(s, step):
+    if (s, step) == (2, 3):
+      raise error(s)
+  c.error_hooks.append(hook)
+  losses = [float(c.step(t)['loss']) for t in range(5)]
+  assert c.live() == (0, 1, 3) and all(map(math.isfinite, losses)), losses
+  [event] = c.events
+  assert (event['step'], event['slice'], event['kind']) == (3, 2, 'fail')
+  assert event['source'].startswith('error: ')
+  # Steps 0-2 normal; 3 and 4: slice 3 carries slice 2's micro-batch, degraded.
+  assert c.samples == {'exact': 3 * 4 * B + 2 * 2 * B, 'degraded': 2 * 2 * B, 'dropped': 0}
+
+
+def test_error_naming_a_failed_slice_is_raised_not_retried():
+  c = _controller(schedule=FailureSchedule(4).fail_at(1, 0))
+
+  def hook(s, step):
+    raise SliceFailure(1)
+  c.error_hooks.append(hook)
+  with pytest.raises(SliceFailure):
+    c.step(0)

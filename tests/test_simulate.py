@@ -1,0 +1,89 @@
+"""Failure replay simulation: failure process, roles per live set, cost model, time accounting."""
+import numpy as np
+import pytest
+
+from mecefo_jax import simulate
+from mecefo_jax.failures import PRESETS, FailureSchedule
+from mecefo_jax.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, Role, replay
+
+N, B = 4, 8
+
+
+def _costs(**kw):
+  group = {Role(B): 1.0, Role(2 * B): 2.0, Role(0, 2 * B): 1.5, Role(0, 3 * B, 2): 2.5}
+  base = dict(normal_s=1.0, update_s=0.0, group_s=group, group_compile_s=dict.fromkeys(group, 10.0),
+              fused_compile_s=5.0, update_compile_s=1.0)
+  return ClusterCosts(**{**base, **kw})
+
+
+def _model(policy, costs=None):
+  costs = costs or _costs()
+  costs.complete(simulate.needed_roles(N, B, [policy] if policy != CHECKPOINT else []))
+  return PolicyModel(policy, N, B, costs)
+
+
+def test_poisson_failures_match_the_preset_schedule():
+  mean_h, repair_h = PRESETS['high']
+  step_s, steps = 60.0, 5000
+  events = simulate.poisson_failures(mean_h * 3600, repair_h * 3600, 8, steps * step_s, seed=3)
+  ours = sorted((int(e.time_s // step_s), e.slice, e.kind) for e in events)
+  theirs = [(e.step, e.slice, e.kind) for e in
+            FailureSchedule.preset('high', 8, steps, step_s, seed=3).all_events()]
+  assert ours == theirs and len(ours) > 100
+
+
+def test_fault_free_replay_loses_nothing():
+  t = replay([], N, 1000.0, _model('neighbor'))
+  assert t.samples == pytest.approx(1000.0 * N * B) and t.steps == 1000
+  assert t.failed_s == 0 and t.live_slice_s == pytest.approx(N * 1000.0)
+
+
+def test_drop_loses_the_failed_slices_rows():
+  t = replay([Event(0.0, 1, 'fail')], N, 1000.0, _model('drop'))
+  # The fused program of the new live set compiles first (5 s), then 995 steps of N-1 slices.
+  assert t.samples == pytest.approx(995.0 * (N - 1) * B)
+  assert t.compile_s == 5.0 and t.failed_s == pytest.approx(1000.0)
+
+
+def test_neighbor_step_is_the_slowest_carrier_and_compiles_once_per_live_set():
+  events = [Event(0.0, 1, 'fail'), Event(100.0, 1, 'repair'), Event(200.0, 1, 'fail')]
+  costs = _costs(rejoin_s=3.0)
+  t = replay(events, N, 1000.0, _model('neighbor', costs))
+  # live (0,2,3): groups Role(B) + Role(0,2B) compiled once (20 s) + update (1 s).
+  assert t.compile_s == 21.0 and t.rejoin_s == 3.0
+  model = _model('neighbor', costs)
+  assert model.step((0, 2, 3)) == (1.5, N * B)
+  assert model.step((0, 3)) == (2.5, N * B)
+
+
+def test_all_slices_down_is_lost_time():
+  events = [Event(10.0, s, 'fail') for s in range(N)] + [Event(60.0, 0, 'repair')]
+  t = replay(events, N, 1000.0, _model('spread'))
+  assert t.all_down_s == pytest.approx(50.0)
+  assert t.samples < (1000.0 - 50.0) * N * B
+
+
+def test_checkpoint_restart_rewinds_to_the_last_checkpoint():
+  costs = _costs(restore_s=2.0)
+  t = replay([Event(130.0, 0, 'fail')], N, 1000.0, _model(CHECKPOINT, costs), checkpoint_every=50)
+  # 130 steps run, 30 since the checkpoint at 100 are lost; restart = restore 2 + compile 5;
+  # then 863 s of 2 s steps (ceil(4 / 3) micro-batches per slice) until the end of the window.
+  assert t.lost_steps == 30 and t.restarts == 1
+  assert t.samples == pytest.approx((130 - 30 + 863 / 2) * N * B)
+
+
+def test_needed_roles_cover_carriers_and_spread_shares():
+  roles = simulate.needed_roles(4, 8, ['neighbor', 'spread', 'naive'])
+  assert {Role(8), Role(0, 16), Role(0, 24, 2), Role(0, 32, 2), Role(16), Role(32)} <= roles
+  assert Role(8, 3) in roles and Role(8, 8) in roles  # one orphan over 3 live; two over 2 live
+
+
+def test_fit_recovers_a_linear_cost_and_marks_modelled_roles():
+  coef = np.array([0.5, 0.1, 0.2, 0.05])
+  roles = [Role(8), Role(16), Role(0, 16), Role(0, 24, 2), Role(8, 2)]
+  costs = _costs(group_s={r: simulate.predict(coef, r) for r in roles},
+                 group_compile_s=dict.fromkeys(roles, 4.0))
+  costs.complete({Role(0, 40, 4)})
+  assert costs.group_s[Role(0, 40, 4)] == pytest.approx(simulate.predict(coef, Role(0, 40, 4)))
+  assert costs.modelled == {Role(0, 40, 4)}
+  assert ClusterCosts.from_json(costs.to_json()) == costs

@@ -1,0 +1,257 @@
+"""Tests for in-memory snapshots (Orbax + manifests + durable tier) and XOR parity groups."""
+import asyncio
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mecefo_jax import parity, snapshot
+from mecefo_jax.snapshot import SnapshotError, SnapshotManager, SnapshotWarning
+from mecefo_jax.train_state import TrainState
+
+META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
+
+
+@pytest.fixture(scope='module')
+def mesh(devices):
+  return Mesh(np.array(devices).reshape(4, 2, 1), ('slice', 'fsdp', 'tensor'))
+
+
+def make_state(mesh, seed=0, width=64):
+  """A TrainState-shaped pytree whose buffers the runtime owns (so a train step can donate them)."""
+  return _state_builder(mesh, width)(jnp.array(seed, jnp.int32))
+
+
+@functools.lru_cache
+def _state_builder(mesh, width):
+  def build(seed):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    params = {'embed': jax.random.normal(keys[0], (width, 32)),
+              'w': jax.random.normal(keys[1], (32, width)).astype(jnp.bfloat16)}
+    opt_state = {'count': seed, 'mu': jax.tree.map(lambda p: p.astype(jnp.float32) * 0.5, params)}
+    bases = {'block0': {'gate': jax.random.normal(keys[2], (32, 4))}}
+    return TrainState(seed, params, opt_state, bases, jnp.array(-1, jnp.int32),
+                      jax.random.key_data(keys[3]))
+
+  rep = NamedSharding(mesh, P())
+  param_sh = {'embed': NamedSharding(mesh, P('fsdp', 'tensor')),
+              'w': NamedSharding(mesh, P(None, 'fsdp'))}
+  shardings = TrainState(rep, param_sh, {'count': rep, 'mu': param_sh},
+                         {'block0': {'gate': NamedSharding(mesh, P('fsdp'))}}, rep, rep)
+  return jax.jit(build, out_shardings=shardings)
+
+
+def digests(tree):
+  return [hashlib.sha256(np.asarray(leaf).tobytes()).hexdigest() for leaf in jax.tree.leaves(tree)]
+
+
+def abstract(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def step_dirs(directory):
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+@pytest.fixture
+def slow_orbax_writes(monkeypatch):
+  """Holds Orbax's background array writes for 0.5 s, so a save is surely in flight afterwards."""
+  from orbax.checkpoint._src.serialization import jax_array_handlers as handlers
+  original = handlers._async_serialize_replica_slices
+
+  async def delayed(*args, **kwargs):
+    await asyncio.sleep(0.5)
+    return await original(*args, **kwargs)
+
+  monkeypatch.setattr(handlers, '_async_serialize_replica_slices', delayed)
+
+
+# ---- snapshots ------------------------------------------------------------------------------------
+
+def test_round_trip_is_bit_exact_on_target_shardings(tmp_path, mesh):
+  state = make_state(mesh)
+  with SnapshotManager(tmp_path / 'mem', every=2) as manager:
+    assert not manager.maybe_save(1, state, META)
+    assert manager.maybe_save(2, state, META)
+  # A fresh manager, as after a crash of the trainer: reads what the old one left.
+  with SnapshotManager(tmp_path / 'mem', every=2) as manager:
+    step, restored, meta = manager.restore_latest(abstract(state))
+  assert (step, meta) == (2, META)
+  assert isinstance(restored, TrainState)
+  assert digests(restored) == digests(state)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert got.sharding == want.sharding and got.dtype == want.dtype
+
+
+def test_save_is_a_copy_that_survives_donation(tmp_path, mesh, slow_orbax_writes):
+  state = make_state(mesh, width=4096)  # 1.5 MiB of leaves
+  saved_digests = digests(state)
+  buffers = {s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(state)
+             for s in leaf.addressable_shards}
+  train_step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+  with SnapshotManager(tmp_path / 'mem') as manager:
+    manager.maybe_save(0, state, META)
+    new_state = jax.block_until_ready(train_step(state))
+    assert not (tmp_path / 'mem' / '0' / snapshot.MANIFEST_NAME).exists(), 'save not in flight'
+    # Donation really happened: the old arrays are gone and their buffers hold step t+1.
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+    assert {s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(new_state)
+            for s in leaf.addressable_shards} == buffers
+    _, restored, _ = manager.restore_latest(abstract(new_state))
+  assert digests(restored) == saved_digests != digests(new_state)
+
+
+def test_keeps_only_the_last_k(tmp_path, mesh):
+  state = make_state(mesh)
+  with SnapshotManager(tmp_path / 'mem', every=2, keep=2) as manager:
+    for step in range(7):
+      manager.maybe_save(step, state, {'step': step})
+    manager.wait_until_finished()
+    assert step_dirs(tmp_path / 'mem') == [4, 6]
+    step, _, meta = manager.restore_latest(abstract(state))
+  assert step == 6 and meta == {'step': 6}
+
+
+def test_snapshot_without_manifest_is_ignored(tmp_path, mesh, caplog):
+  old, new = make_state(mesh, seed=1), make_state(mesh, seed=2)
+  with SnapshotManager(tmp_path / 'mem') as manager:
+    manager.maybe_save(1, old, META)
+    manager.maybe_save(2, new, META)
+  (tmp_path / 'mem' / '2' / snapshot.MANIFEST_NAME).unlink()  # as if killed before finishing
+  with SnapshotManager(tmp_path / 'mem') as manager, caplog.at_level(logging.WARNING):
+    step, restored, _ = manager.restore_latest(abstract(old))
+  assert step == 1 and digests(restored) == digests(old)
+  assert 'no manifest' in caplog.text and step_dirs(tmp_path / 'mem') == [1]
+
+
+def test_truncated_file_fails_checksum_and_previous_snapshot_is_used(tmp_path, mesh):
+  old, new = make_state(mesh, seed=1), make_state(mesh, seed=2)
+  with SnapshotManager(tmp_path / 'mem') as manager:
+    manager.maybe_save(1, old, META)
+    manager.maybe_save(2, new, META)
+  files = [p for p in (tmp_path / 'mem' / '2').rglob('*') if p.is_file()]
+  largest = max(files, key=lambda p: p.stat().st_size)
+  os.truncate(largest, largest.stat().st_size // 2)
+  with SnapshotManager(tmp_path / 'mem') as manager:
+    with pytest.warns(SnapshotWarning, match=r'snapshot .*/2: .*sha256'):
+      step, restored, _ = manager.restore_latest(abstract(old))
+  assert step == 1 and digests(restored) == digests(old)
+
+
+def test_falls_back_to_durable_when_memory_is_empty(tmp_path, mesh):
+  states = [make_state(mesh, seed=s) for s in range(6)]
+  kwargs = dict(keep=2, durable_dir=tmp_path / 'durable', durable_every=2, durable_keep=2)
+  with SnapshotManager(tmp_path / 'mem', **kwargs) as manager:
+    for step, state in enumerate(states):
+      manager.maybe_save(step, state, {'step': step})
+  assert step_dirs(tmp_path / 'mem') == [4, 5] and step_dirs(tmp_path / 'durable') == [2, 4]
+  shutil.rmtree(tmp_path / 'mem')  # host memory lost (e.g. the machine rebooted)
+  (tmp_path / 'mem').mkdir()
+  with SnapshotManager(tmp_path / 'mem', **kwargs) as manager:
+    step, restored, meta = manager.restore_latest(abstract(states[0]))
+  assert (step, meta) == (4, {'step': 4}) and digests(restored) == digests(states[4])
+  with SnapshotManager(tmp_path / 'empty') as manager:
+    assert manager.restore_latest(abstract(states[0])) is None
+
+
+def test_bad_directories_are_rejected_before_training(tmp_path):
+  with pytest.raises(SnapshotError, match=r'missing/snap: parent .*missing does not exist'):
+    SnapshotManager(tmp_path / 'missing' / 'snap')
+  if os.path.isdir('/proc'):  # Linux: not writable even for root, unlike a chmod-ed dir
+    with pytest.raises(SnapshotError, match=r'/proc/mecefo: /proc is not writable'):
+      snapshot.check_capacity('/proc/mecefo', 1, keep=2)
+  with pytest.raises(SnapshotError, match=r'MiB free < .* MiB needed \(2\+1 snapshots of'):
+    SnapshotManager(tmp_path / 'snap', keep=2, state_bytes=2**60)
+  snapshot.check_capacity(tmp_path / 'snap', 2**20, keep=2)
+
+
+def test_state_nbytes_counts_concrete_and_abstract_leaves(mesh):
+  state = make_state(mesh)
+  expected = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(state))
+  assert snapshot.state_nbytes(state) == snapshot.state_nbytes(abstract(state)) == expected
+
+
+def test_sigterm_waits_for_the_in_flight_snapshot(tmp_path, mesh, slow_orbax_writes):
+  manager = SnapshotManager(tmp_path / 'mem')
+  previous = snapshot.install_sigterm_handler(manager)
+  try:
+    manager.maybe_save(0, make_state(mesh), META)
+    with pytest.raises(SystemExit) as exit_info:
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(5)  # the handler runs in this thread and interrupts the sleep
+    assert exit_info.value.code == 128 + signal.SIGTERM and manager.preempted
+    assert snapshot.verify_manifest(tmp_path / 'mem' / '0') is None
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    manager.close()
+
+
+# ---- parity -------------------------------------------------------------------------------------
+
+def test_xor_parity_rebuilds_any_one_shard_of_unequal_lengths():
+  rng = np.random.default_rng(0)
+  shards = [rng.bytes(n) for n in (0, 5, 1000, 77)]
+  parity_block = parity.encode_group(shards)
+  for lost in range(len(shards)):
+    survivors = [None if i == lost else s for i, s in enumerate(shards)]
+    assert parity.rebuild(survivors, parity_block) == shards[lost]
+  with pytest.raises(parity.ParityError, match='exactly one None'):
+    parity.rebuild([None, None, shards[2], shards[3]], parity_block)
+
+
+def write_tree(root, files):
+  for rel, data in files.items():
+    path = root / rel
+    if data is None:
+      path.mkdir(parents=True, exist_ok=True)
+    else:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_bytes(data)
+
+
+def test_group_of_four_rebuilds_each_lost_host_bit_exact(tmp_path):
+  rng = np.random.default_rng(1)
+  trees = [{'a.bin': rng.bytes(1000), 'sub/deeper/b.bin': rng.bytes(33)},
+           {'big.bin': rng.bytes(300_000), 'empty.bin': b''},
+           {'only/empty/dir': None, 'x/y/z.txt': b'z'},
+           {f'shard{i:02d}': rng.bytes(int(n)) for i, n in enumerate(rng.integers(0, 5000, 20))}]
+  hosts = [tmp_path / f'host{i}' for i in range(4)]
+  snap_dirs, parity_dirs = [h / 'snap' for h in hosts], [h / 'parity' for h in hosts]
+  for snap_dir, files in zip(snap_dirs, trees):
+    write_tree(snap_dir, files)
+  images = [parity.pack_tree(d) for d in snap_dirs]
+  parity.write_group_parity(snap_dirs, parity_dirs)
+  for lost in range(4):
+    block = (parity_dirs[lost] / parity.PARITY_FILE).read_bytes()
+    shutil.rmtree(hosts[lost])  # the whole host: its snapshot and the parity block it kept
+    start = time.perf_counter()
+    parity.rebuild_host(snap_dirs, parity_dirs, lost)
+    logging.info('rebuilt host %d in %.1f ms', lost, 1e3 * (time.perf_counter() - start))
+    assert parity.pack_tree(snap_dirs[lost]) == images[lost]
+    assert (parity_dirs[lost] / parity.PARITY_FILE).read_bytes() == block
+  assert (snap_dirs[2] / 'only' / 'empty' / 'dir').is_dir()
+
+
+def test_rebuilt_host_snapshot_restores(tmp_path, mesh):
+  states = [make_state(mesh, seed=i) for i in range(4)]
+  hosts = [tmp_path / f'host{i}' for i in range(4)]
+  snap_dirs, parity_dirs = [h / 'snap' for h in hosts], [h / 'parity' for h in hosts]
+  for host, snap_dir, state in zip(hosts, snap_dirs, states):  # one process: slices play hosts
+    host.mkdir()
+    with SnapshotManager(snap_dir) as manager:
+      manager.maybe_save(7, state, META)
+  parity.write_group_parity(snap_dirs, parity_dirs)
+  shutil.rmtree(hosts[2])
+  parity.rebuild_host(snap_dirs, parity_dirs, 2)
+  with SnapshotManager(snap_dirs[2]) as manager:
+    step, restored, _ = manager.restore_latest(abstract(states[2]))
+  assert step == 7 and digests(restored) == digests(states[2])
