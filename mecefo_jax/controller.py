@@ -201,7 +201,7 @@ class Controller:
     return steps.Role(exact, degraded, steps.split_passes(degraded, self.max_rows))
 
   def _tokens(self, ids_SxB, w: takeover.SliceWork) -> np.ndarray:
-    ids = [ids_SxB[r.owner if i == 0 else 0, r.start:r.stop] for i, r in enumerate((*w.exact, *w.degraded))]
+    ids = [ids_SxB[r.owner, r.start:r.stop] for r in (*w.exact, *w.degraded)]
     return self.corpus.sequences(np.concatenate(ids))
 
   def _account(self, work, dropped) -> int:

@@ -34,7 +34,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
       o.lr / (warmup + 1), o.lr, warmup, max(cfg.train.steps, warmup + 1),
       end_value=o.lr * o.min_lr_ratio)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  adamw = optax.adamw(schedule, o.b1, o.b2, o.eps, o.weight_decay, mask=decay_mask)
+  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                      mask=decay_mask)
   return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
 
 
