@@ -43,6 +43,7 @@ def main(argv=None) -> dict:
   runs = {}
   for policy in ['fault-free', *args.policies.split(',')]:
     cfg = load_config(args.config, [f'mesh.slice={args.slices}', 'mesh.fsdp=1', 'mesh.tensor=1',
+                                    'snapshot.enabled=false',
                                     f'faults.takeover={"neighbor" if policy == "fault-free" else policy}',
                                     *args.overrides])
     steps = cfg.train.steps
@@ -50,7 +51,7 @@ def main(argv=None) -> dict:
     if policy != 'fault-free':
       schedule.fail_at(1, int(args.fail_at * steps)).repair_at(1, int(args.repair_at * steps))
     with tempfile.TemporaryDirectory() as out:
-      report = Trainer(cfg, schedule).run(Path(out))
+      report = Trainer(cfg, Path(out), schedule).run()
     runs[policy] = {k: report[k] for k in ('eval_loss', 'final_loss', 'wall_s', 'samples', 'goodput',
                                             'params_sha256')}
   base = runs['fault-free']['eval_loss']

@@ -19,6 +19,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='none | low | mid | high (MECEFO.md §5 presets) | trace:PATH (= faults.failures)')
   p.add_argument('--takeover', default=None, choices=('neighbor', 'spread', 'drop', 'naive'),
                  help='who processes a failed slice\'s micro-batch (= faults.takeover)')
+  p.add_argument('--resume', action='store_true',
+                 help='continue from the newest intact snapshot / checkpoint of --out')
+  p.add_argument('--fresh', action='store_true',
+                 help='start from step 0 even if --out holds an unfinished run')
+  p.add_argument('--no-snapshots', action='store_true', help='no in-memory snapshots (= snapshot.enabled=false)')
   p.add_argument('--host-devices', type=int, default=None,
                  help='CPU only: simulate this many devices (XLA host platform), e.g. 8 slices')
   p.add_argument('overrides', nargs='*', help='dotted overrides: section.key=value')
@@ -34,6 +39,7 @@ def main(argv=None) -> int:
   overrides = list(args.overrides)
   overrides += [f'faults.failures={args.failures}'] if args.failures else []
   overrides += [f'faults.takeover={args.takeover}'] if args.takeover else []
+  overrides += ['snapshot.enabled=false'] if args.no_snapshots else []
   logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
   logging.getLogger('mecefo').setLevel(logging.INFO)
   from mecefo_jax.config import ConfigError, load_config, to_dict
@@ -43,16 +49,20 @@ def main(argv=None) -> int:
       import yaml
       print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
       return 0
-    from mecefo_jax import trainer
-    run = trainer.Trainer(cfg)
+    from mecefo_jax import recovery, trainer
+    out_dir = Path(args.out or cfg.train.out_dir)
+    resume = args.resume or (not args.fresh and recovery.unfinished(out_dir))
+    run = trainer.Trainer(cfg, out_dir, resume=resume)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   log = logging.getLogger('mecefo')
   log.info('%s', run.describe())
   log.info('data: %s', run.corpus.describe())
-  out_dir = Path(args.out or cfg.train.out_dir)
-  report = run.run(out_dir)
+  try:
+    report = run.run()
+  finally:
+    run.close()
   log.info('done: %d steps, loss %.4f -> %.4f (entropy floor %.4f) in %.1fs, %.0f tok/s; '
            'report %s', report['steps'], report['first_loss'], report['final_loss'],
            report['entropy_floor'], report['wall_s'], report['tokens_per_s'], out_dir / 'report.json')

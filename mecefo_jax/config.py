@@ -80,6 +80,17 @@ class FaultConfig:
 
 
 @dataclass(frozen=True)
+class SnapshotConfig:
+  enabled: bool = True
+  dir: str = ''  # in-memory tier; '' = /dev/shm/mecefo/<run name> (tmpfs: outlives the trainer)
+  every: int = 1  # steps between in-memory snapshots
+  keep: int = 2
+  durable_dir: str = ''  # durable Orbax tier (local dir or bucket); '' = <out_dir>/checkpoints
+  durable_every: int = 100  # 0 = no durable checkpoints
+  durable_keep: int = 3
+
+
+@dataclass(frozen=True)
 class Config:
   model: ModelConfig = field(default_factory=ModelConfig)
   mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -87,6 +98,7 @@ class Config:
   optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
   train: TrainConfig = field(default_factory=TrainConfig)
   faults: FaultConfig = field(default_factory=FaultConfig)
+  snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
 
 _CHOICES = {
@@ -175,6 +187,11 @@ def validate(cfg: Config) -> Config:
     raise ConfigError(f"mecefo.rank must be in [0, {min(m.d_model, m.ffn_dim)}] (0 = auto), got {mc.rank}")
   if mc.power_iters < 0:
     raise ConfigError(f"mecefo.power_iters must be >= 0, got {mc.power_iters}")
+  sn = cfg.snapshot
+  if sn.every < 1 or sn.keep < 1 or sn.durable_every < 0 or sn.durable_keep < 1:
+    raise ConfigError('snapshot.every, snapshot.keep, snapshot.durable_keep must be >= 1 and '
+                      f'snapshot.durable_every >= 0; got {sn.every}, {sn.keep}, {sn.durable_keep}, '
+                      f'{sn.durable_every}')
   f = cfg.faults
   if f.failures not in ('none', 'low', 'mid', 'high') and not f.failures.startswith('trace:'):
     raise ConfigError(f"faults.failures must be none, low, mid, high or trace:PATH, got {f.failures!r}")

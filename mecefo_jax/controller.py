@@ -225,6 +225,24 @@ class Controller:
       self.state = self._refresh(live)(self.state)
       self._bases_step = step
 
+  # --- snapshot / resume ---------------------------------------------------------------------
+  def dump_meta(self) -> dict:
+    """The controller's host state as JSON-able data (saved with every snapshot)."""
+    return {'failed': sorted(self.failed), 'events': self.events, 'goodput': self.goodput,
+            'samples': dict(self.samples)}
+
+  def load_meta(self, meta: dict, step: int) -> None:
+    """Restores dump_meta() output; the state was just restored onto every slice."""
+    self.failed = set(meta['failed'])
+    self.events, self.goodput = list(meta['events']), dict(meta['goodput'])
+    self.samples = collections.Counter(meta['samples'])
+    self.state_slices = tuple(range(self.n_slices))
+    self._bases_step, self._last_end = None, None
+    if len(self.failed) == self.n_slices:
+      # The run stopped with every slice down; a resume means the devices are back.
+      for s in sorted(self.failed):
+        self._apply(FailureEvent(step, s, 'repair', 'resume'), 0.0)
+
   # --- checks ------------------------------------------------------------------------------
   def replica_hashes(self) -> dict[int, str]:
     """sha256 of the params held by each live slice (bit-identical replicas hash equal)."""

@@ -1,4 +1,4 @@
-"""The training loop: mesh, sharded state, failure-aware controller, logging and report.json."""
+"""The training loop: mesh, sharded state, failure-aware controller, snapshots, report.json."""
 from __future__ import annotations
 
 import hashlib
@@ -10,11 +10,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mecefo_jax import model, sharding, steps, train_state
+from mecefo_jax import model, recovery, sharding, steps, train_state
 from mecefo_jax.config import Config, to_dict
 from mecefo_jax.controller import AllSlicesDown, Controller
 from mecefo_jax.data import SyntheticCorpus, sample_ids
 from mecefo_jax.failures import FailureSchedule
+from mecefo_jax.snapshot import state_nbytes
 
 log = logging.getLogger('mecefo')
 
@@ -37,8 +38,9 @@ def param_count(params) -> int:
 class Trainer:
   """Builds everything once (the fault-free step compiled ahead of time), then trains."""
 
-  def __init__(self, cfg: Config, schedule: FailureSchedule | None = None):
-    self.cfg = cfg
+  def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,
+               resume: bool = False):
+    self.cfg, self.out_dir = cfg, Path(out_dir)
     self.mesh = sharding.make_mesh(cfg.mesh)
     self.n_slices = self.mesh.shape['slice']
     m = cfg.model
@@ -47,15 +49,35 @@ class Trainer:
     f = cfg.faults
     self.schedule = schedule or FailureSchedule.from_spec(
         f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s, cfg.train.seed)
+    abstract = jax.eval_shape(lambda: train_state.init_state(cfg))
+    self.out_dir.mkdir(parents=True, exist_ok=True)
+    self.snapshots = recovery.open_manager(cfg, self.out_dir, state_nbytes(abstract))
     t0 = time.perf_counter()
     shardings = train_state.state_shardings(cfg, self.mesh)
     state = jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)()
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state)
-    # Compile the fault-free step now, so that step 0 runs at full speed.
+    self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
+    if resume:
+      self._resume(abstract)
+    # Compile the fault-free step now, so that the first step runs at full speed.
     all_slices = tuple(range(self.n_slices))
     self.memory = steps.memory_summary(
         self.controller._fused(all_slices, steps.Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
+
+  def _resume(self, abstract) -> None:
+    restored = self.snapshots and recovery.restore(self.snapshots, self.cfg, self.mesh, abstract)
+    if not restored:
+      log.warning('resume: no intact snapshot or checkpoint found; starting from step 0')
+      return
+    step, state, meta = restored
+    reached = recovery.last_logged_step(self.out_dir)
+    self.steps_lost = max(0, reached + 1 - step) if reached is not None else None
+    self.controller.state = state
+    self.controller.load_meta(meta['controller'], step)
+    self.start_step, self.losses, self.resumed_from = step, meta['losses'], step
+    log.warning('resumed from the snapshot after step %d; the previous process had logged step '
+                '%s, so %s step(s) are trained again', step, reached, self.steps_lost)
 
   @property
   def state(self):
@@ -67,7 +89,8 @@ class Trainer:
     return (f'model {n / 1e6:.2f}M params | mesh {dict(self.mesh.shape)} on {jax.device_count()} '
             f'{jax.devices()[0].platform} device(s) | global batch {self.n_slices}x'
             f'{self.cfg.train.micro_batch}x{self.cfg.model.seq_len} tokens | failures '
-            f'{f.failures}, takeover {f.takeover} | compile {self.compile_s:.1f}s')
+            f'{f.failures}, takeover {f.takeover} | snapshots '
+            f'{"on" if self.snapshots else "off"} | compile {self.compile_s:.1f}s')
 
   def evaluate(self, n_batches: int = 4) -> float:
     """Mean loss on held-out samples (ids disjoint from training), on the live slices."""
@@ -84,15 +107,13 @@ class Trainer:
                                   jax.device_put(tokens, sharding.batch_sharding(mesh)))))
     return float(np.mean(losses))
 
-  def run(self, out_dir: Path) -> dict:
-    cfg = self.cfg
-    out_dir.mkdir(parents=True, exist_ok=True)
-    losses, stopped = [], None
+  def run(self) -> dict:
+    cfg, stopped, step = self.cfg, None, self.start_step
     tokens_per_step = self.n_slices * cfg.train.micro_batch * cfg.model.seq_len
+    recovery.write_run_state(self.out_dir, 'running')
     t_start = time.perf_counter()
-    step = 0
-    with open(out_dir / 'metrics.jsonl', 'w') as metrics_file:
-      for step in range(cfg.train.steps):
+    with open(self.out_dir / 'metrics.jsonl', 'a') as metrics_file:
+      for step in range(self.start_step, cfg.train.steps):
         try:
           metrics = self.controller.step(step, time.perf_counter() - t_start)
         except AllSlicesDown as err:
@@ -101,31 +122,50 @@ class Trainer:
           break
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
           row = self._log_row(step, metrics, time.perf_counter() - t_start, tokens_per_step)
-          losses.append((step, row['loss']))
+          self.losses.append((step, row['loss']))
           metrics_file.write(json.dumps(row) + '\n')
+          metrics_file.flush()
+        self._snapshot(step + 1)
       else:
         step = cfg.train.steps
     jax.block_until_ready(self.state)
     wall_s = time.perf_counter() - t_start
-    report = self._report(step, losses, wall_s, stopped)
+    if self.snapshots:
+      self.snapshots.wait_until_finished()
+    report = self._report(step, wall_s, stopped)
     if not stopped:
       report['eval_loss'] = self.evaluate()
       log.info('eval loss %.4f (perplexity %.3f)', report['eval_loss'], np.exp(report['eval_loss']))
-    (out_dir / 'report.json').write_text(json.dumps(report, indent=2))
+    (self.out_dir / 'report.json').write_text(json.dumps(report, indent=2))
+    recovery.write_run_state(self.out_dir, 'stopped' if stopped else 'finished')
     return report
+
+  def _snapshot(self, steps_done: int) -> None:
+    """Async snapshot of the state after `steps_done` steps (one replica, copied off donation)."""
+    if not self.snapshots:
+      return
+    c = self.controller
+    meta = {'controller': c.dump_meta(), 'losses': self.losses, 'reached': steps_done}
+    self.snapshots.maybe_save(steps_done, recovery.one_replica(self.cfg, c.state, self.mesh,
+                                                               c.state_slices), meta)
+
+  def close(self) -> None:
+    if self.snapshots:
+      self.snapshots.close()
 
   def _log_row(self, step, metrics, wall_s, tokens_per_step) -> dict:
     row = {'step': step, **{k: float(v) for k, v in metrics.items()}, 'wall_s': wall_s,
            'live_slices': len(self.controller.live())}
     log.info('step %d/%d loss %.4f grad_norm %.3f live %d/%d tok/s %.0f', step, self.cfg.train.steps,
              row['loss'], row['grad_norm'], row['live_slices'], self.n_slices,
-             tokens_per_step * (step + 1) / wall_s)
+             tokens_per_step * (step + 1 - self.start_step) / wall_s)
     return row
 
-  def _report(self, steps_done, losses, wall_s, stopped) -> dict:
+  def _report(self, steps_done, wall_s, stopped) -> dict:
     c, cfg = self.controller, self.cfg
     samples = dict(c.samples)
     trained_tokens = (samples.get('exact', 0) + samples.get('degraded', 0)) * cfg.model.seq_len
+    losses = self.losses
     return {
         'steps': steps_done, 'first_loss': losses[0][1] if losses else None,
         'final_loss': losses[-1][1] if losses else None, 'tokens': trained_tokens,
@@ -137,5 +177,7 @@ class Trainer:
         'failures': cfg.faults.failures, 'failure_events': c.events,
         'scheduled_events': [e.to_dict() for e in self.schedule.all_events()],
         'samples': samples, 'goodput': c.goodput, 'stopped': stopped,
-        'live_slices_at_end': list(c.live()), 'config': to_dict(cfg),
+        'resumed_from_step': self.resumed_from, 'steps_lost': self.steps_lost,
+        'live_slices_at_end': list(c.live()),
+        'config': to_dict(cfg),
     }

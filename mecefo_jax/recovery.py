@@ -1,0 +1,79 @@
+"""Snapshots in a run: open the tiers, save each step off the critical path, resume bit-exactly."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import jax
+
+from mecefo_jax import sharding, slice_steps
+from mecefo_jax.config import Config, ConfigError
+from mecefo_jax.snapshot import SnapshotError, SnapshotManager, default_snapshot_dir
+from mecefo_jax.train_state import state_shardings
+
+log = logging.getLogger('mecefo')
+RUN_STATE = 'run_state.json'
+
+
+def run_name(out_dir: Path) -> str:
+  """Stable per run directory, so a resumed trainer finds its tmpfs snapshots."""
+  resolved = str(Path(out_dir).resolve())
+  return f'{Path(resolved).name}-{hashlib.sha1(resolved.encode()).hexdigest()[:8]}'
+
+
+def open_manager(cfg: Config, out_dir: Path, state_bytes: int) -> SnapshotManager | None:
+  """The snapshot tiers of this run (capacity checked now), or None with --no-snapshots."""
+  sn = cfg.snapshot
+  if not sn.enabled:
+    return None
+  directory = Path(sn.dir) if sn.dir else default_snapshot_dir(run_name(out_dir))
+  durable = sn.durable_dir or str(Path(out_dir).resolve() / 'checkpoints')
+  try:
+    return SnapshotManager(directory, every=sn.every, keep=sn.keep, durable_dir=durable,
+                           durable_every=sn.durable_every, durable_keep=sn.durable_keep,
+                           state_bytes=state_bytes)
+  except SnapshotError as err:
+    raise ConfigError(f'{err} (set snapshot.dir=..., or --no-snapshots)') from None
+
+
+def one_replica(cfg: Config, state, mesh, live):
+  """A view of the state on the first live slice: the snapshot needs one replica, not n."""
+  first = sharding.submesh(mesh, (live[0],))
+  return slice_steps.view(state, first, state_shardings(cfg, first))
+
+
+def restore(manager: SnapshotManager, cfg: Config, mesh, abstract_state):
+  """(step, state on the full mesh, meta) from the newest intact snapshot, else None."""
+  shardings = state_shardings(cfg, mesh)
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_state, shardings)
+  return manager.restore_latest(target)
+
+
+def write_run_state(out_dir: Path, status: str, **extra) -> None:
+  """`running` until the run ends; a `running` or `stopped` run is resumed automatically."""
+  tmp = Path(out_dir) / (RUN_STATE + '.tmp')
+  tmp.write_text(json.dumps({'status': status, **extra}))
+  tmp.replace(Path(out_dir) / RUN_STATE)
+
+
+def unfinished(out_dir: Path) -> bool:
+  path = Path(out_dir) / RUN_STATE
+  return path.is_file() and json.loads(path.read_text()).get('status') in ('running', 'stopped')
+
+
+
+def last_logged_step(out_dir: Path) -> int | None:
+  """The last step a previous process logged to metrics.jsonl (to count steps lost in a crash)."""
+  path = Path(out_dir) / 'metrics.jsonl'
+  if not path.is_file():
+    return None
+  last = None
+  for line in path.read_text().splitlines():
+    try:
+      last = json.loads(line)['step']
+    except (ValueError, KeyError):
+      continue  # a line cut by the crash
+  return last
