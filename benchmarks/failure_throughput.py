@@ -1,8 +1,9 @@
-"""Throughput drop under the §5 failure presets: measured per-role step costs, replayed cluster time.
+"""Throughput drop under the §5 failure presets: measured per-role step costs, simulated cluster.
 
 Run: python benchmarks/failure_throughput.py --config configs/tiny.yaml --json OUT.json
      [--slices 8] [--policies neighbor,spread,drop,naive] [--presets low,mid,high] [--hours 720]
      [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
+     [--stat median|min] [--checkpoint-every 500] [--repeats 3] [--warmup 1] [overrides...]
 Fake CPU slices share the same cores, so a simulated cluster's wall time is not its step time.
 Each role's step is timed alone on one real device (interleaved, one process); the failure
 presets are then replayed in simulated time, where a step lasts as long as its slowest slice.
@@ -10,11 +11,16 @@ presets are then replayed in simulated time, where a step lasts as long as its s
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# jaxlib's CPU QR/SVD (the svd refresh) call a threaded OpenBLAS whose threads spin against
+# XLA's own pool on a small shared CPU: 60m refresh measured 5.2 s threaded vs 1.15 s single.
+os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,7 +36,8 @@ PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster
 
 NOTES = [
     'Role costs: each distinct per-slice program is compiled for a one-device mesh (slice=1) and '
-    'timed alone, all interleaved round-robin in one process (median of --repeats). Under '
+    'timed alone, all interleaved round-robin in one process (median of --repeats, or min '
+    'with --stat min; OPENBLAS_NUM_THREADS=1 unless set, see env). Under '
     'failure the controller runs one group program per role, then one update program, so a '
     'failure step costs max over live slices of group(role) + update (+ svd refresh / tau when '
     'degraded work runs). Fault-free steps, and drop steps (all live slices normal), cost the '
@@ -83,7 +90,7 @@ def _timed_compile(compile_s: dict, name: str, build):
   return program
 
 
-def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> tuple[ClusterCosts, dict]:
+def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   """Times every role's group program, the fused normal step, update, refresh and rejoin."""
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   graphdef, _, _ = model.abstract(cfg.model)
@@ -94,7 +101,7 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> tuple[ClusterCo
   fused = _timed_compile(compile_s, 'fused_normal',
                          lambda: steps.compile_step(cfg, mesh, Role(b), graphdef))
   update = _timed_compile(compile_s, 'update', lambda: slice_steps.compile_update(cfg, mesh))
-  refresh = _timed_compile(compile_s, 'refresh', lambda: steps.compile_refresh(cfg, mesh)) if svd else None
+  refresh = svd and _timed_compile(compile_s, 'refresh', lambda: steps.compile_refresh(cfg, mesh))
   shardings = train_state.state_shardings(cfg, mesh)
   new_state = jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)
   # Donating programs each need their own state; group programs only read theirs.
@@ -126,18 +133,26 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> tuple[ClusterCo
     fns['refresh'] = run_refresh
   fns |= {role_name(r): (lambda r=r: groups[r](states['group'], tokens[r])) for r in sorted(roles)}
   times = common.interleaved_times(fns, repeats, warmup)
-  t = {k: v['median_s'] for k, v in times.items()}
-  costs = ClusterCosts(
-      normal_s=t['fused_normal'], update_s=t['update'],
-      group_s={r: t[role_name(r)] for r in roles},
-      group_compile_s={r: compile_s[role_name(r)] for r in roles},
-      fused_compile_s=compile_s['fused_normal'], update_compile_s=compile_s['update'],
-      refresh_s=t.get('refresh', 0.0), refresh_compile_s=compile_s.get('refresh', 0.0),
-      tau=cfg.mecefo.tau, rejoin_s=t['rejoin'], restore_s=t['rejoin'])
   memory = {role_name(r): steps.memory_summary(g).get('temp_bytes', 0) for r, g in groups.items()}
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(host_state))
-  return costs, {'times': times, 'compile_s': compile_s, 'group_temp_bytes': memory,
-                 'state_bytes': state_bytes, 'repeats': repeats, 'warmup': warmup}
+  return {'times': times, 'compile_s': compile_s, 'roles': [role_name(r) for r in sorted(roles)],
+          'group_temp_bytes': memory, 'state_bytes': state_bytes, 'tau': cfg.mecefo.tau,
+          'repeats': repeats, 'warmup': warmup}
+
+
+def costs_from(measurement: dict, stat: str) -> ClusterCosts:
+  """Cluster costs from the timed programs: `stat` ('median' or 'min') of the repeats."""
+  t = {k: v[f'{stat}_s'] for k, v in measurement['times'].items()}
+  compile_s = measurement['compile_s']
+  roles = {Role(*map(int, re.fullmatch(r'e(\d+)_d(\d+)_p(\d+)', name).groups())): name
+           for name in measurement['roles']}
+  return ClusterCosts(
+      normal_s=t['fused_normal'], update_s=t['update'],
+      group_s={r: t[name] for r, name in roles.items()},
+      group_compile_s={r: compile_s[name] for r, name in roles.items()},
+      fused_compile_s=compile_s['fused_normal'], update_compile_s=compile_s['update'],
+      refresh_s=t.get('refresh', 0.0), refresh_compile_s=compile_s.get('refresh', 0.0),
+      tau=measurement['tau'], rejoin_s=t['rejoin'], restore_s=t['rejoin'])
 
 
 def model_check(costs: ClusterCosts) -> dict:
@@ -150,13 +165,19 @@ def model_check(costs: ClusterCosts) -> dict:
           'rel_residual': rel, 'max_abs_rel_residual': max(map(abs, rel.values()))}
 
 
+def failure_model(args, n: int) -> dict:
+  """Mean hours between failures in the n-slice cluster, and repair hours, of each preset."""
+  scale = PAPER_DEVICES / n if args.rate == 'per_device' else 1.0
+  return {p: {'mean_interval_h': PRESETS[p][0] * scale, 'repair_h': PRESETS[p][1]}
+          for p in args.presets}
+
+
 def replay_all(costs: ClusterCosts, args, n: int, b: int, granule: int, max_rows: int) -> dict:
   """results[policy][preset] averaged over seeds; the same failure draws for every policy."""
   horizon_s = args.hours * 3600.0
-  scale = PAPER_DEVICES / n if args.rate == 'per_device' else 1.0
-  events = {p: [simulate.poisson_failures(PRESETS[p][0] * 3600 * scale, PRESETS[p][1] * 3600, n,
+  events = {p: [simulate.poisson_failures(f['mean_interval_h'] * 3600, f['repair_h'] * 3600, n,
                                           horizon_s, seed) for seed in range(args.seeds)]
-            for p in args.presets}
+            for p, f in failure_model(args, n).items()}
   fault_free = n * b / costs.normal_s
   rows = [*args.policies, *([CHECKPOINT] if args.checkpoint_every else [])]
   results = {}
@@ -170,7 +191,8 @@ def replay_all(costs: ClusterCosts, args, n: int, b: int, granule: int, max_rows
 
 
 def tables(result: dict) -> str:
-  res, presets = result['results'], result['args']['presets']
+  res, a = result['results'], result['args']
+  presets = a['presets']
   drop = [{'policy': pol, **{p: f"{r[p]['drop_pct']:.2f} ± {r[p]['drop_pct_std']:.2f}"
                              for p in presets}} for pol, r in res.items()]
   first = next(iter(res.values()))
@@ -183,8 +205,8 @@ def tables(result: dict) -> str:
             'modelled': r['modelled']} for r in c['roles']]
   scalars = {k: c[k] for k in ('normal_s', 'update_s', 'refresh_s', 'rejoin_s', 'fused_compile_s')}
   return '\n\n'.join([
-      f"throughput drop % (mean ± std over {result['args']['seeds']} seeds), rate={result['args']['rate']}, "
-      f"{result['slices']} slices, {result['args']['hours']} h",
+      f"throughput drop % (mean ± std over {a['seeds']} seeds), rate={a['rate']}, "
+      f"stat={a['stat']}, {result['slices']} slices, {a['hours']} h",
       common.markdown_table(drop, ['policy', *presets]),
       common.markdown_table(fail, list(fail[0])),
       'costs: ' + ', '.join(f'{k}={v:.4g}' for k, v in scalars.items()),
@@ -202,7 +224,9 @@ def main(argv=None):
   p.add_argument('--checkpoint-every', type=int, default=500, help='0: no checkpoint-restart row')
   p.add_argument('--measure', choices=('all', 'anchors'), default='all',
                  help='time every needed role, or a few and model the rest')
-  p.add_argument('--costs', default=None, help="reuse the 'costs' of a previous JSON (no timing)")
+  p.add_argument('--costs', default=None, help="reuse a previous JSON's 'measurement' (no timing)")
+  p.add_argument('--stat', choices=('median', 'min'), default='median',
+                 help='statistic of the repeats used as cost (min: least disturbed by other load)')
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--warmup', type=int, default=1)
   args = p.parse_args(argv)
@@ -214,17 +238,23 @@ def main(argv=None):
   needed = simulate.needed_roles(n, b, [q for q in args.policies if q != 'drop'], granule, max_rows)
   needed.add(Role(b))
   if args.costs:
-    previous = json.loads(Path(args.costs).read_text())
-    costs, measurement = ClusterCosts.from_json(previous['costs']), previous['measurement']
+    measurement = json.loads(Path(args.costs).read_text())['measurement']
   else:
     timed = needed if args.measure == 'all' else anchor_roles(b, needed, max_rows)
-    costs, measurement = measure(cfg, timed, args.repeats, args.warmup)
-  costs.complete(needed)
+    measurement = measure(cfg, timed, args.repeats, args.warmup)
+  costs = costs_from(measurement, args.stat).complete(needed)
   result = {'config': args.config, 'overrides': args.overrides, 'args': vars(args),
             'device': common.device_info(), 'slices': n, 'micro_batch': b,
             'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo), 'granule': granule,
             'max_degraded_rows': max_rows, 'costs': costs.to_json(), 'measurement': measurement,
-            'cost_model': model_check(costs), 'notes': NOTES}
+            'cost_model': model_check(costs), 'notes': NOTES,
+            'env': {'OPENBLAS_NUM_THREADS': os.environ.get('OPENBLAS_NUM_THREADS')}}
+  result['failure_model'] = failure_model(args, n)
+  one_down = tuple(range(1, n))
+  result['compile_one_failure_s'] = {
+      q: simulate.PolicyModel(q, n, b, costs, granule, max_rows).compile_s(one_down)
+      for q in [*args.policies, CHECKPOINT]}
+  result['split_path_vs_fused'] = (costs.group_s[Role(b)] + costs.update_s) / costs.normal_s
   result['results'] = replay_all(costs, args, n, b, granule, max_rows)
   common.emit(result, tables(result), args.json)
   return result

@@ -90,20 +90,13 @@ class ClusterCosts:
     return self
 
   def to_json(self) -> dict:
-    roles = [{'exact': r.exact, 'degraded': r.degraded, 'passes': r.passes, 'step_s': self.group_s[r],
-              'compile_s': self.group_compile_s[r], 'modelled': r in self.modelled}
+    roles = [{'exact': r.exact, 'degraded': r.degraded, 'passes': r.passes,
+              'step_s': self.group_s[r], 'compile_s': self.group_compile_s[r],
+              'modelled': r in self.modelled}
              for r in sorted(self.group_s)]
     scalars = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ('group_s', 'group_compile_s', 'modelled')}
     return {**scalars, 'roles': roles}
-
-  @classmethod
-  def from_json(cls, d: dict) -> 'ClusterCosts':
-    roles = {Role(r['exact'], r['degraded'], r['passes']): r for r in d['roles']}
-    scalars = {k: v for k, v in d.items() if k != 'roles'}
-    return cls(**scalars, group_s={r: v['step_s'] for r, v in roles.items()},
-               group_compile_s={r: v['compile_s'] for r, v in roles.items()},
-               modelled={r for r, v in roles.items() if v['modelled']})
 
 
 class PolicyModel:
@@ -137,7 +130,7 @@ class PolicyModel:
     return max(c.group_s[r] for r in roles) + c.update_s + refresh, samples
 
   def compile_s(self, live: tuple[int, ...]) -> float:
-    """Programs the controller compiles for a new live set: one per role group + update (+ refresh)."""
+    """Compile seconds of a new live set: a program per role group + update (+ refresh)."""
     c = self.costs
     roles = set(self._roles(live).values()) if self.policy != CHECKPOINT else {Role(self.b)}
     if roles == {Role(self.b)}:

@@ -62,27 +62,30 @@ def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: 
 
 
 def _degraded_passes(grad_fn, params, rows_DxL1, bases, passes, graphdef, cfg):
+  """Degraded grads in `passes` sequential chunks (a lax.scan, then one shorter remainder)."""
   run = lambda r: grad_fn(params, r, graphdef, True, bases, cfg.mecefo.ffn_remat)
+  rows = rows_DxL1.shape[0]
   if passes == 1:
     return run(rows_DxL1)
-  chunks = rows_DxL1.reshape(passes, -1, rows_DxL1.shape[-1])
+  chunk = -(-rows // passes)
+  n_full = rows // chunk
+  full = rows_DxL1[:n_full * chunk].reshape(n_full, chunk, rows_DxL1.shape[-1])
 
-  def one_pass(acc, chunk):
-    loss, grads = run(chunk)
-    return jax.tree.map(jnp.add, acc, (loss, grads)), None
+  def one_pass(acc, chunk_rows):
+    return jax.tree.map(jnp.add, acc, run(chunk_rows)), None
 
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-  return jax.lax.scan(one_pass, zeros, chunks)[0]
+  acc = jax.lax.scan(one_pass, zeros, full)[0]
+  if n_full * chunk < rows:
+    acc = jax.tree.map(jnp.add, acc, run(rows_DxL1[n_full * chunk:]))
+  return acc
 
 
 def split_passes(degraded_rows: int, max_rows: int) -> int:
-  """Fewest equal passes of at most max_rows rows each (0 = no limit)."""
+  """Fewest passes of at most max_rows rows each (0 = no limit)."""
   if max_rows <= 0 or degraded_rows <= max_rows:
     return 1
-  passes = -(-degraded_rows // max_rows)
-  while degraded_rows % passes:
-    passes += 1
-  return passes
+  return -(-degraded_rows // max_rows)
 
 
 def combine(grads_sum, exact_tokens, total_tokens):

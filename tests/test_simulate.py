@@ -86,4 +86,4 @@ def test_fit_recovers_a_linear_cost_and_marks_modelled_roles():
   costs.complete({Role(0, 40, 4)})
   assert costs.group_s[Role(0, 40, 4)] == pytest.approx(simulate.predict(coef, Role(0, 40, 4)))
   assert costs.modelled == {Role(0, 40, 4)}
-  assert ClusterCosts.from_json(costs.to_json()) == costs
+  assert [r['modelled'] for r in costs.to_json()['roles']].count(True) == 1

@@ -202,3 +202,16 @@ def test_compiled_memory_degraded_two_fits_in_normal_one(devices):
           for name, role in [('normal', steps.Role(exact=b)), ('degraded', steps.Role(degraded=2 * b)),
                              ('naive', steps.Role(exact=2 * b))]}
   assert temp['degraded'] <= temp['normal'] < temp['naive'], temp
+
+
+def test_degraded_passes_with_remainder_equal_one_pass():
+  cfg = _cfg()
+  _, params = model.create(cfg.model, 0)
+  bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
+  tokens = _tokens(cfg, (7, cfg.model.seq_len + 1))
+  assert steps.split_passes(7, 3) == 3  # chunks of 3, 3 and a remainder of 1
+  one = _contribution(cfg, params, bases, tokens, steps.Role(degraded=7))
+  three = _contribution(cfg, params, bases, tokens, steps.Role(degraded=7, passes=3))
+  np.testing.assert_allclose(three[1], one[1], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(three[0]), jax.tree.leaves(one[0])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
