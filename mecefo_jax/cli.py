@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  if run.snapshots:  # preemption: checkpoint and stop at the end of the step
+    from mecefo_jax.snapshot import install_sigterm_handler
+    install_sigterm_handler(run.snapshots, defer=True)
   log = logging.getLogger('mecefo')
   log.info('%s', run.describe())
   log.info('data: %s', run.corpus.describe())
@@ -68,4 +72,6 @@ def main(argv=None) -> int:
            report['entropy_floor'], report['wall_s'], report['tokens_per_s'], out_dir / 'report.json')
   log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
            report['samples'])
+  if report['preempted']:
+    return 128 + signal.SIGTERM
   return 3 if report['stopped'] else 0

@@ -50,6 +50,7 @@ class Controller:
     self._programs: dict = {}
     self._bases_step: int | None = None
     self._last_end: float | None = None
+    self.devices_back_at: int | None = None  # resumed after every slice was down at this step
 
   # --- failure state -------------------------------------------------------------------------
   def live(self) -> tuple[int, ...]:
@@ -115,6 +116,8 @@ class Controller:
     """Runs training step `step`; returns its metrics (device scalars)."""
     for event in self.schedule.events_at(step):
       self._apply(event, wall_s)
+    if step == self.devices_back_at:
+      self._devices_back(step, wall_s)
     while True:
       live = self.live()
       if not live:
@@ -231,17 +234,18 @@ class Controller:
     return {'failed': sorted(self.failed), 'events': self.events, 'goodput': self.goodput,
             'samples': dict(self.samples)}
 
-  def load_meta(self, meta: dict, step: int) -> None:
+  def load_meta(self, meta: dict) -> None:
     """Restores dump_meta() output; the state was just restored onto every slice."""
     self.failed = set(meta['failed'])
     self.events, self.goodput = list(meta['events']), dict(meta['goodput'])
     self.samples = collections.Counter(meta['samples'])
     self.state_slices = tuple(range(self.n_slices))
     self._bases_step, self._last_end = None, None
-    if len(self.failed) == self.n_slices:
-      # The run stopped with every slice down; a resume means the devices are back.
-      for s in sorted(self.failed):
-        self._apply(FailureEvent(step, s, 'repair', 'resume'), 0.0)
+
+  def _devices_back(self, step: int, wall_s: float) -> None:
+    """The run stopped at `step` with every slice down and was resumed: all are back now."""
+    for s in sorted(self.failed):
+      self._apply(FailureEvent(step, s, 'repair', 'resume'), wall_s)
 
   # --- checks ------------------------------------------------------------------------------
   def replica_hashes(self) -> dict[int, str]:

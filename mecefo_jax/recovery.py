@@ -59,10 +59,14 @@ def write_run_state(out_dir: Path, status: str, **extra) -> None:
   tmp.replace(Path(out_dir) / RUN_STATE)
 
 
-def unfinished(out_dir: Path) -> bool:
+def read_run_state(out_dir: Path) -> dict:
+  """The run_state.json of `out_dir`, {} if there is none."""
   path = Path(out_dir) / RUN_STATE
-  return path.is_file() and json.loads(path.read_text()).get('status') in ('running', 'stopped')
+  return json.loads(path.read_text()) if path.is_file() else {}
 
+
+def unfinished(out_dir: Path) -> bool:
+  return read_run_state(out_dir).get('status') in ('running', 'stopped')
 
 
 def last_logged_step(out_dir: Path) -> int | None:

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME = 'mecefo_manifest.json'
 _HASH_BLOCK = 1 << 22
+_ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers) break its commit
 
 
 class SnapshotError(ValueError):
@@ -146,15 +147,20 @@ def _on_cpu(state: Any) -> bool:
 # ---- one tier: an Orbax manager plus manifests ----------------------------------------------------
 
 class _Tier:
-  """An async Orbax CheckpointManager whose finished steps get a checksum manifest."""
+  """An async Orbax CheckpointManager whose finished steps get a checksum manifest.
 
-  def __init__(self, name: str, directory: str | os.PathLike, keep: int):
+  `compress`: zstd on the arrays. It saves ~10% of the bytes of trained weights but doubles the
+  CPU time of a save (60m state: ~0.95 vs ~0.5 s), so the every-step in-memory tier skips it.
+  """
+
+  def __init__(self, name: str, directory: str | os.PathLike, keep: int, compress: bool = True):
     self.name = name
     self.directory = epath.Path(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                            create=True, cleanup_tmp_directories=True)
-    self._orbax = ocp.CheckpointManager(self.directory, item_names=('state', 'meta'),
-                                        options=options)
+    handlers = {'state': ocp.PyTreeCheckpointHandler(use_compression=compress),
+                'meta': ocp.JsonCheckpointHandler()}
+    self._orbax = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
     self._finisher: threading.Thread | None = None
     self._error: BaseException | None = None
 
@@ -165,20 +171,30 @@ class _Tier:
     self._orbax.reload()  # another process (the crashed trainer) may have written them
     return sorted(self._orbax.all_steps(), reverse=True)
 
-  def save(self, step: int, state: Any, meta: dict) -> None:
+  def save(self, step: int, state: Any, meta: dict, *, background: bool = False) -> None:
+    """Starts saving `state`. `background`: Orbax's save() runs in the finisher thread too,
+    for a private copy that no train step donates; else its D2H copy happens here."""
     self.wait()
     if step in self._orbax.all_steps():
       if verify_manifest(self.step_dir(step)) is None:
         return  # e.g. re-saving the step just restored: same state, nothing to do
       self._orbax.delete(step)
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-    self._orbax.save(step, args=args, force=True)  # returns once the D2H copy is done
-    self._finisher = threading.Thread(target=self._finish, args=(step,), daemon=True,
-                                      name=f'mecefo-{self.name}-manifest-{step}')
+    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
+    if not background:
+      self._start_save(step, args)  # returns once the D2H copy is done
+    self._finisher = threading.Thread(target=self._finish, daemon=True,
+                                      args=(step, args if background else None),
+                                      name=f'mecefo-{self.name}-save-{step}')
     self._finisher.start()
 
-  def _finish(self, step: int) -> None:
+  def _start_save(self, step: int, args) -> None:
+    with _ORBAX_SAVE_LOCK:
+      self._orbax.save(step, args=args, force=True)
+
+  def _finish(self, step: int, args) -> None:
     try:
+      if args is not None:
+        self._start_save(step, args)
       self._orbax.wait_until_finished()  # the step dir is renamed into place by now
       write_manifest(self.step_dir(step))
     except BaseException as e:  # surfaced by the next wait() in the training thread
@@ -194,7 +210,9 @@ class _Tier:
       raise SnapshotError(f'{self.name} snapshot in {self.directory} failed: {error}') from error
 
   def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args),
+                              meta=ocp.args.JsonRestore())
     restored = self._orbax.restore(step, args=args)
     return restored.state, restored.meta
 
@@ -232,7 +250,7 @@ class SnapshotManager:
     durable_dir = durable_dir if durable_every else None
     self._check_dirs(Path(directory), durable_dir, state_bytes or 0)
     self._capacity_checked = state_bytes is not None
-    self._memory = _Tier('memory', directory, keep)
+    self._memory = _Tier('memory', directory, keep, compress=False)
     self._durable = _Tier('durable', durable_dir, durable_keep) if durable_dir else None
 
   @property
@@ -245,8 +263,11 @@ class SnapshotManager:
       check_capacity(Path(durable_dir), state_bytes, self.durable_keep,
                      factor=self.min_free_factor)
 
-  def maybe_save(self, step: int, state: Any, meta: dict) -> bool:
+  def maybe_save(self, step: int, state: Any, meta: dict, *, force_durable: bool = False) -> bool:
     """Starts an async snapshot of `state` when `step` is due; True if one was started.
+
+    `force_durable`: also a durable checkpoint now, due or not (e.g. the last one before a
+    preemption); ignored without a durable tier.
 
     Blocks only for a save still in flight and for the copy of `state` off the buffers that the
     next (donating) train step reuses. Orbax's save() does the device-to-host transfer
@@ -254,10 +275,11 @@ class SnapshotManager:
     is a real host copy. On CPU the 'host copy' of a shard written whole is a zero-copy view of
     the device buffer; jax 0.10's CPU runtime then silently declines to donate that buffer, so
     the data stays right but the donation is lost, and nothing promises either. So on CPU we
-    first take a private device copy (device_put with may_alias=False) that nobody donates.
+    first take a private device copy (device_put with may_alias=False) that nobody donates;
+    as nothing can touch that copy, Orbax's save() of it then runs in a background thread too.
     """
     memory_due = step % self.every == 0
-    durable_due = self._durable is not None and step % self.durable_every == 0
+    durable_due = self._durable is not None and (force_durable or step % self.durable_every == 0)
     if not (memory_due or durable_due):
       return False
     if not self._capacity_checked:
@@ -265,12 +287,13 @@ class SnapshotManager:
       self._check_dirs(Path(self._memory.directory), durable_dir, state_nbytes(state))
       self._capacity_checked = True
     copy = self.copy_before_save if self.copy_before_save is not None else _on_cpu(state)
-    snapshot = _private_copy(state) if copy else state
+    # The copy is complete before the next train step can donate what it was copied from.
+    snapshot = jax.block_until_ready(_private_copy(state)) if copy else state
     meta = json.loads(json.dumps(meta))  # written later in the background: freeze it now
     if memory_due:
-      self._memory.save(step, snapshot, meta)
+      self._memory.save(step, snapshot, meta, background=copy)
     if durable_due:
-      self._durable.save(step, snapshot, meta)
+      self._durable.save(step, snapshot, meta, background=copy)
     return True
 
   def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
@@ -316,17 +339,23 @@ class SnapshotManager:
     self.close()
 
 
-def install_sigterm_handler(manager: SnapshotManager, *, exit_code: int = 128 + signal.SIGTERM):
+def install_sigterm_handler(manager: SnapshotManager, *, exit_code: int = 128 + signal.SIGTERM,
+                            defer: bool = False):
   """On SIGTERM (preemption): wait for in-flight snapshots, then exit. Main thread only.
 
   Sets manager.preempted, finishes the writes, calls any previous Python handler, then raises
-  SystemExit(exit_code) so that `finally` blocks run. Returns the previous handler.
+  SystemExit(exit_code) so that `finally` blocks run. With `defer` it only sets
+  manager.preempted: the training loop checkpoints and stops at the end of its step (the
+  handler then never waits inside code that it interrupted). Returns the previous handler.
   """
   previous = signal.getsignal(signal.SIGTERM)
 
   def on_sigterm(signum, frame):
-    log.warning('SIGTERM: waiting for in-flight snapshots before exiting')
     manager.preempted = True
+    if defer:
+      log.warning('SIGTERM: stopping after this step, with a final checkpoint')
+      return
+    log.warning('SIGTERM: waiting for in-flight snapshots before exiting')
     manager.wait_until_finished()
     if callable(previous):
       previous(signum, frame)

@@ -57,6 +57,8 @@ class Trainer:
     state = jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)()
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state)
     self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
+    self._carried_state = {}  # run_state.json entries kept while resuming (all_down_at)
+    self.stopped_by_sigterm = False
     if resume:
       self._resume(abstract)
     # Compile the fault-free step now, so that the first step runs at full speed.
@@ -74,8 +76,13 @@ class Trainer:
     reached = recovery.last_logged_step(self.out_dir)
     self.steps_lost = max(0, reached + 1 - step) if reached is not None else None
     self.controller.state = state
-    self.controller.load_meta(meta['controller'], step)
+    self.controller.load_meta(meta['controller'])
     self.start_step, self.losses, self.resumed_from = step, meta['losses'], step
+    all_down_at = recovery.read_run_state(self.out_dir).get('all_down_at')
+    if all_down_at is not None:
+      self._carried_state['all_down_at'] = all_down_at
+      if step <= all_down_at:  # every slice was down there; a resume means they are back
+        self.controller.devices_back_at = all_down_at
     log.warning('resumed from the snapshot after step %d; the previous process had logged step '
                 '%s, so %s step(s) are trained again', step, reached, self.steps_lost)
 
@@ -108,46 +115,71 @@ class Trainer:
     return float(np.mean(losses))
 
   def run(self) -> dict:
-    cfg, stopped, step = self.cfg, None, self.start_step
-    tokens_per_step = self.n_slices * cfg.train.micro_batch * cfg.model.seq_len
-    recovery.write_run_state(self.out_dir, 'running')
+    recovery.write_run_state(self.out_dir, 'running', **self._carried_state)
     t_start = time.perf_counter()
     with open(self.out_dir / 'metrics.jsonl', 'a') as metrics_file:
-      for step in range(self.start_step, cfg.train.steps):
-        try:
-          metrics = self.controller.step(step, time.perf_counter() - t_start)
-        except AllSlicesDown as err:
-          stopped = str(err)
-          log.error('%s', err)
-          break
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
-          row = self._log_row(step, metrics, time.perf_counter() - t_start, tokens_per_step)
-          self.losses.append((step, row['loss']))
-          metrics_file.write(json.dumps(row) + '\n')
-          metrics_file.flush()
-        self._snapshot(step + 1)
-      else:
-        step = cfg.train.steps
+      steps_done, stopped = self._loop(metrics_file, t_start)
     jax.block_until_ready(self.state)
     wall_s = time.perf_counter() - t_start
     if self.snapshots:
       self.snapshots.wait_until_finished()
-    report = self._report(step, wall_s, stopped)
+    report = self._report(steps_done, wall_s, stopped)
     if not stopped:
       report['eval_loss'] = self.evaluate()
       log.info('eval loss %.4f (perplexity %.3f)', report['eval_loss'], np.exp(report['eval_loss']))
     (self.out_dir / 'report.json').write_text(json.dumps(report, indent=2))
-    recovery.write_run_state(self.out_dir, 'stopped' if stopped else 'finished')
+    recovery.write_run_state(self.out_dir, 'stopped' if stopped else 'finished',
+                             **self._carried_state)
     return report
 
-  def _snapshot(self, steps_done: int) -> None:
-    """Async snapshot of the state after `steps_done` steps (one replica, copied off donation)."""
+  def _loop(self, metrics_file, t_start) -> tuple[int, str | None]:
+    """Trains until the end, all slices down or SIGTERM; returns (steps done, why it stopped)."""
+    cfg = self.cfg
+    tokens_per_step = self.n_slices * cfg.train.micro_batch * cfg.model.seq_len
+    for step in range(self.start_step, cfg.train.steps):
+      try:
+        metrics = self.controller.step(step, time.perf_counter() - t_start)
+      except AllSlicesDown as err:
+        log.error('%s', err)
+        self._carried_state['all_down_at'] = step
+        return step, str(err)
+      row = None
+      if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+        row = self._log_row(step, metrics, time.perf_counter() - t_start, tokens_per_step)
+        self.losses.append((step, row['loss']))
+      preempted = self.preempted
+      # With snapshot.every=1 the line of step t is written once snapshot t is complete
+      # (maybe_save waited for it) and t+1 started: a crash after it costs at most step t.
+      self._snapshot(step + 1, durable=preempted)
+      if row is not None:
+        metrics_file.write(json.dumps(row) + '\n')
+        metrics_file.flush()
+      if preempted:
+        self.stopped_by_sigterm = True
+        return step + 1, self._preemption_message(step + 1)
+    return cfg.train.steps, None
+
+  @property
+  def preempted(self) -> bool:
+    return bool(self.snapshots and self.snapshots.preempted)
+
+  def _preemption_message(self, steps_done: int) -> str:
+    where = 'a durable checkpoint' if self.cfg.snapshot.durable_every else 'an in-memory snapshot'
+    message = (f'preempted (SIGTERM) after step {steps_done}, saved as {where}; resume with '
+               '`python train.py --resume`')
+    log.warning('%s', message)
+    return message
+
+  def _snapshot(self, steps_done: int, durable: bool = False) -> None:
+    """Async snapshot of the state after `steps_done` steps (one replica, copied off donation);
+    `durable` also writes a durable checkpoint of it now."""
     if not self.snapshots:
       return
     c = self.controller
     meta = {'controller': c.dump_meta(), 'losses': self.losses, 'reached': steps_done}
     self.snapshots.maybe_save(steps_done, recovery.one_replica(self.cfg, c.state, self.mesh,
-                                                               c.state_slices), meta)
+                                                               c.state_slices), meta,
+                              force_durable=durable)
 
   def close(self) -> None:
     if self.snapshots:
@@ -177,6 +209,7 @@ class Trainer:
         'failures': cfg.faults.failures, 'failure_events': c.events,
         'scheduled_events': [e.to_dict() for e in self.schedule.all_events()],
         'samples': samples, 'goodput': c.goodput, 'stopped': stopped,
+        'preempted': self.stopped_by_sigterm,
         'resumed_from_step': self.resumed_from, 'steps_lost': self.steps_lost,
         'live_slices_at_end': list(c.live()),
         'config': to_dict(cfg),

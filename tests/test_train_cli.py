@@ -16,7 +16,7 @@ def _train(*args, timeout=300):
 
 @pytest.mark.slow
 def test_train_py_loss_goes_down(tmp_path):
-  proc = _train('train.steps=120', '--out', str(tmp_path))
+  proc = _train('train.steps=120', '--out', str(tmp_path), f'snapshot.dir={tmp_path}/shm')
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = json.loads((tmp_path / 'report.json').read_text())
   for key in ('steps', 'first_loss', 'final_loss', 'tokens', 'wall_s', 'params_sha256'):
