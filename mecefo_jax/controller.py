@@ -69,30 +69,32 @@ class Controller:
                 list(self.live()))
 
   # --- programs ----------------------------------------------------------------------------
-  def _program(self, key, build):
+  def program(self, key, build):
+    """The compiled program cached under `key`, built (and its compile time booked) once."""
     if key not in self._programs:
       t0 = time.perf_counter()
       self._programs[key] = build()
       self.goodput['compile'] += time.perf_counter() - t0
     return self._programs[key]
 
-  def _fused(self, live, role):
+  def fused(self, live, role):
+    """The one-program SPMD step for slices that all play `role` (the fault-free path)."""
     mesh = sharding.submesh(self.mesh, live)
-    return self._program(('fused', live, role),
+    return self.program(('fused', live, role),
                          lambda: steps.compile_step(self.cfg, mesh, role, self.graphdef))
 
   def _group(self, slices, role):
     mesh = sharding.submesh(self.mesh, slices)
-    return self._program(('group', slices, role),
+    return self.program(('group', slices, role),
                          lambda: slice_steps.compile_group(self.cfg, mesh, role, self.graphdef))
 
   def _update(self, live):
     mesh = sharding.submesh(self.mesh, live)
-    return self._program(('update', live), lambda: slice_steps.compile_update(self.cfg, mesh))
+    return self.program(('update', live), lambda: slice_steps.compile_update(self.cfg, mesh))
 
   def _refresh(self, live):
     mesh = sharding.submesh(self.mesh, live)
-    return self._program(('refresh', live), lambda: steps.compile_refresh(self.cfg, mesh))
+    return self.program(('refresh', live), lambda: steps.compile_refresh(self.cfg, mesh))
 
   # --- state placement ---------------------------------------------------------------------
   def _place_state(self, live: tuple[int, ...]) -> None:
@@ -174,7 +176,7 @@ class Controller:
     if len(set(roles.values())) == 1 and roles[live[0]].passes == 1:
       role = roles[live[0]]
       tokens = np.stack([self._tokens(ids_SxB, work[s]) for s in live])
-      program = self._fused(live, role)
+      program = self.fused(live, role)
       batch = jax.device_put(tokens, sharding.batch_sharding(sharding.submesh(self.mesh, live)))
       self.state, metrics = program(self.state, batch)
     else:

@@ -120,11 +120,7 @@ class SyntheticCorpus:
 
   def _uniforms(self, sample_ids: np.ndarray) -> np.ndarray:
     """float64 [N, 2 * seq_len + 1] from one Philox stream per row, keyed by (seed, id)."""
-    ids = np.asarray(sample_ids)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-      raise ValueError(f'sample_ids must be a 1-D integer array, got {ids.dtype} {ids.shape}')
-    if ids.size and np.issubdtype(ids.dtype, np.signedinteger) and ids.min() < 0:
-      raise ValueError('sample_ids must be >= 0')
+    ids = check_sample_ids(sample_ids)
     n = 2 * self.seq_len + 1
     # Explicit uint64 keys: a list holding ints >= 2**63 would go through float64 and collide.
     keys_Nx2 = np.stack([np.full(len(ids), self.seed, np.uint64), ids.astype(np.uint64)], axis=1)
@@ -172,6 +168,16 @@ class SyntheticCorpus:
         with np.errstate(divide='ignore'):
           logp_NxL[:, t - 1] = np.log(p_N)
     return tokens_NxL1, logp_NxL, ent_NxL
+
+
+def check_sample_ids(sample_ids) -> np.ndarray:
+  """The ids as a 1-D integer array, or ValueError."""
+  ids = np.asarray(sample_ids)
+  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f'sample_ids must be a 1-D integer array, got {ids.dtype} {ids.shape}')
+  if ids.size and np.issubdtype(ids.dtype, np.signedinteger) and ids.min() < 0:
+    raise ValueError('sample_ids must be >= 0')
+  return ids
 
 
 def sample_ids(step: int, n_slices: int, micro_batch: int, split: str = 'train') -> np.ndarray:

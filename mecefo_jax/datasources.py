@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mecefo_jax.data import _EVAL_BASE, SyntheticCorpus, _check_int
+from mecefo_jax.data import _EVAL_BASE, SyntheticCorpus, _check_int, check_sample_ids
 
 BYTE_VOCAB = 256
 DOC_SEP_BYTE = 0  # joins documents: NUL never occurs in text, so it marks a boundary unambiguously
@@ -82,11 +82,7 @@ class TokenArrayCorpus:
 
   def window_starts(self, sample_ids: np.ndarray) -> np.ndarray:
     """int64 [N]: start offset of each id's window in tokens_1d."""
-    ids = np.asarray(sample_ids)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-      raise ValueError(f'sample_ids must be a 1-D integer array, got {ids.dtype} {ids.shape}')
-    if ids.size and np.issubdtype(ids.dtype, np.signedinteger) and ids.min() < 0:
-      raise ValueError('sample_ids must be >= 0')
+    ids = check_sample_ids(sample_ids)
     ids_N = ids.astype(np.uint64)
     if self.split == 'auto':
       is_eval_N = ids_N >= np.uint64(_EVAL_BASE)

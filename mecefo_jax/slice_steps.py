@@ -67,7 +67,7 @@ def compile_group(cfg: Config, mesh: Mesh, role: steps.Role, graphdef):
   jitted = jax.jit(group, in_shardings=(state_sh, batch_sharding(mesh)),
                    out_shardings=sums_shardings(cfg, mesh))
   tokens = jax.ShapeDtypeStruct(steps.batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
-  return jitted.lower(steps._abstract_state(cfg), tokens).compile()
+  return jitted.lower(steps.abstract_state(cfg), tokens).compile()
 
 
 def compile_update(cfg: Config, mesh: Mesh):
@@ -89,10 +89,10 @@ def compile_update(cfg: Config, mesh: Mesh):
                    out_shardings=(state_sh, replicated(mesh)))
   abstract_sums = jax.tree.map(lambda sh, x: jax.ShapeDtypeStruct((mesh.shape['slice'], *x.shape), x.dtype),
                                sums_sh, _abstract_sums(cfg))
-  return jitted.lower(steps._abstract_state(cfg), abstract_sums).compile()
+  return jitted.lower(steps.abstract_state(cfg), abstract_sums).compile()
 
 
 def _abstract_sums(cfg: Config):
-  params = steps._abstract_state(cfg).params
+  params = steps.abstract_state(cfg).params
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
   return (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params), scalar, scalar, scalar)

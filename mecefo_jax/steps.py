@@ -152,7 +152,7 @@ def batch_shape(cfg: Config, n_slices: int, role: Role) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract_state(cfg: Config):
+def abstract_state(cfg: Config):
   return jax.eval_shape(lambda: init_state(cfg))
 
 
@@ -163,7 +163,7 @@ def compile_step(cfg: Config, mesh: Mesh, role: Role, graphdef):
                    in_shardings=(state_sh, batch_sharding(mesh)),
                    out_shardings=(state_sh, replicated(mesh)))
   tokens = jax.ShapeDtypeStruct(batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
-  compiled = jitted.lower(_abstract_state(cfg), tokens).compile()
+  compiled = jitted.lower(abstract_state(cfg), tokens).compile()
   log.info('compiled step %s on mesh %s: %s', role, dict(mesh.shape), memory_summary(compiled))
   return compiled
 
@@ -178,7 +178,7 @@ def compile_eval(cfg: Config, mesh: Mesh, rows: int, graphdef):
   jitted = jax.jit(evaluate, in_shardings=(params_sh, batch_sharding(mesh)),
                    out_shardings=replicated(mesh))
   tokens = jax.ShapeDtypeStruct((mesh.shape['slice'], rows, cfg.model.seq_len + 1), jnp.int32)
-  return jitted.lower(_abstract_state(cfg).params, tokens).compile()
+  return jitted.lower(abstract_state(cfg).params, tokens).compile()
 
 
 def compile_refresh(cfg: Config, mesh: Mesh):
@@ -190,7 +190,7 @@ def compile_refresh(cfg: Config, mesh: Mesh):
     return state._replace(bases=svd_bases(state.params, cfg, key), bases_step=state.step)
 
   jitted = jax.jit(refresh, donate_argnums=0, in_shardings=(state_sh,), out_shardings=state_sh)
-  return jitted.lower(_abstract_state(cfg)).compile()
+  return jitted.lower(abstract_state(cfg)).compile()
 
 
 def memory_summary(compiled) -> dict:

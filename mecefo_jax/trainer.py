@@ -64,7 +64,7 @@ class Trainer:
     # Compile the fault-free step now, so that the first step runs at full speed.
     all_slices = tuple(range(self.n_slices))
     self.memory = steps.memory_summary(
-        self.controller._fused(all_slices, steps.Role(exact=cfg.train.micro_batch)))
+        self.controller.fused(all_slices, steps.Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
 
   def _resume(self, abstract) -> None:
@@ -104,7 +104,7 @@ class Trainer:
     live = self.controller.state_slices
     mesh = sharding.submesh(self.mesh, live)
     b = self.cfg.train.micro_batch
-    program = self.controller._program(
+    program = self.controller.program(
         ('eval', live), lambda: steps.compile_eval(self.cfg, mesh, b, self.graphdef))
     losses = []
     for i in range(n_batches):

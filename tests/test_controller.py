@@ -40,13 +40,13 @@ def _controller(name='4x2', *faults, schedule=None):
   mesh, init, graphdef, cache = _mesh(name)
   schedule = schedule or FailureSchedule(mesh.shape['slice'])
   c = Controller(cfg, mesh, graphdef, CORPUS, schedule, init())
-  own = c._program
+  own = c.program
 
   def program(key, build):
     if key in cache:
       c._programs.setdefault(key, cache[key])
     return cache.setdefault(key, own(key, build))
-  c._program = program
+  c.program = program
   return c
 
 
