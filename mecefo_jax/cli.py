@@ -16,6 +16,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--config', default='configs/tiny.yaml', help='YAML file overriding the defaults')
   p.add_argument('--out', default=None, help='run directory (default: train.out_dir)')
   p.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
+  p.add_argument('--data', default=None,
+                 help='synthetic (built in) | text:PATH | tokens:PATH[?dtype=uint16] | hf:NAME (= train.data)')
   p.add_argument('--failures', default=None,
                  help='none | low | mid | high (MECEFO.md §5 presets) | trace:PATH (= faults.failures)')
   p.add_argument('--takeover', default=None, choices=('neighbor', 'spread', 'drop', 'naive'),
@@ -41,12 +43,14 @@ def main(argv=None) -> int:
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                f' --xla_force_host_platform_device_count={args.host_devices}')
   overrides = list(args.overrides)
+  overrides += [f'train.data={args.data}'] if args.data else []
   overrides += [f'faults.failures={args.failures}'] if args.failures else []
   overrides += [f'faults.takeover={args.takeover}'] if args.takeover else []
   overrides += ['snapshot.enabled=false'] if args.no_snapshots else []
   logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
   logging.getLogger('mecefo').setLevel(logging.INFO)
   from mecefo_jax.config import ConfigError, load_config, to_dict
+  from mecefo_jax.datasources import DataError
   try:
     cfg = load_config(args.config, overrides)
     if args.print_config:
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out or cfg.train.out_dir)
     resume = args.resume or (not args.fresh and recovery.unfinished(out_dir))
     run = trainer.Trainer(cfg, out_dir, resume=resume)
-  except ConfigError as e:
+  except (ConfigError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   if run.snapshots:  # preemption: checkpoint and stop at the end of the step
@@ -70,11 +74,16 @@ def main(argv=None) -> int:
     report = run.run()
   finally:
     run.close()
-  log.info('done: %d steps, loss %.4f -> %.4f (entropy floor %.4f) in %.1fs, %.0f tok/s; '
-           'report %s', report['steps'], report['first_loss'], report['final_loss'],
-           report['entropy_floor'], report['wall_s'], report['tokens_per_s'], out_dir / 'report.json')
+  floor = report['entropy_floor']
+  log.info('done: %d steps, loss %s -> %s (entropy floor %s) in %.1fs, %.0f tok/s; report %s',
+           report['steps'], _num(report['first_loss']), _num(report['final_loss']), _num(floor),
+           report['wall_s'], report['tokens_per_s'], out_dir / 'report.json')
   log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
            report['samples'])
   if report['preempted']:
     return 128 + signal.SIGTERM
   return 3 if report['stopped'] else 0
+
+
+def _num(x) -> str:
+  return 'n/a' if x is None else f'{x:.4f}'

@@ -68,7 +68,7 @@ class TrainConfig:
   seed: int = 0
   log_every: int = 10
   out_dir: str = 'runs/latest'
-  data: str = 'synthetic'
+  data: str = 'synthetic'  # synthetic | text:PATH | tokens:PATH | hf:NAME (see datasources.py)
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,6 @@ _CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'mecefo.basis': ('svd', 'gaussian'),
     'mecefo.ffn_remat': ('full', 'dots'),
-    'train.data': ('synthetic',),
     'faults.takeover': ('neighbor', 'spread', 'drop', 'naive'),
 }
 

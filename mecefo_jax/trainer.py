@@ -13,7 +13,8 @@ import numpy as np
 from mecefo_jax import model, recovery, sharding, steps, train_state
 from mecefo_jax.config import Config, to_dict
 from mecefo_jax.controller import AllSlicesDown, Controller
-from mecefo_jax.data import SyntheticCorpus, sample_ids
+from mecefo_jax.data import sample_ids
+from mecefo_jax.datasources import load_corpus
 from mecefo_jax.failures import FailureSchedule
 from mecefo_jax.snapshot import state_nbytes
 
@@ -44,7 +45,8 @@ class Trainer:
     self.mesh = sharding.make_mesh(cfg.mesh)
     self.n_slices = self.mesh.shape['slice']
     m = cfg.model
-    self.corpus = SyntheticCorpus(vocab_size=m.vocab_size, seq_len=m.seq_len, seed=cfg.train.seed)
+    self.corpus = load_corpus(cfg.train.data, seq_len=m.seq_len, seed=cfg.train.seed,
+                              vocab_size=m.vocab_size)
     self.graphdef, _, _ = model.abstract(m)
     f = cfg.faults
     self.schedule = schedule or FailureSchedule.from_spec(

@@ -38,3 +38,19 @@ def test_bad_config_fails_with_one_clear_line(override, needle):
   assert proc.returncode == 2
   lines = [l for l in proc.stderr.strip().splitlines() if l.startswith('error:')]
   assert len(lines) == 1 and needle in lines[0], proc.stderr[-1500:]
+
+
+def test_train_py_on_a_text_folder(tmp_path):
+  (tmp_path / 'docs').mkdir()
+  (tmp_path / 'docs' / 'a.txt').write_text((ROOT / 'README.md').read_text() * 4)
+  proc = _train('--data', f'text:{tmp_path / "docs"}', '--no-snapshots', 'train.steps=20',
+                '--out', str(tmp_path / 'run'))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = json.loads((tmp_path / 'run' / 'report.json').read_text())
+  assert report['entropy_floor'] is None and report['final_loss'] < report['first_loss']
+
+
+def test_bad_data_path_fails_with_one_clear_line(tmp_path):
+  proc = _train('--data', f'text:{tmp_path}/missing', 'train.steps=1', timeout=120)
+  lines = [l for l in proc.stderr.strip().splitlines() if l.startswith('error:')]
+  assert proc.returncode == 2 and len(lines) == 1 and 'path not found' in lines[0], proc.stderr
