@@ -1,0 +1,130 @@
+"""Relative error ‖G̃ − G‖/‖G‖ of the degraded gradient over a training run, per basis and rank.
+
+Run: python benchmarks/gradient_error.py --config configs/tiny.yaml --json OUT.json
+Trains with normal steps; every --every steps, on a fresh batch, compares the exact gradient G
+with the degraded gradient G̃ for each basis (svd with bases --tau steps old, as the trainer
+keeps them; gaussian fresh) and rank fraction. Reports the error over all non-attention
+parameters (what degraded micro-batches contribute to) and over the FFN matrices alone, and
+the part due to the projection only (vs the exact gradient of the attention-cut graph).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from mecefo_jax import model, sharding, steps, train_state  # noqa: E402
+from mecefo_jax.config import load_config  # noqa: E402
+from mecefo_jax.data import SyntheticCorpus, sample_ids  # noqa: E402
+
+
+def _norm(tree) -> float:
+  return float(jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))))
+
+
+def _select(tree, keep):
+  flat = jax.tree_util.tree_leaves_with_path(tree)
+  return [x for path, x in flat if keep(path)]
+
+
+def _is_ffn_matrix(path) -> bool:
+  keys = [getattr(k, 'key', None) for k in path]
+  return 'ffn' in keys and 'kernel' in keys
+
+
+def _rel(a, b) -> float:
+  diff = [x - y for x, y in zip(a, b)]
+  return _norm(diff) / max(_norm(b), 1e-30)
+
+
+def main(argv=None) -> dict:
+  p = common.parser(__doc__.splitlines()[0])
+  p.add_argument('--every', type=int, default=50)
+  p.add_argument('--fractions', default='0.125,0.25,0.5,1.0')
+  p.add_argument('--tau', type=int, default=10)
+  args = p.parse_args(argv)
+  cfg = load_config(args.config, ['mesh.slice=1', *args.overrides])
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  graphdef, _, _ = model.abstract(cfg.model)
+  b = cfg.train.micro_batch
+  corpus = SyntheticCorpus(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
+  normal = steps.compile_step(cfg, mesh, steps.Role(exact=b), graphdef)
+  state = jax.jit(lambda: train_state.init_state(cfg),
+                  out_shardings=train_state.state_shardings(cfg, mesh))()
+  fractions = [float(f) for f in args.fractions.split(',')]
+  variants = [('svd', f) for f in fractions] + [('gaussian', f) for f in fractions]
+  grad_fns = {v: _grad_fn(cfg, graphdef, *v) for v in variants}
+  exact_fn = jax.jit(lambda params, tokens: steps.contribution(
+      params, {}, tokens, jax.random.PRNGKey(0), role=steps.Role(exact=b), graphdef=graphdef,
+      cfg=cfg)[0])
+  cut_fn = _grad_fn(cfg, graphdef, 'none', 1.0)
+  old_params, rows = None, []
+  for step in range(cfg.train.steps):
+    tokens = corpus.sequences(sample_ids(step, 1, b)[0])
+    if step % args.every == 0 or step == cfg.train.steps - 1:
+      params = state.params
+      basis_params = old_params if old_params is not None else params
+      rows.append(_measure(step, params, basis_params, tokens, exact_fn, cut_fn, grad_fns, cfg))
+    if step % args.tau == 0:
+      old_params = jax.tree.map(jnp.copy, state.params)  # svd bases are up to tau steps old
+    state, _ = normal(state, jnp.asarray(tokens)[None])
+  result = {'config': args.config, 'overrides': args.overrides, 'device': common.device_info(),
+            'tau': args.tau, 'rows': rows, 'mean': _means(rows, variants)}
+  table = [{'basis': k, 'rank_fraction': f, **{m: result['mean'][f'{k}:{f}'][m]
+            for m in ('non_attention', 'ffn', 'projection_only')}} for k, f in variants]
+  common.emit(result, common.markdown_table(table, list(table[0])), args.json)
+  return result
+
+
+def _grad_fn(cfg, graphdef, basis, fraction):
+  """jitted (params, basis_params, tokens, key) -> degraded grads with that basis and rank."""
+  mc = dataclasses.replace(cfg.mecefo, basis='svd' if basis == 'none' else basis,
+                           rank_fraction=fraction, rank=0)
+  vcfg = dataclasses.replace(cfg, mecefo=mc)
+  n = cfg.train.micro_batch
+
+  def fn(params, basis_params, tokens, key):
+    if basis == 'none':  # attention cut, exact FFN weight gradients
+      return jax.grad(steps._loss_sum)(params, tokens, graphdef, True, None, mc.ffn_remat)
+    bases = train_state.svd_bases(basis_params, vcfg, key) if basis == 'svd' else {}
+    return steps.contribution(params, bases, tokens, key, role=steps.Role(degraded=n),
+                              graphdef=graphdef, cfg=vcfg)[0]
+  return jax.jit(fn)
+
+
+def _measure(step, params, basis_params, tokens, exact_fn, cut_fn, grad_fns, cfg):
+  tokens = jnp.asarray(tokens)
+  key = jax.random.PRNGKey(step)
+  exact = exact_fn(params, tokens)
+  cut = cut_fn(params, basis_params, tokens, key)
+  non_attn = lambda path: not model.is_attention_branch(path)
+  row = {'step': step}
+  for (kind, frac), fn in grad_fns.items():
+    approx = fn(params, basis_params, tokens, key)
+    row[f'{kind}:{frac}'] = {
+        'non_attention': _rel(_select(approx, non_attn), _select(exact, non_attn)),
+        'ffn': _rel(_select(approx, _is_ffn_matrix), _select(exact, _is_ffn_matrix)),
+        'projection_only': _rel(_select(approx, _is_ffn_matrix), _select(cut, _is_ffn_matrix)),
+    }
+  return row
+
+
+def _means(rows, variants) -> dict:
+  out = {}
+  for kind, frac in variants:
+    key = f'{kind}:{frac}'
+    out[key] = {m: float(np.mean([r[key][m] for r in rows]))
+                for m in ('non_attention', 'ffn', 'projection_only')}
+  return out
+
+
+if __name__ == '__main__':
+  main()
