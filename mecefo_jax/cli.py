@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
   p.add_argument('--data', default=None,
                  help='synthetic (built in) | text:PATH | tokens:PATH[?dtype=uint16] | hf:NAME (= train.data)')
+  p.add_argument('--dry-run', action='store_true',
+                 help='build, compile the step, print parameters, mesh and memory; no training')
   p.add_argument('--failures', default=None,
                  help='none | low | mid | high (MECEFO.md §5 presets) | trace:PATH (= faults.failures)')
   p.add_argument('--takeover', default=None, choices=('neighbor', 'spread', 'drop', 'naive'),
@@ -70,6 +73,10 @@ def main(argv=None) -> int:
   log = logging.getLogger('mecefo')
   log.info('%s', run.describe())
   log.info('data: %s', run.corpus.describe())
+  if args.dry_run:
+    print(json.dumps(run.dry_run_info(), indent=2))
+    run.close()
+    return 0
   try:
     report = run.run()
   finally:

@@ -101,6 +101,14 @@ class Trainer:
             f'{f.failures}, takeover {f.takeover} | snapshots '
             f'{"on" if self.snapshots else "off"} | compile {self.compile_s:.1f}s')
 
+  def dry_run_info(self) -> dict:
+    """What --dry-run prints: sizes, mesh, the compiled fault-free step's memory (per device)."""
+    return {'param_count': param_count(self.state.params), 'mesh': dict(self.mesh.shape),
+            'devices': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
+            'global_batch': [self.n_slices, self.cfg.train.micro_batch, self.cfg.model.seq_len],
+            'state_bytes': state_nbytes(self.state), 'compile_s': round(self.compile_s, 2),
+            'step_memory_bytes': self.memory, 'data': self.corpus.describe()}
+
   def evaluate(self, n_batches: int = 4) -> float:
     """Mean loss on held-out samples (ids disjoint from training), on the live slices."""
     live = self.controller.state_slices

@@ -54,3 +54,11 @@ def test_bad_data_path_fails_with_one_clear_line(tmp_path):
   proc = _train('--data', f'text:{tmp_path}/missing', 'train.steps=1', timeout=120)
   lines = [l for l in proc.stderr.strip().splitlines() if l.startswith('error:')]
   assert proc.returncode == 2 and len(lines) == 1 and 'path not found' in lines[0], proc.stderr
+
+
+def test_dry_run_compiles_and_reports_without_training(tmp_path):
+  proc = _train('--dry-run', '--no-snapshots', '--out', str(tmp_path), timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  info = json.loads(proc.stdout[proc.stdout.index('{'):])
+  assert info['param_count'] > 0 and info['step_memory_bytes']['temp_bytes'] > 0
+  assert not (tmp_path / 'report.json').exists()
