@@ -102,10 +102,8 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
                          lambda: steps.compile_step(cfg, mesh, Role(b), graphdef))
   update = _timed_compile(compile_s, 'update', lambda: slice_steps.compile_update(cfg, mesh))
   refresh = svd and _timed_compile(compile_s, 'refresh', lambda: steps.compile_refresh(cfg, mesh))
-  shardings = train_state.state_shardings(cfg, mesh)
-  new_state = jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)
   # Donating programs each need their own state; group programs only read theirs.
-  states = {k: new_state() for k in ('group', 'fused', 'update', 'refresh')}
+  states = {k: train_state.create_sharded(cfg, mesh) for k in ('group', 'fused', 'update', 'refresh')}
   if svd:
     states['group'] = refresh(states['group'])  # real bases for the degraded programs
   rng = np.random.default_rng(0)
@@ -128,7 +126,8 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
     return states['refresh']
 
   fns = {'fused_normal': run_fused, 'update': run_update,
-         'rejoin': lambda: jax.device_put(host_state, shardings, may_alias=False)}
+         'rejoin': lambda: jax.device_put(host_state, train_state.state_shardings(cfg, mesh),
+                                           may_alias=False)}
   if svd:
     fns['refresh'] = run_refresh
   fns |= {role_name(r): (lambda r=r: groups[r](states['group'], tokens[r])) for r in sorted(roles)}

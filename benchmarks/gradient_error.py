@@ -57,8 +57,7 @@ def main(argv=None) -> dict:
   b = cfg.train.micro_batch
   corpus = SyntheticCorpus(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
   normal = steps.compile_step(cfg, mesh, steps.Role(exact=b), graphdef)
-  state = jax.jit(lambda: train_state.init_state(cfg),
-                  out_shardings=train_state.state_shardings(cfg, mesh))()
+  state = train_state.create_sharded(cfg, mesh)
   fractions = [float(f) for f in args.fractions.split(',')]
   variants = [('svd', f) for f in fractions] + [('gaussian', f) for f in fractions]
   grad_fns = {v: _grad_fn(cfg, graphdef, *v) for v in variants}

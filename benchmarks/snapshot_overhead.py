@@ -2,7 +2,7 @@
 
 Run: python benchmarks/snapshot_overhead.py --config configs/llama_60m.yaml --json OUT.json
 The real per-step path on one device: the AOT-compiled fused step, then (snapshot mode) what
-Trainer._snapshot does, SnapshotManager.maybe_save of recovery.one_replica(...) with every=1.
+Trainer._snapshot does, SnapshotManager.maybe_save of one replica (slice_steps.state_view) with every=1.
 Blocks of --block steps alternate between the modes (ABBA order over --rounds); a block's first
 iteration is not timed, so every timed snapshot iteration is steady state: one step, the wait
 for the previous save, the private copy and the start of the next save. The last save of a
@@ -34,9 +34,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import model, parity, recovery, sharding, snapshot, steps, train_state  # noqa: E402
+from mecefo_jax import (model, parity, recovery, sharding, slice_steps, snapshot, steps,  # noqa: E402
+                        train_state)
 from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.trainer import params_sha256  # noqa: E402
+from mecefo_jax.train_state import params_sha256  # noqa: E402
 
 N_HOSTS = 4
 
@@ -54,9 +55,8 @@ class Bench:
     graphdef, _, _ = model.abstract(cfg.model)
     role = steps.Role(exact=cfg.train.micro_batch)
     self.step = steps.compile_step(cfg, self.mesh, role, graphdef)
-    init = jax.jit(lambda: train_state.init_state(cfg),
-                   out_shardings=train_state.state_shardings(cfg, self.mesh))
-    self.states = {'no_snapshot': init(), 'snapshot': init()}
+    self.states = {mode: train_state.create_sharded(cfg, self.mesh)
+                   for mode in ('no_snapshot', 'snapshot')}
     rng = np.random.default_rng(0)
     self.tokens = jnp.asarray(rng.integers(0, cfg.model.vocab_size,
                                            steps.batch_shape(cfg, 1, role)), jnp.int32)
@@ -64,7 +64,7 @@ class Bench:
     self.saves, self.save_block_s = 0, []
 
   def one_replica(self, state):
-    return recovery.one_replica(self.cfg, state, self.mesh, (0,))
+    return slice_steps.state_view(self.cfg, state, self.mesh, (0,))
 
   def iteration(self, mode: str) -> None:
     state, metrics = self.step(self.states[mode], self.tokens)
@@ -108,7 +108,6 @@ def time_modes(bench: Bench, block: int, rounds: int) -> dict:
 
 def time_restore(bench: Bench, repeats: int) -> dict:
   """Restore of the newest snapshot by a fresh manager (as after a crash), checked bit-exact."""
-  abstract = jax.eval_shape(lambda: train_state.init_state(bench.cfg))
   want = params_sha256(bench.states['snapshot'].params)  # the last block ended with its save
   newest = Path(bench.manager.tiers[0].step_dir(bench.saves))
   verify_s, restore_s, exact = [], [], True
@@ -118,7 +117,7 @@ def time_restore(bench: Bench, repeats: int) -> dict:
     verify_s.append(time.perf_counter() - t0)
     with snapshot.SnapshotManager(newest.parent, keep=2) as fresh:
       t0 = time.perf_counter()
-      step, state, _ = recovery.restore(fresh, bench.cfg, bench.mesh, abstract)
+      step, state, _ = recovery.restore(fresh, bench.cfg, bench.mesh)
       jax.block_until_ready(state)
       restore_s.append(time.perf_counter() - t0)
     exact &= step == bench.saves and params_sha256(state.params) == want

@@ -31,9 +31,7 @@ def main(argv=None):
   roles = {'normal_1': steps.Role(exact=b), 'degraded_2': steps.Role(degraded=2 * b),
            'naive_2': steps.Role(exact=2 * b)}
   compiled = {n: steps.compile_step(cfg, mesh, r, graphdef) for n, r in roles.items()}
-  shardings = train_state.state_shardings(cfg, mesh)
-  states = {n: jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)()
-            for n in roles}
+  states = {n: train_state.create_sharded(cfg, mesh) for n in roles}
   if cfg.mecefo.basis == 'svd':
     states['degraded_2'] = steps.compile_refresh(cfg, mesh)(states['degraded_2'])
   rng = np.random.default_rng(0)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import time
 from typing import Callable
@@ -13,7 +12,7 @@ import numpy as np
 from mecefo_jax import data, sharding, slice_steps, steps, takeover
 from mecefo_jax.config import Config
 from mecefo_jax.failures import FailureEvent, FailureSchedule
-from mecefo_jax.train_state import state_shardings
+from mecefo_jax.train_state import params_sha256, state_shardings
 
 log = logging.getLogger('mecefo')
 
@@ -103,8 +102,7 @@ class Controller:
       return
     keep = tuple(s for s in self.state_slices if s in live)
     if keep != self.state_slices:
-      mesh = sharding.submesh(self.mesh, keep)
-      self.state = slice_steps.view(self.state, mesh, state_shardings(self.cfg, mesh))
+      self.state = slice_steps.state_view(self.cfg, self.state, self.mesh, keep)
     if keep != live:
       # Rejoin: the repaired slices receive the current state from live peers.
       t0 = time.perf_counter()
@@ -190,14 +188,13 @@ class Controller:
     outputs = []
     for role, slices in groups.items():
       slices = tuple(slices)
-      mesh = sharding.submesh(self.mesh, slices)
-      state_view = slice_steps.view(self.state, mesh, state_shardings(self.cfg, mesh))
+      state_view = slice_steps.state_view(self.cfg, self.state, self.mesh, slices)
       tokens = np.stack([self._tokens(ids_SxB, work[s]) for s in slices])
-      batch = jax.device_put(tokens, sharding.batch_sharding(mesh))
-      outputs.append((slices, self._group(slices, role)(state_view, batch)))
+      batch = jax.device_put(tokens, sharding.batch_sharding(sharding.submesh(self.mesh, slices)))
+      outputs.append(self._group(slices, role)(state_view, batch))
     # Each slice's sums stay on its devices; the stack over the live mesh places them by device.
     live_mesh = sharding.submesh(self.mesh, live)
-    sums = slice_steps.stack_groups([out for _, out in outputs], self.cfg, live_mesh)
+    sums = slice_steps.stack_groups(outputs, self.cfg, live_mesh)
     self.state, metrics = self._update(live)(self.state, sums)
     return metrics
 
@@ -251,13 +248,6 @@ class Controller:
 
   # --- checks ------------------------------------------------------------------------------
   def replica_hashes(self) -> dict[int, str]:
-    """sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
-    out = {}
-    for s in self.state_slices:
-      mesh = sharding.submesh(self.mesh, (s,))
-      params = slice_steps.view(self.state.params, mesh, state_shardings(self.cfg, mesh).params)
-      h = hashlib.sha256()
-      for leaf in jax.tree.leaves(jax.device_get(params)):
-        h.update(np.ascontiguousarray(leaf).tobytes())
-      out[s] = h.hexdigest()
-    return out
+    """params_sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
+    return {s: params_sha256(slice_steps.state_view(self.cfg, self.state, self.mesh, (s,)).params)
+            for s in self.state_slices}

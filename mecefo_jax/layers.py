@@ -9,6 +9,11 @@ from flax import nnx
 from mecefo_jax.ops.lowrank import lowrank_matmul
 
 
+def _lowrank_affine(inputs, kernel, bias, basis):
+  y = lowrank_matmul(inputs, kernel, basis)
+  return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
 class MeCeFOLinear(nnx.Linear):
   """`nnx.Linear` with the same constructor and parameters (`kernel`, `bias`).
 
@@ -27,10 +32,7 @@ class MeCeFOLinear(nnx.Linear):
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-    y = lowrank_matmul(inputs, kernel, basis)
-    if bias is not None:
-      y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return y
+    return _lowrank_affine(inputs, kernel, bias, basis)
 
 
 class MeCeFODense(nn.Dense):
@@ -45,7 +47,4 @@ class MeCeFODense(nn.Dense):
     bias = (self.param('bias', self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
     inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    y = lowrank_matmul(inputs, kernel, basis)
-    if bias is not None:
-      y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return y
+    return _lowrank_affine(inputs, kernel, bias, basis)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import jax
 
-from mecefo_jax import sharding, slice_steps
 from mecefo_jax.config import Config, ConfigError
 from mecefo_jax.snapshot import SnapshotError, SnapshotManager, default_snapshot_dir
+from mecefo_jax.steps import abstract_state
 from mecefo_jax.train_state import state_shardings
 
 log = logging.getLogger('mecefo')
@@ -38,17 +38,10 @@ def open_manager(cfg: Config, out_dir: Path, state_bytes: int) -> SnapshotManage
     raise ConfigError(f'{err} (set snapshot.dir=..., or --no-snapshots)') from None
 
 
-def one_replica(cfg: Config, state, mesh, live):
-  """A view of the state on the first live slice: the snapshot needs one replica, not n."""
-  first = sharding.submesh(mesh, (live[0],))
-  return slice_steps.view(state, first, state_shardings(cfg, first))
-
-
-def restore(manager: SnapshotManager, cfg: Config, mesh, abstract_state):
+def restore(manager: SnapshotManager, cfg: Config, mesh):
   """(step, state on the full mesh, meta) from the newest intact snapshot, else None."""
-  shardings = state_shardings(cfg, mesh)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_state, shardings)
+                        abstract_state(cfg), state_shardings(cfg, mesh))
   return manager.restore_latest(target)
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mecefo_jax import steps
+from mecefo_jax import sharding, steps
 from mecefo_jax.config import Config
 from mecefo_jax.sharding import batch_sharding, replicated
 from mecefo_jax.train_state import TrainState, make_optimizer, state_shardings
@@ -28,6 +28,12 @@ def view(tree, mesh: Mesh, shardings):
     shards = [s.data for s in x.addressable_shards if s.device in devices]
     return jax.make_array_from_single_device_arrays(x.shape, sh, shards)
   return jax.tree.map(one, tree, shardings)
+
+
+def state_view(cfg: Config, state, mesh: Mesh, slices):
+  """View of the (replicated-over-slice) train state on only `slices` of `mesh`."""
+  sub = sharding.submesh(mesh, tuple(slices))
+  return view(state, sub, state_shardings(cfg, sub))
 
 
 def _stacked(sh: NamedSharding, mesh: Mesh) -> NamedSharding:
@@ -61,7 +67,7 @@ def compile_group(cfg: Config, mesh: Mesh, role: steps.Role, graphdef):
     one = functools.partial(steps.contribution, state.params, state.bases, key=key, role=role,
                             graphdef=graphdef, cfg=cfg)
     # vmap over the group's slices: each slice's sums stay on its own devices, unreduced.
-    return jax.vmap(lambda t: one(t))(tokens_GxRxL1)
+    return jax.vmap(one)(tokens_GxRxL1)
 
   state_sh = state_shardings(cfg, mesh)
   jitted = jax.jit(group, in_shardings=(state_sh, batch_sharding(mesh)),
@@ -73,26 +79,19 @@ def compile_group(cfg: Config, mesh: Mesh, role: steps.Role, graphdef):
 def compile_update(cfg: Config, mesh: Mesh):
   """`(state, stacked sums) -> (state, metrics)`: reduce across slices, §3 rule, optimizer."""
   tx = make_optimizer(cfg)
+  sums_sh = sums_shardings(cfg, mesh)
 
   def update(state: TrainState, sums):
-    grads_sum, loss_sum, exact, degraded = jax.tree.map(lambda x: x.sum(0), sums)
-    total = exact + degraded
-    grads = steps.combine(grads_sum, exact, total)
-    new_state, grad_norm = steps.apply_gradients(state, grads, exact, tx)
-    metrics = {'loss': loss_sum / jnp.maximum(total, 1.0), 'grad_norm': grad_norm,
-               'exact_tokens': exact, 'degraded_tokens': degraded}
-    return new_state, metrics
+    return steps.finish_step(state, jax.tree.map(lambda x: x.sum(0), sums), tx)
 
-  state_sh = state_shardings(cfg, mesh)
-  sums_sh = sums_shardings(cfg, mesh)
-  jitted = jax.jit(update, donate_argnums=0, in_shardings=(state_sh, sums_sh),
-                   out_shardings=(state_sh, replicated(mesh)))
-  abstract_sums = jax.tree.map(lambda sh, x: jax.ShapeDtypeStruct((mesh.shape['slice'], *x.shape), x.dtype),
-                               sums_sh, _abstract_sums(cfg))
-  return jitted.lower(steps.abstract_state(cfg), abstract_sums).compile()
+  jitted = jax.jit(update, donate_argnums=0, in_shardings=(state_shardings(cfg, mesh), sums_sh),
+                   out_shardings=(state_shardings(cfg, mesh), replicated(mesh)))
+  return jitted.lower(steps.abstract_state(cfg), _abstract_sums(cfg, mesh.shape['slice'])).compile()
 
 
-def _abstract_sums(cfg: Config):
+def _abstract_sums(cfg: Config, n_slices: int):
+  """Shapes of per-slice sums stacked over n_slices: (grads, loss, exact, degraded)."""
+  stacked = lambda shape, dtype: jax.ShapeDtypeStruct((n_slices, *shape), dtype)
   params = steps.abstract_state(cfg).params
-  scalar = jax.ShapeDtypeStruct((), jnp.float32)
-  return (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params), scalar, scalar, scalar)
+  scalar = stacked((), jnp.float32)
+  return (jax.tree.map(lambda p: stacked(p.shape, p.dtype), params), scalar, scalar, scalar)

@@ -135,16 +135,20 @@ def make_step_fn(cfg: Config, role: Role, graphdef):
 
   def step(state: TrainState, tokens_SxRxL1):
     key = jax.random.fold_in(state.rng, state.step)
-    grads_sum, loss_sum, exact_tokens, degraded_tokens = _uniform_sums(
-        state, tokens_SxRxL1, key, role, graphdef, cfg)
-    total = exact_tokens + degraded_tokens
-    grads = combine(grads_sum, exact_tokens, total)
-    new_state, grad_norm = apply_gradients(state, grads, exact_tokens, tx)
-    metrics = {'loss': loss_sum / total, 'grad_norm': grad_norm,
-               'exact_tokens': exact_tokens, 'degraded_tokens': degraded_tokens}
-    return new_state, metrics
+    return finish_step(state, _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg), tx)
 
   return step
+
+
+def finish_step(state: TrainState, sums, tx) -> tuple[TrainState, dict]:
+  """From summed (grads, loss, exact tokens, degraded tokens): §3 rule, optimizer, metrics."""
+  grads_sum, loss_sum, exact_tokens, degraded_tokens = sums
+  total = exact_tokens + degraded_tokens
+  grads = combine(grads_sum, exact_tokens, total)
+  new_state, grad_norm = apply_gradients(state, grads, exact_tokens, tx)
+  metrics = {'loss': loss_sum / jnp.maximum(total, 1.0), 'grad_norm': grad_norm,
+             'exact_tokens': exact_tokens, 'degraded_tokens': degraded_tokens}
+  return new_state, metrics
 
 
 def batch_shape(cfg: Config, n_slices: int, role: Role) -> tuple[int, int, int]:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -89,6 +91,22 @@ def init_state(cfg: Config, graphdef=None) -> TrainState:
     bases = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: svd_bases(params, cfg, rng)))
   return TrainState(jnp.zeros((), jnp.int32), params, opt_state, bases,
                     jnp.full((), -1, jnp.int32), rng)
+
+
+def create_sharded(cfg: Config, mesh: Mesh) -> TrainState:
+  """A fresh state created directly in its shardings on `mesh`."""
+  return jax.jit(lambda: init_state(cfg), out_shardings=state_shardings(cfg, mesh))()
+
+
+def params_sha256(params) -> str:
+  """SHA-256 over every parameter's path, dtype, shape and bytes: equal iff bit-identical."""
+  h = hashlib.sha256()
+  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(params))
+  for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+    arr = np.ascontiguousarray(leaf)
+    h.update(f'{jax.tree_util.keystr(path)}|{arr.dtype}|{arr.shape}|'.encode())
+    h.update(arr.tobytes())
+  return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=256)

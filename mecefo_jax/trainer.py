@@ -1,7 +1,6 @@
 """The training loop: mesh, sharded state, failure-aware controller, snapshots, report.json."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -10,26 +9,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mecefo_jax import model, recovery, sharding, steps, train_state
+from mecefo_jax import model, recovery, sharding, slice_steps, steps, train_state
 from mecefo_jax.config import Config, to_dict
 from mecefo_jax.controller import AllSlicesDown, Controller
-from mecefo_jax.data import sample_ids
+from mecefo_jax.data import global_batch
 from mecefo_jax.datasources import load_corpus
 from mecefo_jax.failures import FailureSchedule
 from mecefo_jax.snapshot import state_nbytes
 
 log = logging.getLogger('mecefo')
-
-
-def params_sha256(params) -> str:
-  """SHA-256 over every parameter's path, dtype, shape and bytes: equal iff bit-identical."""
-  h = hashlib.sha256()
-  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(params))
-  for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
-    arr = np.ascontiguousarray(leaf)
-    h.update(f'{jax.tree_util.keystr(path)}|{arr.dtype}|{arr.shape}|'.encode())
-    h.update(arr.tobytes())
-  return h.hexdigest()
 
 
 def param_count(params) -> int:
@@ -51,26 +39,25 @@ class Trainer:
     f = cfg.faults
     self.schedule = schedule or FailureSchedule.from_spec(
         f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s, cfg.train.seed)
-    abstract = jax.eval_shape(lambda: train_state.init_state(cfg))
     self.out_dir.mkdir(parents=True, exist_ok=True)
-    self.snapshots = recovery.open_manager(cfg, self.out_dir, state_nbytes(abstract))
+    self.snapshots = recovery.open_manager(cfg, self.out_dir,
+                                           state_nbytes(steps.abstract_state(cfg)))
     t0 = time.perf_counter()
-    shardings = train_state.state_shardings(cfg, self.mesh)
-    state = jax.jit(lambda: train_state.init_state(cfg), out_shardings=shardings)()
+    state = train_state.create_sharded(cfg, self.mesh)
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state)
     self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
     self._carried_state = {}  # run_state.json entries kept while resuming (all_down_at)
     self.stopped_by_sigterm = False
     if resume:
-      self._resume(abstract)
+      self._resume()
     # Compile the fault-free step now, so that the first step runs at full speed.
     all_slices = tuple(range(self.n_slices))
     self.memory = steps.memory_summary(
         self.controller.fused(all_slices, steps.Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
 
-  def _resume(self, abstract) -> None:
-    restored = self.snapshots and recovery.restore(self.snapshots, self.cfg, self.mesh, abstract)
+  def _resume(self) -> None:
+    restored = self.snapshots and recovery.restore(self.snapshots, self.cfg, self.mesh)
     if not restored:
       log.warning('resume: no intact snapshot or checkpoint found; starting from step 0')
       return
@@ -118,8 +105,7 @@ class Trainer:
         ('eval', live), lambda: steps.compile_eval(self.cfg, mesh, b, self.graphdef))
     losses = []
     for i in range(n_batches):
-      ids = sample_ids(i, len(live), b, split='eval')
-      tokens = np.stack([self.corpus.sequences(row) for row in ids])
+      tokens = global_batch(self.corpus, i, len(live), b, split='eval')
       losses.append(float(program(self.state.params,
                                   jax.device_put(tokens, sharding.batch_sharding(mesh)))))
     return float(np.mean(losses))
@@ -187,9 +173,9 @@ class Trainer:
       return
     c = self.controller
     meta = {'controller': c.dump_meta(), 'losses': self.losses, 'reached': steps_done}
-    self.snapshots.maybe_save(steps_done, recovery.one_replica(self.cfg, c.state, self.mesh,
-                                                               c.state_slices), meta,
-                              force_durable=durable)
+    # One replica is enough: the slices hold identical copies.
+    one_replica = slice_steps.state_view(self.cfg, c.state, self.mesh, c.state_slices[:1])
+    self.snapshots.maybe_save(steps_done, one_replica, meta, force_durable=durable)
 
   def close(self) -> None:
     if self.snapshots:
@@ -212,7 +198,7 @@ class Trainer:
         'steps': steps_done, 'first_loss': losses[0][1] if losses else None,
         'final_loss': losses[-1][1] if losses else None, 'tokens': trained_tokens,
         'wall_s': wall_s, 'tokens_per_s': trained_tokens / wall_s, 'compile_s': self.compile_s,
-        'params_sha256': params_sha256(self.state.params),
+        'params_sha256': train_state.params_sha256(self.state.params),
         'param_count': param_count(self.state.params), 'entropy_floor': self.corpus.entropy_floor(),
         'losses': losses, 'mesh': dict(self.mesh.shape), 'device': jax.devices()[0].device_kind,
         'step_memory': self.memory, 'takeover': cfg.faults.takeover,
