@@ -1,6 +1,8 @@
 """LLaMA-style decoder in Flax NNX: thin modules owning parameters and their logical axes."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,6 +13,30 @@ from mecefo_jax.layers import MeCeFOLinear
 
 # Top-level parameter names inside a block whose gradient comes only from exact micro-batches.
 ATTENTION_BRANCH = ('attn', 'attn_norm')
+
+
+@dataclasses.dataclass(frozen=True)
+class Degrade:
+  """Which MECEFO.md §2 techniques a pass uses; frozen and hashable, so it is static under jit.
+
+  `degraded=True` everywhere means all three (the MeCeFO degraded step), `False` none; single
+  flags exist for the ablation (benchmarks/ablation.py).
+  """
+  skip_attention: bool = False  # §2.1: stop_gradient on the attention branch output
+  remat_ffn: bool = False  # §2.2: jax.checkpoint the FFN branch (policy from `remat`)
+  lowrank: bool = False  # §2.3: low-rank FFN weight gradients with the given bases
+
+  @classmethod
+  def of(cls, degraded: 'bool | Degrade') -> 'Degrade':
+    if isinstance(degraded, cls):
+      return degraded
+    return FULL if degraded else NONE
+
+  def __bool__(self) -> bool:
+    return self.skip_attention or self.remat_ffn or self.lowrank
+
+
+NONE, FULL = Degrade(), Degrade(True, True, True)
 
 
 def _linear(d_in, d_out, axes, cfg: ModelConfig, rngs):
@@ -59,7 +85,8 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm block; `degraded` cuts the attention backward and remats a low-rank FFN."""
+  """Pre-norm block; `degraded` (bool or Degrade) cuts the attention backward, remats the FFN
+  and makes its weight gradients low-rank."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(cfg.d_model, cfg)
@@ -67,15 +94,16 @@ class Block(nnx.Module):
     self.ffn_norm = RMSNorm(cfg.d_model, cfg)
     self.ffn = FeedForward(cfg, rngs)
 
-  def __call__(self, h_BxLxD, degraded: bool = False, bases=None, remat: str = 'dots'):
+  def __call__(self, h_BxLxD, degraded: bool | Degrade = False, bases=None, remat: str = 'dots'):
+    d = Degrade.of(degraded)
     a = self.attn(self.attn_norm(h_BxLxD))
     # Forward stays exact; backward sees only the residual path around attention.
-    h_BxLxD = h_BxLxD + (jax.lax.stop_gradient(a) if degraded else a)
+    h_BxLxD = h_BxLxD + (jax.lax.stop_gradient(a) if d.skip_attention else a)
     branch = ffn_branch
-    if degraded:
+    if d.remat_ffn:
       branch = jax.checkpoint(ffn_branch, policy=ops.remat_policy(remat), static_argnums=(6,))
     f = branch(h_BxLxD, self.ffn_norm.scale[...], *self.ffn.kernels(),
-               bases if degraded else None, self.ffn_norm.eps)
+               bases if d.lowrank else None, self.ffn_norm.eps)
     return h_BxLxD + f
 
 
@@ -98,7 +126,7 @@ class LLaMA(nnx.Module):
     self.head = _linear(cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), cfg, rngs)
     self.n_layers, self.dtype = cfg.n_layers, jnp.dtype(cfg.compute_dtype)
 
-  def __call__(self, tokens_BxL, degraded: bool = False, bases=None, remat: str = 'dots'):
+  def __call__(self, tokens_BxL, degraded: bool | Degrade = False, bases=None, remat: str = 'dots'):
     h = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
     for i in range(self.n_layers):
       block_bases = bases[f'block{i}'] if bases is not None else None
@@ -122,8 +150,9 @@ def abstract(cfg: ModelConfig):
   return graphdef, nnx.to_pure_dict(shapes), nnx.to_pure_dict(axes)
 
 
-def forward(graphdef, params, tokens_BxL, degraded=False, bases=None, remat='dots'):
-  """Pure forward: logits [B, L, V] from a pure params dict."""
+def forward(graphdef, params, tokens_BxL, degraded: bool | Degrade = False, bases=None,
+            remat='dots'):
+  """Pure forward: logits [B, L, V] from a pure params dict; `degraded` as in Block."""
   return nnx.merge(graphdef, params)(tokens_BxL, degraded, bases, remat)
 
 

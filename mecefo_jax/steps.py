@@ -40,10 +40,12 @@ def _loss_sum(params, tokens_NxL1, graphdef, degraded, bases, remat):
   return ops.token_cross_entropy(logits, tokens_NxL1[:, 1:]).sum()
 
 
-def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: Config):
+def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: Config,
+                 degrade: model.Degrade = model.FULL):
   """Summed loss and gradients of one slice's rows; degraded rows give attention no gradient.
 
   Returns (grads, loss_sum, exact_tokens, degraded_tokens); gradients are sums over tokens.
+  `degrade` picks the §2 techniques of the degraded rows (all of them outside the ablation).
   """
   seq = tokens_RxL1.shape[-1] - 1
   grad_fn = jax.value_and_grad(_loss_sum)
@@ -54,16 +56,17 @@ def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: 
     if cfg.mecefo.basis == 'gaussian':
       bases = gaussian_bases(cfg, key)
     rows = tokens_RxL1[role.exact:role.rows]
-    d_loss, d_grads = _degraded_passes(grad_fn, params, rows, bases, role.passes, graphdef, cfg)
+    d_loss, d_grads = _degraded_passes(grad_fn, params, rows, bases, role.passes, graphdef, cfg,
+                                       degrade)
     loss = loss + d_loss
     grads = d_grads if grads is None else jax.tree.map(jnp.add, grads, d_grads)
   counts = (jnp.asarray(role.exact * seq, jnp.float32), jnp.asarray(role.degraded * seq, jnp.float32))
   return grads, loss, *counts
 
 
-def _degraded_passes(grad_fn, params, rows_DxL1, bases, passes, graphdef, cfg):
+def _degraded_passes(grad_fn, params, rows_DxL1, bases, passes, graphdef, cfg, degrade):
   """Degraded grads in `passes` sequential chunks (a lax.scan, then one shorter remainder)."""
-  run = lambda r: grad_fn(params, r, graphdef, True, bases, cfg.mecefo.ffn_remat)
+  run = lambda r: grad_fn(params, r, graphdef, degrade, bases, cfg.mecefo.ffn_remat)
   rows = rows_DxL1.shape[0]
   if passes == 1:
     return run(rows_DxL1)
@@ -112,7 +115,7 @@ def apply_gradients(state: TrainState, grads, exact_tokens, tx) -> tuple[TrainSt
   return state._replace(step=state.step + 1, params=params, opt_state=opt_state), optax.tree.norm(grads)
 
 
-def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg):
+def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg, degrade):
   """Every slice has the same role: one plain SPMD program, no per-slice branching."""
   s, l1 = tokens_SxRxL1.shape[0], tokens_SxRxL1.shape[2]
   if role.passes != 1:
@@ -121,21 +124,24 @@ def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg):
   exact = tokens_SxRxL1[:, :role.exact].reshape(-1, l1)
   degraded = tokens_SxRxL1[:, role.exact:role.rows].reshape(-1, l1)
   return contribution(state.params, state.bases, jnp.concatenate([exact, degraded]), key,
-                      role=Role(role.exact * s, role.degraded * s), graphdef=graphdef, cfg=cfg)
+                      role=Role(role.exact * s, role.degraded * s), graphdef=graphdef, cfg=cfg,
+                      degrade=degrade)
 
 
-def make_step_fn(cfg: Config, role: Role, graphdef):
+def make_step_fn(cfg: Config, role: Role, graphdef, degrade: model.Degrade = model.FULL):
   """The pure step `(state, tokens_SxRxL1) -> (state, metrics)`: every slice plays `role`.
 
   Role(exact=B) is the normal step; Role(degraded=k*B) a slice doing its own and k-1 extra
   micro-batches degraded. Slices with different roles run separate per-slice programs
   (a collective inside a per-slice branch of one SPMD program deadlocks, MECEFO.md §8).
+  `degrade` narrows the degraded rows' techniques for the ablation benchmark.
   """
   tx = make_optimizer(cfg)
 
   def step(state: TrainState, tokens_SxRxL1):
     key = jax.random.fold_in(state.rng, state.step)
-    return finish_step(state, _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg), tx)
+    sums = _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg, degrade)
+    return finish_step(state, sums, tx)
 
   return step
 
@@ -160,10 +166,11 @@ def abstract_state(cfg: Config):
   return jax.eval_shape(lambda: init_state(cfg))
 
 
-def compile_step(cfg: Config, mesh: Mesh, role: Role, graphdef):
+def compile_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
+                 degrade: model.Degrade = model.FULL):
   """AOT-compiled step for `role` on `mesh`: state donated, identical state in/out shardings."""
   state_sh = state_shardings(cfg, mesh)
-  jitted = jax.jit(make_step_fn(cfg, role, graphdef), donate_argnums=0,
+  jitted = jax.jit(make_step_fn(cfg, role, graphdef, degrade), donate_argnums=0,
                    in_shardings=(state_sh, batch_sharding(mesh)),
                    out_shardings=(state_sh, replicated(mesh)))
   tokens = jax.ShapeDtypeStruct(batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)

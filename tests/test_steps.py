@@ -215,3 +215,79 @@ def test_degraded_passes_with_remainder_equal_one_pass():
   np.testing.assert_allclose(three[1], one[1], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(three[0]), jax.tree.leaves(one[0])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+# --- Degrade: each §2 technique on its own (the ablation's variants) ---
+
+def _ablated(degrade, remat='dots'):
+  cfg = _cfg(f'mecefo.ffn_remat={remat}')
+  _, params = model.create(cfg.model, 0)
+  bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
+  tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
+  graphdef, _, _ = model.abstract(cfg.model)
+  grads, loss, _, _ = steps.contribution(params, bases, tokens, jax.random.PRNGKey(1),
+                                         role=steps.Role(degraded=4), graphdef=graphdef, cfg=cfg,
+                                         degrade=degrade)
+  return cfg, params, bases, tokens, grads, loss
+
+
+def _ffn_kernel(path):
+  keys = [getattr(k, 'key', None) for k in path]
+  return 'ffn' in keys and 'kernel' in keys
+
+
+def test_degrade_skip_attention_only_is_the_cut_graph_with_exact_ffn_grads():
+  cfg, params, _, tokens, grads, loss = _ablated(model.Degrade(skip_attention=True))
+  ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, True)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the forward is exact
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
+    if model.is_attention_branch(path):
+      assert not np.any(np.asarray(g)), path  # no gradient from this pass at all
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6, err_msg=str(path))
+  # The last block's FFN sees no attention downstream: its grads equal the uncut ones.
+  _, exact = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
+  last = f'block{cfg.model.n_layers - 1}'
+  for a, b in zip(jax.tree.leaves(grads[last]['ffn']), jax.tree.leaves(exact[last]['ffn'])):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('remat', ['dots', 'full'])
+def test_degrade_remat_only_changes_no_gradient(remat):
+  cfg, params, _, tokens, grads, loss = _ablated(model.Degrade(remat_ffn=True), remat)
+  ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
+
+
+def test_degrade_lowrank_only_projects_ffn_kernels_and_keeps_the_rest_exact():
+  cfg, params, bases, tokens, grads, loss = _ablated(model.Degrade(lowrank=True))
+  ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # loss identical: only Wgrad changes
+  flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref))
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    r = flat_ref[path]
+    if not _ffn_kernel(path):  # dgrad is exact, so attention and norms get exact grads
+      np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6, err_msg=str(path))
+      continue
+    v = bases[path[0].key][path[2].key]
+    np.testing.assert_allclose(g, v @ (v.T @ r), rtol=2e-4, atol=1e-6, err_msg=str(path))
+    assert not np.allclose(g, r, rtol=1e-2, atol=1e-4), path
+
+
+def test_degrade_true_is_all_techniques_and_static_under_jit():
+  assert model.Degrade.of(True) == model.FULL == model.Degrade(True, True, True)
+  assert model.Degrade.of(False) == model.NONE and not model.NONE and model.Degrade(lowrank=True)
+  *_, grads, loss = _ablated(model.FULL)
+  cfg, params, bases, tokens, _, _ = _ablated(model.NONE)
+  graphdef, _, _ = model.abstract(cfg.model)
+  default = steps.contribution(params, bases, tokens, jax.random.PRNGKey(1),
+                               role=steps.Role(degraded=4), graphdef=graphdef, cfg=cfg)
+  assert float(default[1]) == float(loss)
+  for a, b in zip(jax.tree.leaves(default[0]), jax.tree.leaves(grads)):
+    np.testing.assert_array_equal(a, b)
+  # Hashable and static: one trace per distinct Degrade.
+  fwd = jax.jit(model.forward, static_argnums=(0, 3))
+  out = fwd(graphdef, params, tokens[:, :-1], model.Degrade(skip_attention=True))
+  np.testing.assert_allclose(out, model.forward(graphdef, params, tokens[:, :-1]), rtol=1e-5,
+                             atol=1e-6)
