@@ -30,8 +30,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--fresh', action='store_true',
                  help='start from step 0 even if --out holds an unfinished run')
   p.add_argument('--no-snapshots', action='store_true', help='no in-memory snapshots (= snapshot.enabled=false)')
+  p.add_argument('--quiet', '-q', action='store_true',
+                 help='only warnings, errors (failures, repairs) and the final summary line')
   p.add_argument('--host-devices', type=int, default=None,
                  help='CPU only: simulate this many devices (XLA host platform), e.g. 8 slices')
+  p.add_argument('--coordinator', default=None,
+                 help='multi-process run: HOST:PORT of process 0 (automatic on TPU pods)')
+  p.add_argument('--num-processes', type=int, default=None, help='multi-process run: how many')
+  p.add_argument('--process-id', type=int, default=None, help='multi-process run: this one (0..n-1)')
   p.add_argument('overrides', nargs='*', help='dotted overrides: section.key=value')
   return p.parse_intermixed_args(argv)
 
@@ -51,7 +57,7 @@ def main(argv=None) -> int:
   overrides += [f'faults.takeover={args.takeover}'] if args.takeover else []
   overrides += ['snapshot.enabled=false'] if args.no_snapshots else []
   logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
-  logging.getLogger('mecefo').setLevel(logging.INFO)
+  logging.getLogger('mecefo').setLevel(logging.WARNING if args.quiet else logging.INFO)
   from mecefo_jax.config import ConfigError, load_config, to_dict
   from mecefo_jax.datasources import DataError
   try:
@@ -60,10 +66,12 @@ def main(argv=None) -> int:
       import yaml
       print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
       return 0
+    from mecefo_jax import multihost
+    multihost.initialize(args.coordinator, args.num_processes, args.process_id)
     from mecefo_jax import recovery, trainer
     out_dir = Path(args.out or cfg.train.out_dir)
     resume = args.resume or (not args.fresh and recovery.unfinished(out_dir))
-    run = trainer.Trainer(cfg, out_dir, resume=resume)
+    run = trainer.Trainer(cfg, out_dir, resume=resume, progress='quiet' if args.quiet else 'auto')
   except (ConfigError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
@@ -81,12 +89,13 @@ def main(argv=None) -> int:
     report = run.run()
   finally:
     run.close()
-  floor = report['entropy_floor']
-  log.info('done: %d steps, loss %s -> %s (entropy floor %s) in %.1fs, %.0f tok/s; report %s',
-           report['steps'], _num(report['first_loss']), _num(report['final_loss']), _num(floor),
-           report['wall_s'], report['tokens_per_s'], out_dir / 'report.json')
-  log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
-           report['samples'])
+  summary = _summary(report, out_dir)
+  if args.quiet:
+    print(summary, file=sys.stderr)
+  else:
+    log.info('%s', summary)
+    log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
+             report['samples'])
   if report['preempted']:
     return 128 + signal.SIGTERM
   return 3 if report['stopped'] else 0
@@ -94,3 +103,12 @@ def main(argv=None) -> int:
 
 def _num(x) -> str:
   return 'n/a' if x is None else f'{x:.4f}'
+
+
+def _summary(report: dict, out_dir: Path) -> str:
+  """The one line a run ends with (also under --quiet)."""
+  ppl = report['eval_perplexity']
+  return (f"done: {report['steps']} steps, loss {_num(report['first_loss'])} -> "
+          f"{_num(report['final_loss'])}, eval {_num(report['eval_loss'])} (perplexity "
+          f"{'n/a' if ppl is None else f'{ppl:.3f}'}; entropy floor {_num(report['entropy_floor'])})"
+          f" in {report['wall_s']:.1f}s, {report['tokens_per_s']:.0f} tok/s; outputs in {out_dir}")

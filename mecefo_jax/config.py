@@ -37,6 +37,10 @@ class MeshConfig:
   slice: int = -1  # data-parallel replicas; -1 = all devices left after fsdp * tensor
   fsdp: int = 1  # in-slice parameter sharding (ZeRO-3 style)
   tensor: int = 1  # in-slice tensor parallelism
+  # Sum gradients across slices in slice order (gather, then add) instead of XLA's all-reduce,
+  # whose order depends on the collective library: params then match bit for bit whatever the
+  # process layout. Costs slice-count x gradient memory and an extra program per step.
+  ordered_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class TrainConfig:
   log_every: int = 10
   out_dir: str = 'runs/latest'
   data: str = 'synthetic'  # synthetic | text:PATH | tokens:PATH | hf:NAME (see datasources.py)
+  eval_every: int = 100  # held-out eval every N steps and at the end; 0 = only at the end
+  eval_batches: int = 4  # batches per eval (each: live slices x micro_batch sequences)
+  plot: bool = True  # write <out>/training.png at the end (python -m mecefo_jax.plot)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from mecefo_jax import data, sharding, slice_steps, steps, takeover
+from mecefo_jax import data, multihost, sharding, slice_steps, steps, takeover
 from mecefo_jax.config import Config
 from mecefo_jax.failures import FailureEvent, FailureSchedule
 from mecefo_jax.train_state import params_sha256, state_shardings
@@ -47,7 +47,7 @@ class Controller:
     self.goodput = dict.fromkeys(GOODPUT_KEYS, 0.0)
     self.samples = collections.Counter()  # exact / degraded / dropped sample counts
     self._programs: dict = {}
-    self._bases_step: int | None = None
+    self._bases_step = _host_int(state.bases_step)
     self._last_end: float | None = None
     self.devices_back_at: int | None = None  # resumed after every slice was down at this step
 
@@ -106,8 +106,14 @@ class Controller:
     if keep != live:
       # Rejoin: the repaired slices receive the current state from live peers.
       t0 = time.perf_counter()
-      mesh = sharding.submesh(self.mesh, live)
-      self.state = jax.block_until_ready(jax.device_put(self.state, state_shardings(self.cfg, mesh)))
+      target = state_shardings(self.cfg, sharding.submesh(self.mesh, live))
+      if multihost.is_multiprocess():
+        copy = self.program(('rejoin', keep, live),
+                            lambda: multihost.compile_rejoin(target, live.index(keep[0])))
+        self.state = copy(multihost.stack_for_rejoin(self.state, target))
+      else:
+        self.state = jax.device_put(self.state, target)
+      self.state = jax.block_until_ready(self.state)
       self.goodput['rejoin'] += time.perf_counter() - t0
     self.state_slices = live
 
@@ -171,15 +177,23 @@ class Controller:
     self._place_state(live)
     if any(r.degraded for r in roles.values()):
       self._maybe_refresh_bases(step, live)
-    if len(set(roles.values())) == 1 and roles[live[0]].passes == 1:
+    uniform = len(set(roles.values())) == 1 and roles[live[0]].passes == 1
+    if uniform and not self.cfg.mesh.ordered_reduce:
       role = roles[live[0]]
-      tokens = np.stack([self._tokens(ids_SxB, work[s]) for s in live])
       program = self.fused(live, role)
-      batch = jax.device_put(tokens, sharding.batch_sharding(sharding.submesh(self.mesh, live)))
-      self.state, metrics = program(self.state, batch)
+      metrics = None  # where this process holds no live slice (multi-process): nothing to run
+      if multihost.is_local(sharding.submesh(self.mesh, live)):
+        self.state, metrics = program(self.state, self._batch(ids_SxB, work, live, role))
     else:
       metrics = self._run_groups(live, roles, work, ids_SxB)
     return metrics, processed
+
+  def _batch(self, ids_SxB, work, slices, role: steps.Role) -> jax.Array:
+    """Tokens of `slices` on their devices; each process makes only the rows it holds."""
+    mesh = sharding.submesh(self.mesh, slices)
+    return multihost.put_batch(lambda i: self._tokens(ids_SxB, work[slices[i]]),
+                               steps.batch_shape(self.cfg, len(slices), role),
+                               sharding.batch_sharding(mesh))
 
   def _run_groups(self, live, roles, work, ids_SxB) -> dict:
     groups = collections.defaultdict(list)
@@ -188,14 +202,18 @@ class Controller:
     outputs = []
     for role, slices in groups.items():
       slices = tuple(slices)
+      program = self._group(slices, role)
+      if not multihost.is_local(sharding.submesh(self.mesh, slices)):
+        continue  # multi-process: another process runs this group
       state_view = slice_steps.state_view(self.cfg, self.state, self.mesh, slices)
-      tokens = np.stack([self._tokens(ids_SxB, work[s]) for s in slices])
-      batch = jax.device_put(tokens, sharding.batch_sharding(sharding.submesh(self.mesh, slices)))
-      outputs.append(self._group(slices, role)(state_view, batch))
+      outputs.append(program(state_view, self._batch(ids_SxB, work, slices, role)))
     # Each slice's sums stay on its devices; the stack over the live mesh places them by device.
     live_mesh = sharding.submesh(self.mesh, live)
+    update = self._update(live)
+    if not outputs:
+      return None
     sums = slice_steps.stack_groups(outputs, self.cfg, live_mesh)
-    self.state, metrics = self._update(live)(self.state, sums)
+    self.state, metrics = update(self.state, sums)
     return metrics
 
   def _role(self, w: takeover.SliceWork) -> steps.Role:
@@ -221,10 +239,10 @@ class Controller:
     """svd bases are recomputed every tau steps, and only when degraded work runs."""
     if self.cfg.mecefo.basis != 'svd':
       return
-    if self._bases_step is None:
-      self._bases_step = int(self.state.bases_step)  # host copy; one sync per run
     if self._bases_step < 0 or step - self._bases_step >= self.cfg.mecefo.tau:
-      self.state = self._refresh(live)(self.state)
+      refresh = self._refresh(live)
+      if multihost.is_local(sharding.submesh(self.mesh, live)):
+        self.state = refresh(self.state)
       self._bases_step = step
 
   # --- snapshot / resume ---------------------------------------------------------------------
@@ -239,7 +257,7 @@ class Controller:
     self.events, self.goodput = list(meta['events']), dict(meta['goodput'])
     self.samples = collections.Counter(meta['samples'])
     self.state_slices = tuple(range(self.n_slices))
-    self._bases_step, self._last_end = None, None
+    self._bases_step, self._last_end = _host_int(self.state.bases_step), None
 
   def _devices_back(self, step: int, wall_s: float) -> None:
     """The run stopped at `step` with every slice down and was resumed: all are back now."""
@@ -251,3 +269,8 @@ class Controller:
     """params_sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
     return {s: params_sha256(slice_steps.state_view(self.cfg, self.state, self.mesh, (s,)).params)
             for s in self.state_slices}
+
+
+def _host_int(x: jax.Array) -> int:
+  """A replicated device scalar on the host (from a local shard: works in every process)."""
+  return int(np.asarray(x.addressable_shards[0].data))

@@ -178,3 +178,39 @@ def rebuild_host(host_dirs: Sequence[str | os.PathLike], parity_dirs: Sequence[s
   images[lost] = image
   _write_parity_file(Path(parity_dirs[lost]), lost, images)
   return Path(host_dirs[lost])
+
+
+# ---- equal-length parts held in memory (multi-process snapshots) ----------------------------------
+# Same RAID-5 layout on numpy parts of equal length (a multiple of n-1): part i is cut into n-1
+# chunks and chunk k of part i is covered by the block of host (i + 1 + k) % n.
+
+def _part_chunk(part: np.ndarray, k: int, n: int) -> np.ndarray:
+  size = len(part) // (n - 1)
+  return part[k * size:(k + 1) * size]
+
+
+def parity_block(parts: Sequence[np.ndarray], holder: int) -> np.ndarray:
+  """The parity block that host `holder` keeps: XOR of one chunk of every other part."""
+  n = len(parts)
+  if n < 2 or any(len(p) != len(parts[0]) or len(p) % (n - 1) for p in parts):
+    raise ParityError(f'need >= 2 parts of one length divisible by {n - 1}')
+  block = np.zeros(len(parts[0]) // (n - 1), np.uint8)
+  for i, part in enumerate(parts):
+    if i != holder:
+      block ^= _part_chunk(part, (holder - i - 1) % n, n)
+  return block
+
+
+def rebuild_part(parts: Sequence[np.ndarray | None], blocks: Sequence[np.ndarray | None],
+                 lost: int) -> np.ndarray:
+  """Part `lost` (given as None, its block may be None too) from the others and their blocks."""
+  n = len(parts)
+  chunks = []
+  for k in range(n - 1):
+    holder = parity_holder(lost, k, n)
+    chunk = blocks[holder].copy()
+    for i, part in enumerate(parts):
+      if i not in (holder, lost):
+        chunk ^= _part_chunk(part, (holder - i - 1) % n, n)
+    chunks.append(chunk)
+  return np.concatenate(chunks)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import jax
 
+from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError
+from mecefo_jax.host_snapshot import HostSnapshots
 from mecefo_jax.snapshot import SnapshotError, SnapshotManager, default_snapshot_dir
 from mecefo_jax.steps import abstract_state
 from mecefo_jax.train_state import state_shardings
@@ -31,6 +33,11 @@ def open_manager(cfg: Config, out_dir: Path, state_bytes: int) -> SnapshotManage
   directory = Path(sn.dir) if sn.dir else default_snapshot_dir(run_name(out_dir))
   durable = sn.durable_dir or str(Path(out_dir).resolve() / 'checkpoints')
   try:
+    if multihost.is_multiprocess():
+      if sn.durable_every:
+        log.warning('multi-process run: durable checkpoints are off (per-host in-memory '
+                    'snapshots with parity only; see docs/tpu.md)')
+      return HostSnapshots(directory, cfg, every=sn.every, keep=sn.keep)
     return SnapshotManager(directory, every=sn.every, keep=sn.keep, durable_dir=durable,
                            durable_every=sn.durable_every, durable_keep=sn.durable_keep,
                            state_bytes=state_bytes)
@@ -38,8 +45,10 @@ def open_manager(cfg: Config, out_dir: Path, state_bytes: int) -> SnapshotManage
     raise ConfigError(f'{err} (set snapshot.dir=..., or --no-snapshots)') from None
 
 
-def restore(manager: SnapshotManager, cfg: Config, mesh):
+def restore(manager: SnapshotManager | HostSnapshots, cfg: Config, mesh):
   """(step, state on the full mesh, meta) from the newest intact snapshot, else None."""
+  if isinstance(manager, HostSnapshots):
+    return manager.restore_latest(mesh)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract_state(cfg), state_shardings(cfg, mesh))
   return manager.restore_latest(target)

@@ -26,7 +26,8 @@ def view(tree, mesh: Mesh, shardings):
 
   def one(x, sh):
     shards = [s.data for s in x.addressable_shards if s.device in devices]
-    return jax.make_array_from_single_device_arrays(x.shape, sh, shards)
+    # dtype: a process holding none of the mesh's devices (multi-process) gets an empty view.
+    return jax.make_array_from_single_device_arrays(x.shape, sh, shards, dtype=x.dtype)
   return jax.tree.map(one, tree, shardings)
 
 
@@ -56,7 +57,8 @@ def stack_groups(outputs, cfg: Config, mesh: Mesh):
   def one(sh, *group_leaves):
     shards = [s.data for leaf in group_leaves for s in leaf.addressable_shards]
     shape = (n, *group_leaves[0].shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, sh, shards)
+    return jax.make_array_from_single_device_arrays(shape, sh, shards,
+                                                    dtype=group_leaves[0].dtype)
   return jax.tree.map(one, target, *outputs)
 
 
@@ -82,6 +84,9 @@ def compile_update(cfg: Config, mesh: Mesh):
   sums_sh = sums_shardings(cfg, mesh)
 
   def update(state: TrainState, sums):
+    if cfg.mesh.ordered_reduce:  # every device gets all slices' sums, adds them in slice order
+      sums = jax.tree.map(lambda x, sh: jax.lax.with_sharding_constraint(
+          x, NamedSharding(mesh, P(None, *sh.spec[1:]))), sums, sums_sh)
     return steps.finish_step(state, jax.tree.map(lambda x: x.sum(0), sums), tx)
 
   jitted = jax.jit(update, donate_argnums=0, in_shardings=(state_shardings(cfg, mesh), sums_sh),

@@ -1,0 +1,146 @@
+"""Per-host in-memory snapshots of a multi-process run: 1/n of the state and a parity block each.
+
+REFT with data parallelism: every host that trains holds a whole replica, so host p can cut the
+state's byte image into n equal parts, keep part p and compute its own XOR parity block (parity.py
+layout) without talking to anyone. Losing any one host's snapshot memory (a dead host, a
+replacement with empty tmpfs) is repaired at restore from the others' parts and blocks. Memory
+per host: (1/n + 1/(n(n-1))) of the state instead of a whole copy.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mecefo_jax import multihost, parity
+from mecefo_jax.snapshot import SnapshotWarning, _Tier, check_capacity, verify_manifest
+from mecefo_jax.steps import abstract_state
+from mecefo_jax.train_state import state_shardings
+
+log = logging.getLogger('mecefo')
+_MAX_STEPS = 16  # snapshot steps compared across hosts at restore
+
+
+def _image_bytes(cfg) -> int:
+  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(abstract_state(cfg)))
+
+
+class HostSnapshots:
+  """The in-memory tier of a multi-process run; same interface the trainer uses on SnapshotManager."""
+
+  def __init__(self, directory: str | Path, cfg, *, every: int = 1, keep: int = 2):
+    self.cfg, self.every, self.preempted = cfg, every, False
+    self.host, self.n_hosts = jax.process_index(), jax.process_count()
+    n = self.n_hosts
+    self.image_len = _image_bytes(cfg)
+    self.part_len = -(-self.image_len // (n * (n - 1))) * (n - 1)  # n parts of n-1 chunks each
+    check_capacity(directory, self.part_len * n // (n - 1), keep, factor=1.1)
+    self.directory = Path(directory) / f'host{self.host}'
+    self._tier = _Tier('memory', self.directory, keep, compress=False, local=True)
+    first_devices = [next(d for d in jax.devices() if d.process_index == p) for p in range(n)]
+    self._sharding = NamedSharding(Mesh(np.array(first_devices), ('host',)), P('host'))
+
+  def _global(self, row: np.ndarray) -> jax.Array:
+    """[n_hosts, len] array of which this process holds (and saves) only its own row."""
+    device = self._sharding.mesh.devices[self.host]
+    return jax.make_array_from_single_device_arrays(
+        (self.n_hosts, len(row)), self._sharding, [jax.device_put(row[None], device)])
+
+  def _parts(self, leaves: list[np.ndarray]) -> list[np.ndarray]:
+    image = np.zeros(self.part_len * self.n_hosts, np.uint8)
+    pos = 0
+    for leaf in leaves:
+      raw = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+      image[pos:pos + raw.size] = raw
+      pos += raw.size
+    return [image[p * self.part_len:(p + 1) * self.part_len] for p in range(self.n_hosts)]
+
+  def maybe_save(self, step: int, state, meta: dict, *, force_durable: bool = False) -> bool:
+    """Saves this host's part and parity block of `state` (the live state) when `step` is due."""
+    del force_durable  # no durable tier in multi-process runs (see docs/tpu.md)
+    if step % self.every:
+      return False
+    leaves = multihost.local_replica(state)  # a real host copy: donation cannot touch it
+    if leaves is None:
+      return False  # every slice of this host is down: its part stays at an older step
+    parts = self._parts(leaves)
+    tree = {'part': self._global(parts[self.host]),
+            'parity': self._global(parity.parity_block(parts, self.host))}
+    self._tier.save(step, tree, json.loads(json.dumps(meta)), background=True)
+    return True
+
+  def _intact_steps(self) -> list[int]:
+    intact = []
+    for step in self._tier.steps():
+      problem = verify_manifest(self._tier.step_dir(step))
+      if problem is None:
+        intact.append(step)
+        continue
+      message = f'skipping snapshot {self._tier.step_dir(step)}: {problem}'
+      if problem.startswith('no manifest'):
+        log.warning(message)
+      else:
+        warnings.warn(message, SnapshotWarning, stacklevel=2)
+      self._tier.delete(step)
+    return intact
+
+  def restore_latest(self, mesh: Mesh):
+    """(step, state on `mesh`, meta) from the newest step that all hosts but at most one hold
+    intact (the missing part rebuilt from parity), else None. All processes call it."""
+    self.wait_until_finished()
+    mine = self._intact_steps()[:_MAX_STEPS]
+    table = np.asarray(multihost_utils.process_allgather(
+        np.array(mine + [-1] * (_MAX_STEPS - len(mine)), np.int64)))
+    counts = {s: int((table == s).any(axis=1).sum()) for s in set(table.flat) - {-1}}
+    usable = [s for s, c in counts.items() if c >= self.n_hosts - 1]
+    if not usable:
+      return None
+    step = max(usable)
+    have = step in mine
+    part = np.zeros(self.part_len, np.uint8)
+    block = np.zeros(self.part_len // (self.n_hosts - 1), np.uint8)
+    meta = None
+    if have:
+      target = {k: jax.ShapeDtypeStruct((self.n_hosts, len(v)), np.uint8, sharding=self._sharding)
+                for k, v in (('part', part), ('parity', block))}
+      tree, meta = self._tier.restore(step, target)
+      part, block = (np.asarray(tree[k].addressable_shards[0].data)[0] for k in ('part', 'parity'))
+    holders = np.asarray(multihost_utils.process_allgather(np.array([have])))[:, 0]
+    parts = list(np.asarray(multihost_utils.process_allgather(part)))
+    blocks = list(np.asarray(multihost_utils.process_allgather(block)))
+    for lost in np.flatnonzero(~holders):  # at most one
+      parts[lost] = parity.rebuild_part([None if i == lost else p for i, p in enumerate(parts)],
+                                        blocks, int(lost))
+      log.warning('snapshot %d: part of host %d rebuilt from the parity of the others', step, lost)
+    source = int(np.flatnonzero(holders)[0])
+    meta = json.loads(multihost.broadcast_bytes(json.dumps(meta).encode() if have else None,
+                                                source))
+    return step, self._place(np.concatenate(parts), mesh), meta
+
+  def _place(self, image: np.ndarray, mesh: Mesh):
+    """The state from its byte image, sharded on `mesh` (each process fills its own devices)."""
+    abstract = abstract_state(self.cfg)
+    leaves, treedef = jax.tree.flatten(abstract)
+    shardings = jax.tree.leaves(state_shardings(self.cfg, mesh))
+    out, pos = [], 0
+    for x, sh in zip(leaves, shardings):
+      size = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+      value = image[pos:pos + size].view(x.dtype).reshape(x.shape)
+      pos += size
+      out.append(jax.make_array_from_callback(x.shape, sh, lambda idx, v=value: v[idx],
+                                              dtype=x.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+  def wait_until_finished(self) -> None:
+    self._tier.wait()
+
+  def close(self) -> None:
+    self._tier.close()

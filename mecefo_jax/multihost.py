@@ -1,0 +1,164 @@
+"""Multi-process runs: jax.distributed set-up, per-process batches, values and rejoin across hosts.
+
+Every process runs the same controller on the same failure schedule, so all agree on the live
+slices and the programs to run. A program runs on the processes that own devices of its mesh;
+the others skip it. Each slice must lie inside one process (slices map to hosts, or to groups of
+devices within a host), so every process that holds a live slice holds a whole replica.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mecefo_jax.config import ConfigError
+
+log = logging.getLogger('mecefo')
+
+# What every step program returns (steps.finish_step); a process that skips a step fills zeros.
+METRIC_KEYS = ('loss', 'grad_norm', 'exact_tokens', 'degraded_tokens')
+
+
+def _on_tpu_pod() -> bool:
+  """A multi-host TPU VM, where jax.distributed finds the coordinator by itself."""
+  hosts = os.environ.get('TPU_WORKER_HOSTNAMES', '')
+  return ',' in hosts or 'MEGASCALE_COORDINATOR_ADDRESS' in os.environ
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, heartbeat_s: int = 100) -> bool:
+  """jax.distributed.initialize when asked (explicit coordinator) or on a TPU pod; True if done.
+
+  Must run before anything touches a jax backend. On CPU the collectives go through gloo.
+  `heartbeat_s`: how long the coordination service waits for a silent (dead) process before it
+  tells the others to abort.
+  """
+  if coordinator is None and not _on_tpu_pod():
+    if num_processes not in (None, 1) or process_id not in (None, 0):
+      raise ConfigError('--num-processes/--process-id need --coordinator HOST:PORT')
+    return False
+  if coordinator is not None and (num_processes is None or process_id is None):
+    raise ConfigError('--coordinator needs --num-processes and --process-id')
+  if num_processes is not None and not 0 <= (process_id or 0) < num_processes:
+    raise ConfigError(f'--process-id={process_id} must be in [0, {num_processes})')
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(coordinator, num_processes, process_id,
+                             heartbeat_timeout_seconds=heartbeat_s)
+  log.info('process %d of %d: %d local of %d devices', jax.process_index(), jax.process_count(),
+           jax.local_device_count(), jax.device_count())
+  return True
+
+
+def is_multiprocess() -> bool:
+  return jax.process_count() > 1
+
+
+def is_local(mesh: Mesh) -> bool:
+  """True if this process owns devices of `mesh` (and so must run its programs)."""
+  me = jax.process_index()
+  return any(d.process_index == me for d in mesh.devices.flat)
+
+
+def check_slices_within_processes(mesh: Mesh) -> None:
+  """Each slice (a replica) must live in one process; a clear error suggests a mesh that does."""
+  for s in range(mesh.shape['slice']):
+    owners = {d.process_index for d in mesh.devices[s].flat}
+    if len(owners) > 1:
+      per_process = jax.local_device_count()
+      raise ConfigError(
+          f'slice {s} spans processes {sorted(owners)}: every slice must lie in one process; use '
+          f'mesh.fsdp*mesh.tensor dividing the {per_process} devices per process (e.g. '
+          f'mesh.slice={jax.device_count()} mesh.fsdp=1 mesh.tensor=1)')
+
+
+def put_batch(rows_of_slice, shape: tuple[int, ...], batch_sharding: NamedSharding) -> jax.Array:
+  """A global [slices, rows, L] batch where this process makes only the rows of its own devices.
+
+  `rows_of_slice(i)`: int32 [rows, L] tokens of the i-th slice of the batch's mesh.
+  """
+  made: dict[int, np.ndarray] = {}
+
+  def shard(index):
+    slices = range(*index[0].indices(shape[0]))
+    rows = np.stack([made.setdefault(s, rows_of_slice(s)) for s in slices])
+    return rows[(slice(None),) + tuple(index[1:])]
+  return jax.make_array_from_callback(shape, batch_sharding, shard, dtype=np.int32)
+
+
+def fetch(metrics: dict | None, mesh: Mesh, keys=METRIC_KEYS) -> dict[str, float]:
+  """Host floats of replicated scalars computed on `mesh`, on every process (multi-process: a
+  collective from the first process of `mesh`; `metrics` is None where the program was skipped)."""
+  if not is_multiprocess():
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+  source = first_process(mesh)
+  mine = np.zeros(len(keys), np.float32)
+  if jax.process_index() == source:
+    mine = np.array([np.asarray(metrics[k].addressable_shards[0].data) for k in keys], np.float32)
+  values = multihost_utils.broadcast_one_to_all(mine, is_source=jax.process_index() == source)
+  return dict(zip(keys, map(float, np.asarray(values))))
+
+
+def broadcast_bytes(data: bytes | None, source: int) -> bytes:
+  """`data` of process `source` on every process (all processes call it)."""
+  is_source = jax.process_index() == source
+  size = np.array([len(data) if is_source else 0], np.int64)
+  size = int(np.asarray(multihost_utils.broadcast_one_to_all(size, is_source=is_source))[0])
+  buf = np.frombuffer(data, np.uint8) if is_source else np.zeros(size, np.uint8)
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source)))
+
+
+def local_replica(tree) -> list[np.ndarray] | None:
+  """Host copies of the leaves of `tree` (replicated over slices) as held by this process's first
+  slice of their mesh, or None when this process holds none of it."""
+  leaves = jax.tree.leaves(tree)
+  mesh = leaves[0].sharding.mesh
+  me = jax.process_index()
+  mine = [s for s in range(mesh.shape['slice']) if mesh.devices[s].flat[0].process_index == me]
+  if not mine:
+    return None
+  devices = set(mesh.devices[mine[0]].flat)
+  out = []
+  for x in leaves:
+    buf = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+      if shard.device in devices:
+        buf[shard.index] = np.asarray(shard.data)
+    out.append(buf)
+  return out
+
+
+def first_process(mesh: Mesh) -> int:
+  return mesh.devices.flat[0].process_index
+
+
+def compile_rejoin(target_shardings, source_index: int):
+  """Program: per-slice stacked state -> the state of slice `source_index` on every slice.
+
+  Copying the state to a repaired slice on another process goes through a collective, because
+  the CPU runtime has no cross-host device_put. Indexing is a pure copy: bit-exact.
+  """
+  stacked = jax.tree.map(lambda sh: NamedSharding(sh.mesh, P('slice', *sh.spec)), target_shardings)
+  return jax.jit(lambda tree: jax.tree.map(lambda x: x[source_index], tree),
+                 in_shardings=(stacked,), out_shardings=target_shardings)
+
+
+def stack_for_rejoin(state, target_shardings):
+  """Per-slice stack of `state` over the target mesh: live slices give their shards, repaired
+  ones zeros (their copy comes from the source slice)."""
+  def one(x, sh):
+    have = {s.device: s.data for s in x.addressable_shards}
+    shape = (sh.mesh.shape['slice'], *x.shape)
+    stacked_sh = NamedSharding(sh.mesh, P('slice', *sh.spec))
+    arrays = []
+    for device, index in stacked_sh.addressable_devices_indices_map(shape).items():
+      data = have.get(device)
+      if data is None:
+        shard_shape = [len(range(*i.indices(n))) for i, n in zip(index[1:], x.shape)]
+        data = jax.device_put(np.zeros(shard_shape, x.dtype), device)
+      arrays.append(data[None])
+    return jax.make_array_from_single_device_arrays(shape, stacked_sh, arrays, dtype=x.dtype)
+  return jax.tree.map(one, state, target_shardings)
