@@ -1,0 +1,100 @@
+"""colab/mecefo_quickstart.ipynb: committed without outputs, and runs top to bottom on CPU.
+
+The run uses the notebook's tiny setting (MECEFO_NOTEBOOK_STEPS), a kernel of this interpreter
+(a kernelspec written into a temp JUPYTER_PATH), 4 simulated CPU devices, and an in-memory
+copy of the notebook: the committed file is never written.
+"""
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / 'colab' / 'mecefo_quickstart.ipynb'
+STEPS = 30  # CI's MECEFO_NOTEBOOK_STEPS: failure at 9-18, crash at 14, snapshot at 10
+CELL_TIMEOUT_S = 150
+
+
+def read_notebook():
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  nbformat.validate(nb)
+  return nb
+
+
+def test_notebook_is_committed_without_outputs():
+  nb = read_notebook()
+  code = [c for c in nb.cells if c.cell_type == 'code']
+  assert code, 'the notebook has no code cells'
+  dirty = [i for i, c in enumerate(nb.cells)
+           if c.cell_type == 'code' and (c.outputs or c.execution_count is not None)]
+  assert not dirty, (f'cells {dirty} of {NOTEBOOK.name} have outputs or execution counts: clear '
+                     'them before committing (see colab/README.md)')
+
+
+def _kernelspec(tmp_path: Path) -> Path:
+  """A 'python3' kernelspec that runs this interpreter (found before any user-wide one)."""
+  jupyter = tmp_path / 'jupyter'
+  spec = jupyter / 'kernels' / 'python3'
+  spec.mkdir(parents=True)
+  (spec / 'kernel.json').write_text(json.dumps({
+      'argv': [sys.executable, '-m', 'ipykernel_launcher', '-f', '{connection_file}'],
+      'display_name': 'Python 3 (tests)', 'language': 'python'}))
+  return jupyter
+
+
+def _text(nb) -> str:
+  parts = []
+  for cell in nb.cells:
+    for out in cell.get('outputs', []):
+      if out.output_type == 'stream':
+        parts.append(out.text)
+      elif 'data' in out:
+        parts.append(out.data.get('text/plain', ''))
+  return ''.join(parts)
+
+
+@pytest.mark.slow
+def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
+  monkeypatch.setenv('JUPYTER_PATH', str(_kernelspec(tmp_path)))
+  monkeypatch.delenv('XLA_FLAGS', raising=False)  # conftest's 8 devices; the notebook picks 4
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  monkeypatch.setenv('MECEFO_NOTEBOOK_STEPS', str(STEPS))
+  monkeypatch.setenv('MECEFO_NOTEBOOK_DIR', str(tmp_path))
+  monkeypatch.setenv('PYTHONPATH', str(ROOT))
+  monkeypatch.delenv('MECEFO_REPO_URL', raising=False)
+  committed = NOTEBOOK.read_bytes()
+  nb = read_notebook()
+  client = NotebookClient(nb, kernel_name='python3', timeout=CELL_TIMEOUT_S,
+                          resources={'metadata': {'path': str(ROOT / 'colab')}})
+  t0 = time.perf_counter()
+  try:
+    client.execute()
+  finally:
+    nbformat.write(nb, tmp_path / 'executed.ipynb')  # to look at when it fails
+  elapsed = time.perf_counter() - t0
+  print(f'notebook executed in {elapsed:.1f} s ({tmp_path / "executed.ipynb"})')
+
+  errors = [out for cell in nb.cells for out in cell.get('outputs', [])
+            if out.output_type == 'error']
+  assert not errors, errors
+  text = _text(nb)
+  assert f'python: {sys.executable}' in text, 'the kernel is not this interpreter'
+  assert 'mesh of 4 slices' in text
+  assert 'relative difference (with failure vs fault-free)' in text
+  assert 'slice 1 FAILED' in text and 'slice 1 repaired' in text
+  assert 'max |low-rank - V Vᵀ exact|' in text
+  assert 'crash: the trainer process died at the start of step 14' in text
+  assert 'resumed from the snapshot taken after 10 steps' in text
+  assert 'resume check: final params_sha256 matches the uninterrupted run' in text
+  from mecefo_jax.trainer import Trainer
+  if 'on_log' in inspect.signature(Trainer.__init__).parameters:
+    assert 'live plot through on_log' in text
+  images = sum('image/png' in out.get('data', {}) for cell in nb.cells
+               for out in cell.get('outputs', []))
+  assert images >= 5, f'{images} plots'  # the loss plots of the 4 runs and the toy model's
+  assert NOTEBOOK.read_bytes() == committed, 'the committed notebook was modified'
