@@ -1,20 +1,24 @@
-"""The training loop: mesh, sharded state, failure-aware controller, snapshots, report.json."""
+"""The training loop: mesh, sharded state, failure-aware controller, snapshots, evals, outputs."""
 from __future__ import annotations
 
 import json
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
 
-from mecefo_jax import model, recovery, sharding, slice_steps, steps, train_state
-from mecefo_jax.config import Config, to_dict
+from mecefo_jax import model, multihost, recovery, sharding, slice_steps, steps, train_state
+from mecefo_jax.config import Config, ConfigError, to_dict
 from mecefo_jax.controller import AllSlicesDown, Controller
 from mecefo_jax.data import global_batch
 from mecefo_jax.datasources import load_corpus
 from mecefo_jax.failures import FailureSchedule
+from mecefo_jax.metrics import MetricsWriter
+from mecefo_jax.progress import Progress
+from mecefo_jax.report_schema import SCHEMA_VERSION
 from mecefo_jax.snapshot import state_nbytes
 
 log = logging.getLogger('mecefo')
@@ -24,13 +28,40 @@ def param_count(params) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
+def perplexity(loss: float) -> float:
+  return float(np.exp(loss))
+
+
 class Trainer:
-  """Builds everything once (the fault-free step compiled ahead of time), then trains."""
+  """Builds everything once (the fault-free step compiled ahead of time), then trains.
+
+  `run()` writes into `out_dir`: metrics.jsonl, tb/ (with tensorboardX), report.json
+  (docs/report.md) and training.png (train.plot).
+
+  `progress`: terminal output of the loop: 'auto' (a tqdm bar when stderr is a terminal, else
+  plain log lines), 'bar', 'plain' or 'quiet' (see mecefo_jax/progress.py).
+
+  `on_log`: optional callback `on_log(row: dict) -> None`, called in the training thread with
+  every metrics row right after it is written to metrics.jsonl (the same dict). Train rows, every
+  train.log_every steps and at the last step: {'kind': 'train', 'step', 'loss', 'grad_norm',
+  'exact_tokens', 'degraded_tokens', 'wall_s', 'live_slices', 'tokens_per_s'}; eval rows, every
+  train.eval_every steps and at the end: {'kind': 'eval', 'step', 'loss', 'perplexity', 'eval_s',
+  'wall_s', 'live_slices'} ('step' is the last step trained before the eval). An exception it
+  raises stops the run. E.g. a notebook's live loss plot.
+  """
 
   def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,
-               resume: bool = False):
+               resume: bool = False, *, progress: str = 'auto',
+               on_log: Callable[[dict], None] | None = None):
+    if cfg.train.eval_every < 0 or cfg.train.eval_batches < 1:
+      raise ConfigError(f'train.eval_every must be >= 0 and train.eval_batches >= 1, got '
+                        f'{cfg.train.eval_every}, {cfg.train.eval_batches}')
     self.cfg, self.out_dir = cfg, Path(out_dir)
+    self.progress_mode, self.on_log = progress, on_log
     self.mesh = sharding.make_mesh(cfg.mesh)
+    if multihost.is_multiprocess():
+      multihost.check_slices_within_processes(self.mesh)
+    self.is_chief = jax.process_index() == 0  # the one process that writes the run's files
     self.n_slices = self.mesh.shape['slice']
     m = cfg.model
     self.corpus = load_corpus(cfg.train.data, seq_len=m.seq_len, seed=cfg.train.seed,
@@ -46,6 +77,9 @@ class Trainer:
     state = train_state.create_sharded(cfg, self.mesh)
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state)
     self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
+    self.evals: list[dict] = []  # {step, loss, perplexity} of every eval, carried over resumes
+    self.snapshots_saved = {'memory': 0, 'durable': 0}  # started (and finished) by this process
+    self._eval_s = 0.0
     self._carried_state = {}  # run_state.json entries kept while resuming (all_down_at)
     self.stopped_by_sigterm = False
     if resume:
@@ -67,6 +101,7 @@ class Trainer:
     self.controller.state = state
     self.controller.load_meta(meta['controller'])
     self.start_step, self.losses, self.resumed_from = step, meta['losses'], step
+    self.evals = list(meta.get('evals', []))  # snapshots of older versions have none
     all_down_at = recovery.read_run_state(self.out_dir).get('all_down_at')
     if all_down_at is not None:
       self._carried_state['all_down_at'] = all_down_at
@@ -106,32 +141,47 @@ class Trainer:
     losses = []
     for i in range(n_batches):
       tokens = global_batch(self.corpus, i, len(live), b, split='eval')
-      losses.append(float(program(self.state.params,
-                                  jax.device_put(tokens, sharding.batch_sharding(mesh)))))
+      loss = None
+      if multihost.is_local(mesh):
+        batch = multihost.put_batch(tokens.__getitem__, tokens.shape, sharding.batch_sharding(mesh))
+        loss = {'loss': program(self.state.params, batch)}
+      losses.append(multihost.fetch(loss, mesh, keys=('loss',))['loss'])
     return float(np.mean(losses))
 
   def run(self) -> dict:
-    recovery.write_run_state(self.out_dir, 'running', **self._carried_state)
+    """Trains to train.steps (or until every slice is down / SIGTERM); returns the report."""
+    cfg = self.cfg
+    self._write_run_state('running')
     t_start = time.perf_counter()
-    with open(self.out_dir / 'metrics.jsonl', 'a') as metrics_file:
-      steps_done, stopped = self._loop(metrics_file, t_start)
+    self._tokens_at_start = self._tokens_trained()
+    progress = Progress(cfg.train.steps, self.start_step, self.n_slices, cfg.faults.takeover,
+                        self.progress_mode)
+    writer = MetricsWriter(self.out_dir, fresh=self.start_step == 0, enabled=self.is_chief)
+    with writer, progress:
+      self._writer, self._progress = writer, progress
+      steps_done, stopped = self._loop(t_start)
+      if not stopped and not (self.evals and self.evals[-1]['step'] == cfg.train.steps - 1):
+        self._emit(self._eval_row(cfg.train.steps - 1, t_start))  # the final eval
     jax.block_until_ready(self.state)
     wall_s = time.perf_counter() - t_start
     if self.snapshots:
       self.snapshots.wait_until_finished()
-    report = self._report(steps_done, wall_s, stopped)
-    if not stopped:
-      report['eval_loss'] = self.evaluate()
-      log.info('eval loss %.4f (perplexity %.3f)', report['eval_loss'], np.exp(report['eval_loss']))
-    (self.out_dir / 'report.json').write_text(json.dumps(report, indent=2))
-    recovery.write_run_state(self.out_dir, 'stopped' if stopped else 'finished',
-                             **self._carried_state)
+    report = self._report(steps_done, wall_s, stopped, tensorboard=writer.tensorboard)
+    if self.is_chief:
+      (self.out_dir / 'report.json').write_text(json.dumps(report, indent=2))
+    self._write_run_state('stopped' if stopped else 'finished')
+    if cfg.train.plot and self.is_chief:
+      self._plot()
     return report
 
-  def _loop(self, metrics_file, t_start) -> tuple[int, str | None]:
+  def _write_run_state(self, status: str) -> None:
+    if self.is_chief:
+      recovery.write_run_state(self.out_dir, status, **self._carried_state)
+
+  def _loop(self, t_start) -> tuple[int, str | None]:
     """Trains until the end, all slices down or SIGTERM; returns (steps done, why it stopped)."""
     cfg = self.cfg
-    tokens_per_step = self.n_slices * cfg.train.micro_batch * cfg.model.seq_len
+    self._window = (t_start, self._tokens_at_start, self._eval_s)  # for windowed tokens/s
     for step in range(self.start_step, cfg.train.steps):
       try:
         metrics = self.controller.step(step, time.perf_counter() - t_start)
@@ -139,21 +189,64 @@ class Trainer:
         log.error('%s', err)
         self._carried_state['all_down_at'] = step
         return step, str(err)
-      row = None
-      if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
-        row = self._log_row(step, metrics, time.perf_counter() - t_start, tokens_per_step)
-        self.losses.append((step, row['loss']))
+      self._progress.step(len(self.controller.live()))
+      rows = []
+      last = step == cfg.train.steps - 1
+      if step % cfg.train.log_every == 0 or last:
+        rows.append(self._train_row(step, metrics, t_start))
+        self.losses.append((step, rows[-1]['loss']))
       preempted = self.preempted
+      every = cfg.train.eval_every
+      if not preempted and every and (step + 1) % every == 0:
+        rows.append(self._eval_row(step, t_start))  # before the snapshot: its meta holds it
       # With snapshot.every=1 the line of step t is written once snapshot t is complete
       # (maybe_save waited for it) and t+1 started: a crash after it costs at most step t.
       self._snapshot(step + 1, durable=preempted)
-      if row is not None:
-        metrics_file.write(json.dumps(row) + '\n')
-        metrics_file.flush()
+      for row in rows:
+        self._emit(row)
       if preempted:
         self.stopped_by_sigterm = True
         return step + 1, self._preemption_message(step + 1)
     return cfg.train.steps, None
+
+  def _emit(self, row: dict) -> None:
+    """A metrics row to the terminal, metrics.jsonl (+ TensorBoard) and the on_log callback."""
+    if row['kind'] == 'train':
+      self._progress.train_row(row)
+    else:
+      self._progress.eval_row(row)
+    self._writer.write(row)
+    if self.on_log is not None:
+      self.on_log(row)
+
+  def _tokens_trained(self) -> int:
+    samples = self.controller.samples
+    return (samples.get('exact', 0) + samples.get('degraded', 0)) * self.cfg.model.seq_len
+
+  def _train_row(self, step, metrics, t_start) -> dict:
+    # Waits for the step. Multi-process: a collective, so every process logs the same steps.
+    values = multihost.fetch(metrics, sharding.submesh(self.mesh, self.controller.state_slices))
+    now, tokens = time.perf_counter(), self._tokens_trained()
+    # tokens/s since the previous train row, eval time left out: dips show failures and rejoins.
+    t0, tokens0, eval0 = self._window
+    seconds = max(now - t0 - (self._eval_s - eval0), 1e-9)
+    self._window = (now, tokens, self._eval_s)
+    return {'kind': 'train', 'step': step, **values, 'wall_s': now - t_start,
+            'live_slices': len(self.controller.live()), 'tokens_per_s': (tokens - tokens0) / seconds}
+
+  def _eval_row(self, step, t_start) -> dict:
+    t0 = time.perf_counter()
+    loss = self.evaluate(self.cfg.train.eval_batches)
+    spent = time.perf_counter() - t0
+    self._eval_s += spent
+    # The controller books all time since the previous step's end to the next step (snapshots
+    # included); an eval is not step time, so move that mark past it. Its compile, if any, is
+    # booked as compile by controller.program.
+    if self.controller._last_end is not None:
+      self.controller._last_end += spent
+    self.evals.append({'step': step, 'loss': loss, 'perplexity': perplexity(loss)})
+    return {'kind': 'eval', **self.evals[-1], 'eval_s': spent,
+            'wall_s': time.perf_counter() - t_start, 'live_slices': len(self.controller.live())}
 
   @property
   def preempted(self) -> bool:
@@ -169,44 +262,95 @@ class Trainer:
   def _snapshot(self, steps_done: int, durable: bool = False) -> None:
     """Async snapshot of the state after `steps_done` steps (one replica, copied off donation);
     `durable` also writes a durable checkpoint of it now."""
-    if not self.snapshots:
+    sn = self.snapshots
+    if not sn:
       return
     c = self.controller
-    meta = {'controller': c.dump_meta(), 'losses': self.losses, 'reached': steps_done}
-    # One replica is enough: the slices hold identical copies.
-    one_replica = slice_steps.state_view(self.cfg, c.state, self.mesh, c.state_slices[:1])
-    self.snapshots.maybe_save(steps_done, one_replica, meta, force_durable=durable)
+    meta = {'controller': c.dump_meta(), 'losses': self.losses, 'reached': steps_done,
+            'evals': self.evals}
+    # One replica is enough: the slices hold identical copies. Multi-process: each host's
+    # HostSnapshots takes its own local replica of the live state.
+    one_replica = (c.state if multihost.is_multiprocess() else
+                   slice_steps.state_view(self.cfg, c.state, self.mesh, c.state_slices[:1]))
+    if sn.maybe_save(steps_done, one_replica, meta, force_durable=durable):
+      # The same due-rules as SnapshotManager.maybe_save, to count what it started.
+      self.snapshots_saved['memory'] += steps_done % sn.every == 0
+      self.snapshots_saved['durable'] += len(getattr(sn, 'tiers', ())) > 1 and (
+          durable or steps_done % sn.durable_every == 0)
+
+  def _plot(self) -> None:
+    try:
+      from mecefo_jax import plot
+      plot.plot_run(self.out_dir)
+    except Exception as err:  # noqa: BLE001 -- a missing plot is never worth a failed run
+      log.warning('could not write %s: %s: %s', self.out_dir / 'training.png',
+                  type(err).__name__, err)
 
   def close(self) -> None:
     if self.snapshots:
       self.snapshots.close()
 
-  def _log_row(self, step, metrics, wall_s, tokens_per_step) -> dict:
-    row = {'step': step, **{k: float(v) for k, v in metrics.items()}, 'wall_s': wall_s,
-           'live_slices': len(self.controller.live())}
-    log.info('step %d/%d loss %.4f grad_norm %.3f live %d/%d tok/s %.0f', step, self.cfg.train.steps,
-             row['loss'], row['grad_norm'], row['live_slices'], self.n_slices,
-             tokens_per_step * (step + 1 - self.start_step) / wall_s)
-    return row
-
-  def _report(self, steps_done, wall_s, stopped) -> dict:
+  def _report(self, steps_done, wall_s, stopped, tensorboard: bool) -> dict:
+    """report.json; every key is documented in docs/report.md and checked by report_schema."""
     c, cfg = self.controller, self.cfg
-    samples = dict(c.samples)
-    trained_tokens = (samples.get('exact', 0) + samples.get('degraded', 0)) * cfg.model.seq_len
     losses = self.losses
+    final_eval = self.evals[-1] if self.evals and not stopped else None
+    throughput = self._throughput(steps_done, wall_s)
     return {
+        'schema_version': SCHEMA_VERSION,
         'steps': steps_done, 'first_loss': losses[0][1] if losses else None,
-        'final_loss': losses[-1][1] if losses else None, 'tokens': trained_tokens,
-        'wall_s': wall_s, 'tokens_per_s': trained_tokens / wall_s, 'compile_s': self.compile_s,
-        'params_sha256': train_state.params_sha256(self.state.params),
+        'final_loss': losses[-1][1] if losses else None, 'tokens': self._tokens_trained(),
+        'wall_s': wall_s, 'tokens_per_s': throughput['tokens_per_s'], 'compile_s': self.compile_s,
+        'throughput': throughput,
+        'eval_loss': final_eval and final_eval['loss'],
+        'eval_perplexity': final_eval and final_eval['perplexity'], 'evals': self.evals,
+        'params_sha256': self._params_sha256(),
         'param_count': param_count(self.state.params), 'entropy_floor': self.corpus.entropy_floor(),
         'losses': losses, 'mesh': dict(self.mesh.shape), 'device': jax.devices()[0].device_kind,
         'step_memory': self.memory, 'takeover': cfg.faults.takeover,
         'failures': cfg.faults.failures, 'failure_events': c.events,
         'scheduled_events': [e.to_dict() for e in self.schedule.all_events()],
-        'samples': samples, 'goodput': c.goodput, 'stopped': stopped,
+        'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': stopped,
         'preempted': self.stopped_by_sigterm,
         'resumed_from_step': self.resumed_from, 'steps_lost': self.steps_lost,
-        'live_slices_at_end': list(c.live()),
+        'live_slices_at_end': list(c.live()), 'snapshots': self._snapshot_report(),
+        'tensorboard_dir': str(self.out_dir / 'tb') if tensorboard else None,
         'config': to_dict(cfg),
     }
+
+  def _throughput(self, steps_done: int, wall_s: float) -> dict:
+    """Rates of this process (a resumed run counts from its resume), eval time left out."""
+    train_s = max(wall_s - self._eval_s, 1e-9)
+    tokens = self._tokens_trained() - self._tokens_at_start
+    return {'tokens_per_s': tokens / train_s,
+            'steps_per_s': (steps_done - self.start_step) / train_s,
+            'tokens_per_step': self.n_slices * self.cfg.train.micro_batch * self.cfg.model.seq_len,
+            'train_s': train_s, 'eval_s': self._eval_s}
+
+  def _params_sha256(self) -> str | None:
+    """Multi-process: of this process's replica; None where it holds no live slice."""
+    params = self.state.params
+    if multihost.is_multiprocess():
+      leaves = multihost.local_replica(params)
+      if leaves is None:
+        return None
+      params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    return train_state.params_sha256(params)
+
+  def _snapshot_report(self) -> dict:
+    sn = self.snapshots
+    off = {'enabled': False, 'dir': None, 'every': 0, 'saved': 0, 'retained_steps': [],
+           'durable_dir': None, 'durable_every': 0, 'durable_saved': 0,
+           'durable_retained_steps': []}
+    if not sn:
+      return off
+    if not hasattr(sn, 'tiers'):  # multi-process HostSnapshots: this host's part, no durable tier
+      return {**off, 'enabled': True, 'dir': str(sn.directory), 'every': sn.every,
+              'saved': self.snapshots_saved['memory']}
+    memory, durable = sn.tiers[0], (sn.tiers[1] if len(sn.tiers) > 1 else None)
+    return {'enabled': True, 'dir': str(memory.directory), 'every': sn.every,
+            'saved': self.snapshots_saved['memory'], 'retained_steps': sorted(memory.steps()),
+            'durable_dir': str(durable.directory) if durable else None,
+            'durable_every': sn.durable_every if durable else 0,
+            'durable_saved': self.snapshots_saved['durable'],
+            'durable_retained_steps': sorted(durable.steps()) if durable else []}

@@ -48,6 +48,22 @@ def test_train_py_on_a_text_folder(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = json.loads((tmp_path / 'run' / 'report.json').read_text())
   assert report['entropy_floor'] is None and report['final_loss'] < report['first_loss']
+  # stderr is a pipe here, not a terminal: plain log lines, no progress bar.
+  assert '\r' not in proc.stderr and '%|' not in proc.stderr
+  for needle in (' step 0/20 loss ', ' step 19/20 loss ',
+                 ' eval after step 19: loss ', ' done: 20 steps'):
+    assert needle in proc.stderr, proc.stderr[-2000:]
+
+
+def test_quiet_prints_only_warnings_and_the_summary(tmp_path):
+  proc = _train('--quiet', '--resume', 'train.steps=3', 'train.plot=false', '--out', str(tmp_path),
+                f'snapshot.dir={tmp_path}/shm', timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert any('resume: no intact snapshot' in l for l in lines), lines  # a warning still shows
+  assert lines[-1].startswith('done: 3 steps, loss ') and 'eval ' in lines[-1], lines
+  assert not any(' step ' in l and ' loss ' in l for l in lines[:-1]), lines
+  assert not any('compiled step' in l or ' data: ' in l or 'goodput' in l for l in lines), lines
 
 
 def test_bad_data_path_fails_with_one_clear_line(tmp_path):

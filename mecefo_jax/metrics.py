@@ -1,0 +1,77 @@
+"""Metrics sinks of a run: metrics.jsonl always, TensorBoard scalars in <out>/tb when possible."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger('mecefo')
+
+METRICS_FILE = 'metrics.jsonl'
+TB_DIR = 'tb'
+# Row keys written as TensorBoard scalars, per row kind (tag = kind/key).
+TB_KEYS = {'train': ('loss', 'grad_norm', 'tokens_per_s', 'live_slices'),
+           'eval': ('loss', 'perplexity')}
+
+
+def _tb_writer(directory: Path):
+  """A tensorboardX SummaryWriter, or None (with one info line) when it is not installed."""
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    log.info('tensorboardX is not installed: no TensorBoard files (metrics.jsonl has everything)')
+    return None
+  # flush_secs: a crashed run keeps all but the last few seconds of scalars.
+  return SummaryWriter(str(directory), flush_secs=10)
+
+
+class MetricsWriter:
+  """Writes each metrics row as one JSON line (flushed at once) and as TensorBoard scalars.
+
+  `fresh`: the run starts at step 0, so rows and event files of an earlier run in `out_dir` are
+  dropped; a resumed run appends to them. `enabled=False` writes nothing (the processes of a
+  multi-process run other than the one that writes the run's files).
+  """
+
+  def __init__(self, out_dir: str | Path, fresh: bool = True, tensorboard: bool = True,
+               enabled: bool = True):
+    out_dir = Path(out_dir)
+    self.path = out_dir / METRICS_FILE
+    self.tb_dir = out_dir / TB_DIR
+    self._file = self._tb = None
+    self.tensorboard = False  # event files written (stays True after close)
+    if not enabled:
+      return
+    if fresh:
+      for old in self.tb_dir.glob('events.out.tfevents.*'):
+        old.unlink()
+    self._file = open(self.path, 'w' if fresh else 'a')
+    self._tb = _tb_writer(self.tb_dir) if tensorboard else None
+    self.tensorboard = self._tb is not None
+
+  def write(self, row: dict) -> None:
+    if self._file is None:
+      return
+    self._file.write(json.dumps(row) + '\n')
+    self._file.flush()  # recovery.last_logged_step reads it while (or after) we crash
+    if self._tb is not None:
+      kind = row.get('kind', 'train')
+      for key in TB_KEYS.get(kind, ()):
+        value = row.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+          self._tb.add_scalar(f'{kind}/{key}', value, row['step'])
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

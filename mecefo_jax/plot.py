@@ -1,0 +1,177 @@
+"""Plots of a run: `python -m mecefo_jax.plot RUN_DIR [--out PNG]` writes RUN_DIR/training.png."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PLOT_FILE = 'training.png'
+DOWN_COLOR = 'tab:red'
+
+
+def read_rows(run_dir: str | Path) -> list[dict]:
+  """metrics.jsonl rows with a run-long wall time 't' (resumed processes restart wall_s at 0);
+  a step trained again after a resume keeps its last row."""
+  path = Path(run_dir) / 'metrics.jsonl'
+  rows, offset, last_wall = {}, 0.0, 0.0
+  for line in path.read_text().splitlines() if path.is_file() else ():
+    try:
+      row = json.loads(line)
+      step, wall = int(row['step']), float(row.get('wall_s', 0.0))
+    except (ValueError, KeyError, TypeError):
+      continue  # a line cut by a crash
+    if wall < last_wall:
+      offset += last_wall  # a new process (resume): its clock starts again
+    last_wall = wall
+    kind = row.get('kind', 'train')
+    rows[kind, step] = {**row, 'kind': kind, 't': offset + wall}
+  return sorted(rows.values(), key=lambda r: (r['step'], r['kind'] != 'train'))
+
+
+def failure_windows(events: list[dict], last_step: int) -> list[dict]:
+  """{slice, start, end (steps), start_s, end_s (wall, None if unknown)} per failure, from
+  report['failure_events']; a slice still down at the end is back at last_step + 1."""
+  down, windows = {}, []
+  for e in events:
+    if e['kind'] == 'fail':
+      down.setdefault(e['slice'], e)
+    elif e['slice'] in down:
+      fail = down.pop(e['slice'])
+      windows.append({'slice': e['slice'], 'start': fail['step'], 'end': e['step'],
+                      'start_s': fail.get('wall_s'), 'end_s': e.get('wall_s')})
+  windows += [{'slice': s, 'start': e['step'], 'end': last_step + 1, 'start_s': e.get('wall_s'),
+               'end_s': None} for s, e in down.items()]
+  return sorted(windows, key=lambda w: (w['start'], w['slice']))
+
+
+def _shade(ax, spans, label='slice down') -> None:
+  """One translucent band per failure window: overlapping failures show darker."""
+  for i, (lo, hi) in enumerate(spans):
+    ax.axvspan(lo, hi, color=DOWN_COLOR, alpha=0.12, lw=0, label=label if i == 0 else None)
+
+
+def _loss_panel(ax, x_train, train, x_eval, evals, xlabel, floor=None) -> None:
+  ax.plot(x_train, [r['loss'] for r in train], lw=1.2, label='train loss')
+  if evals:
+    ax.plot(x_eval, [r['loss'] for r in evals], 'o', ms=5, color='tab:orange', label='eval loss')
+  if floor is not None:
+    ax.axhline(floor, ls='--', lw=0.8, color='gray', label=f'entropy floor {floor:.3f}')
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel('loss (nats/token)')
+
+
+def _throughput_panel(ax, train, n_slices) -> None:
+  rated = [r for r in train if 'tokens_per_s' in r]
+  ax.plot([r['step'] for r in rated], [r['tokens_per_s'] for r in rated], lw=1.2,
+          color='tab:green', label='tokens/s')
+  ax.set_xlabel('step')
+  ax.set_ylabel('tokens/s (since the previous log line)')
+  from matplotlib.ticker import MaxNLocator
+  live = ax.twinx()
+  live.plot([r['step'] for r in train], [r.get('live_slices', np.nan) for r in train],
+            drawstyle='steps-post', lw=0.8, color='gray', label='live slices (right)')
+  live.set_ylabel('live slices')
+  live.yaxis.set_major_locator(MaxNLocator(integer=True))
+  if n_slices:
+    live.set_ylim(0, n_slices + 0.5)
+  return live
+
+
+def _goodput_panel(ax, goodput: dict) -> None:
+  if not goodput:
+    ax.text(0.5, 0.5, 'no report.json', ha='center', va='center', transform=ax.transAxes)
+    ax.set_axis_off()
+    return
+  names, seconds = list(goodput), [float(v) for v in goodput.values()]
+  total = sum(seconds) or 1.0
+  bars = ax.barh(names, seconds, color=['tab:blue', 'tab:cyan', 'tab:purple', 'tab:olive',
+                                        DOWN_COLOR][:len(names)])
+  for bar, s in zip(bars, seconds):
+    ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f' {s:.2f}s ({100 * s / total:.0f}%)',
+            va='center', fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlabel('seconds')
+  ax.set_xlim(0, max(seconds + [1e-9]) * 1.35)
+  ax.set_title('goodput breakdown', fontsize=10)
+
+
+def _title(report: dict) -> str:
+  if not report:
+    return 'training run'
+  def num(key):
+    return 'n/a' if report.get(key) is None else f'{report[key]:.4f}'
+  return (f"{report.get('steps')} steps | failures {report.get('failures')}, takeover "
+          f"{report.get('takeover')} | final train loss {num('final_loss')}, eval "
+          f"{num('eval_loss')} | {report.get('tokens_per_s', 0):.0f} tokens/s")
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+  """Writes the 4-panel figure of the run in `run_dir` to `out` (default RUN_DIR/training.png)."""
+  # Figure + Agg canvas, not pyplot: no global backend switch inside a notebook's process.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  run_dir = Path(run_dir)
+  out = Path(out) if out else run_dir / PLOT_FILE
+  report_path = run_dir / 'report.json'
+  report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+  rows = read_rows(run_dir)
+  train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
+  evals = [r for r in rows if r['kind'] == 'eval']
+  if not train:
+    raise ValueError(f'{run_dir / "metrics.jsonl"} has no training rows to plot')
+  steps, times = [r['step'] for r in train], [r['t'] for r in train]
+  windows = failure_windows(report.get('failure_events', []), steps[-1])
+  step_spans = [(w['start'], w['end']) for w in windows]
+  to_time = lambda s: float(np.interp(s, steps, times))  # step -> run-long wall time
+  # Events carry the wall time of their process: exact unless the run was resumed.
+  exact = report.get('resumed_from_step') is None
+  time_spans = [(w['start_s'] if exact and w['start_s'] is not None else to_time(w['start']),
+                 w['end_s'] if exact and w['end_s'] is not None else to_time(w['end']))
+                for w in windows]
+
+  fig = Figure(figsize=(13, 8.5), layout='constrained')
+  FigureCanvasAgg(fig)
+  (a, b), (c, d) = fig.subplots(2, 2)
+  _loss_panel(a, steps, train, [r['step'] for r in evals], evals, 'step',
+              report.get('entropy_floor'))
+  _shade(a, step_spans)
+  a.set_title('loss vs step', fontsize=10)
+  _loss_panel(b, times, train, [to_time(r['step']) for r in evals], evals, 'wall time (s)')
+  _shade(b, time_spans)
+  b.set_title('loss vs wall time', fontsize=10)
+  live = _throughput_panel(c, train, (report.get('mesh') or {}).get('slice'))
+  _shade(c, step_spans)
+  c.set_title('throughput', fontsize=10)
+  _goodput_panel(d, report.get('goodput') or {})
+  for ax in (a, b, c):
+    ax.grid(alpha=0.3)
+  a.legend(fontsize=8, loc='upper right')
+  b.legend(fontsize=8, loc='upper right')
+  handles = [h for axis in (c, live) for h in axis.get_legend_handles_labels()[0]]
+  c.legend(handles=handles, fontsize=8, loc='lower left')
+  fig.suptitle(_title(report), fontsize=11)
+  fig.savefig(out, dpi=100)
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog='python -m mecefo_jax.plot',
+                              description='Plot loss, throughput, failures and goodput of a run.')
+  p.add_argument('run_dir', help='run directory (holds metrics.jsonl and report.json)')
+  p.add_argument('--out', default=None, help=f'PNG to write (default RUN_DIR/{PLOT_FILE})')
+  args = p.parse_args(argv)
+  try:
+    out = plot_run(args.run_dir, args.out)
+  except (OSError, ValueError) as err:
+    print(f'error: {err}', file=sys.stderr)
+    return 2
+  print(out)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,113 @@
+"""Terminal output of the training loop: a tqdm bar on a TTY, plain log lines otherwise, or quiet."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+
+log = logging.getLogger('mecefo')
+
+MODES = ('auto', 'bar', 'plain', 'quiet')
+
+
+def resolve_mode(mode: str, stream) -> str:
+  """'auto': a bar when `stream` is a terminal and tqdm is installed, else plain lines."""
+  if mode not in MODES:
+    raise ValueError(f'progress mode must be one of {", ".join(MODES)}, got {mode!r}')
+  if mode != 'auto':
+    return mode
+  if not getattr(stream, 'isatty', lambda: False)():
+    return 'plain'  # a log file or a pipe: a bar would fill it with carriage returns
+  try:
+    import tqdm  # noqa: F401
+  except ImportError:
+    return 'plain'
+  return 'bar'
+
+
+def _sized(stream) -> bool:
+  """False for a terminal that reports 0 columns or rows (a pty nobody sized, e.g. `script`)."""
+  try:
+    size = os.get_terminal_size(stream.fileno())
+  except (AttributeError, OSError, ValueError):
+    return False
+  return size.columns > 0 and size.lines > 0
+
+
+def _rate(tokens_per_s: float) -> str:
+  for unit, scale in (('M', 1e6), ('k', 1e3)):
+    if tokens_per_s >= scale:
+      return f'{tokens_per_s / scale:.1f}{unit}'
+  return f'{tokens_per_s:.0f}'
+
+
+class Progress:
+  """What the trainer shows per step. Use as a context manager around the training loop.
+
+  bar: tqdm bar (step, loss, tokens/s, live slices, takeover mode); log records (failures,
+  repairs, evals) go through tqdm.write so they do not break the bar. plain: the log line of
+  every logged step. quiet: nothing (warnings still reach the log).
+  """
+
+  def __init__(self, total: int, initial: int, n_slices: int, takeover: str, mode: str = 'auto',
+               stream=None):
+    self.total, self.n_slices, self.takeover = total, n_slices, takeover
+    self.stream = stream if stream is not None else sys.stderr
+    self.mode = resolve_mode(mode, self.stream)
+    self._initial = initial
+    self._bar = None
+    self._stack = contextlib.ExitStack()
+    self._fields = {'loss': '', 'rate': '', 'live': '', 'mode': '', 'eval': ''}
+
+  def __enter__(self) -> Progress:
+    if self.mode == 'bar':
+      from tqdm import tqdm
+      from tqdm.contrib.logging import logging_redirect_tqdm
+      # tqdm draws nothing on a terminal of size 0x0: give it a fixed size there.
+      size = {'dynamic_ncols': True} if _sized(self.stream) else {'ncols': 120, 'nrows': 24}
+      self._bar = self._stack.enter_context(
+          tqdm(total=self.total, initial=self._initial, unit='step', desc='train',
+               file=self.stream, leave=True, **size))
+      self._stack.enter_context(logging_redirect_tqdm())
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._stack.close()
+    self._bar = None
+
+  def _mode(self, live: int) -> str:
+    return 'normal' if live == self.n_slices else f'{self.takeover} takeover'
+
+  def step(self, live: int) -> None:
+    """One training step done with `live` slices up (cheap: no device sync)."""
+    if self._bar is None:
+      return
+    self._fields.update(live=f'live {live}/{self.n_slices}', mode=self._mode(live))
+    self._bar.update(1)
+    self._show()
+
+  def train_row(self, row: dict) -> None:
+    if self.mode == 'plain':
+      live = row['live_slices']
+      mode = '' if live == self.n_slices else f' ({self._mode(live)})'
+      log.info('step %d/%d loss %.4f grad_norm %.3f live %d/%d%s tok/s %.0f', row['step'],
+               self.total, row['loss'], row['grad_norm'], live, self.n_slices, mode,
+               row['tokens_per_s'])
+    elif self._bar is not None:
+      self._fields.update(loss=f'loss {row["loss"]:.4f}',
+                          rate=f'{_rate(row["tokens_per_s"])} tok/s')
+      self._show()
+
+  def eval_row(self, row: dict) -> None:
+    if self.mode == 'quiet':
+      return
+    if self._bar is not None:
+      self._fields['eval'] = f'eval {row["loss"]:.4f}'
+      self._show()
+    log.info('eval after step %d: loss %.4f perplexity %.3f (%.1fs)', row['step'], row['loss'],
+             row['perplexity'], row['eval_s'])
+
+  def _show(self) -> None:
+    text = ' | '.join(v for v in self._fields.values() if v)
+    self._bar.set_postfix_str(text, refresh=False)

@@ -1,0 +1,296 @@
+"""report.json schema (type, unit, meaning of every key) and a small checker: docs/report.md."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class ReportError(ValueError):
+  """A report that does not match the schema; the message lists every mismatch."""
+
+
+# ---- type specs: each checks a JSON value and names itself for the docs -------------------------
+
+class Spec:
+  name = '?'
+
+  def check(self, value, path: str, errors: list[str]) -> None:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Scalar(Spec):
+  typ: type  # int, float, str or bool; a float field accepts a JSON integer (e.g. 0)
+
+  @property
+  def name(self) -> str:
+    return self.typ.__name__
+
+  def check(self, value, path, errors):
+    ok = (type(value) is self.typ or  # bool is an int in Python: exact types only
+          (self.typ is float and type(value) is int))
+    if not ok:
+      errors.append(f'{path}: expected {self.name}, got {type(value).__name__} {value!r:.60}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice(Spec):
+  options: tuple[str, ...]
+
+  @property
+  def name(self) -> str:
+    return ' \\| '.join(f"'{o}'" for o in self.options)
+
+  def check(self, value, path, errors):
+    if value not in self.options:
+      errors.append(f'{path}: expected one of {self.options}, got {value!r:.60}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Nullable(Spec):
+  inner: Spec
+
+  @property
+  def name(self) -> str:
+    return f'{self.inner.name} \\| null'
+
+  def check(self, value, path, errors):
+    if value is not None:
+      self.inner.check(value, path, errors)
+
+
+@dataclasses.dataclass(frozen=True)
+class ListOf(Spec):
+  item: Spec
+
+  @property
+  def name(self) -> str:
+    return f'list of {self.item.name}'
+
+  def check(self, value, path, errors):
+    if not isinstance(value, list):
+      errors.append(f'{path}: expected a list, got {type(value).__name__}')
+      return
+    for i, item in enumerate(value):
+      self.item.check(item, f'{path}[{i}]', errors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair(Spec):
+  first: Spec
+  second: Spec
+
+  @property
+  def name(self) -> str:
+    return f'[{self.first.name}, {self.second.name}]'
+
+  def check(self, value, path, errors):
+    if not isinstance(value, list) or len(value) != 2:
+      errors.append(f'{path}: expected a pair [{self.name}], got {value!r:.60}')
+      return
+    self.first.check(value[0], f'{path}[0]', errors)
+    self.second.check(value[1], f'{path}[1]', errors)
+
+
+@dataclasses.dataclass(frozen=True)
+class MapOf(Spec):
+  value: Spec | None  # None: any JSON value
+
+  @property
+  def name(self) -> str:
+    return f'object of {self.value.name}' if self.value else 'object'
+
+  def check(self, value, path, errors):
+    if not isinstance(value, dict):
+      errors.append(f'{path}: expected an object, got {type(value).__name__}')
+      return
+    for key, item in value.items():
+      if self.value is not None:
+        self.value.check(item, f'{path}.{key}', errors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  spec: Spec
+  unit: str
+  doc: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Record(Spec):
+  """An object with exactly these keys (a missing or an undocumented key is an error)."""
+  fields: dict[str, Field]
+  name: str = 'object'
+
+  def check(self, value, path, errors):
+    if not isinstance(value, dict):
+      errors.append(f'{path or "report"}: expected an object, got {type(value).__name__}')
+      return
+    prefix = f'{path}.' if path else ''
+    for key, field in self.fields.items():
+      if key not in value:
+        errors.append(f'{prefix}{key}: missing')
+      else:
+        field.spec.check(value[key], prefix + key, errors)
+    for key in value.keys() - self.fields.keys():
+      errors.append(f'{prefix}{key}: not in the schema (document it in report_schema.py)')
+
+
+# ---- the schema --------------------------------------------------------------------------------
+
+INT, FLOAT, STR, BOOL = Scalar(int), Scalar(float), Scalar(str), Scalar(bool)
+LOSS = 'nats/token'
+GOODPUT_DOC = {
+    'normal_productive': 'steps with every slice live',
+    'degraded_productive': 'share of steps under failure spent on the samples processed',
+    'compile': 'compiling programs: the fault-free step at start-up, new live sets, evals',
+    'rejoin': 'copying the state to repaired slices',
+    'lost': 'share of steps under failure standing for samples dropped (`drop` policy)',
+}
+
+EVAL = Record({
+    'step': Field(INT, 'step', 'last training step before the eval (the eval sees the params after it)'),
+    'loss': Field(FLOAT, LOSS, 'mean held-out loss over train.eval_batches batches'),
+    'perplexity': Field(FLOAT, '', 'exp(loss)'),
+})
+EVENT_FIELDS = {
+    'step': Field(INT, 'step', 'step at whose start the event applies'),
+    'slice': Field(INT, '', 'data-parallel slice index'),
+    'kind': Field(Choice(('fail', 'repair')), '', 'the slice fails, or is repaired and rejoins'),
+    'source': Field(STR, '', "where it came from: 'api', 'preset:high', 'trace:FILE', "
+                    "'error: ...' (a real error while dispatching), 'resume'"),
+}
+FAILURE_EVENT = Record({
+    **EVENT_FIELDS,
+    'wall_s': Field(FLOAT, 's', 'run wall time when the controller applied it'),
+    'live': Field(INT, 'slices', 'live slices after it'),
+})
+THROUGHPUT = Record({
+    'tokens_per_s': Field(FLOAT, 'tokens/s', 'tokens trained in this process / train_s'),
+    'steps_per_s': Field(FLOAT, 'steps/s', 'steps trained in this process / train_s'),
+    'tokens_per_step': Field(INT, 'tokens', 'global batch: slices x micro_batch x seq_len'),
+    'train_s': Field(FLOAT, 's', 'wall_s minus eval_s (snapshots and rejoins included)'),
+    'eval_s': Field(FLOAT, 's', 'time spent in evals (compiles included)'),
+})
+SNAPSHOTS = Record({
+    'enabled': Field(BOOL, '', 'snapshot.enabled (false with --no-snapshots)'),
+    'dir': Field(Nullable(STR), '', 'in-memory tier directory (tmpfs); null when disabled'),
+    'every': Field(INT, 'steps', 'snapshot.every; 0 when disabled'),
+    'saved': Field(INT, '', 'in-memory snapshots written by this process'),
+    'retained_steps': Field(ListOf(INT), 'steps', 'in-memory snapshots on disk at the end'),
+    'durable_dir': Field(Nullable(STR), '', 'durable checkpoint directory; null if none'),
+    'durable_every': Field(INT, 'steps', 'snapshot.durable_every; 0 if no durable tier'),
+    'durable_saved': Field(INT, '', 'durable checkpoints written by this process'),
+    'durable_retained_steps': Field(ListOf(INT), 'steps', 'durable checkpoints on disk at the end'),
+})
+
+SCHEMA = Record({
+    'schema_version': Field(INT, '', f'version of this schema ({SCHEMA_VERSION})'),
+    'steps': Field(INT, 'steps', 'steps done (train.steps unless the run stopped early)'),
+    'first_loss': Field(Nullable(FLOAT), LOSS, 'training loss of the first logged step'),
+    'final_loss': Field(Nullable(FLOAT), LOSS, 'training loss of the last logged step'),
+    'tokens': Field(INT, 'tokens', 'tokens trained (exact + degraded samples x seq_len), all '
+                    'processes of a resumed run'),
+    'wall_s': Field(FLOAT, 's', 'wall time of the training loop in this process: steps, '
+                    'snapshots, evals (start-up compile excluded)'),
+    'tokens_per_s': Field(FLOAT, 'tokens/s', 'same as throughput.tokens_per_s'),
+    'compile_s': Field(FLOAT, 's', 'start-up: build the state and compile the fault-free step'),
+    'throughput': Field(THROUGHPUT, '', 'rates of this process, eval time left out'),
+    'eval_loss': Field(Nullable(FLOAT), LOSS, 'held-out loss after the last step; null if the '
+                       'run stopped early'),
+    'eval_perplexity': Field(Nullable(FLOAT), '', 'exp(eval_loss)'),
+    'evals': Field(ListOf(EVAL), '', 'every eval (train.eval_every and the end), oldest first'),
+    'params_sha256': Field(Nullable(STR), '', 'sha256 of every parameter (path, dtype, shape, '
+                           'bytes): equal iff bit-identical; null only in a multi-process run '
+                           'where the writing process holds no live slice'),
+    'param_count': Field(INT, 'parameters', 'number of model parameters'),
+    'entropy_floor': Field(Nullable(FLOAT), LOSS, 'lowest reachable loss of the built-in '
+                           'corpus; null for other data'),
+    'losses': Field(ListOf(Pair(INT, FLOAT)), LOSS, '[step, training loss] of every logged step'),
+    'mesh': Field(MapOf(INT), 'devices', "mesh axis sizes: {'slice', 'fsdp', 'tensor'}"),
+    'device': Field(STR, '', 'device kind, e.g. cpu, NVIDIA H100 80GB HBM3, TPU v5 lite'),
+    'step_memory': Field(MapOf(INT), 'bytes', 'compiled fault-free step per device (argument, '
+                         'output, temp, alias, generated code); {} where the backend has none'),
+    'takeover': Field(STR, '', 'faults.takeover policy'),
+    'failures': Field(STR, '', 'faults.failures source'),
+    'failure_events': Field(ListOf(FAILURE_EVENT), '', 'fail/repair events as applied, in order'),
+    'scheduled_events': Field(ListOf(Record(EVENT_FIELDS)), '', 'the failure schedule '
+                              '(applied or not), sorted'),
+    'samples': Field(MapOf(INT), 'samples', "{'exact', 'degraded', 'dropped'}: how the "
+                     'micro-batch rows were processed'),
+    'goodput': Field(Record({k: Field(FLOAT, 's', v) for k, v in GOODPUT_DOC.items()}), 's',
+                     'where the time went'),
+    'stopped': Field(Nullable(STR), '', 'why the run stopped early (all slices down, SIGTERM); '
+                     'null if it finished'),
+    'preempted': Field(BOOL, '', 'stopped by SIGTERM (exit code 143)'),
+    'resumed_from_step': Field(Nullable(INT), 'step', 'step of the snapshot resumed from; null '
+                               'for a fresh run'),
+    'steps_lost': Field(Nullable(INT), 'steps', 'steps trained again after the resume; null if '
+                        'not resumed or unknown'),
+    'live_slices_at_end': Field(ListOf(INT), '', 'slices live after the last step'),
+    'snapshots': Field(SNAPSHOTS, '', 'snapshot tiers of this run'),
+    'tensorboard_dir': Field(Nullable(STR), '', 'TensorBoard event files; null without '
+                             'tensorboardX'),
+    'config': Field(MapOf(None), '', 'the resolved config (sections and keys of config.py)'),
+})
+
+
+# ---- checking and docs -------------------------------------------------------------------------
+
+def errors(report: Any) -> list[str]:
+  """Every mismatch between `report` (parsed report.json) and SCHEMA; [] if it matches."""
+  found: list[str] = []
+  SCHEMA.check(report, '', found)
+  return found
+
+
+def validate(report: Any) -> None:
+  """Raises ReportError listing every mismatch."""
+  found = errors(report)
+  if found:
+    raise ReportError(f'report does not match the schema ({len(found)}): ' + '; '.join(found))
+
+
+def rows(record: Record = SCHEMA, prefix: str = ''):
+  """(dotted key, type, unit, meaning) of every key, nested records flattened."""
+  for key, field in record.fields.items():
+    spec = field.spec
+    yield prefix + key, spec.name, field.unit, field.doc
+    if isinstance(spec, ListOf) and isinstance(spec.item, Record):
+      yield from rows(spec.item, f'{prefix}{key}[].')
+    elif isinstance(spec, Record):
+      yield from rows(spec, f'{prefix}{key}.')
+
+
+def markdown() -> str:
+  lines = ['| key | type | unit | meaning |', '|---|---|---|---|']
+  lines += [f'| `{k}` | {t} | {u} | {d} |' for k, t, u, d in rows()]
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog='python -m mecefo_jax.report_schema',
+                              description='Check a report.json against the schema.')
+  p.add_argument('report', nargs='?', help='report.json or a run directory')
+  p.add_argument('--markdown', action='store_true', help='print the key table of docs/report.md')
+  args = p.parse_args(argv)
+  if args.markdown or not args.report:
+    print(markdown())
+    return 0
+  path = Path(args.report)
+  path = path / 'report.json' if path.is_dir() else path
+  found = errors(json.loads(path.read_text()))
+  for line in found:
+    print(f'{path}: {line}', file=sys.stderr)
+  print(f'{path}: {"OK" if not found else f"{len(found)} mismatch(es)"}')
+  return 1 if found else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,228 @@
+"""Outputs of a run: evals every N steps, metrics.jsonl + TensorBoard, report.json schema, plots,
+terminal progress (bar on a TTY, plain lines otherwise, quiet)."""
+import io
+import json
+import logging
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mecefo_jax import plot, progress, report_schema
+from mecefo_jax.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVAL_EVERY, LOG_EVERY = 20, 5, 4
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  """One short real run (2 slices, snapshots on), shared by the tests of this file."""
+  from mecefo_jax.trainer import Trainer
+  out = tmp_path_factory.mktemp('run')
+  cfg = load_config(ROOT / 'configs' / 'tiny.yaml', [
+      f'train.steps={STEPS}', f'train.log_every={LOG_EVERY}', f'train.eval_every={EVAL_EVERY}',
+      'train.eval_batches=1', 'mesh.slice=2', f'snapshot.dir={out}/shm', 'snapshot.every=5',
+      'snapshot.durable_every=10'])
+  rows = []
+  trainer = Trainer(cfg, out, progress='plain', on_log=rows.append)
+  try:
+    report = trainer.run()
+  finally:
+    trainer.close()
+  return out, report, rows
+
+
+def test_eval_every_n_steps_in_metrics_and_report(run):
+  out, report, rows = run
+  evals = [r for r in rows if r['kind'] == 'eval']
+  assert [r['step'] for r in evals] == [4, 9, 14, 19]
+  for r in evals:
+    assert r['perplexity'] == pytest.approx(math.exp(r['loss'])) and r['eval_s'] >= 0
+  assert report['evals'] == [{k: r[k] for k in ('step', 'loss', 'perplexity')} for r in evals]
+  assert report['eval_loss'] == evals[-1]['loss']
+  assert report['eval_perplexity'] == pytest.approx(math.exp(report['eval_loss']))
+  assert evals[-1]['loss'] < evals[0]['loss']
+
+
+def test_on_log_gets_every_row_written_to_metrics_jsonl(run):
+  out, _, rows = run
+  lines = [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()]
+  assert lines == rows
+  train = [r for r in rows if r['kind'] == 'train']
+  assert [r['step'] for r in train] == [0, 4, 8, 12, 16, 19]
+  assert all(r['tokens_per_s'] > 0 and r['live_slices'] == 2 for r in train)
+
+
+def test_report_matches_the_schema(run):
+  out, report, _ = run
+  on_disk = json.loads((out / 'report.json').read_text())
+  assert report_schema.errors(on_disk) == []
+  assert on_disk['schema_version'] == report_schema.SCHEMA_VERSION
+  sn = on_disk['snapshots']
+  assert sn['enabled'] and sn['saved'] == STEPS // 5 and sn['durable_saved'] == STEPS // 10
+  assert sn['retained_steps'][-1] == STEPS and sn['durable_retained_steps'] == [10, 20]
+  tp = on_disk['throughput']
+  assert tp['tokens_per_step'] == 2 * 8 * 64 and tp['eval_s'] > 0
+  assert tp['train_s'] == pytest.approx(on_disk['wall_s'] - tp['eval_s'])
+
+
+def _set(path, value):
+  def change(report):
+    node = report
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = value
+  return change
+
+
+@pytest.mark.parametrize('change, needle', [
+    (lambda r: r.pop('eval_loss'), 'eval_loss: missing'),
+    (lambda r: r['snapshots'].pop('saved'), 'snapshots.saved: missing'),
+    (_set(['steps'], '20'), 'steps: expected int'),
+    (_set(['preempted'], 0), 'preempted: expected bool'),
+    (_set(['tokens'], True), 'tokens: expected int'),
+    (_set(['evals', 0, 'loss'], 'low'), 'evals[0].loss: expected float'),
+    (_set(['losses', 0], [0]), 'losses[0]: expected a pair'),
+    (_set(['goodput', 'lost'], None), 'goodput.lost: expected float'),
+    (_set(['failure_events'], [{'step': 1, 'slice': 0, 'kind': 'boom', 'source': 'api',
+                                'wall_s': 0.1, 'live': 1}]), 'failure_events[0].kind'),
+    (_set(['surprise'], 1), 'surprise: not in the schema'),
+])
+def test_schema_checker_rejects_a_wrong_report(run, change, needle):
+  report = json.loads((run[0] / 'report.json').read_text())
+  change(report)
+  with pytest.raises(report_schema.ReportError) as err:
+    report_schema.validate(report)
+  assert needle in str(err.value)
+
+
+def test_docs_report_md_documents_every_key():
+  text = (ROOT / 'docs' / 'report.md').read_text()
+  missing = [key for key, *_ in report_schema.rows() if f'`{key}`' not in text]
+  assert not missing, f'docs/report.md lacks {missing}; regenerate the table with ' \
+                      '`python -m mecefo_jax.report_schema --markdown`'
+
+
+def test_readme_config_table_lists_every_key_with_its_default():
+  import dataclasses
+  from mecefo_jax.config import Config
+  text = (ROOT / 'README.md').read_text()
+  cfg = Config()
+  missing = [f'{sec.name}.{f.name} = {getattr(getattr(cfg, sec.name), f.name)!r}'
+             for sec in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, sec.name))
+             if f'| `{sec.name}.{f.name}` | `{getattr(getattr(cfg, sec.name), f.name)!r}` |'
+             not in text]
+  assert not missing, f'README.md configuration table lacks or misstates {missing}'
+
+
+def test_readme_layers_snippet_runs():
+  text = (ROOT / 'README.md').read_text()
+  section = text[text.index('## Importing the layers'):]
+  start = section.index('```python\n') + len('```python\n')
+  code = section[start:section.index('\n```', start)]
+  assert 'MeCeFOLinear(' in code and 'nnx.grad' in code
+  exec(compile(code, 'README.md', 'exec'), {})
+
+
+def test_tensorboard_scalars(run):
+  pytest.importorskip('tensorboardX')
+  out, report, _ = run
+  assert report['tensorboard_dir'] == str(out / 'tb')
+  data = b''.join(p.read_bytes() for p in (out / 'tb').glob('events.out.tfevents.*'))
+  for tag in (b'train/loss', b'train/tokens_per_s', b'train/live_slices', b'eval/loss'):
+    assert tag in data
+
+
+def test_plot_written_by_the_run_and_by_the_cli(run, tmp_path):
+  out, _, _ = run
+  assert (out / 'training.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  # The CLI on a copy whose report has failure windows (one still open at the end).
+  for name in ('metrics.jsonl', 'report.json'):
+    shutil.copy(out / name, tmp_path / name)
+  report = json.loads((tmp_path / 'report.json').read_text())
+  report['failure_events'] = [
+      {'step': 3, 'slice': 1, 'kind': 'fail', 'source': 'api', 'wall_s': 0.5, 'live': 1},
+      {'step': 9, 'slice': 1, 'kind': 'repair', 'source': 'api', 'wall_s': 1.0, 'live': 2},
+      {'step': 15, 'slice': 0, 'kind': 'fail', 'source': 'api', 'wall_s': 1.5, 'live': 1}]
+  (tmp_path / 'report.json').write_text(json.dumps(report))
+  png = tmp_path / 'plot.png'
+  proc = subprocess.run([sys.executable, '-m', 'mecefo_jax.plot', str(tmp_path), '--out', str(png)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20_000
+
+
+def test_plot_cli_one_line_error_without_metrics(tmp_path):
+  assert plot.main([str(tmp_path)]) == 2
+
+
+def test_failure_windows_per_slice():
+  events = [{'step': 5, 'slice': 1, 'kind': 'fail'}, {'step': 12, 'slice': 2, 'kind': 'fail'},
+            {'step': 18, 'slice': 1, 'kind': 'repair'}]
+  windows = [(w['slice'], w['start'], w['end']) for w in plot.failure_windows(events, 29)]
+  assert windows == [(1, 5, 18), (2, 12, 30)]
+
+
+def test_read_rows_stitches_a_resumed_run(tmp_path):
+  rows = [{'step': 0, 'loss': 5.0, 'wall_s': 1.0}, {'step': 4, 'loss': 4.0, 'wall_s': 2.0},
+          {'kind': 'train', 'step': 4, 'loss': 3.9, 'wall_s': 0.5},  # resumed: clock restarts
+          {'kind': 'eval', 'step': 4, 'loss': 3.8, 'wall_s': 0.7}]
+  (tmp_path / 'metrics.jsonl').write_text(
+      '\n'.join(map(json.dumps, rows)) + '\n{"step": 8, "lo')  # a line cut by a crash
+  got = plot.read_rows(tmp_path)
+  assert [(r['kind'], r['step'], r['loss']) for r in got] == [
+      ('train', 0, 5.0), ('train', 4, 3.9), ('eval', 4, 3.8)]
+  assert [r['t'] for r in got] == [1.0, 2.5, 2.7]
+
+
+# ---- terminal progress ----------------------------------------------------------------------
+
+ROW = {'kind': 'train', 'step': 4, 'loss': 3.25, 'grad_norm': 0.5, 'tokens_per_s': 12345.0,
+       'live_slices': 1, 'wall_s': 1.0}
+EVAL = {'kind': 'eval', 'step': 4, 'loss': 3.0, 'perplexity': 20.09, 'eval_s': 0.1}
+
+
+class FakeTTY(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def _show(mode, stream, caplog):
+  with caplog.at_level(logging.INFO, logger='mecefo'):
+    with progress.Progress(20, 0, 2, 'neighbor', mode=mode, stream=stream) as p:
+      p.step(1)
+      p.train_row(ROW)
+      logging.getLogger('mecefo').warning('step 5: slice 1 FAILED')
+      p.eval_row(EVAL)
+    return p.mode, [r.getMessage() for r in caplog.records]
+
+
+def test_plain_log_lines_when_stderr_is_not_a_tty(caplog):
+  stream = io.StringIO()
+  mode, messages = _show('auto', stream, caplog)
+  assert mode == 'plain' and stream.getvalue() == ''
+  assert 'step 4/20 loss 3.2500 grad_norm 0.500 live 1/2 (neighbor takeover) tok/s 12345' in messages
+  assert any(m.startswith('eval after step 4: loss 3.0000') for m in messages)
+
+
+def test_progress_bar_on_a_tty(caplog):
+  pytest.importorskip('tqdm')
+  stream = FakeTTY()
+  mode, messages = _show('auto', stream, caplog)
+  bar = stream.getvalue()
+  assert mode == 'bar' and 'train:' in bar and '1/20' in bar
+  for field in ('loss 3.2500', '12.3k tok/s', 'live 1/2', 'neighbor takeover', 'eval 3.0000'):
+    assert field in bar, bar
+  assert not any(m.startswith('step 4/20') for m in messages)  # the bar shows those
+  assert 'step 5: slice 1 FAILED' in messages  # warnings still printed as they happen
+
+
+def test_quiet_shows_no_step_or_eval_lines(caplog):
+  stream = FakeTTY()
+  mode, messages = _show('quiet', stream, caplog)
+  assert mode == 'quiet' and stream.getvalue() == ''
+  assert messages == ['step 5: slice 1 FAILED']
