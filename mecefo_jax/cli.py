@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='multi-process run: HOST:PORT of process 0 (automatic on TPU pods)')
   p.add_argument('--num-processes', type=int, default=None, help='multi-process run: how many')
   p.add_argument('--process-id', type=int, default=None, help='multi-process run: this one (0..n-1)')
+  p.add_argument('--heartbeat-s', type=int, default=100,
+                 help='multi-process run: seconds of silence after which a process counts as dead '
+                      'and the others abort (then restart them with --resume)')
   p.add_argument('overrides', nargs='*', help='dotted overrides: section.key=value')
   return p.parse_intermixed_args(argv)
 
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
       print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
       return 0
     from mecefo_jax import multihost
-    multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+    multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
     from mecefo_jax import recovery, trainer
     out_dir = Path(args.out or cfg.train.out_dir)
     resume = args.resume or (not args.fresh and recovery.unfinished(out_dir))

@@ -103,7 +103,7 @@ class HostSnapshots:
     usable = [s for s, c in counts.items() if c >= self.n_hosts - 1]
     if not usable:
       return None
-    step = max(usable)
+    step = int(max(usable))
     have = step in mine
     part = np.zeros(self.part_len, np.uint8)
     block = np.zeros(self.part_len // (self.n_hosts - 1), np.uint8)

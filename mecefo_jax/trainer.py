@@ -327,15 +327,17 @@ class Trainer:
             'tokens_per_step': self.n_slices * self.cfg.train.micro_batch * self.cfg.model.seq_len,
             'train_s': train_s, 'eval_s': self._eval_s}
 
-  def _params_sha256(self) -> str | None:
-    """Multi-process: of this process's replica; None where it holds no live slice."""
-    params = self.state.params
-    if multihost.is_multiprocess():
+  def _params_sha256(self) -> str:
+    """Of the live replicas' params (multi-process: hashed where a replica is, sent to all)."""
+    if not multihost.is_multiprocess():
+      return train_state.params_sha256(self.state.params)
+    source = multihost.first_process(sharding.submesh(self.mesh, self.controller.state_slices))
+    digest = None
+    if jax.process_index() == source:
+      params = self.state.params
       leaves = multihost.local_replica(params)
-      if leaves is None:
-        return None
-      params = jax.tree.unflatten(jax.tree.structure(params), leaves)
-    return train_state.params_sha256(params)
+      digest = train_state.params_sha256(jax.tree.unflatten(jax.tree.structure(params), leaves))
+    return multihost.broadcast_bytes(digest and digest.encode(), source).decode()
 
   def _snapshot_report(self) -> dict:
     sn = self.snapshots
