@@ -3,7 +3,8 @@
 Run: python benchmarks/failure_throughput.py --config configs/tiny.yaml --json OUT.json
      [--slices 8] [--policies neighbor,spread,drop,naive] [--presets low,mid,high] [--hours 720]
      [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
-     [--stat median|min] [--checkpoint-every 500] [--repeats 3] [--warmup 1] [overrides...]
+     [--remeasure-restore] [--stat median|min] [--checkpoint-every N] [--repeats 3]
+     [--warmup 1] [overrides...]
 Fake CPU slices share the same cores, so a simulated cluster's wall time is not its step time.
 Each role's step is timed alone on one real device (interleaved, one process); the failure
 presets are then replayed in simulated time, where a step lasts as long as its slowest slice.
@@ -13,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,12 +30,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import model, sharding, simulate, slice_steps, steps, train_state  # noqa: E402
+from mecefo_jax import (model, recovery, sharding, simulate, slice_steps, snapshot, steps,  # noqa: E402
+                        train_state)
 from mecefo_jax.config import load_config  # noqa: E402
 from mecefo_jax.failures import PRESETS  # noqa: E402
-from mecefo_jax.simulate import CHECKPOINT, ClusterCosts, Role  # noqa: E402
-
-PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster
+from mecefo_jax.simulate import CHECKPOINT, PAPER_DEVICES, ClusterCosts, Role  # noqa: E402
 
 NOTES = [
     'Role costs: each distinct per-slice program is compiled for a one-device mesh (slice=1) and '
@@ -60,12 +62,15 @@ NOTES = [
     'once per run (cached); each repair pays one rejoin = device_put of the full train state '
     'from a host copy (on CPU a host-memory copy; on accelerators a host->device or peer '
     'transfer). Cross-slice all-reduce time is not modelled (absent from the fault-free cost too).',
-    'checkpoint-restart (assumptions): every change of the live set restarts the job: restore '
-    '(taken as the measured rejoin copy, a lower bound for a disk or bucket read) + compile of '
-    'the fused step (no persistent compile cache); a failure also rewinds to the last durable '
-    'checkpoint (every --checkpoint-every steps; checkpoint writes assumed free, async); a '
-    'repair restarts after a fresh checkpoint (nothing lost). On live < n slices it keeps the '
-    'full batch with ceil(n/live) micro-batches per slice: normal_s * ceil(n/live) per step.',
+    'checkpoint-restart (assumptions): every failure restarts the whole job: restore_s (a real '
+    'Orbax restore of the one-replica train state from a durable checkpoint on local disk, '
+    'manifest check included, median of 3; each slice restores its replica in parallel) + '
+    'compile of the fused normal step (measured; no persistent compile cache) + the steps since '
+    'the last durable checkpoint (every --checkpoint-every steps, default snapshot.durable_every; '
+    'replayed, so on average half the interval; checkpoint writes assumed free, async). A spare '
+    'replaces the failed slice, so after a restart the job runs at full speed on n slices, never '
+    'waits for all-down time, and a repair costs nothing (the repaired slice becomes a spare). '
+    'Process start-up, scheduler and data-loader warm-up are not counted: a lower bound.',
 ]
 
 
@@ -132,11 +137,44 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
     fns['refresh'] = run_refresh
   fns |= {role_name(r): (lambda r=r: groups[r](states['group'], tokens[r])) for r in sorted(roles)}
   times = common.interleaved_times(fns, repeats, warmup)
+  restore_s = time_restore(cfg, mesh, states['group'])
   memory = {role_name(r): steps.memory_summary(g).get('temp_bytes', 0) for r, g in groups.items()}
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(host_state))
   return {'times': times, 'compile_s': compile_s, 'roles': [role_name(r) for r in sorted(roles)],
           'group_temp_bytes': memory, 'state_bytes': state_bytes, 'tau': cfg.mecefo.tau,
-          'repeats': repeats, 'warmup': warmup}
+          'repeats': repeats, 'warmup': warmup, **restore_s}
+
+
+def time_restore(cfg, mesh, state, repeats: int = 3) -> dict:
+  """Seconds to restore the state from a durable Orbax checkpoint on local disk (restart cost)."""
+  with tempfile.TemporaryDirectory(dir=os.environ.get('MECEFO_RESTORE_DIR')) as root:
+    root = Path(root)
+    # Memory tier never due (every=huge): the save and the restores go to the durable tier only.
+    with snapshot.SnapshotManager(root / 'memory', every=1 << 40, durable_dir=root / 'durable',
+                                  durable_every=1) as saver:
+      saver.maybe_save(1, state, {'step': 1})
+      saver.wait_until_finished()
+    want, seconds = train_state.params_sha256(state.params), []
+    for _ in range(repeats):
+      with snapshot.SnapshotManager(root / 'memory2', every=1 << 40, durable_dir=root / 'durable',
+                                    durable_every=1) as fresh:
+        t0 = time.perf_counter()
+        step, restored, _ = recovery.restore(fresh, cfg, mesh)
+        jax.block_until_ready(restored)
+        seconds.append(time.perf_counter() - t0)
+      assert step == 1 and train_state.params_sha256(restored.params) == want
+    return {'restore_s': statistics.median(seconds), 'restore_s_all': seconds,
+            'restore_dir_fs': _fs_type(root)}
+
+
+def _fs_type(path: Path) -> str:
+  """Filesystem type of `path` from /proc/mounts (longest matching mount point)."""
+  try:
+    mounts = [line.split()[1:3] for line in Path('/proc/mounts').read_text().splitlines()]
+  except OSError:
+    return 'unknown'
+  best = max((m for m in mounts if str(path.resolve()).startswith(m[0])), key=lambda m: len(m[0]))
+  return f'{best[1]} at {best[0]}'
 
 
 def costs_from(measurement: dict, stat: str) -> ClusterCosts:
@@ -151,7 +189,9 @@ def costs_from(measurement: dict, stat: str) -> ClusterCosts:
       group_compile_s={r: compile_s[name] for r, name in roles.items()},
       fused_compile_s=compile_s['fused_normal'], update_compile_s=compile_s['update'],
       refresh_s=t.get('refresh', 0.0), refresh_compile_s=compile_s.get('refresh', 0.0),
-      tau=measurement['tau'], rejoin_s=t['rejoin'], restore_s=t['rejoin'])
+      tau=measurement['tau'], rejoin_s=t['rejoin'],
+      # Older measurements have no durable restore: the rejoin copy, a lower bound, stands in.
+      restore_s=measurement.get('restore_s', t['rejoin']))
 
 
 def model_check(costs: ClusterCosts) -> dict:
@@ -202,7 +242,8 @@ def tables(result: dict) -> str:
   roles = [{'role': role_name(Role(r['exact'], r['degraded'], r['passes'])),
             'step_s': r['step_s'], 'vs_normal': r['step_s'] / c['normal_s'],
             'modelled': r['modelled']} for r in c['roles']]
-  scalars = {k: c[k] for k in ('normal_s', 'update_s', 'refresh_s', 'rejoin_s', 'fused_compile_s')}
+  scalars = {k: c[k] for k in ('normal_s', 'update_s', 'refresh_s', 'rejoin_s', 'restore_s',
+                               'fused_compile_s')}
   return '\n\n'.join([
       f"throughput drop % (mean ± std over {a['seeds']} seeds), rate={a['rate']}, "
       f"stat={a['stat']}, {result['slices']} slices, {a['hours']} h",
@@ -220,10 +261,14 @@ def main(argv=None):
   p.add_argument('--hours', type=float, default=720.0)
   p.add_argument('--seeds', type=int, default=5)
   p.add_argument('--rate', choices=('cluster', 'per_device'), default='cluster')
-  p.add_argument('--checkpoint-every', type=int, default=500, help='0: no checkpoint-restart row')
+  p.add_argument('--checkpoint-every', type=int, default=-1,
+                 help='durable checkpoint interval of checkpoint-restart (-1: '
+                      'snapshot.durable_every); 0: no checkpoint-restart row')
   p.add_argument('--measure', choices=('all', 'anchors'), default='all',
                  help='time every needed role, or a few and model the rest')
   p.add_argument('--costs', default=None, help="reuse a previous JSON's 'measurement' (no timing)")
+  p.add_argument('--remeasure-restore', action='store_true',
+                 help='with --costs: time the durable restore now (done anyway if it lacks one)')
   p.add_argument('--stat', choices=('median', 'min'), default='median',
                  help='statistic of the repeats used as cost (min: least disturbed by other load)')
   p.add_argument('--repeats', type=int, default=3)
@@ -233,11 +278,16 @@ def main(argv=None):
   cluster_cfg = load_config(args.config, args.overrides)
   cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
   n, b = args.slices, cfg.train.micro_batch
+  if args.checkpoint_every < 0:
+    args.checkpoint_every = cfg.snapshot.durable_every
   granule, max_rows = cluster_cfg.mesh.fsdp, cfg.faults.max_degraded_rows or 2 * b
   needed = simulate.needed_roles(n, b, [q for q in args.policies if q != 'drop'], granule, max_rows)
   needed.add(Role(b))
   if args.costs:
     measurement = json.loads(Path(args.costs).read_text())['measurement']
+    if args.remeasure_restore or 'restore_s' not in measurement:
+      mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+      measurement = {**measurement, **time_restore(cfg, mesh, train_state.create_sharded(cfg, mesh))}
   else:
     timed = needed if args.measure == 'all' else anchor_roles(b, needed, max_rows)
     measurement = measure(cfg, timed, args.repeats, args.warmup)

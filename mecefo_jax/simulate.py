@@ -9,9 +9,11 @@ from typing import Sequence
 import numpy as np
 
 from mecefo_jax import takeover
+from mecefo_jax.failures import PRESETS, FailureSchedule
 from mecefo_jax.steps import Role, split_passes
 
 CHECKPOINT = 'checkpoint-restart'
+PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster
 
 
 # --- roles --------------------------------------------------------------------------------------
@@ -73,7 +75,7 @@ class ClusterCosts:
   refresh_compile_s: float = 0.0
   tau: int = 10
   rejoin_s: float = 0.0  # state copy onto a repaired slice
-  restore_s: float = 0.0  # checkpoint-restart: state restore on restart
+  restore_s: float = 0.0  # checkpoint-restart: restore of a durable checkpoint on restart
   modelled: set = dataclasses.field(default_factory=set)  # roles whose cost is predicted
 
   def complete(self, roles: set[Role]) -> 'ClusterCosts':
@@ -120,8 +122,7 @@ class PolicyModel:
   def _step(self, live):
     c = self.costs
     if self.policy == CHECKPOINT:
-      # Restarted on fewer slices, the full batch is kept by more micro-batches per slice.
-      return c.normal_s * math.ceil(self.n / len(live)), self.n * self.b
+      return c.normal_s, self.n * self.b  # a spare stands in for the failed slice
     samples = (len(live) if self.policy == 'drop' else self.n) * self.b
     roles = set(self._roles(live).values())
     if roles == {Role(self.b)}:
@@ -167,6 +168,22 @@ def poisson_failures(mean_s: float, repair_s: float, n_slices: int, horizon_s: f
       events.append(Event(repaired_at[victim], victim, 'repair'))
 
 
+def preset_schedule(name: str, n_slices: int, steps: int, cluster_step_s: float, seed: int,
+                    interval_scale: float = 1.0) -> FailureSchedule:
+  """FailureSchedule.preset with the mean interval scaled (1: identical events, see tests).
+
+  interval_scale = PAPER_DEVICES / n_slices is the per-device reading of §5: an n-slice cluster
+  sees n/32 of the paper's 32-GPU failure rate, so the same fraction of it is down on average.
+  """
+  mean_h, repair_h = PRESETS[name]
+  sched = FailureSchedule(n_slices)
+  for e in poisson_failures(mean_h * interval_scale * 3600.0, repair_h * 3600.0, n_slices,
+                            steps * cluster_step_s, seed):
+    add = sched.fail_at if e.kind == 'fail' else sched.repair_at
+    add(e.slice, int(e.time_s // cluster_step_s), f'preset:{name}')
+  return sched
+
+
 @dataclasses.dataclass
 class Tally:
   samples: float = 0.0
@@ -200,14 +217,15 @@ def replay(events: Sequence[Event], n_slices: int, horizon_s: float, model: Poli
   """Back-to-back steps over `horizon_s`; due events take effect at the next step boundary.
 
   MeCeFO policies: a new live set pays its compile once (cached), a repair pays one rejoin.
-  checkpoint-restart: any change of the live set restarts the job (restore + compile); a
-  failure also loses the steps since the last checkpoint (taken every `checkpoint_every`).
+  checkpoint-restart: each failure restarts the job (restore + compile) and loses the steps
+  since the last checkpoint (taken every `checkpoint_every`); a spare takes the failed
+  slice's place, so it always runs on all n slices and a repair changes nothing.
   """
   tally, failed, seen, i, now = Tally(), set(), {tuple(range(n_slices))}, 0, 0.0
   progress, restart_due, ckpt = 0, False, model.policy == CHECKPOINT
   while now < horizon_s:
     i, fails, repairs = _apply_due(events, i, now, failed)
-    live = tuple(s for s in range(n_slices) if s not in failed)
+    live = tuple(s for s in range(n_slices) if ckpt or s not in failed)
     start, next_t = now, events[i].time_s if i < len(events) else horizon_s
     step_s, samples = model.step(live) if live else (0.0, 0)
     if ckpt and fails:
@@ -216,7 +234,7 @@ def replay(events: Sequence[Event], n_slices: int, horizon_s: float, model: Poli
       progress -= lost
       tally.lost_steps += lost
       tally.samples -= lost * model.n * model.b
-    restart_due |= ckpt and (fails or repairs)
+    restart_due |= ckpt and fails
     if not live:
       now = min(next_t, horizon_s)
       tally.all_down_s += now - start
@@ -268,4 +286,5 @@ def summarize(tallies: Sequence[Tally], horizon_s: float, fault_free_throughput:
           'all_down_time_frac': mean('all_down_s') / horizon_s, 'steps': mean('steps'),
           'compile_time_frac': mean('compile_s') / horizon_s,
           'rejoin_time_frac': mean('rejoin_s') / horizon_s, 'restarts': mean('restarts'),
-          'lost_steps': mean('lost_steps')}
+          'lost_steps': mean('lost_steps'),
+          'lost_steps_per_restart': mean('lost_steps') / max(mean('restarts'), 1e-9)}

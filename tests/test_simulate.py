@@ -65,11 +65,33 @@ def test_all_slices_down_is_lost_time():
 
 def test_checkpoint_restart_rewinds_to_the_last_checkpoint():
   costs = _costs(restore_s=2.0)
-  t = replay([Event(130.0, 0, 'fail')], N, 1000.0, _model(CHECKPOINT, costs), checkpoint_every=50)
+  t = replay([Event(130.0, 0, 'fail'), Event(500.0, 0, 'repair')], N, 1000.0,
+             _model(CHECKPOINT, costs), checkpoint_every=50)
   # 130 steps run, 30 since the checkpoint at 100 are lost; restart = restore 2 + compile 5;
-  # then 863 s of 2 s steps (ceil(4 / 3) micro-batches per slice) until the end of the window.
-  assert t.lost_steps == 30 and t.restarts == 1
-  assert t.samples == pytest.approx((130 - 30 + 863 / 2) * N * B)
+  # a spare replaces slice 0, so 863 full-speed steps follow; the repair restarts nothing.
+  assert t.lost_steps == 30 and t.restarts == 1 and t.rejoin_s == 2.0 and t.compile_s == 5.0
+  assert t.samples == pytest.approx((130 - 30 + 863) * N * B)
+
+
+def test_checkpoint_restart_runs_on_spares_when_every_slice_is_down():
+  events = [Event(10.0, s, 'fail') for s in range(N)]
+  t = replay(events, N, 1000.0, _model(CHECKPOINT, _costs()), checkpoint_every=1000)
+  assert t.all_down_s == 0.0 and t.restarts == 1 and t.lost_steps == 10
+  assert t.samples == pytest.approx((1000.0 - 10.0 - 5.0) * N * B)
+
+
+def test_preset_schedule_is_the_preset_and_scales_the_interval_only():
+  same = simulate.preset_schedule('high', 8, 5000, 60.0, seed=3)
+  assert same.all_events() == FailureSchedule.preset('high', 8, 5000, 60.0, seed=3).all_events()
+  scaled = simulate.preset_schedule('high', 4, 300, 600.0, seed=0, interval_scale=8.0)
+  fails = [e for e in scaled.all_events() if e.kind == 'fail']
+  assert 3 <= len(fails) < len([e for e in same.all_events() if e.kind == 'fail'])
+  down_since = {}
+  for e in sorted(scaled.all_events(), key=lambda e: (e.step, e.kind == 'fail')):
+    if e.kind == 'fail':
+      down_since[e.slice] = e.step
+    else:  # 2 h repairs = 12 steps of 600 s (11 to 13 once quantised)
+      assert e.step - down_since.pop(e.slice) in (11, 12, 13)
 
 
 def test_needed_roles_cover_carriers_and_spread_shares():
