@@ -14,3 +14,38 @@ def test_neighbor_takeover_loss_within_3pct_of_fault_free(tmp_path):
   assert runs['neighbor']['samples'].get('dropped', 0) == 0
   assert runs['neighbor']['params_sha256'] != runs['fault-free']['params_sha256']
   assert abs(runs['neighbor']['eval_increase_pct']) < 3.0, runs
+
+
+def test_live_counts_apply_a_steps_events_first():
+  from mecefo_jax.failures import FailureSchedule
+  sched = FailureSchedule(4).fail_at(1, 2).fail_at(3, 3).repair_at(1, 5).repair_at(3, 5)
+  assert quality.live_counts(sched, 4, 7) == [4, 4, 3, 2, 2, 4, 4]
+  stats = quality.schedule_stats(sched, 4, 7)
+  assert stats['failures'] == 2 and stats['min_live'] == 2
+  assert stats['steps_with_failure_frac'] == pytest.approx(3 / 7)
+  assert stats['mean_down_slices'] == pytest.approx(5 / 7)
+
+
+@pytest.mark.slow
+def test_presets_mode_runs_the_preset_schedule_and_reports_the_floor(tmp_path):
+  small = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=64', 'model.seq_len=32',
+           'train.steps=30', 'train.log_every=2']
+  result = quality.main(['--presets', 'high', '--policies', 'neighbor', '--cluster-step-s', '7200',
+                         '--eval-batches', '2', '--json', str(tmp_path / 'q.json'),
+                         '--figure', str(tmp_path / 'q.png'), *small])
+  high = result['presets']['high']
+  assert high['schedule']['failures'] > 0 and result['simulated_hours'] == 60.0
+  run = high['runs']['neighbor']
+  assert run['samples']['degraded'] > 0 and run['samples'].get('dropped', 0) == 0
+  assert result['floor_2pct_at_high']['neighbor']['eval_increase_pct'] == run['eval_increase_pct']
+  assert (tmp_path / 'q.png').stat().st_size > 0
+
+
+def test_outage_that_would_orphan_the_state_is_deferred_one_step():
+  from mecefo_jax.failures import FailureSchedule
+  # Step 4: slice 0 (the only holder) fails as slice 1 comes back: nobody could hand over.
+  sched = FailureSchedule(2).fail_at(1, 2).repair_at(1, 4).fail_at(0, 4).repair_at(0, 6)
+  assert quality.orphaned_steps(sched, 2, 8) == [4]
+  fixed, shifted = quality.defer_orphaning_failures(sched, 2, 8)
+  assert shifted == [{'slice': 0, 'from_step': 4}] and quality.orphaned_steps(fixed, 2, 8) == []
+  assert quality.live_counts(fixed, 2, 8) == [2, 2, 1, 1, 2, 1, 1, 2]
