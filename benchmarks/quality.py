@@ -135,11 +135,9 @@ def run_presets(args) -> dict:
   presets = {}
   for preset in args.presets:
     schedule = simulate.preset_schedule(preset, n, steps, args.cluster_step_s, seed, scale)
-    schedule, shifted = defer_orphaning_failures(schedule, n, steps)
     runs = {policy: train(args, policy, schedule) for policy in args.policies}
     _relative(runs, fault_free)
-    presets[preset] = {'schedule': {**schedule_stats(schedule, n, steps),
-                                    'shifted_outages': shifted}, 'runs': runs}
+    presets[preset] = {'schedule': schedule_stats(schedule, n, steps), 'runs': runs}
   return {'mode': 'presets', 'cluster_step_s': args.cluster_step_s, 'rate': args.rate,
           'interval_scale': scale, 'schedule_seed': seed, 'steps': steps,
           'simulated_hours': steps * args.cluster_step_s / 3600.0, 'fault_free': fault_free,
@@ -160,47 +158,6 @@ def _floor(presets: dict) -> dict:
   high = presets.get('high', {}).get('runs', {})
   return {p: {'eval_increase_pct': r['eval_increase_pct'], 'met': r['eval_increase_pct'] <= 2.0}
           for p, r in high.items()}
-
-
-def orphaned_steps(schedule, n: int, steps: int) -> list[int]:
-  """Steps where repairs and the failure of every slice holding the state coincide, so no live
-  slice has the state to hand over (the controller has no path for this: it crashes)."""
-  failed, holders, out = set(), set(range(n)), []
-  for step in range(steps):
-    for e in schedule.events_at(step):
-      (failed.add if e.kind == 'fail' else failed.discard)(e.slice)
-    live = set(range(n)) - failed
-    if live and not live & holders:
-      out.append(step)
-    holders = live or holders
-  return out
-
-
-def defer_orphaning_failures(schedule, n: int, steps: int):
-  """(schedule, shifted outages): each outage that would orphan the state starts (and ends) one
-  step later, so the repaired slice receives the state first. A workaround, counted in the JSON."""
-  from mecefo_jax.failures import FailureSchedule
-  outages, down = [], {}
-  for e in schedule.all_events():  # sorted by step: pair each failure with its repair
-    if e.kind == 'fail':
-      down[e.slice] = len(outages)
-      outages.append([e.slice, e.step, None, e.source])
-    elif e.slice in down:
-      outages[down.pop(e.slice)][2] = e.step
-  shifted = []
-  while orphans := orphaned_steps(schedule, n, steps):
-    step = orphans[0]
-    for o in outages:
-      if o[1] == step:  # a failure at the orphaning step (repairs there are kept)
-        o[1] += 1
-        o[2] = None if o[2] is None else o[2] + 1
-        shifted.append({'slice': o[0], 'from_step': step})
-    schedule = FailureSchedule(n)
-    for slice_, fail, repair, source in outages:
-      schedule.fail_at(slice_, fail, source)
-      if repair is not None and repair < steps:
-        schedule.repair_at(slice_, repair, source)
-  return schedule, shifted
 
 
 def live_counts(schedule, n: int, steps: int) -> list[int]:

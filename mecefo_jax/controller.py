@@ -101,6 +101,10 @@ class Controller:
     if live == self.state_slices:
       return
     keep = tuple(s for s in self.state_slices if s in live)
+    if not keep:
+      raise AllSlicesDown(
+          f'no live slice holds the training state: slices {list(self.state_slices)} held it '
+          f'and are all down. Resume from the newest snapshot with `python train.py --resume`.')
     if keep != self.state_slices:
       self.state = slice_steps.state_view(self.cfg, self.state, self.mesh, keep)
     if keep != live:
@@ -120,7 +124,12 @@ class Controller:
   # --- one step ----------------------------------------------------------------------------
   def step(self, step: int, wall_s: float = 0.0) -> dict:
     """Runs training step `step`; returns its metrics (device scalars)."""
-    for event in self.schedule.events_at(step):
+    events = self.schedule.events_at(step)  # repairs first
+    for event in events:
+      if event.kind == 'fail' and not set(self.live()) <= set(self.state_slices):
+        # A step's repairs take effect before its failures: the repaired slices receive the
+        # state now, so a peer failing in this same step can still hand it over.
+        self._place_state(self.live())
       self._apply(event, wall_s)
     if step == self.devices_back_at:
       self._devices_back(step, wall_s)

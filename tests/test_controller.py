@@ -207,3 +207,26 @@ def test_error_naming_a_failed_slice_is_raised_not_retried():
   c.error_hooks.append(hook)
   with pytest.raises(SliceFailure):
     c.step(0)
+
+
+def test_repair_and_failure_of_every_holder_in_one_step_hands_the_state_over():
+  """Step 1: slice 1 is repaired while slice 0, the only holder of the state, fails. Repairs
+  come first, so slice 1 receives the state before slice 0 goes down."""
+  sched = FailureSchedule(2).fail_at(1, 0).repair_at(1, 1).fail_at(0, 1).repair_at(0, 2)
+  c = _controller('2x4', schedule=sched)
+  losses = [float(c.step(t)['loss']) for t in range(3)]
+  assert all(map(math.isfinite, losses)), losses
+  assert [(e['step'], e['slice'], e['kind']) for e in c.events] == [
+      (0, 1, 'fail'), (1, 1, 'repair'), (1, 0, 'fail'), (2, 0, 'repair')]
+  assert int(c.state.step) == 3 and c.state_slices == (0, 1)
+  assert len(set(c.replica_hashes().values())) == 1
+  assert c.samples == {'exact': 2 * B, 'degraded': 4 * B, 'dropped': 0}
+
+
+def test_repair_after_every_holder_is_down_says_how_to_resume():
+  c = _controller('2x4', schedule=FailureSchedule(2).fail_at(0, 0).fail_at(1, 1).repair_at(0, 2))
+  c.step(0)
+  with pytest.raises(AllSlicesDown, match='all 2 slices are down'):
+    c.step(1)
+  with pytest.raises(AllSlicesDown, match='no live slice holds the training state.*--resume'):
+    c.step(2)

@@ -39,13 +39,3 @@ def test_presets_mode_runs_the_preset_schedule_and_reports_the_floor(tmp_path):
   assert run['samples']['degraded'] > 0 and run['samples'].get('dropped', 0) == 0
   assert result['floor_2pct_at_high']['neighbor']['eval_increase_pct'] == run['eval_increase_pct']
   assert (tmp_path / 'q.png').stat().st_size > 0
-
-
-def test_outage_that_would_orphan_the_state_is_deferred_one_step():
-  from mecefo_jax.failures import FailureSchedule
-  # Step 4: slice 0 (the only holder) fails as slice 1 comes back: nobody could hand over.
-  sched = FailureSchedule(2).fail_at(1, 2).repair_at(1, 4).fail_at(0, 4).repair_at(0, 6)
-  assert quality.orphaned_steps(sched, 2, 8) == [4]
-  fixed, shifted = quality.defer_orphaning_failures(sched, 2, 8)
-  assert shifted == [{'slice': 0, 'from_step': 4}] and quality.orphaned_steps(fixed, 2, 8) == []
-  assert quality.live_counts(fixed, 2, 8) == [2, 2, 1, 1, 2, 1, 1, 2]
