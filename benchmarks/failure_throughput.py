@@ -78,10 +78,12 @@ def role_name(r: Role) -> str:
   return f'e{r.exact}_d{r.degraded}_p{r.passes}'
 
 
-def anchor_roles(b: int, needed: set[Role], max_rows: int) -> set[Role]:
-  """Roles timed in --measure anchors: enough to fit the cost model, plus common spread shares."""
+def anchor_roles(b: int, needed: set[Role], max_rows: int, one_down: set[Role]) -> set[Role]:
+  """Roles timed in --measure anchors: enough to fit the cost model, every role of the most
+  common failure state (`one_down`: one slice down), plus common spread shares."""
   split = lambda rows: steps.split_passes(rows, max_rows)
-  anchors = {Role(b), Role(2 * b), Role(0, 2 * b, split(2 * b)), Role(0, 3 * b, split(3 * b))}
+  anchors = {Role(b), Role(2 * b), Role(0, 2 * b, split(2 * b)), Role(0, 3 * b, split(3 * b)),
+             *one_down}
   shares = sorted({r.degraded for r in needed if r.exact == b and r.degraded})
   if shares:  # one orphan over n-1 slices, and about one micro-batch of orphans per slice
     anchors |= {Role(b, s, split(s)) for s in (shares[0], min(shares, key=lambda s: abs(s - b)))}
@@ -106,11 +108,17 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   fused = _timed_compile(compile_s, 'fused_normal',
                          lambda: steps.compile_step(cfg, mesh, Role(b), graphdef))
   update = _timed_compile(compile_s, 'update', lambda: slice_steps.compile_update(cfg, mesh))
-  refresh = svd and _timed_compile(compile_s, 'refresh', lambda: steps.compile_refresh(cfg, mesh))
+  # 'refresh' is the one a run repeats every tau steps: warm (mecefo.refresh) after the first.
+  warm = svd and cfg.mecefo.refresh == 'warm'
+  full = svd and _timed_compile(compile_s, 'refresh_full' if warm else 'refresh',
+                                lambda: steps.compile_refresh(cfg, mesh))
+  refresh = warm and _timed_compile(compile_s, 'refresh',
+                                    lambda: steps.compile_refresh(cfg, mesh, warm=True)) or full
   # Donating programs each need their own state; group programs only read theirs.
-  states = {k: train_state.create_sharded(cfg, mesh) for k in ('group', 'fused', 'update', 'refresh')}
-  if svd:
-    states['group'] = refresh(states['group'])  # real bases for the degraded programs
+  states = {k: train_state.create_sharded(cfg, mesh)
+            for k in ('group', 'fused', 'update', 'refresh', 'refresh_full')}
+  if svd:  # real bases for the degraded programs and the warm refresh to start from
+    states['group'], states['refresh'] = full(states['group']), full(states['refresh'])
   rng = np.random.default_rng(0)
   tokens = {r: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
                            jnp.int32) for r in {*roles, Role(b)}}
@@ -126,15 +134,17 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
     states['update'], metrics = update(states['update'], sums)
     return metrics
 
-  def run_refresh():
-    states['refresh'] = refresh(states['refresh'])
-    return states['refresh']
+  def run_refresh(name, program):
+    states[name] = program(states[name])
+    return states[name]
 
   fns = {'fused_normal': run_fused, 'update': run_update,
          'rejoin': lambda: jax.device_put(host_state, train_state.state_shardings(cfg, mesh),
                                            may_alias=False)}
   if svd:
-    fns['refresh'] = run_refresh
+    fns['refresh'] = lambda: run_refresh('refresh', refresh)
+  if warm:
+    fns['refresh_full'] = lambda: run_refresh('refresh_full', full)
   fns |= {role_name(r): (lambda r=r: groups[r](states['group'], tokens[r])) for r in sorted(roles)}
   times = common.interleaved_times(fns, repeats, warmup)
   restore_s = time_restore(cfg, mesh, states['group'])
@@ -211,7 +221,8 @@ def failure_model(args, n: int) -> dict:
           for p in args.presets}
 
 
-def replay_all(costs: ClusterCosts, args, n: int, b: int, granule: int, max_rows: int) -> dict:
+def replay_all(costs: ClusterCosts, args, n: int, b: int, granule: int, max_rows: int,
+               degraded_cost: float) -> dict:
   """results[policy][preset] averaged over seeds; the same failure draws for every policy."""
   horizon_s = args.hours * 3600.0
   events = {p: [simulate.poisson_failures(f['mean_interval_h'] * 3600, f['repair_h'] * 3600, n,
@@ -221,7 +232,7 @@ def replay_all(costs: ClusterCosts, args, n: int, b: int, granule: int, max_rows
   rows = [*args.policies, *([CHECKPOINT] if args.checkpoint_every else [])]
   results = {}
   for policy in rows:
-    pm = simulate.PolicyModel(policy, n, b, costs, granule, max_rows)
+    pm = simulate.PolicyModel(policy, n, b, costs, granule, max_rows, degraded_cost)
     results[policy] = {
         p: simulate.summarize([simulate.replay(ev, n, horizon_s, pm, args.checkpoint_every)
                                for ev in events[p]], horizon_s, fault_free)
@@ -256,7 +267,7 @@ def tables(result: dict) -> str:
 def main(argv=None):
   p = common.parser(__doc__.splitlines()[0])
   p.add_argument('--slices', type=int, default=8)
-  p.add_argument('--policies', default='neighbor,spread,drop,naive')
+  p.add_argument('--policies', default='neighbor,spread,balance,drop,naive')
   p.add_argument('--presets', default='low,mid,high')
   p.add_argument('--hours', type=float, default=720.0)
   p.add_argument('--seeds', type=int, default=5)
@@ -281,15 +292,20 @@ def main(argv=None):
   if args.checkpoint_every < 0:
     args.checkpoint_every = cfg.snapshot.durable_every
   granule, max_rows = cluster_cfg.mesh.fsdp, cfg.faults.max_degraded_rows or 2 * b
-  needed = simulate.needed_roles(n, b, [q for q in args.policies if q != 'drop'], granule, max_rows)
+  dc = cfg.faults.degraded_cost
+  carriers = [q for q in args.policies if q != 'drop']
+  needed = simulate.needed_roles(n, b, carriers, granule, max_rows, dc)
   needed.add(Role(b))
+  one_down = tuple(range(1, n))
+  one_down_roles = {r for q in carriers
+                    for r in simulate.slice_roles(one_down, n, b, q, granule, max_rows, dc).values()}
   if args.costs:
     measurement = json.loads(Path(args.costs).read_text())['measurement']
     if args.remeasure_restore or 'restore_s' not in measurement:
       mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
       measurement = {**measurement, **time_restore(cfg, mesh, train_state.create_sharded(cfg, mesh))}
   else:
-    timed = needed if args.measure == 'all' else anchor_roles(b, needed, max_rows)
+    timed = needed if args.measure == 'all' else anchor_roles(b, needed, max_rows, one_down_roles)
     measurement = measure(cfg, timed, args.repeats, args.warmup)
   costs = costs_from(measurement, args.stat).complete(needed)
   result = {'config': args.config, 'overrides': args.overrides, 'args': vars(args),
@@ -299,12 +315,11 @@ def main(argv=None):
             'cost_model': model_check(costs), 'notes': NOTES,
             'env': {'OPENBLAS_NUM_THREADS': os.environ.get('OPENBLAS_NUM_THREADS')}}
   result['failure_model'] = failure_model(args, n)
-  one_down = tuple(range(1, n))
   result['compile_one_failure_s'] = {
-      q: simulate.PolicyModel(q, n, b, costs, granule, max_rows).compile_s(one_down)
+      q: simulate.PolicyModel(q, n, b, costs, granule, max_rows, dc).compile_s(one_down)
       for q in [*args.policies, CHECKPOINT]}
   result['split_path_vs_fused'] = (costs.group_s[Role(b)] + costs.update_s) / costs.normal_s
-  result['results'] = replay_all(costs, args, n, b, granule, max_rows)
+  result['results'] = replay_all(costs, args, n, b, granule, max_rows, dc)
   common.emit(result, tables(result), args.json)
   return result
 

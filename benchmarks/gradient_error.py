@@ -50,6 +50,9 @@ def main(argv=None) -> dict:
   p.add_argument('--every', type=int, default=50)
   p.add_argument('--fractions', default='0.125,0.25,0.5,1.0')
   p.add_argument('--tau', type=int, default=10)
+  p.add_argument('--bases', default='svd,svd-warm,gaussian',
+                 help='svd: randomized SVD at every refresh (mecefo.refresh=full); svd-warm: one '
+                 'subspace iteration from the last bases (refresh=warm, the default); gaussian')
   args = p.parse_args(argv)
   cfg = load_config(args.config, ['mesh.slice=1', *args.overrides])
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
@@ -59,21 +62,22 @@ def main(argv=None) -> dict:
   normal = steps.compile_step(cfg, mesh, steps.Role(exact=b), graphdef)
   state = train_state.create_sharded(cfg, mesh)
   fractions = [float(f) for f in args.fractions.split(',')]
-  variants = [('svd', f) for f in fractions] + [('gaussian', f) for f in fractions]
+  kinds = [k.strip() for k in args.bases.split(',')]
+  variants = [(k, f) for k in kinds for f in fractions]
   grad_fns = {v: _grad_fn(cfg, graphdef, *v) for v in variants}
+  refreshers = {v: _refresh_fn(cfg, *v) for v in variants if v[0] != 'gaussian'}
   exact_fn = jax.jit(lambda params, tokens: steps.contribution(
       params, {}, tokens, jax.random.PRNGKey(0), role=steps.Role(exact=b), graphdef=graphdef,
       cfg=cfg)[0])
   cut_fn = _grad_fn(cfg, graphdef, 'none', 1.0)
-  old_params, rows = None, []
+  bases, rows = dict.fromkeys(variants), []
   for step in range(cfg.train.steps):
     tokens = corpus.sequences(sample_ids(step, 1, b)[0])
+    if step % args.tau == 0:  # svd bases are up to tau steps old, as the trainer keeps them
+      key = jax.random.PRNGKey(10_000 + step)
+      bases.update({v: fn(state.params, key, bases[v]) for v, fn in refreshers.items()})
     if step % args.every == 0 or step == cfg.train.steps - 1:
-      params = state.params
-      basis_params = old_params if old_params is not None else params
-      rows.append(_measure(step, params, basis_params, tokens, exact_fn, cut_fn, grad_fns, cfg))
-    if step % args.tau == 0:
-      old_params = jax.tree.map(jnp.copy, state.params)  # svd bases are up to tau steps old
+      rows.append(_measure(step, state.params, bases, tokens, exact_fn, cut_fn, grad_fns))
     state, _ = normal(state, jnp.asarray(tokens)[None])
   result = {'config': args.config, 'overrides': args.overrides, 'device': common.device_info(),
             'tau': args.tau, 'rows': rows, 'mean': _means(rows, variants)}
@@ -83,31 +87,44 @@ def main(argv=None) -> dict:
   return result
 
 
-def _grad_fn(cfg, graphdef, basis, fraction):
-  """jitted (params, basis_params, tokens, key) -> degraded grads with that basis and rank."""
-  mc = dataclasses.replace(cfg.mecefo, basis='svd' if basis == 'none' else basis,
+def _variant_cfg(cfg, basis, fraction):
+  mc = dataclasses.replace(cfg.mecefo, basis='gaussian' if basis == 'gaussian' else 'svd',
                            rank_fraction=fraction, rank=0)
-  vcfg = dataclasses.replace(cfg, mecefo=mc)
+  return dataclasses.replace(cfg, mecefo=mc)
+
+
+def _refresh_fn(cfg, basis, fraction):
+  """jitted (params, key, previous bases or None) -> the svd bases of that variant."""
+  vcfg = _variant_cfg(cfg, basis, fraction)
+  full = jax.jit(lambda params, key: train_state.svd_bases(params, vcfg, key))
+  warm = jax.jit(lambda params, key, prev: train_state.svd_bases(params, vcfg, key, prev))
+  return lambda params, key, prev: (
+      warm(params, key, prev) if basis == 'svd-warm' and prev is not None else full(params, key))
+
+
+def _grad_fn(cfg, graphdef, basis, fraction):
+  """jitted (params, bases, tokens, key) -> degraded grads with that basis and rank."""
+  vcfg = _variant_cfg(cfg, basis, fraction)
   n = cfg.train.micro_batch
 
-  def fn(params, basis_params, tokens, key):
+  def fn(params, bases, tokens, key):
     if basis == 'none':  # attention cut, exact FFN weight gradients
-      return jax.grad(steps._loss_sum)(params, tokens, graphdef, True, None, mc.ffn_remat)
-    bases = train_state.svd_bases(basis_params, vcfg, key) if basis == 'svd' else {}
-    return steps.contribution(params, bases, tokens, key, role=steps.Role(degraded=n),
+      return jax.grad(steps._loss_sum)(params, tokens, graphdef, True, None,
+                                        vcfg.mecefo.ffn_remat)
+    return steps.contribution(params, bases or {}, tokens, key, role=steps.Role(degraded=n),
                               graphdef=graphdef, cfg=vcfg)[0]
   return jax.jit(fn)
 
 
-def _measure(step, params, basis_params, tokens, exact_fn, cut_fn, grad_fns, cfg):
+def _measure(step, params, bases, tokens, exact_fn, cut_fn, grad_fns):
   tokens = jnp.asarray(tokens)
   key = jax.random.PRNGKey(step)
   exact = exact_fn(params, tokens)
-  cut = cut_fn(params, basis_params, tokens, key)
+  cut = cut_fn(params, None, tokens, key)
   non_attn = lambda path: not model.is_attention_branch(path)
   row = {'step': step}
   for (kind, frac), fn in grad_fns.items():
-    approx = fn(params, basis_params, tokens, key)
+    approx = fn(params, bases[(kind, frac)], tokens, key)
     row[f'{kind}:{frac}'] = {
         'non_attention': _rel(_select(approx, non_attn), _select(exact, non_attn)),
         'ffn': _rel(_select(approx, _is_ffn_matrix), _select(exact, _is_ffn_matrix)),

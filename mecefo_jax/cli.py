@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from mecefo_jax import takeover  # no jax import: XLA_FLAGS are still settable
+
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
@@ -23,7 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='build, compile the step, print parameters, mesh and memory; no training')
   p.add_argument('--failures', default=None,
                  help='none | low | mid | high (MECEFO.md §5 presets) | trace:PATH (= faults.failures)')
-  p.add_argument('--takeover', default=None, choices=('neighbor', 'spread', 'drop', 'naive'),
+  p.add_argument('--takeover', default=None, choices=takeover.POLICIES,
                  help='who processes a failed slice\'s micro-batch (= faults.takeover)')
   p.add_argument('--resume', action='store_true',
                  help='continue from the newest intact snapshot / checkpoint of --out')

@@ -50,6 +50,7 @@ class MeCeFOConfig:
   rank_fraction: float = 0.25
   tau: int = 10  # svd bases are recomputed every tau steps while degraded steps run
   power_iters: int = 2  # randomized-SVD power iterations
+  refresh: str = 'warm'  # svd refresh: 'warm' (1 subspace iteration from the last bases) | 'full'
   ffn_remat: str = 'dots'  # 'full' (keep only the FFN input) | 'dots' (also gate/up outputs)
 
 
@@ -81,9 +82,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class FaultConfig:
   failures: str = 'none'  # none | low | mid | high (MECEFO.md §5) | trace:PATH
-  takeover: str = 'neighbor'  # neighbor (paper) | spread (ours) | drop | naive (baselines)
+  takeover: str = 'neighbor'  # neighbor (paper) | spread, balance (ours) | drop | naive (baselines)
   cluster_step_s: float = 60.0  # simulated cluster seconds per step, so short runs cover hours
   max_degraded_rows: int = 0  # most rows one degraded pass holds; 0 = 2 * train.micro_batch
+  degraded_cost: float = 0.6  # balance: time of a degraded row / an exact row's (takeover.py)
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ _CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'mecefo.basis': ('svd', 'gaussian'),
     'mecefo.ffn_remat': ('full', 'dots'),
-    'faults.takeover': ('neighbor', 'spread', 'drop', 'naive'),
+    'mecefo.refresh': ('warm', 'full'),
+    'faults.takeover': ('neighbor', 'spread', 'balance', 'drop', 'naive'),
 }
 
 
@@ -203,6 +206,8 @@ def validate(cfg: Config) -> Config:
     raise ConfigError(f"faults.failures must be none, low, mid, high or trace:PATH, got {f.failures!r}")
   if f.cluster_step_s <= 0 or f.max_degraded_rows < 0:
     raise ConfigError('faults.cluster_step_s must be > 0 and faults.max_degraded_rows >= 0')
+  if not 0.0 < f.degraded_cost < 1.0:
+    raise ConfigError(f'faults.degraded_cost must be in (0, 1), got {f.degraded_cost}')
   return cfg
 
 

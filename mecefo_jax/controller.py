@@ -91,9 +91,10 @@ class Controller:
     mesh = sharding.submesh(self.mesh, live)
     return self.program(('update', live), lambda: slice_steps.compile_update(self.cfg, mesh))
 
-  def _refresh(self, live):
+  def _refresh(self, live, warm: bool):
     mesh = sharding.submesh(self.mesh, live)
-    return self.program(('refresh', live), lambda: steps.compile_refresh(self.cfg, mesh))
+    return self.program(('refresh', live, warm),
+                        lambda: steps.compile_refresh(self.cfg, mesh, warm))
 
   # --- state placement ---------------------------------------------------------------------
   def _place_state(self, live: tuple[int, ...]) -> None:
@@ -179,7 +180,7 @@ class Controller:
 
   def _run(self, step: int, live: tuple[int, ...]) -> tuple[dict, int]:
     work, dropped = takeover.plan(live, self.n_slices, self.micro_batch, self.policy,
-                                  self.mesh.shape['fsdp'])
+                                  self.mesh.shape['fsdp'], self.cfg.faults.degraded_cost)
     roles = {s: self._role(w) for s, w in work.items()}
     ids_SxB = data.sample_ids(step, self.n_slices, self.micro_batch)
     processed = self._account(work, dropped)
@@ -245,11 +246,13 @@ class Controller:
     return processed
 
   def _maybe_refresh_bases(self, step: int, live) -> None:
-    """svd bases are recomputed every tau steps, and only when degraded work runs."""
-    if self.cfg.mecefo.basis != 'svd':
+    """svd bases are recomputed every tau steps, and only when degraded work runs: from scratch
+    the first time, then warm-started from the last bases unless mecefo.refresh=full."""
+    mc = self.cfg.mecefo
+    if mc.basis != 'svd':
       return
-    if self._bases_step < 0 or step - self._bases_step >= self.cfg.mecefo.tau:
-      refresh = self._refresh(live)
+    if self._bases_step < 0 or step - self._bases_step >= mc.tau:
+      refresh = self._refresh(live, warm=mc.refresh == 'warm' and self._bases_step >= 0)
       if multihost.is_local(sharding.submesh(self.mesh, live)):
         self.state = refresh(self.state)
       self._bases_step = step

@@ -19,9 +19,10 @@ PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster
 # --- roles --------------------------------------------------------------------------------------
 
 def slice_roles(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
-                max_rows: int = 0) -> dict[int, Role]:
+                max_rows: int = 0, degraded_cost: float = takeover.DEGRADED_COST
+                ) -> dict[int, Role]:
   """Role of every live slice in one step, derived as Controller._role does."""
-  work, _ = takeover.plan(live, n_slices, micro_batch, policy, granule)
+  work, _ = takeover.plan(live, n_slices, micro_batch, policy, granule, degraded_cost)
   max_rows = max_rows or 2 * micro_batch
   roles = {}
   for s, w in work.items():
@@ -37,10 +38,11 @@ def live_sets(n_slices: int):
 
 
 def needed_roles(n_slices: int, micro_batch: int, policies: Sequence[str], granule: int = 1,
-                 max_rows: int = 0) -> set[Role]:
+                 max_rows: int = 0, degraded_cost: float = takeover.DEGRADED_COST) -> set[Role]:
   """Every role any failure pattern can give a slice under `policies` (all 2^n - 1 live sets)."""
   return {r for p in policies for live in live_sets(n_slices)
-          for r in slice_roles(live, n_slices, micro_batch, p, granule, max_rows).values()}
+          for r in slice_roles(live, n_slices, micro_batch, p, granule, max_rows,
+                               degraded_cost).values()}
 
 
 # --- cost model ---------------------------------------------------------------------------------
@@ -105,13 +107,14 @@ class PolicyModel:
   """Step time, samples per step and compile time of a live set under one takeover policy."""
 
   def __init__(self, policy: str, n_slices: int, micro_batch: int, costs: ClusterCosts,
-               granule: int = 1, max_rows: int = 0):
+               granule: int = 1, max_rows: int = 0, degraded_cost: float = takeover.DEGRADED_COST):
     self.policy, self.n, self.b, self.costs = policy, n_slices, micro_batch, costs
-    self.granule, self.max_rows = granule, max_rows
+    self.granule, self.max_rows, self.degraded_cost = granule, max_rows, degraded_cost
     self._cache: dict = {}
 
   def _roles(self, live):
-    return slice_roles(live, self.n, self.b, self.policy, self.granule, self.max_rows)
+    return slice_roles(live, self.n, self.b, self.policy, self.granule, self.max_rows,
+                       self.degraded_cost)
 
   def step(self, live: tuple[int, ...]) -> tuple[float, int]:
     """(seconds, samples) of one step on `live`; the slowest live slice sets the pace."""

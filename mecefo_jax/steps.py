@@ -192,13 +192,15 @@ def compile_eval(cfg: Config, mesh: Mesh, rows: int, graphdef):
   return jitted.lower(abstract_state(cfg).params, tokens).compile()
 
 
-def compile_refresh(cfg: Config, mesh: Mesh):
-  """AOT-compiled `state -> state` recomputing the svd bases; run every tau degraded steps."""
+def compile_refresh(cfg: Config, mesh: Mesh, warm: bool = False):
+  """AOT-compiled `state -> state` recomputing the svd bases; run every tau degraded steps.
+  `warm`: one subspace iteration from the state's bases instead of a randomized SVD."""
   state_sh = state_shardings(cfg, mesh)
 
   def refresh(state: TrainState) -> TrainState:
     key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1)
-    return state._replace(bases=svd_bases(state.params, cfg, key), bases_step=state.step)
+    bases = svd_bases(state.params, cfg, key, state.bases if warm else None)
+    return state._replace(bases=bases, bases_step=state.step)
 
   jitted = jax.jit(refresh, donate_argnums=0, in_shardings=(state_sh,), out_shardings=state_sh)
   return jitted.lower(abstract_state(cfg)).compile()

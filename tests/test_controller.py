@@ -140,6 +140,19 @@ def test_neighbor_takeover_loss_equals_fault_free_loss():
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
 
+def test_balance_takeover_degrades_own_rows_and_keeps_the_loss():
+  _, loss, _ = _fault_free_step0()
+  c = _controller('4x2', 'faults.takeover=balance', 'faults.degraded_cost=0.3',
+                  schedule=FailureSchedule(4).fail_at(2, 0))
+  metrics = c.step(0)
+  # Slice 2's 4 rows over 3 live slices in granules of fsdp=2: shares 2, 2, 0; each slice with
+  # a share degrades 2 of its own rows too (2 exact + 0.3 * 4 degraded <= 4).
+  groups = {k[1]: k[2] for k in c._programs if k[0] == 'group'}
+  assert groups == {(0, 3): steps.Role(2, 4), (1,): steps.Role(exact=B)}, groups
+  assert c.samples == {'exact': 2 + 2 + B, 'degraded': 8, 'dropped': 0}
+  np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
+
+
 def _mean_loss(params, tokens_NxL1):
   logits = model.forward(_mesh('4x2')[2], params, tokens_NxL1[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_NxL1[:, 1:]).mean()

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mecefo_jax.ops import gaussian_basis, lowrank_matmul, svd_basis
+from mecefo_jax.ops import gaussian_basis, lowrank_matmul, refine_basis, svd_basis
 
 # All distinct, so every residual shape says which array it is.
 T, D_IN, D_OUT, R = 5, 6, 7, 3
@@ -196,6 +196,24 @@ def test_svd_basis_power_iterations_help_on_flat_spectrum():
   err_power = _projector_err(svd_basis(w, 4, key, power_iters=4, oversample=0), u[:, :4])
   assert err_no_power > 0.5
   assert err_power < 0.1 * err_no_power
+
+
+def test_refine_basis_tracks_the_top_subspace_from_a_previous_basis():
+  spectrum = jnp.concatenate([jnp.full((4,), 2.0), jnp.linspace(1.0, 0.5, 20)])
+  w, u = _known_spectrum_w(spectrum)
+  start = svd_basis(w, 4, jax.random.key(0), power_iters=0, oversample=0)  # a poor basis
+  errs, q = [_projector_err(start, u[:, :4])], start
+  for _ in range(4):  # each refresh is one subspace iteration: the error shrinks every time
+    q = refine_basis(w, q)
+    errs.append(_projector_err(q, u[:, :4]))
+  assert all(b < a for a, b in zip(errs, errs[1:])) and errs[-1] < 0.01 * errs[0], errs
+  np.testing.assert_allclose(q.T @ q, jnp.eye(4), atol=1e-5)
+  # The weights move a little (as between refreshes): one iteration from the old exact basis
+  # is closer to the new top subspace than the old basis was.
+  w2 = w + 0.05 * jax.random.normal(jax.random.key(5), w.shape)
+  u2 = jnp.linalg.svd(w2, full_matrices=False)[0][:, :4]
+  stale = _projector_err(u[:, :4], u2)
+  assert stale > 0.01 and _projector_err(refine_basis(w2, u[:, :4]), u2) < 0.5 * stale
 
 
 def test_svd_basis_bf16_and_invalid_rank():
