@@ -74,14 +74,9 @@ def measure(cfg, repeats: int, warmup: int) -> dict:
 
   times = common.interleaved_times({n: runner(n) for n in VARIANTS}, repeats, warmup)
   memory = {n: steps.memory_summary(p) for n, p in programs.items()}
-  flops = {n: float(_cost(p).get('flops', 0.0)) for n, p in programs.items()}
+  flops = {n: float(common.cost_analysis(p).get('flops', 0.0)) for n, p in programs.items()}
   return {'times': times, 'memory': memory, 'flops': flops,
           'roles': {n: vars(r) for n, r in roles.items()}}
-
-
-def _cost(compiled) -> dict:
-  cost = compiled.cost_analysis()
-  return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
 
 
 def rows(result: dict) -> list[dict]:

@@ -54,3 +54,9 @@ def emit(result: dict, table: str, json_path: str | None) -> None:
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2))
     print(f'wrote {json_path}')
+
+
+def cost_analysis(compiled) -> dict:
+  """XLA's cost analysis of a compiled program as one dict ({} where the backend has none)."""
+  cost = compiled.cost_analysis()
+  return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}

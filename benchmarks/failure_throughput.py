@@ -3,7 +3,7 @@
 Run: python benchmarks/failure_throughput.py --config configs/tiny.yaml --json OUT.json
      [--slices 8] [--policies neighbor,spread,drop,naive] [--presets low,mid,high] [--hours 720]
      [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
-     [--remeasure-restore] [--stat median|min] [--checkpoint-every N] [--repeats 3]
+     [--remeasure-restore] [--stat median|min|flops] [--checkpoint-every N] [--repeats 3]
      [--warmup 1] [overrides...]
 Fake CPU slices share the same cores, so a simulated cluster's wall time is not its step time.
 Each role's step is timed alone on one real device (interleaved, one process); the failure
@@ -149,8 +149,13 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   times = common.interleaved_times(fns, repeats, warmup)
   restore_s = time_restore(cfg, mesh, states['group'])
   memory = {role_name(r): steps.memory_summary(g).get('temp_bytes', 0) for r, g in groups.items()}
+  programs = {'fused_normal': fused, 'update': update,
+              **({'refresh': refresh} if svd else {}),
+              **{role_name(r): g for r, g in groups.items()}}
+  flops = {name: float(common.cost_analysis(p).get('flops', 0.0)) for name, p in programs.items()}
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(host_state))
   return {'times': times, 'compile_s': compile_s, 'roles': [role_name(r) for r in sorted(roles)],
+          'flops': flops,
           'group_temp_bytes': memory, 'state_bytes': state_bytes, 'tau': cfg.mecefo.tau,
           'repeats': repeats, 'warmup': warmup, **restore_s}
 
@@ -188,11 +193,22 @@ def _fs_type(path: Path) -> str:
 
 
 def costs_from(measurement: dict, stat: str) -> ClusterCosts:
-  """Cluster costs from the timed programs: `stat` ('median' or 'min') of the repeats."""
-  t = {k: v[f'{stat}_s'] for k, v in measurement['times'].items()}
+  """Cluster costs from the timed programs: `stat` ('median' or 'min') of the repeats, or
+  'flops': a compute-bound device, each program's XLA FLOP count x the measured median seconds
+  per FLOP of the fused normal step (rejoin, restore and compiles stay measured). XLA counts a
+  loop body once, so multi-pass roles are left to the cost model there."""
+  t = {k: v['min_s' if stat == 'min' else 'median_s'] for k, v in measurement['times'].items()}
+  if stat == 'flops':
+    if 'flops' not in measurement:
+      raise SystemExit('--stat flops needs a measurement with FLOP counts (this version)')
+    flops = measurement['flops']
+    per_flop = t['fused_normal'] / flops['fused_normal']
+    t |= {name: f * per_flop for name, f in flops.items()}
   compile_s = measurement['compile_s']
   roles = {Role(*map(int, re.fullmatch(r'e(\d+)_d(\d+)_p(\d+)', name).groups())): name
            for name in measurement['roles']}
+  if stat == 'flops':
+    roles = {r: name for r, name in roles.items() if r.passes == 1}
   return ClusterCosts(
       normal_s=t['fused_normal'], update_s=t['update'],
       group_s={r: t[name] for r, name in roles.items()},
@@ -280,8 +296,9 @@ def main(argv=None):
   p.add_argument('--costs', default=None, help="reuse a previous JSON's 'measurement' (no timing)")
   p.add_argument('--remeasure-restore', action='store_true',
                  help='with --costs: time the durable restore now (done anyway if it lacks one)')
-  p.add_argument('--stat', choices=('median', 'min'), default='median',
-                 help='statistic of the repeats used as cost (min: least disturbed by other load)')
+  p.add_argument('--stat', choices=('median', 'min', 'flops'), default='median',
+                 help='statistic of the repeats used as cost (min: least disturbed by other load; '
+                 'flops: FLOP counts scaled to the normal step, a compute-bound device)')
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--warmup', type=int, default=1)
   args = p.parse_args(argv)

@@ -85,7 +85,7 @@ class FaultConfig:
   takeover: str = 'neighbor'  # neighbor (paper) | spread, balance (ours) | drop | naive (baselines)
   cluster_step_s: float = 60.0  # simulated cluster seconds per step, so short runs cover hours
   max_degraded_rows: int = 0  # most rows one degraded pass holds; 0 = 2 * train.micro_batch
-  degraded_cost: float = 0.6  # balance: time of a degraded row / an exact row's (takeover.py)
+  degraded_cost: float = 0.65  # balance: cost of a degraded row / an exact row's (takeover.py)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ import math
 from typing import Sequence
 
 POLICIES = ('neighbor', 'spread', 'balance', 'drop', 'naive')
-# Time of a degraded row relative to an exact one (balance): step_cost measures 0.55-0.6 for
-# llama_60m on CPU (two degraded micro-batches = 1.10-1.19 normal ones); FLOPs give 0.65.
-DEGRADED_COST = 0.6
+# Cost of a degraded row relative to an exact one (balance): the FLOP ratio on llama_60m
+# (two degraded micro-batches = 1.32 normal ones, benchmarks/ablation.py), what a compute-bound
+# device pays; CPU step times give 0.3-0.6. Too high only degrades more rows than needed.
+DEGRADED_COST = 0.65
 
 
 @dataclasses.dataclass(frozen=True)

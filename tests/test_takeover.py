@@ -113,9 +113,9 @@ def test_balance_degrades_just_enough_own_rows_to_cost_a_normal_step(cost):
         assert (exact + granule) + cost * (degraded - granule) > b or own < granule
       elif not share:
         assert (exact, degraded) == (b, 0)
-  # 8 slices, one down, b=8, cost 0.6: shares of 1 or 2 rows; 6 exact + 3 or 5 + 5 degraded.
+  # 8 slices, one down, b=8, cost 0.65: shares of 1 or 2 rows; 6 exact + 3 or 4 + 6 degraded.
   work, _ = takeover.plan(range(1, 8), 8, 8, 'balance')
-  assert sorted(w.counts() for w in work.values()) == [(5, 5)] + [(6, 3)] * 6
+  assert sorted(w.counts() for w in work.values()) == [(4, 6)] + [(6, 3)] * 6
 
 
 def test_plan_rejects_bad_degraded_cost():
