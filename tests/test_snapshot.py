@@ -2,6 +2,7 @@
 import asyncio
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -142,7 +143,7 @@ def test_truncated_file_fails_checksum_and_previous_snapshot_is_used(tmp_path, m
   largest = max(files, key=lambda p: p.stat().st_size)
   os.truncate(largest, largest.stat().st_size // 2)
   with SnapshotManager(tmp_path / 'mem') as manager:
-    with pytest.warns(SnapshotWarning, match=r'snapshot .*/2: .*sha256'):
+    with pytest.warns(SnapshotWarning, match=r'snapshot .*/2: .*checksum'):
       step, restored, _ = manager.restore_latest(abstract(old))
   assert step == 1 and digests(restored) == digests(old)
 
@@ -255,3 +256,26 @@ def test_rebuilt_host_snapshot_restores(tmp_path, mesh):
   with SnapshotManager(snap_dirs[2]) as manager:
     step, restored, _ = manager.restore_latest(abstract(states[2]))
   assert step == 7 and digests(restored) == digests(states[2])
+
+
+def test_manifest_crc32_and_format1_sha256_detect_truncation(tmp_path):
+  from mecefo_jax.snapshot import MANIFEST_NAME, verify_manifest, write_manifest
+  (tmp_path / 'd').mkdir()
+  (tmp_path / 'd' / 'a').write_bytes(bytes(range(256)) * 1000)
+  (tmp_path / 'empty').write_bytes(b'')  # mmap refuses empty files: the streamed path
+  write_manifest(tmp_path)
+  manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
+  assert manifest['format'] == 2 and manifest['files']['empty']['crc32'] == '00000000'
+  assert verify_manifest(tmp_path) is None
+  # Durable checkpoints written before format 2 carry sha256: still verified.
+  old = {'format': 1, 'files': {name: {'bytes': e['bytes'], 'sha256': hashlib.sha256(
+      (tmp_path / name).read_bytes()).hexdigest()} for name, e in manifest['files'].items()}}
+  for m in (manifest, old):
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(m))
+    assert verify_manifest(tmp_path) is None
+    data = (tmp_path / 'd' / 'a').read_bytes()
+    (tmp_path / 'd' / 'a').write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, 1 bit off
+    assert verify_manifest(tmp_path) == 'd/a fails its checksum'
+    (tmp_path / 'd' / 'a').write_bytes(data[:100])
+    assert verify_manifest(tmp_path) == 'd/a fails its checksum'
+    (tmp_path / 'd' / 'a').write_bytes(data)
