@@ -86,6 +86,9 @@ class FaultConfig:
   cluster_step_s: float = 60.0  # simulated cluster seconds per step, so short runs cover hours
   max_degraded_rows: int = 0  # most rows one degraded pass holds; 0 = 2 * train.micro_batch
   degraded_cost: float = 0.65  # balance: cost of a degraded row / an exact row's (takeover.py)
+  # Compile the programs of live sets one failure/repair away in a background thread: auto =
+  # on for GPU/TPU single-process runs, off on CPU (the compiles would take the step's cores).
+  precompile: str = 'auto'  # auto | always | never
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ _CHOICES = {
     'mecefo.ffn_remat': ('full', 'dots'),
     'mecefo.refresh': ('warm', 'full'),
     'faults.takeover': ('neighbor', 'spread', 'balance', 'drop', 'naive'),
+    'faults.precompile': ('auto', 'always', 'never'),
 }
 
 

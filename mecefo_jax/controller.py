@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -10,6 +11,7 @@ import jax
 import numpy as np
 
 from mecefo_jax import data, multihost, sharding, slice_steps, steps, takeover
+from mecefo_jax.precompile import Precompiler, next_live_sets
 from mecefo_jax.config import Config
 from mecefo_jax.failures import FailureEvent, FailureSchedule
 from mecefo_jax.train_state import params_sha256, state_shardings
@@ -47,6 +49,9 @@ class Controller:
     self.goodput = dict.fromkeys(GOODPUT_KEYS, 0.0)
     self.samples = collections.Counter()  # exact / degraded / dropped sample counts
     self._programs: dict = {}
+    self._compile_lock = threading.Lock()
+    self._training_thread = threading.get_ident()
+    self.precompiler: Precompiler | None = None
     self._bases_step = _host_int(state.bases_step)
     self._last_end: float | None = None
     self.devices_back_at: int | None = None  # resumed after every slice was down at this step
@@ -69,12 +74,37 @@ class Controller:
 
   # --- programs ----------------------------------------------------------------------------
   def program(self, key, build):
-    """The compiled program cached under `key`, built (and its compile time booked) once."""
-    if key not in self._programs:
+    """The compiled program cached under `key`, built once. The training thread's compile
+    time (waits for a background precompile included) is booked; the precompiler's is not."""
+    program = self._programs.get(key)
+    if program is None:
       t0 = time.perf_counter()
-      self._programs[key] = build()
-      self.goodput['compile'] += time.perf_counter() - t0
-    return self._programs[key]
+      with self._compile_lock:  # one compile at a time; the loser of a race reuses the result
+        program = self._programs.get(key)
+        if program is None:
+          program = self._programs[key] = build()
+      if threading.get_ident() == self._training_thread:
+        self.goodput['compile'] += time.perf_counter() - t0
+    return program
+
+  def start_precompile(self) -> None:
+    """Compiles, in the background, the programs of every live set one event away."""
+    self.precompiler = Precompiler(self.compile_live_set)
+    self.precompiler.want(next_live_sets(self.live(), self.n_slices))
+
+  def compile_live_set(self, live: tuple[int, ...]) -> None:
+    """Compiles (and caches) every program a step on `live` runs, as `_run` would ask."""
+    _, _, roles = self._plan(live)
+    if self.cfg.mecefo.basis == 'svd' and any(r.degraded for r in roles.values()):
+      self._refresh(live, warm=False)  # the first refresh of a run, or mecefo.refresh=full
+      if self.cfg.mecefo.refresh == 'warm':
+        self._refresh(live, warm=True)
+    if self._fused_path(roles):
+      self.fused(live, roles[live[0]])
+      return
+    for role, slices in _role_groups(live, roles).items():
+      self._group(slices, role)
+    self._update(live)
 
   def fused(self, live, role):
     """The one-program SPMD step for slices that all play `role` (the fault-free path)."""
@@ -134,6 +164,8 @@ class Controller:
       self._apply(event, wall_s)
     if step == self.devices_back_at:
       self._devices_back(step, wall_s)
+    if self.precompiler and events and self.live():
+      self.precompiler.want(next_live_sets(self.live(), self.n_slices))
     while True:
       live = self.live()
       if not live:
@@ -179,16 +211,13 @@ class Controller:
     return metrics
 
   def _run(self, step: int, live: tuple[int, ...]) -> tuple[dict, int]:
-    work, dropped = takeover.plan(live, self.n_slices, self.micro_batch, self.policy,
-                                  self.mesh.shape['fsdp'], self.cfg.faults.degraded_cost)
-    roles = {s: self._role(w) for s, w in work.items()}
+    work, dropped, roles = self._plan(live)
     ids_SxB = data.sample_ids(step, self.n_slices, self.micro_batch)
     processed = self._account(work, dropped)
     self._place_state(live)
     if any(r.degraded for r in roles.values()):
       self._maybe_refresh_bases(step, live)
-    uniform = len(set(roles.values())) == 1 and roles[live[0]].passes == 1
-    if uniform and not self.cfg.mesh.ordered_reduce:
+    if self._fused_path(roles):
       role = roles[live[0]]
       program = self.fused(live, role)
       metrics = None  # where this process holds no live slice (multi-process): nothing to run
@@ -205,13 +234,20 @@ class Controller:
                                steps.batch_shape(self.cfg, len(slices), role),
                                sharding.batch_sharding(mesh))
 
+  def _plan(self, live):
+    """(work, dropped rows, role of every live slice) of a step on `live`."""
+    work, dropped = takeover.plan(live, self.n_slices, self.micro_batch, self.policy,
+                                  self.mesh.shape['fsdp'], self.cfg.faults.degraded_cost)
+    return work, dropped, {s: self._role(w) for s, w in work.items()}
+
+  def _fused_path(self, roles) -> bool:
+    """All live slices play one single-pass role: one SPMD program (no failure: the normal step)."""
+    uniform = len(set(roles.values())) == 1 and next(iter(roles.values())).passes == 1
+    return uniform and not self.cfg.mesh.ordered_reduce
+
   def _run_groups(self, live, roles, work, ids_SxB) -> dict:
-    groups = collections.defaultdict(list)
-    for s in live:
-      groups[roles[s]].append(s)
     outputs = []
-    for role, slices in groups.items():
-      slices = tuple(slices)
+    for role, slices in _role_groups(live, roles).items():
       program = self._group(slices, role)
       if not multihost.is_local(sharding.submesh(self.mesh, slices)):
         continue  # multi-process: another process runs this group
@@ -281,6 +317,14 @@ class Controller:
     """params_sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
     return {s: params_sha256(slice_steps.state_view(self.cfg, self.state, self.mesh, (s,)).params)
             for s in self.state_slices}
+
+
+def _role_groups(live, roles) -> dict[steps.Role, tuple[int, ...]]:
+  """Live slices grouped by role (each group runs one program on its own devices)."""
+  groups = collections.defaultdict(list)
+  for s in live:
+    groups[roles[s]].append(s)
+  return {role: tuple(slices) for role, slices in groups.items()}
 
 
 def _host_int(x: jax.Array) -> int:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: precompile section
 
 
 class ReportError(ValueError):
@@ -189,6 +189,11 @@ SNAPSHOTS = Record({
     'durable_saved': Field(INT, '', 'durable checkpoints written by this process'),
     'durable_retained_steps': Field(ListOf(INT), 'steps', 'durable checkpoints on disk at the end'),
 })
+PRECOMPILE = Record({
+    'enabled': Field(BOOL, '', 'faults.precompile resolved (auto: on for GPU/TPU single-process)'),
+    'live_sets': Field(INT, '', 'live sets whose programs were compiled in the background'),
+    'seconds': Field(FLOAT, 's', 'background compile time, off the critical path'),
+})
 
 SCHEMA = Record({
     'schema_version': Field(INT, '', f'version of this schema ({SCHEMA_VERSION})'),
@@ -235,6 +240,8 @@ SCHEMA = Record({
                         'not resumed or unknown'),
     'live_slices_at_end': Field(ListOf(INT), '', 'slices live after the last step'),
     'snapshots': Field(SNAPSHOTS, '', 'snapshot tiers of this run'),
+    'precompile': Field(PRECOMPILE, '', 'programs of live sets one failure or repair away, '
+                        'compiled ahead in a background thread'),
     'tensorboard_dir': Field(Nullable(STR), '', 'TensorBoard event files; null without '
                              'tensorboardX'),
     'config': Field(MapOf(None), '', 'the resolved config (sections and keys of config.py)'),

@@ -89,6 +89,15 @@ class Trainer:
     self.memory = steps.memory_summary(
         self.controller.fused(all_slices, steps.Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
+    if self._precompile():
+      self.controller.start_precompile()
+
+  def _precompile(self) -> bool:
+    """faults.precompile: auto = on where the host CPU is idle during steps (GPU/TPU)."""
+    mode = self.cfg.faults.precompile
+    if mode == 'auto':
+      return jax.devices()[0].platform != 'cpu' and not multihost.is_multiprocess()
+    return mode == 'always'
 
   def _resume(self) -> None:
     restored = self.snapshots and recovery.restore(self.snapshots, self.cfg, self.mesh)
@@ -287,6 +296,8 @@ class Trainer:
                   type(err).__name__, err)
 
   def close(self) -> None:
+    if self.controller.precompiler:
+      self.controller.precompiler.stop()
     if self.snapshots:
       self.snapshots.close()
 
@@ -314,6 +325,9 @@ class Trainer:
         'preempted': self.stopped_by_sigterm,
         'resumed_from_step': self.resumed_from, 'steps_lost': self.steps_lost,
         'live_slices_at_end': list(c.live()), 'snapshots': self._snapshot_report(),
+        'precompile': {'enabled': c.precompiler is not None,
+                       'live_sets': c.precompiler.compiled if c.precompiler else 0,
+                       'seconds': c.precompiler.seconds if c.precompiler else 0.0},
         'tensorboard_dir': str(self.out_dir / 'tb') if tensorboard else None,
         'config': to_dict(cfg),
     }

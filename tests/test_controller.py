@@ -11,6 +11,7 @@ from mecefo_jax import data, model, sharding, steps, train_state
 from mecefo_jax.config import load_config
 from mecefo_jax.controller import AllSlicesDown, Controller, SliceFailure
 from mecefo_jax.failures import FailureSchedule
+from mecefo_jax.precompile import next_live_sets
 
 pytestmark = pytest.mark.usefixtures('devices')
 
@@ -243,3 +244,35 @@ def test_repair_after_every_holder_is_down_says_how_to_resume():
     c.step(1)
   with pytest.raises(AllSlicesDown, match='no live slice holds the training state.*--resume'):
     c.step(2)
+
+
+# --- precompile ------------------------------------------------------------------------------
+
+def test_next_live_sets_one_failure_or_repair_away():
+  assert next_live_sets((0, 1, 2), 4) == [(1, 2), (0, 2), (0, 1), (0, 1, 2, 3)]
+  assert next_live_sets((2,), 3) == [(0, 2), (1, 2)]  # the last live slice: repairs only
+
+
+def test_precompile_compiles_the_next_live_sets_in_the_background():
+  """A fresh controller (no programs shared with other tests): after the background thread
+  has compiled the one-failure live sets, a failure step compiles nothing on the training
+  thread, and the failure queues the sets one event away from the new live set."""
+  mesh, init, graphdef, _ = _mesh('2x4')
+  cfg = load_config(None, [*TINY, *MESHES['2x4']])
+  c = Controller(cfg, mesh, graphdef, CORPUS, FailureSchedule(2).fail_at(1, 1), init())
+  c.step(0)
+  compile_before = c.goodput['compile']
+  c.start_precompile()
+  c.precompiler.wait()
+  carrier = steps.Role(degraded=2 * B)
+  for live in ((0,), (1,)):  # a lone slice carries both micro-batches: fused, plus the refreshes
+    assert {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True)} <= \
+        set(c._programs), sorted(map(str, c._programs))
+  assert c.precompiler.compiled == 2 and c.precompiler.seconds > 0
+  programs = set(c._programs)
+  loss = float(c.step(1)['loss'])  # slice 1 fails: its programs are ready
+  assert math.isfinite(loss) and c.live() == (0,)
+  assert c.goodput['compile'] == compile_before
+  c.precompiler.wait()  # the repair set (0, 1) was queued: its fused step exists already
+  assert c.precompiler.compiled == 3 and set(c._programs) == programs
+  c.precompiler.stop()
