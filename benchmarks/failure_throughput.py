@@ -1,7 +1,7 @@
 """Throughput drop under the §5 failure presets: measured per-role step costs, simulated cluster.
 
 Run: python benchmarks/failure_throughput.py --config configs/tiny.yaml --json OUT.json
-     [--slices 8] [--policies neighbor,spread,drop,naive] [--presets low,mid,high] [--hours 720]
+     [--slices 8] [--policies neighbor,spread,balance,drop,naive] [--presets low,mid,high] [--hours 720]
      [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
      [--remeasure-restore] [--stat median|min|flops] [--checkpoint-every N] [--repeats 3]
      [--warmup 1] [overrides...]
@@ -112,11 +112,13 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   warm = svd and cfg.mecefo.refresh == 'warm'
   full = svd and _timed_compile(compile_s, 'refresh_full' if warm else 'refresh',
                                 lambda: steps.compile_refresh(cfg, mesh))
-  refresh = warm and _timed_compile(compile_s, 'refresh',
-                                    lambda: steps.compile_refresh(cfg, mesh, warm=True)) or full
+  refresh = full
+  if warm:
+    refresh = _timed_compile(compile_s, 'refresh',
+                             lambda: steps.compile_refresh(cfg, mesh, warm=True))
   # Donating programs each need their own state; group programs only read theirs.
   states = {k: train_state.create_sharded(cfg, mesh)
-            for k in ('group', 'fused', 'update', 'refresh', 'refresh_full')}
+            for k in ('group', 'fused', 'update', 'refresh', *(['refresh_full'] if warm else []))}
   if svd:  # real bases for the degraded programs and the warm refresh to start from
     states['group'], states['refresh'] = full(states['group']), full(states['refresh'])
   rng = np.random.default_rng(0)
