@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import (model, parity, recovery, sharding, slice_steps, snapshot, steps,  # noqa: E402
+from mecefo_jax import (manifest, model, parity, recovery, sharding, slice_steps, snapshot, steps,  # noqa: E402
                         train_state)
 from mecefo_jax.config import load_config  # noqa: E402
 from mecefo_jax.train_state import params_sha256  # noqa: E402
@@ -113,7 +113,7 @@ def time_restore(bench: Bench, repeats: int) -> dict:
   verify_s, restore_s, exact = [], [], True
   for _ in range(repeats):
     t0 = time.perf_counter()
-    assert snapshot.verify_manifest(newest) is None
+    assert manifest.verify_manifest(newest) is None
     verify_s.append(time.perf_counter() - t0)
     with snapshot.SnapshotManager(newest.parent, keep=2) as fresh:
       t0 = time.perf_counter()
@@ -153,7 +153,7 @@ def time_parity(bench: Bench, lost: int = 2) -> dict:
   parity.rebuild_host(snap_dirs, parity_dirs, lost)
   rebuild_s = time.perf_counter() - t0
   exact = (parity.pack_tree(snap_dirs[lost]) == image
-           and snapshot.verify_manifest(snap_dirs[lost] / '0') is None)
+           and manifest.verify_manifest(snap_dirs[lost] / '0') is None)
   return {'parity_write_s': write_s, 'parity_rebuild_s': rebuild_s, 'parity_rebuild_bit_exact': exact,
           'parity_hosts': N_HOSTS, 'host_snapshot_bytes': [dir_bytes(d) for d in snap_dirs],
           'parity_block_bytes': dir_bytes(parity_dirs[lost])}

@@ -20,7 +20,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax import multihost, parity
-from mecefo_jax.snapshot import SnapshotWarning, _Tier, check_capacity, verify_manifest
+from mecefo_jax.manifest import verify_manifest
+from mecefo_jax.snapshot import SnapshotWarning, _Tier, check_capacity
 from mecefo_jax.steps import abstract_state
 from mecefo_jax.train_state import state_shardings
 

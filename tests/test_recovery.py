@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax import cli, recovery, snapshot
+from mecefo_jax import cli, manifest, recovery
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 14
@@ -78,7 +78,7 @@ def report(out: Path) -> dict:
 def complete_steps(directory: Path) -> list[int]:
   """Step dirs that have a manifest, oldest first."""
   return sorted(int(p.name) for p in directory.iterdir()
-                if p.name.isdigit() and (p / snapshot.MANIFEST_NAME).exists())
+                if p.name.isdigit() and (p / manifest.MANIFEST_NAME).exists())
 
 
 def steps_lost(log: str) -> int:
@@ -156,7 +156,7 @@ def test_truncated_newest_snapshot_is_skipped(crashed, reference):
 def test_snapshot_without_manifest_is_never_used(crashed, reference):
   out, shm = crashed
   newest = complete_steps(shm)[-1]
-  (shm / str(newest) / snapshot.MANIFEST_NAME).unlink()  # as if killed before the manifest
+  (shm / str(newest) / manifest.MANIFEST_NAME).unlink()  # as if killed before the manifest
   expected = newest_intact_after(out, shm, newest)
   result, log = resume_to_end(out, shm, reference)
   assert re.search(rf'skipping memory snapshot .*/{newest}: no manifest', log), log
@@ -208,7 +208,7 @@ def test_sigterm_saves_a_durable_checkpoint_and_exits(tmp_path, reference):
   assert stopped['preempted'] and '--resume' in stopped['stopped']
   durable = complete_steps(out / 'checkpoints')
   assert durable == [stopped['steps']] and stopped['steps'] >= 5
-  assert snapshot.verify_manifest(out / 'checkpoints' / str(durable[0])) is None
+  assert manifest.verify_manifest(out / 'checkpoints' / str(durable[0])) is None
   assert not [p for p in shm.iterdir() if 'tmp' in p.name]  # nothing left half-written
   shutil.rmtree(shm)  # a preempted machine loses its memory: the durable checkpoint must do
   code, log = train(out, *args)

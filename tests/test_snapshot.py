@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mecefo_jax import parity, snapshot
+from mecefo_jax import manifest, parity, snapshot
 from mecefo_jax.snapshot import SnapshotError, SnapshotManager, SnapshotWarning
 from mecefo_jax.train_state import TrainState
 
@@ -102,7 +102,7 @@ def test_save_is_a_copy_that_survives_donation(tmp_path, mesh, slow_orbax_writes
   with SnapshotManager(tmp_path / 'mem') as manager:
     manager.maybe_save(0, state, META)
     new_state = jax.block_until_ready(train_step(state))
-    assert not (tmp_path / 'mem' / '0' / snapshot.MANIFEST_NAME).exists(), 'save not in flight'
+    assert not (tmp_path / 'mem' / '0' / manifest.MANIFEST_NAME).exists(), 'save not in flight'
     # Donation really happened: the old arrays are gone and their buffers hold step t+1.
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
     assert {s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(new_state)
@@ -127,7 +127,7 @@ def test_snapshot_without_manifest_is_ignored(tmp_path, mesh, caplog):
   with SnapshotManager(tmp_path / 'mem') as manager:
     manager.maybe_save(1, old, META)
     manager.maybe_save(2, new, META)
-  (tmp_path / 'mem' / '2' / snapshot.MANIFEST_NAME).unlink()  # as if killed before finishing
+  (tmp_path / 'mem' / '2' / manifest.MANIFEST_NAME).unlink()  # as if killed before finishing
   with SnapshotManager(tmp_path / 'mem') as manager, caplog.at_level(logging.WARNING):
     step, restored, _ = manager.restore_latest(abstract(old))
   assert step == 1 and digests(restored) == digests(old)
@@ -190,7 +190,7 @@ def test_sigterm_waits_for_the_in_flight_snapshot(tmp_path, mesh, slow_orbax_wri
       os.kill(os.getpid(), signal.SIGTERM)
       time.sleep(5)  # the handler runs in this thread and interrupts the sleep
     assert exit_info.value.code == 128 + signal.SIGTERM and manager.preempted
-    assert snapshot.verify_manifest(tmp_path / 'mem' / '0') is None
+    assert manifest.verify_manifest(tmp_path / 'mem' / '0') is None
   finally:
     signal.signal(signal.SIGTERM, previous)
     manager.close()
@@ -259,7 +259,7 @@ def test_rebuilt_host_snapshot_restores(tmp_path, mesh):
 
 
 def test_manifest_crc32_and_format1_sha256_detect_truncation(tmp_path):
-  from mecefo_jax.snapshot import MANIFEST_NAME, verify_manifest, write_manifest
+  from mecefo_jax.manifest import MANIFEST_NAME, verify_manifest, write_manifest
   (tmp_path / 'd').mkdir()
   (tmp_path / 'd' / 'a').write_bytes(bytes(range(256)) * 1000)
   (tmp_path / 'empty').write_bytes(b'')  # mmap refuses empty files: the streamed path
