@@ -89,26 +89,23 @@ def train(args, policy: str, schedule) -> dict:
   return run
 
 
-_EVAL_FNS = {}
-
-
 def fixed_eval(trainer, n_batches: int) -> float:
   """Mean token loss on the held-out sequences of all n slices (the same set for every run,
-  whichever slices are live at the end), on one device."""
+  whichever slices are live at the end), by the trainer's eval program on one live slice."""
   import jax
   import numpy as np
-  from mecefo_jax import model, ops, slice_steps
+  from mecefo_jax import sharding, slice_steps, steps
   from mecefo_jax.data import global_batch
   c, cfg = trainer.controller, trainer.cfg
-  one = slice_steps.state_view(cfg, c.state, trainer.mesh, c.state_slices[:1])
-  params = jax.device_get(one.params)
-  if trainer.graphdef not in _EVAL_FNS:
-    g = trainer.graphdef
-    _EVAL_FNS[g] = jax.jit(lambda p, t: ops.token_cross_entropy(
-        model.forward(g, p, t[:, :-1]), t[:, 1:]).mean())
-  loss, n, b = _EVAL_FNS[trainer.graphdef], trainer.n_slices, cfg.train.micro_batch
-  return float(np.mean([loss(params, global_batch(trainer.corpus, i, n, b, split='eval')
-                             .reshape(n * b, -1)) for i in range(n_batches)]))
+  first, rows = c.state_slices[:1], trainer.n_slices * cfg.train.micro_batch
+  mesh = sharding.submesh(trainer.mesh, first)
+  program = c.program(('eval', first, rows),
+                      lambda: steps.compile_eval(cfg, mesh, rows, trainer.graphdef))
+  params = slice_steps.state_view(cfg, c.state, trainer.mesh, first).params
+  n, b = trainer.n_slices, cfg.train.micro_batch
+  batches = (jax.device_put(global_batch(trainer.corpus, i, n, b, split='eval').reshape(1, rows, -1),
+                            sharding.batch_sharding(mesh)) for i in range(n_batches))
+  return float(np.mean([program(params, tokens) for tokens in batches]))
 
 
 def run_scripted(args) -> dict:
