@@ -39,6 +39,10 @@ class Precompiler:
         self._seen.add(live)
         self._queue.put(live)
 
+  def summary(self) -> dict:
+    """report.json's `precompile` section."""
+    return {'enabled': True, 'live_sets': self.compiled, 'seconds': self.seconds}
+
   def wait(self) -> None:
     """Blocks until every live set queued so far is compiled."""
     self._queue.join()

@@ -64,14 +64,14 @@ def svd_bases(params, cfg: Config, key, previous: dict | None = None) -> dict:
   r = ranks(cfg.model, cfg.mecefo)
   out = {}
   for i in range(cfg.model.n_layers):
-    keys = jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES))
     kernels = _ffn_kernels(params, i)
     if previous is not None:
       out[f'block{i}'] = {name: ops.refine_basis(w, previous[f'block{i}'][name])
                           for name, w in kernels.items()}
-    else:
-      out[f'block{i}'] = {name: ops.svd_basis(w, r[name], k, cfg.mecefo.power_iters)
-                          for (name, w), k in zip(kernels.items(), keys)}
+      continue
+    keys = jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES))
+    out[f'block{i}'] = {name: ops.svd_basis(w, r[name], k, cfg.mecefo.power_iters)
+                        for (name, w), k in zip(kernels.items(), keys)}
   return out
 
 

@@ -325,9 +325,8 @@ class Trainer:
         'preempted': self.stopped_by_sigterm,
         'resumed_from_step': self.resumed_from, 'steps_lost': self.steps_lost,
         'live_slices_at_end': list(c.live()), 'snapshots': self._snapshot_report(),
-        'precompile': {'enabled': c.precompiler is not None,
-                       'live_sets': c.precompiler.compiled if c.precompiler else 0,
-                       'seconds': c.precompiler.seconds if c.precompiler else 0.0},
+        'precompile': (c.precompiler.summary() if c.precompiler else
+                       {'enabled': False, 'live_sets': 0, 'seconds': 0.0}),
         'tensorboard_dir': str(self.out_dir / 'tb') if tensorboard else None,
         'config': to_dict(cfg),
     }
