@@ -65,6 +65,7 @@ def main(argv=None) -> int:
   logging.getLogger('mecefo').setLevel(logging.WARNING if args.quiet else logging.INFO)
   from mecefo_jax.config import ConfigError, load_config, to_dict
   from mecefo_jax.datasources import DataError
+  from mecefo_jax.snapshot import SnapshotError
   try:
     cfg = load_config(args.config, overrides)
     if args.print_config:
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out or cfg.train.out_dir)
     resume = args.resume or (not args.fresh and recovery.unfinished(out_dir))
     run = trainer.Trainer(cfg, out_dir, resume=resume, progress='quiet' if args.quiet else 'auto')
-  except (ConfigError, DataError) as e:
+  except (ConfigError, DataError, SnapshotError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   if run.snapshots:  # preemption: checkpoint and stop at the end of the step

@@ -7,42 +7,51 @@ import mmap
 import os
 import zlib
 
+import xxhash
 from etils import epath
 
 MANIFEST_NAME = 'mecefo_manifest.json'
 _HASH_BLOCK = 1 << 22
 
 
-def _sha256(path: epath.Path) -> str:
-  digest = hashlib.sha256()
-  with path.open('rb') as f:
-    while block := f.read(_HASH_BLOCK):
-      digest.update(block)
+class _Crc32:
+  """zlib's CRC-32 in hashlib's shape: what format-2 manifests record."""
+
+  def __init__(self):
+    self.value = 0
+
+  def update(self, data) -> None:
+    self.value = zlib.crc32(data, self.value)
+
+  def hexdigest(self) -> str:
+    return f'{self.value:08x}'
+
+
+# Manifest key -> hasher. Every-step snapshots hash the whole state each step: XXH3 of a mapped
+# 326 MB tmpfs file costs ~0.045 s here, CRC-32 ~0.12 s, reading + sha256 ~0.24 s. All detect
+# truncation and corruption; none is meant against tampering. Older formats still verify.
+_HASHERS = {'xxh3': xxhash.xxh3_64, 'crc32': _Crc32, 'sha256': hashlib.sha256}
+_FORMAT, _KEY = 3, 'xxh3'
+
+
+def _digest(path: epath.Path, key: str) -> str:
+  digest = _HASHERS[key]()
+  try:
+    with open(os.fspath(path), 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+      digest.update(m)  # pages hashed in place, no copy into Python
+  except (OSError, ValueError):  # not a local file (bucket), or empty (mmap refuses size 0)
+    with path.open('rb') as f:
+      while block := f.read(_HASH_BLOCK):
+        digest.update(block)
   return digest.hexdigest()
 
 
-def _crc32(path: epath.Path) -> str:
-  """CRC-32 of a file: what manifests record since format 2. Every-step snapshots hash the
-  whole state each step, and CRC-32 of a mapped tmpfs file costs ~0.15 s per 326 MB here
-  where reading + sha256 cost ~0.24 s; it detects truncation and corruption, not tampering."""
-  try:
-    with open(os.fspath(path), 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-      return f'{zlib.crc32(m):08x}'  # pages hashed in place, no copy into Python
-  except (OSError, ValueError):  # not a local file (bucket), or empty (mmap refuses size 0)
-    crc = 0
-    with path.open('rb') as f:
-      while block := f.read(_HASH_BLOCK):
-        crc = zlib.crc32(block, crc)
-    return f'{crc:08x}'
-
-
 def _intact(path: epath.Path, expected: dict) -> bool:
-  """Size and checksum match the manifest entry (crc32; sha256 in format-1 manifests)."""
+  """Size and checksum match the manifest entry (whichever hash the entry records)."""
   if path.stat().length != expected['bytes']:
     return False
-  if 'crc32' in expected:
-    return _crc32(path) == expected['crc32']
-  return _sha256(path) == expected['sha256']
+  key = next(k for k in _HASHERS if k in expected)
+  return _digest(path, key) == expected[key]
 
 
 def _files(root: epath.Path):
@@ -54,12 +63,12 @@ def _files(root: epath.Path):
 
 
 def write_manifest(step_dir: str | os.PathLike) -> None:
-  """crc32 and size of every file of a finished snapshot; its presence marks the snapshot complete."""
+  """Checksum and size of every file of a finished snapshot; its presence marks the snapshot complete."""
   step_dir = epath.Path(step_dir)
-  files = {str(f.relative_to(step_dir)): {'bytes': f.stat().length, 'crc32': _crc32(f)}
+  files = {str(f.relative_to(step_dir)): {'bytes': f.stat().length, _KEY: _digest(f, _KEY)}
            for f in _files(step_dir)}
   staging = step_dir / (MANIFEST_NAME + '.tmp')
-  staging.write_text(json.dumps({'format': 2, 'files': files}, indent=1))
+  staging.write_text(json.dumps({'format': _FORMAT, 'files': files}, indent=1))
   staging.rename(step_dir / MANIFEST_NAME)  # atomic: a manifest is either whole or absent
 
 

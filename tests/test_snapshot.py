@@ -65,15 +65,20 @@ def step_dirs(directory):
 
 @pytest.fixture
 def slow_orbax_writes(monkeypatch):
-  """Holds Orbax's background array writes for 0.5 s, so a save is surely in flight afterwards."""
-  from orbax.checkpoint._src.serialization import jax_array_handlers as handlers
-  original = handlers._async_serialize_replica_slices
+  """Holds Orbax's background array writes (pytrees and packed images) for 0.5 s, so a save is
+  surely in flight afterwards."""
+  from orbax.checkpoint._src.serialization import jax_array_handlers, type_handlers
 
-  async def delayed(*args, **kwargs):
-    await asyncio.sleep(0.5)
-    return await original(*args, **kwargs)
+  def delayed(original):
+    async def call(*args, **kwargs):
+      await asyncio.sleep(0.5)
+      return await original(*args, **kwargs)
+    return call
 
-  monkeypatch.setattr(handlers, '_async_serialize_replica_slices', delayed)
+  monkeypatch.setattr(jax_array_handlers, '_async_serialize_replica_slices',
+                      delayed(jax_array_handlers._async_serialize_replica_slices))
+  monkeypatch.setattr(type_handlers.NumpyHandler, '_open_and_write',
+                      delayed(type_handlers.NumpyHandler._open_and_write))
 
 
 # ---- snapshots ------------------------------------------------------------------------------------
@@ -258,19 +263,23 @@ def test_rebuilt_host_snapshot_restores(tmp_path, mesh):
   assert step == 7 and digests(restored) == digests(states[2])
 
 
-def test_manifest_crc32_and_format1_sha256_detect_truncation(tmp_path):
+def test_manifest_checksums_of_every_format_detect_corruption(tmp_path):
+  import zlib
   from mecefo_jax.manifest import MANIFEST_NAME, verify_manifest, write_manifest
   (tmp_path / 'd').mkdir()
   (tmp_path / 'd' / 'a').write_bytes(bytes(range(256)) * 1000)
   (tmp_path / 'empty').write_bytes(b'')  # mmap refuses empty files: the streamed path
   write_manifest(tmp_path)
   manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
-  assert manifest['format'] == 2 and manifest['files']['empty']['crc32'] == '00000000'
+  assert manifest['format'] == 3 and set(manifest['files']['empty']) == {'bytes', 'xxh3'}
   assert verify_manifest(tmp_path) is None
-  # Durable checkpoints written before format 2 carry sha256: still verified.
-  old = {'format': 1, 'files': {name: {'bytes': e['bytes'], 'sha256': hashlib.sha256(
-      (tmp_path / name).read_bytes()).hexdigest()} for name, e in manifest['files'].items()}}
-  for m in (manifest, old):
+
+  def older(fmt, key, digest):  # checkpoints written by earlier versions still verify
+    return {'format': fmt, 'files': {name: {'bytes': e['bytes'], key: digest(
+        (tmp_path / name).read_bytes())} for name, e in manifest['files'].items()}}
+  crc32 = older(2, 'crc32', lambda b: f'{zlib.crc32(b):08x}')
+  sha256 = older(1, 'sha256', lambda b: hashlib.sha256(b).hexdigest())
+  for m in (manifest, crc32, sha256):
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(m))
     assert verify_manifest(tmp_path) is None
     data = (tmp_path / 'd' / 'a').read_bytes()

@@ -1,0 +1,68 @@
+"""A pytree of arrays as one flat byte image: the format of in-memory snapshots (one Orbax array).
+
+Saving one array instead of one per leaf makes an every-step snapshot cheap: Orbax's per-leaf
+cost (~1.2 ms of CPU each, 254 leaves for llama_60m) vanishes, and the image is packed into a
+host buffer that is reused from save to save, so its pages are never faulted in again. The
+layout (path, shape, dtype of every leaf, in flatten order) travels with the image; unpacking
+needs a target of the same layout, so an image is tied to its model, not to its mesh.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+Layout = list[list]  # [[path, shape, dtype], ...], JSON-friendly
+
+
+def layout(tree: Any) -> Layout:
+  """Path, shape and dtype of every leaf of `tree` (arrays or abstract leaves)."""
+  return [[jax.tree_util.keystr(path), list(leaf.shape), str(np.dtype(leaf.dtype))]  # str: .name is 50x slower
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def nbytes(lay: Layout) -> int:
+  return sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in lay)
+
+
+def _views(image: np.ndarray, lay: Layout):
+  """The leaves' places in `image`, as arrays of their shape and dtype (no copy)."""
+  pos = 0
+  for _, shape, dtype in lay:
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    yield image[pos:pos + size].view(dtype).reshape(shape)
+    pos += size
+
+
+def pack(tree: Any, out: np.ndarray | None = None, devices=None) -> tuple[np.ndarray, Layout]:
+  """(image, layout): the bytes of every leaf of `tree`, in flatten order, copied into `out` (reused when it has
+  the right size, else a new buffer). A sharded jax.Array is copied shard by shard straight
+  into its place: its replica-0 shards, or its shards on `devices` when given."""
+  lay = layout(tree)
+  if out is None or out.shape != (nbytes(lay),):
+    out = np.empty(nbytes(lay), np.uint8)
+  copies = []  # (destination, source) pairs
+  for leaf, view in zip(jax.tree.leaves(tree), _views(out, lay)):
+    if not isinstance(leaf, jax.Array):
+      copies.append((view[...], leaf))
+      continue
+    copies += [(view[(*shard.index, ...)], shard.data) for shard in leaf.addressable_shards
+               if ((shard.device in devices) if devices is not None else shard.replica_id == 0)]
+  for _, source in copies:  # start every device-to-host transfer before waiting for the first
+    if isinstance(source, jax.Array):
+      source.copy_to_host_async()
+  for view, source in copies:
+    view[...] = np.asarray(source)
+  return out, lay
+
+
+def unpack(image: np.ndarray, target: Any) -> Any:
+  """The pytree of `target`'s structure from `image`, each leaf a jax.Array on the sharding
+  of its target leaf (jax.ShapeDtypeStruct with .sharding, or an array)."""
+  leaves, treedef = jax.tree.flatten(target)
+  out = [jax.make_array_from_callback(x.shape, x.sharding, lambda index, v=view: v[index],
+                                      dtype=x.dtype)
+         for x, view in zip(leaves, _views(image, layout(target)))]
+  return jax.tree.unflatten(treedef, out)
