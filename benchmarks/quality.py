@@ -38,12 +38,18 @@ def _args(argv):
                  help='presets: simulated seconds per step')
   p.add_argument('--rate', choices=('per_device', 'cluster'), default='per_device')
   p.add_argument('--schedule-seed', type=int, default=None, help='default: train.seed')
+  p.add_argument('--seeds', default='',
+                 help='presets: e.g. 0,1,2,3,4: the whole comparison once per train.seed (init, '
+                      'data order and failure draws), summarized as mean +- std over seeds')
   p.add_argument('--data', default=None, help='train.data: synthetic | text:PATH | ...')
   p.add_argument('--eval-batches', type=int, default=8)
   p.add_argument('--figure', default=None, help='presets: loss curves PNG')
   p.add_argument('overrides', nargs='*')
   args = p.parse_intermixed_args(argv)
   args.presets = [x for x in args.presets.split(',') if x]
+  args.seeds = [int(x) for x in args.seeds.split(',') if x]
+  if args.seeds and (not args.presets or args.schedule_seed is not None):
+    p.error('--seeds needs --presets, and draws the schedules from each seed (no --schedule-seed)')
   args.policies = (args.policies or ('neighbor,spread,drop' if args.presets
                                      else 'neighbor,spread,drop,naive')).split(',')
   return args
@@ -55,12 +61,13 @@ def main(argv=None) -> dict:
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                f' --xla_force_host_platform_device_count={args.slices}')
   from benchmarks import common
-  result = run_presets(args) if args.presets else run_scripted(args)
+  result = (run_seeds(args) if args.seeds else run_presets(args) if args.presets
+            else run_scripted(args))
   result.update({'config': args.config, 'overrides': args.overrides, 'slices': args.slices,
                  'data': args.data or 'synthetic', 'device': common.device_info()})
   rows = table_rows(result)
   common.emit(result, common.markdown_table(rows, list(rows[0])), args.json)
-  if args.figure and args.presets:
+  if args.figure and result['mode'] == 'presets':
     plot(result, args.figure)
   return result
 
@@ -141,6 +148,28 @@ def run_presets(args) -> dict:
           'presets': presets, 'floor_2pct_at_high': _floor(presets)}
 
 
+def run_seeds(args) -> dict:
+  """run_presets once per seed in --seeds; per preset and policy, the spread of the increase."""
+  import numpy as np
+  per_seed = {}
+  for seed in args.seeds:
+    one = argparse.Namespace(**{**vars(args), 'overrides': [*args.overrides, f'train.seed={seed}']})
+    per_seed[seed] = run_presets(one)
+  summary = {}
+  for preset in args.presets:
+    for policy in args.policies:
+      x = np.array([per_seed[s]['presets'][preset]['runs'][policy]['eval_increase_pct']
+                    for s in args.seeds])
+      summary.setdefault(preset, {})[policy] = {
+          'mean': float(x.mean()), 'std': float(x.std(ddof=1)) if len(x) > 1 else 0.0,
+          'sem': float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0,
+          'min': float(x.min()), 'max': float(x.max()), 'per_seed': x.tolist()}
+  high = summary.get('high', {})
+  return {'mode': 'seeds', 'seeds': args.seeds, 'summary': summary, 'per_seed': per_seed,
+          'floor_2pct_at_high': {p: {'mean_eval_increase_pct': v['mean'], 'met': v['mean'] <= 2.0}
+                                 for p, v in high.items()}}
+
+
 def _relative(runs: dict, base: dict) -> None:
   import numpy as np
   for r in runs.values():
@@ -186,6 +215,11 @@ def table_rows(result: dict) -> list[dict]:
             'steps_with_failure': sched['steps_with_failure_frac'] if sched else '',
             'degraded': r['samples'].get('degraded', 0), 'dropped': r['samples'].get('dropped', 0),
             'wall_s': r['wall_s']}
+  if result['mode'] == 'seeds':
+    return [{'preset': preset, 'policy': policy, 'seeds': len(result['seeds']),
+             'mean_loss_increase_pct': v['mean'], 'std': v['std'], 'sem': v['sem'],
+             'min': v['min'], 'max': v['max']}
+            for preset, by_policy in result['summary'].items() for policy, v in by_policy.items()]
   if result['mode'] == 'scripted':
     return [row('scripted', p, r) for p, r in result['runs'].items()]
   rows = [row('none', 'fault-free', result['fault_free'])]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import warnings
 from pathlib import Path
 
@@ -19,19 +18,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mecefo_jax import multihost, parity
+from mecefo_jax import image, multihost, parity
 from mecefo_jax.manifest import verify_manifest
 from mecefo_jax.snapshot import SnapshotWarning, _Tier, check_capacity
 from mecefo_jax.steps import abstract_state
-from mecefo_jax.train_state import state_shardings
 
 log = logging.getLogger('mecefo')
 _MAX_STEPS = 16  # snapshot steps compared across hosts at restore
-
-
-def _image_bytes(cfg) -> int:
-  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(abstract_state(cfg)))
 
 
 class HostSnapshots:
@@ -41,11 +34,12 @@ class HostSnapshots:
     self.cfg, self.every, self.preempted = cfg, every, False
     self.host, self.n_hosts = jax.process_index(), jax.process_count()
     n = self.n_hosts
-    self.image_len = _image_bytes(cfg)
+    self.image_len = image.nbytes(image.layout(abstract_state(cfg)))
     self.part_len = -(-self.image_len // (n * (n - 1))) * (n - 1)  # n parts of n-1 chunks each
     check_capacity(directory, self.part_len * n // (n - 1), keep, factor=1.1)
     self.directory = Path(directory) / f'host{self.host}'
     self._tier = _Tier('memory', self.directory, keep, compress=False, local=True)
+    self._image = np.zeros(self.part_len * n, np.uint8)  # packed state + zero padding
     first_devices = [next(d for d in jax.devices() if d.process_index == p) for p in range(n)]
     self._sharding = NamedSharding(Mesh(np.array(first_devices), ('host',)), P('host'))
 
@@ -55,24 +49,19 @@ class HostSnapshots:
     return jax.make_array_from_single_device_arrays(
         (self.n_hosts, len(row)), self._sharding, [jax.device_put(row[None], device)])
 
-  def _parts(self, leaves: list[np.ndarray]) -> list[np.ndarray]:
-    image = np.zeros(self.part_len * self.n_hosts, np.uint8)
-    pos = 0
-    for leaf in leaves:
-      raw = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-      image[pos:pos + raw.size] = raw
-      pos += raw.size
-    return [image[p * self.part_len:(p + 1) * self.part_len] for p in range(self.n_hosts)]
-
   def maybe_save(self, step: int, state, meta: dict, *, force_durable: bool = False) -> bool:
     """Saves this host's part and parity block of `state` (the live state) when `step` is due."""
     del force_durable  # no durable tier in multi-process runs (see docs/tpu.md)
     if step % self.every:
       return False
-    leaves = multihost.local_replica(state)  # a real host copy: donation cannot touch it
-    if leaves is None:
+    devices = multihost.local_replica_devices(state)
+    if devices is None:
       return False  # every slice of this host is down: its part stays at an older step
-    parts = self._parts(leaves)
+    self._tier.wait()  # the previous save may still read the image buffer
+    # The state's bytes, packed into the reused, zero-padded image: a real host copy that
+    # donation cannot touch.
+    image.pack(state, self._image[:self.image_len], devices=devices)
+    parts = [self._image[p * self.part_len:(p + 1) * self.part_len] for p in range(self.n_hosts)]
     tree = {'part': self._global(parts[self.host]),
             'parity': self._global(parity.parity_block(parts, self.host))}
     self._tier.save(step, tree, json.loads(json.dumps(meta)), background=True)
@@ -93,8 +82,8 @@ class HostSnapshots:
       self._tier.delete(step)
     return intact
 
-  def restore_latest(self, mesh: Mesh):
-    """(step, state on `mesh`, meta) from the newest step that all hosts but at most one hold
+  def restore_latest(self, target):
+    """(step, state on `target`'s shardings, meta) from the newest step that all hosts but at most one hold
     intact (the missing part rebuilt from parity), else None. All processes call it."""
     self.wait_until_finished()
     mine = self._intact_steps()[:_MAX_STEPS]
@@ -124,21 +113,7 @@ class HostSnapshots:
     source = int(np.flatnonzero(holders)[0])
     meta = json.loads(multihost.broadcast_bytes(json.dumps(meta).encode() if have else None,
                                                 source))
-    return step, self._place(np.concatenate(parts), mesh), meta
-
-  def _place(self, image: np.ndarray, mesh: Mesh):
-    """The state from its byte image, sharded on `mesh` (each process fills its own devices)."""
-    abstract = abstract_state(self.cfg)
-    leaves, treedef = jax.tree.flatten(abstract)
-    shardings = jax.tree.leaves(state_shardings(self.cfg, mesh))
-    out, pos = [], 0
-    for x, sh in zip(leaves, shardings):
-      size = math.prod(x.shape) * np.dtype(x.dtype).itemsize
-      value = image[pos:pos + size].view(x.dtype).reshape(x.shape)
-      pos += size
-      out.append(jax.make_array_from_callback(x.shape, sh, lambda idx, v=value: v[idx],
-                                              dtype=x.dtype))
-    return jax.tree.unflatten(treedef, out)
+    return step, image.unpack(np.concatenate(parts)[:self.image_len], target), meta
 
   def wait_until_finished(self) -> None:
     self._tier.wait()

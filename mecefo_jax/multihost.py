@@ -111,18 +111,22 @@ def broadcast_bytes(data: bytes | None, source: int) -> bytes:
   return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source)))
 
 
-def local_replica(tree) -> list[np.ndarray] | None:
-  """Host copies of the leaves of `tree` (replicated over slices) as held by this process's first
-  slice of their mesh, or None when this process holds none of it."""
-  leaves = jax.tree.leaves(tree)
-  mesh = leaves[0].sharding.mesh
+def local_replica_devices(tree) -> set | None:
+  """The devices of this process's first slice of the mesh of `tree`'s leaves (replicated over
+  slices), or None when this process holds none of it."""
+  mesh = jax.tree.leaves(tree)[0].sharding.mesh
   me = jax.process_index()
   mine = [s for s in range(mesh.shape['slice']) if mesh.devices[s].flat[0].process_index == me]
-  if not mine:
+  return set(mesh.devices[mine[0]].flat) if mine else None
+
+
+def local_replica(tree) -> list[np.ndarray] | None:
+  """Host copies of the leaves of `tree` as held by local_replica_devices, or None."""
+  devices = local_replica_devices(tree)
+  if devices is None:
     return None
-  devices = set(mesh.devices[mine[0]].flat)
   out = []
-  for x in leaves:
+  for x in jax.tree.leaves(tree):
     buf = np.empty(x.shape, x.dtype)
     for shard in x.addressable_shards:
       if shard.device in devices:

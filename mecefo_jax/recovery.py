@@ -47,8 +47,6 @@ def open_manager(cfg: Config, out_dir: Path, state_bytes: int) -> SnapshotManage
 
 def restore(manager: SnapshotManager | HostSnapshots, cfg: Config, mesh):
   """(step, state on the full mesh, meta) from the newest intact snapshot, else None."""
-  if isinstance(manager, HostSnapshots):
-    return manager.restore_latest(mesh)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract_state(cfg), state_shardings(cfg, mesh))
   return manager.restore_latest(target)
