@@ -83,8 +83,9 @@ class HostSnapshots:
     return intact
 
   def restore_latest(self, target):
-    """(step, state on `target`'s shardings, meta) from the newest step that all hosts but at most one hold
-    intact (the missing part rebuilt from parity), else None. All processes call it."""
+    """(step, state on `target`'s shardings, meta) from the newest step that all hosts but at
+    most one hold intact (the missing part rebuilt from parity), else None. All processes
+    call it."""
     self.wait_until_finished()
     mine = self._intact_steps()[:_MAX_STEPS]
     table = np.asarray(multihost_utils.process_allgather(
@@ -99,9 +100,9 @@ class HostSnapshots:
     block = np.zeros(self.part_len // (self.n_hosts - 1), np.uint8)
     meta = None
     if have:
-      target = {k: jax.ShapeDtypeStruct((self.n_hosts, len(v)), np.uint8, sharding=self._sharding)
+      rows = {k: jax.ShapeDtypeStruct((self.n_hosts, len(v)), np.uint8, sharding=self._sharding)
                 for k, v in (('part', part), ('parity', block))}
-      tree, meta = self._tier.restore(step, target)
+      tree, meta = self._tier.restore(step, rows)
       part, block = (np.asarray(tree[k].addressable_shards[0].data)[0] for k in ('part', 'parity'))
     holders = np.asarray(multihost_utils.process_allgather(np.array([have])))[:, 0]
     parts = list(np.asarray(multihost_utils.process_allgather(part)))
