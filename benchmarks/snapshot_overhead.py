@@ -7,7 +7,7 @@ Blocks of --block steps alternate between the modes (ABBA order over --rounds); 
 iteration is not timed, so every timed snapshot iteration is steady state: one step, the wait
 for the previous save, the private copy and the start of the next save. The last save of a
 block is drained, untimed, before the next block starts. overhead_pct compares mean iteration
-times. On CPU the copy and the background write (Orbax, tensorstore, the manifest's sha256)
+times. On CPU the copy and the background write (Orbax, tensorstore, the manifest's XXH3)
 run on the same cores as the step, so the overhead is bounded by that CPU work, not by I/O:
 snapshot_cpu_s is the extra process CPU time per step with snapshots (all threads, from
 time.process_time over whole blocks), cpu_bound_overhead_pct that time over the CPU time of a
