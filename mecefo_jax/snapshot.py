@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import itertools
 import json
 import logging
 import math
@@ -210,8 +211,7 @@ class _Tier:
     saved = self._orbax.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore())).layout
     wanted = image.layout(target)
     if saved != wanted:
-      diff = next((s, w) for s, w in zip(saved + [None] * len(wanted), wanted + [None] * len(saved))
-                  if s != w)
+      diff = next((s, w) for s, w in itertools.zip_longest(saved, wanted) if s != w)
       raise SnapshotError(f'{self.step_dir(step)} holds another state than this run '
                           f'({len(saved)} vs {len(wanted)} leaves, first difference: saved '
                           f'{diff[0]}, wanted {diff[1]}): a changed config? Resume with the '
