@@ -3,6 +3,7 @@
 Run (scripted): python benchmarks/quality.py --config configs/tiny.yaml --json OUT.json
 Run (§5 presets): python benchmarks/quality.py --presets low,mid,high [--data text:PATH]
     [--cluster-step-s 1800] [--rate per_device|cluster] [--figure OUT.png] [overrides...]
+Run (seeds): add --seeds 0,1,2,3,4 to the presets run: mean, std and SEM over seeds.
 Scripted: slice 1 is down from --fail-at to --repair-at (fractions of the run). Presets: the
 FailureSchedule preset Poisson process (MECEFO.md §5), one cluster step = --cluster-step-s
 simulated seconds; --rate per_device (default) scales the mean interval by 32/slices, so the
