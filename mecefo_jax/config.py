@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from mecefo_jax.takeover import DEGRADED_COST, POLICIES
+
 
 class ConfigError(ValueError):
   """A bad configuration value; the message is one line naming the key and what is allowed."""
@@ -85,7 +87,7 @@ class FaultConfig:
   takeover: str = 'neighbor'  # neighbor (paper) | spread, balance (ours) | drop | naive (baselines)
   cluster_step_s: float = 60.0  # simulated cluster seconds per step, so short runs cover hours
   max_degraded_rows: int = 0  # most rows one degraded pass holds; 0 = 2 * train.micro_batch
-  degraded_cost: float = 0.65  # balance: cost of a degraded row / an exact row's (takeover.py)
+  degraded_cost: float = DEGRADED_COST  # balance: cost of a degraded row / an exact row's
   # Compile the programs of live sets one failure/repair away in a background thread: auto =
   # on for GPU/TPU single-process runs, off on CPU (the compiles would take the step's cores).
   precompile: str = 'auto'  # auto | always | never
@@ -119,7 +121,7 @@ _CHOICES = {
     'mecefo.basis': ('svd', 'gaussian'),
     'mecefo.ffn_remat': ('full', 'dots'),
     'mecefo.refresh': ('warm', 'full'),
-    'faults.takeover': ('neighbor', 'spread', 'balance', 'drop', 'naive'),
+    'faults.takeover': POLICIES,
     'faults.precompile': ('auto', 'always', 'never'),
 }
 

@@ -28,7 +28,7 @@ def nbytes(lay: Layout) -> int:
   return sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in lay)
 
 
-def _views(image: np.ndarray, lay: Layout):
+def views(image: np.ndarray, lay: Layout):
   """The leaves' places in `image`, as arrays of their shape and dtype (no copy)."""
   pos = 0
   for _, shape, dtype in lay:
@@ -45,7 +45,7 @@ def pack(tree: Any, out: np.ndarray | None = None, devices=None) -> tuple[np.nda
   if out is None or out.shape != (nbytes(lay),):
     out = np.empty(nbytes(lay), np.uint8)
   copies = []  # (destination, source) pairs
-  for leaf, view in zip(jax.tree.leaves(tree), _views(out, lay)):
+  for leaf, view in zip(jax.tree.leaves(tree), views(out, lay)):
     if not isinstance(leaf, jax.Array):
       copies.append((view, leaf))
       continue
@@ -66,5 +66,5 @@ def unpack(image: np.ndarray, target: Any) -> Any:
   leaves, treedef = jax.tree.flatten(target)
   out = [jax.make_array_from_callback(x.shape, x.sharding, lambda index, v=view: v[index],
                                       dtype=x.dtype)
-         for x, view in zip(leaves, _views(image, layout(target)))]
+         for x, view in zip(leaves, views(image, layout(target)))]
   return jax.tree.unflatten(treedef, out)

@@ -15,6 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mecefo_jax import image
 from mecefo_jax.config import ConfigError
 
 log = logging.getLogger('mecefo')
@@ -125,14 +126,7 @@ def local_replica(tree) -> list[np.ndarray] | None:
   devices = local_replica_devices(tree)
   if devices is None:
     return None
-  out = []
-  for x in jax.tree.leaves(tree):
-    buf = np.empty(x.shape, x.dtype)
-    for shard in x.addressable_shards:
-      if shard.device in devices:
-        buf[shard.index] = np.asarray(shard.data)
-    out.append(buf)
-  return out
+  return list(image.views(*image.pack(tree, devices=devices)))  # views of one fresh copy
 
 
 def first_process(mesh: Mesh) -> int:
