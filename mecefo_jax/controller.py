@@ -93,7 +93,10 @@ class Controller:
     self.precompiler.want(next_live_sets(self.live(), self.n_slices))
 
   def compile_live_set(self, live: tuple[int, ...]) -> None:
-    """Compiles (and caches) every program a step on `live` runs, as `_run` would ask."""
+    """Compiles (and caches) every program a step on `live` runs, as `_run` would ask, and
+    the eval program when evals run between steps (train.eval_every)."""
+    if self.cfg.train.eval_every:
+      self.evaluator(live)
     _, _, roles = self._plan(live)
     if self.cfg.mecefo.basis == 'svd' and any(r.degraded for r in roles.values()):
       self._refresh(live, warm=False)  # the first refresh of a run, or mecefo.refresh=full
@@ -111,6 +114,12 @@ class Controller:
     mesh = sharding.submesh(self.mesh, live)
     return self.program(('fused', live, role),
                          lambda: steps.compile_step(self.cfg, mesh, role, self.graphdef))
+
+  def evaluator(self, live):
+    """The forward-only `(params, tokens) -> mean loss` program on `live`."""
+    mesh = sharding.submesh(self.mesh, live)
+    return self.program(('eval', live), lambda: steps.compile_eval(
+        self.cfg, mesh, self.micro_batch, self.graphdef))
 
   def _group(self, slices, role):
     mesh = sharding.submesh(self.mesh, slices)

@@ -145,8 +145,7 @@ class Trainer:
     live = self.controller.state_slices
     mesh = sharding.submesh(self.mesh, live)
     b = self.cfg.train.micro_batch
-    program = self.controller.program(
-        ('eval', live), lambda: steps.compile_eval(self.cfg, mesh, b, self.graphdef))
+    program = self.controller.evaluator(live)
     losses = []
     for i in range(n_batches):
       tokens = global_batch(self.corpus, i, len(live), b, split='eval')

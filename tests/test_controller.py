@@ -266,13 +266,14 @@ def test_precompile_compiles_the_next_live_sets_in_the_background():
   c.precompiler.wait()
   carrier = steps.Role(degraded=2 * B)
   for live in ((0,), (1,)):  # a lone slice carries both micro-batches: fused, plus the refreshes
-    assert {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True)} <= \
-        set(c._programs), sorted(map(str, c._programs))
+    assert {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True),
+            ('eval', live)} <= set(c._programs), sorted(map(str, c._programs))
   assert c.precompiler.compiled == 2 and c.precompiler.seconds > 0
   programs = set(c._programs)
   loss = float(c.step(1)['loss'])  # slice 1 fails: its programs are ready
   assert math.isfinite(loss) and c.live() == (0,)
+  c.evaluator((0,))
   assert c.goodput['compile'] == compile_before
   c.precompiler.wait()  # the repair set (0, 1) was queued: its fused step exists already
-  assert c.precompiler.compiled == 3 and set(c._programs) == programs
+  assert c.precompiler.compiled == 3 and set(c._programs) == programs | {('eval', (0, 1))}
   c.precompiler.stop()
