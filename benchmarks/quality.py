@@ -3,7 +3,8 @@
 Run (scripted): python benchmarks/quality.py --config configs/tiny.yaml --json OUT.json
 Run (§5 presets): python benchmarks/quality.py --presets low,mid,high [--data text:PATH]
     [--cluster-step-s 1800] [--rate per_device|cluster] [--figure OUT.png] [overrides...]
-Run (seeds): add --seeds 0,1,2,3,4 to the presets run: mean, std and SEM over seeds.
+Run (seeds): add --seeds 0,1,2,3,4 to the presets run: mean, std and SEM over seeds
+    (--figure: each seed's increase and the mean +- SEM per policy).
 Scripted: slice 1 is down from --fail-at to --repair-at (fractions of the run). Presets: the
 FailureSchedule preset Poisson process (MECEFO.md §5), one cluster step = --cluster-step-s
 simulated seconds; --rate per_device (default) scales the mean interval by 32/slices, so the
@@ -44,11 +45,14 @@ def _args(argv):
                       'data order and failure draws), summarized as mean +- std over seeds')
   p.add_argument('--data', default=None, help='train.data: synthetic | text:PATH | ...')
   p.add_argument('--eval-batches', type=int, default=8)
-  p.add_argument('--figure', default=None, help='presets: loss curves PNG')
+  p.add_argument('--figure', default=None,
+                 help='presets: loss curves PNG; seeds: increase per seed, mean +- SEM')
   p.add_argument('overrides', nargs='*')
   args = p.parse_intermixed_args(argv)
   args.presets = [x for x in args.presets.split(',') if x]
   args.seeds = [int(x) for x in args.seeds.split(',') if x]
+  if args.figure and not args.presets:
+    p.error('--figure needs --presets')
   if args.seeds and (not args.presets or args.schedule_seed is not None):
     p.error('--seeds needs --presets, and draws the schedules from each seed (no --schedule-seed)')
   args.policies = (args.policies or ('neighbor,spread,drop' if args.presets
@@ -68,8 +72,8 @@ def main(argv=None) -> dict:
                  'data': args.data or 'synthetic', 'device': common.device_info()})
   rows = table_rows(result)
   common.emit(result, common.markdown_table(rows, list(rows[0])), args.json)
-  if args.figure and result['mode'] == 'presets':
-    plot(result, args.figure)
+  if args.figure:
+    (plot_seeds if result['mode'] == 'seeds' else plot)(result, args.figure)
   return result
 
 
@@ -151,24 +155,31 @@ def run_presets(args) -> dict:
 
 def run_seeds(args) -> dict:
   """run_presets once per seed in --seeds; per preset and policy, the spread of the increase."""
-  import numpy as np
   per_seed = {}
   for seed in args.seeds:
     one = argparse.Namespace(**{**vars(args), 'overrides': [*args.overrides, f'train.seed={seed}']})
     per_seed[seed] = run_presets(one)
-  summary = {}
-  for preset in args.presets:
-    for policy in args.policies:
-      x = np.array([per_seed[s]['presets'][preset]['runs'][policy]['eval_increase_pct']
-                    for s in args.seeds])
-      summary.setdefault(preset, {})[policy] = {
-          'mean': float(x.mean()), 'std': float(x.std(ddof=1)) if len(x) > 1 else 0.0,
-          'sem': float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0,
-          'min': float(x.min()), 'max': float(x.max()), 'per_seed': x.tolist()}
+  summary = seed_summary(per_seed)
   high = summary.get('high', {})
   return {'mode': 'seeds', 'seeds': args.seeds, 'summary': summary, 'per_seed': per_seed,
           'floor_2pct_at_high': {p: {'mean_eval_increase_pct': v['mean'], 'met': v['mean'] <= 2.0}
                                  for p, v in high.items()}}
+
+
+def seed_summary(per_seed: dict) -> dict:
+  """{preset: {policy: mean, std, sem, min, max, per_seed}} of the eval-loss increase."""
+  import numpy as np
+  first = next(iter(per_seed.values()))['presets']
+  summary = {}
+  for preset, v in first.items():
+    for policy in v['runs']:
+      x = np.array([r['presets'][preset]['runs'][policy]['eval_increase_pct']
+                    for r in per_seed.values()])
+      std = float(x.std(ddof=1)) if len(x) > 1 else 0.0
+      summary.setdefault(preset, {})[policy] = {
+          'mean': float(x.mean()), 'std': std, 'sem': std / np.sqrt(len(x)),
+          'min': float(x.min()), 'max': float(x.max()), 'per_seed': x.tolist()}
+  return summary
 
 
 def _relative(runs: dict, base: dict) -> None:
@@ -261,10 +272,36 @@ def plot(result: dict, path: str, window: int = 10) -> None:
     bottom.set_ylabel(f'loss − fault-free ({window}-point mean)')
     bottom.set_xlabel('step')
     top.legend(fontsize=7)
-  name = ' '.join([Path(result['config']).stem, *result['overrides']])
-  fig.suptitle(f"{name}\ndata {result['data']}, {result['slices']} slices, "
-               f"{result['cluster_step_s']:g} s/step ({result['simulated_hours']:.0f} h), "
-               f"rate {result['rate']}", fontsize=8)
+  _finish(fig, result, f"{result['cluster_step_s']:g} s/step ({result['simulated_hours']:.0f} h), "
+                      f"rate {result['rate']}", path)
+
+
+def plot_seeds(result: dict, path: str) -> None:
+  """Per preset: each policy's eval-loss increase per seed (dots), mean +- SEM, the 2% floor."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  summary = result['summary']
+  fig, axes = plt.subplots(1, len(summary), figsize=(max(4.5 * len(summary), 6.0), 4.2),
+                           squeeze=False)
+  for ax, (preset, by_policy) in zip(axes[0], summary.items()):
+    for x, (policy, v) in enumerate(by_policy.items()):
+      ax.plot([x] * len(v['per_seed']), v['per_seed'], 'o', color='0.6', ms=4)
+      ax.errorbar(x, v['mean'], yerr=v['sem'], fmt='s', color='C0', capsize=4)
+    ax.set_xticks(range(len(by_policy)), list(by_policy))
+    ax.axhline(0.0, color='k', lw=0.6)
+    ax.axhline(2.0, color='C3', lw=0.8, ls='--', label='2% floor')
+    ax.set_title(f'{preset}: seeds {result["seeds"]} (grey), mean ± SEM (blue)', fontsize=9)
+    ax.set_ylabel('eval loss vs fault-free (%)')
+    ax.legend(fontsize=7)
+  _finish(fig, result, f"{len(result['seeds'])} seeds", path)
+
+
+def _finish(fig, result: dict, detail: str, path: str) -> None:
+  """Title (config, overrides, data, slices, `detail`), layout, write the PNG."""
+  import textwrap
+  name = textwrap.fill(' '.join([Path(result['config']).stem, *result['overrides']]), 120)
+  fig.suptitle(f"{name}\ndata {result['data']}, {result['slices']} slices, {detail}", fontsize=8)
   fig.tight_layout()
   Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)

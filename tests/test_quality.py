@@ -39,3 +39,24 @@ def test_presets_mode_runs_the_preset_schedule_and_reports_the_floor(tmp_path):
   assert run['samples']['degraded'] > 0 and run['samples'].get('dropped', 0) == 0
   assert result['floor_2pct_at_high']['neighbor']['eval_increase_pct'] == run['eval_increase_pct']
   assert (tmp_path / 'q.png').stat().st_size > 0
+
+
+def test_seed_summary_and_its_figure(tmp_path):
+  increases = {0: (1.0, 4.0), 1: (3.0, -2.0), 2: (2.0, 1.0)}  # seed: (neighbor, drop)
+  per_seed = {s: {'presets': {'high': {'runs': {'neighbor': {'eval_increase_pct': n},
+                                                'drop': {'eval_increase_pct': d}}}}}
+              for s, (n, d) in increases.items()}
+  summary = quality.seed_summary(per_seed)
+  neighbor, drop = summary['high']['neighbor'], summary['high']['drop']
+  assert neighbor['mean'] == pytest.approx(2.0) and neighbor['std'] == pytest.approx(1.0)
+  assert neighbor['sem'] == pytest.approx(1.0 / 3 ** 0.5)
+  assert (drop['min'], drop['max'], drop['per_seed']) == (-2.0, 4.0, [4.0, -2.0, 1.0])
+  result = {'summary': summary, 'seeds': [0, 1, 2], 'config': 'configs/tiny.yaml',
+            'overrides': [], 'data': 'synthetic', 'slices': 4}
+  quality.plot_seeds(result, str(tmp_path / 's.png'))
+  assert (tmp_path / 's.png').stat().st_size > 0
+
+
+def test_figure_needs_presets():
+  with pytest.raises(SystemExit):
+    quality.main(['--figure', 'x.png'])
