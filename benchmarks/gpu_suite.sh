@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The accelerator benchmarks of docs/benchmarks.md in parts that each fit a 10-minute call.
+# Usage: benchmarks/gpu_suite.sh PART OUT_DIR   (PART: mfu | step_cost | ablation | snapshot | failure)
+# Each part writes at most 8 files (one JSON and one log per run) into OUT_DIR, bf16 compute.
+# MODELS overrides the part's model list (e.g. MODELS=tiny for a CPU smoke test).
+set -uo pipefail
+part=${1:?part: mfu | step_cost | ablation | snapshot | failure}
+out=${2:?output directory}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+bf16=model.compute_dtype=bfloat16
+py=${PYTHON:-python3}
+
+# run NAME SECONDS COMMAND...: one benchmark, its JSON in $out/NAME.json, its output in $out/NAME.log.
+run() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" "$py" "$@" --json "$out/$name.json" >"$out/$name.log" 2>&1
+  echo "rc=$? $(tail -n 12 "$out/$name.log")"
+}
+
+case $part in
+  mfu)
+    for m in ${MODELS:-llama_350m llama_1b}; do
+      run "mfu_$m" 280 benchmarks/mfu.py --config "configs/$m.yaml" --micro-batches 8,16,32 \
+        --repeats 20 "$bf16"
+    done ;;
+  step_cost)
+    for m in ${MODELS:-llama_60m llama_130m llama_350m}; do
+      run "step_cost_$m" 180 benchmarks/step_cost.py --config "configs/$m.yaml" --repeats 20 "$bf16"
+    done ;;
+  ablation)
+    for m in ${MODELS:-llama_60m llama_130m llama_350m}; do
+      run "ablation_$m" 180 benchmarks/ablation.py --config "configs/$m.yaml" --repeats 20 "$bf16"
+    done ;;
+  snapshot)
+    for m in ${MODELS:-llama_60m llama_350m}; do
+      run "snapshot_$m" 270 benchmarks/snapshot_overhead.py --config "configs/$m.yaml" "$bf16"
+    done ;;
+  failure)
+    for m in ${MODELS:-llama_60m}; do
+      run "failure_$m" 540 benchmarks/failure_throughput.py --config "configs/$m.yaml" --slices 8 \
+        --measure anchors --rate per_device --repeats 10 "$bf16"
+    done ;;
+  *) echo "unknown part: $part" >&2; exit 2 ;;
+esac

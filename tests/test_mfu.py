@@ -1,0 +1,43 @@
+"""MFU benchmark: the analytic FLOP count agrees with XLA's, the peak table, MFU arithmetic."""
+import pytest
+
+from benchmarks import mfu
+from mecefo_jax.config import load_config
+
+SMALL = ['model.n_layers=2', 'model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=96',
+         'model.seq_len=32', 'model.vocab_size=64']
+
+
+@pytest.mark.parametrize('kind, peak', [
+    ('NVIDIA H100 80GB HBM3', 989.0), ('NVIDIA H100 PCIe', 756.0), ('NVIDIA H200', 989.0),
+    ('NVIDIA A100-SXM4-80GB', 312.0), ('TPU v4', 275.0), ('TPU v5 lite', 197.0), ('TPU v5p', 459.0),
+    ('TPU v6 lite', 918.0), ('cpu', None)])
+def test_peak_table(kind, peak):
+  assert mfu.peak_tflops(kind) == peak
+
+
+def test_model_flops_formula():
+  m = load_config('configs/llama_60m.yaml', []).model
+  f = mfu.model_flops_per_token(m)
+  # 8 blocks of 4·512² + 3·512·1376 matmul params, plus the 512 × 256 head.
+  assert f['matmul_params'] == 8 * (4 * 512**2 + 3 * 512 * 1376) + 512 * 256
+  assert f['total'] == 6 * f['matmul_params'] + 12 * 8 * 256 * 512
+
+
+def test_mfu_run_agrees_with_xla(tmp_path):
+  result = mfu.main(['--config', 'configs/tiny.yaml', '--micro-batches', '2,4', '--repeats', '1',
+                     '--peak-tflops', '0.5', '--json', str(tmp_path / 'm.json'), *SMALL])
+  assert [r['micro_batch'] for r in result['rows']] == [2, 4]
+  for row in result['rows']:
+    assert row['mfu'] == pytest.approx(row['model_tflops_per_s'] / 0.5)
+    # XLA also counts AdamW and the elementwise ops; the matmuls dominate even at this size.
+    assert 1.0 <= row['xla_tflops_per_s'] / row['model_tflops_per_s'] < 1.2
+  assert result['best_mfu'] == max(r['mfu'] for r in result['rows'])
+  assert result['peak_source'] == 'argument' and (tmp_path / 'm.json').stat().st_size > 0
+
+
+def test_mfu_without_peak_is_null_and_bad_batches_fail():
+  result = mfu.main(['--config', 'configs/tiny.yaml', '--repeats', '1', *SMALL])
+  assert result['best_mfu'] is None and result['rows'][0]['mfu'] is None
+  with pytest.raises(SystemExit):
+    mfu.main(['--config', 'configs/tiny.yaml', '--micro-batches', '0', *SMALL])
