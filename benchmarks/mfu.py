@@ -49,10 +49,6 @@ def model_flops_per_token(m: ModelConfig) -> dict:
           'total': 6 * matmul_params + attention}
 
 
-def _sweep_config(cfg_path: str, overrides: list[str]) -> Config:
-  return load_config(cfg_path, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *overrides])
-
-
 def measure(cfg: Config, micro_batches: list[int], repeats: int) -> dict:
   """Times the normal step at each micro-batch size, all programs interleaved on one state."""
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
@@ -102,7 +98,7 @@ def main(argv=None):
   p.add_argument('--peak-tflops', type=float, default=None,
                  help='peak dense FLOP/s of the device in TFLOP/s (default: from the known-device table)')
   args = p.parse_args(argv)
-  cfg = _sweep_config(args.config, args.overrides)
+  cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
   batches = [int(b) for b in args.micro_batches.split(',') if b] or [cfg.train.micro_batch]
   if any(b < 1 for b in batches):
     p.error(f'--micro-batches must be positive integers, got {args.micro_batches!r}')
