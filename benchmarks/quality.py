@@ -9,6 +9,8 @@ Scripted: slice 1 is down from --fail-at to --repair-at (fractions of the run). 
 FailureSchedule preset Poisson process (MECEFO.md §5), one cluster step = --cluster-step-s
 simulated seconds; --rate per_device (default) scales the mean interval by 32/slices, so the
 slices see the paper's per-GPU failure rate and the same fraction of them is down on average.
+When every slice is down the cluster waits for the first repair (simulate.stall_all_down), as
+the throughput replay does, so every run trains all its steps.
 Every policy trains the same samples (drop skips the failed slices') from the same initial
 state. Reports the final eval loss on one fixed held-out set, perplexity, and their increase
 vs fault-free (the paper's table reports perplexity), plus wall time.
@@ -94,6 +96,8 @@ def train(args, policy: str, schedule) -> dict:
   with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(_cfg(args, policy), Path(out), schedule)
     report = trainer.run()
+    if report.get('stopped'):  # its final loss would not be comparable with the others'
+      raise RuntimeError(f'{policy} run stopped early: {report["stopped"]}')
     run = {k: report.get(k) for k in ('final_loss', 'wall_s', 'samples', 'goodput',
                                       'params_sha256', 'losses', 'stopped', 'compile_s')}
     run['eval_loss_live'] = report.get('eval_loss')  # the trainer's, on the live slices' ids
@@ -143,7 +147,8 @@ def run_presets(args) -> dict:
   fault_free = train(args, 'fault-free', FailureSchedule(n))
   presets = {}
   for preset in args.presets:
-    schedule = simulate.preset_schedule(preset, n, steps, args.cluster_step_s, seed, scale)
+    schedule = simulate.preset_schedule(preset, n, steps, args.cluster_step_s, seed, scale,
+                                        stall=True)
     runs = {policy: train(args, policy, schedule) for policy in args.policies}
     _relative(runs, fault_free)
     presets[preset] = {'schedule': schedule_stats(schedule, n, steps), 'runs': runs}

@@ -171,20 +171,49 @@ def poisson_failures(mean_s: float, repair_s: float, n_slices: int, horizon_s: f
       events.append(Event(repaired_at[victim], victim, 'repair'))
 
 
+def stall_all_down(schedule: FailureSchedule, n_slices: int, steps: int) -> FailureSchedule | None:
+  """`schedule` as a cluster that waits out all-down periods trains it: a step with no live
+  slice is not trained but waited through, and the next trained step sees the net change of
+  the failed set since the last one. None if `schedule` runs out before `steps` trained steps."""
+  out, failed, applied, trained = FailureSchedule(n_slices), set(), set(), 0
+  last = max((e.step for e in schedule.all_events()), default=0)
+  for step in range(last + steps + 1):
+    if trained == steps:
+      return out
+    for e in schedule.events_at(step):
+      (failed.add if e.kind == 'fail' else failed.discard)(e.slice)
+      source = e.source
+    if len(failed) == n_slices:
+      continue  # every slice is down: no step runs until one is repaired
+    for s in sorted(failed - applied):
+      out.fail_at(s, trained, source)
+    for s in sorted(applied - failed):
+      out.repair_at(s, trained, source)
+    applied, trained = set(failed), trained + 1
+  return out if trained == steps else None
+
+
 def preset_schedule(name: str, n_slices: int, steps: int, cluster_step_s: float, seed: int,
-                    interval_scale: float = 1.0) -> FailureSchedule:
+                    interval_scale: float = 1.0, stall: bool = False) -> FailureSchedule:
   """FailureSchedule.preset with the mean interval scaled (1: identical events, see tests).
 
   interval_scale = PAPER_DEVICES / n_slices is the per-device reading of §5: an n-slice cluster
   sees n/32 of the paper's 32-GPU failure rate, so the same fraction of it is down on average.
+  stall: the cluster waits out all-down periods (stall_all_down) instead of stopping there, so
+  every step is trained; the process is drawn over as many more steps as the waits take.
   """
   mean_h, repair_h = PRESETS[name]
-  sched = FailureSchedule(n_slices)
-  for e in poisson_failures(mean_h * interval_scale * 3600.0, repair_h * 3600.0, n_slices,
-                            steps * cluster_step_s, seed):
-    add = sched.fail_at if e.kind == 'fail' else sched.repair_at
-    add(e.slice, int(e.time_s // cluster_step_s), f'preset:{name}')
-  return sched
+  drawn = steps
+  while True:
+    sched = FailureSchedule(n_slices)
+    for e in poisson_failures(mean_h * interval_scale * 3600.0, repair_h * 3600.0, n_slices,
+                              drawn * cluster_step_s, seed):
+      add = sched.fail_at if e.kind == 'fail' else sched.repair_at
+      add(e.slice, int(e.time_s // cluster_step_s), f'preset:{name}')
+    stalled = stall_all_down(sched, n_slices, steps) if stall else sched
+    if stalled is not None:
+      return stalled
+    drawn *= 2
 
 
 @dataclasses.dataclass

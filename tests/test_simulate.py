@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+from benchmarks import quality
+
 from mecefo_jax import simulate
 from mecefo_jax.failures import PRESETS, FailureSchedule
 from mecefo_jax.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, Role, replay
@@ -92,6 +94,29 @@ def test_preset_schedule_is_the_preset_and_scales_the_interval_only():
       down_since[e.slice] = e.step
     else:  # 2 h repairs = 12 steps of 600 s (11 to 13 once quantised)
       assert e.step - down_since.pop(e.slice) in (11, 12, 13)
+
+
+def test_stall_all_down_waits_out_steps_with_every_slice_down():
+  sched = (FailureSchedule(2).fail_at(0, 2).fail_at(1, 4).repair_at(1, 7).repair_at(0, 9)
+           .fail_at(1, 12).fail_at(0, 13))
+  out = simulate.stall_all_down(sched, 2, 10)
+  # Steps 4-6 have both down and are waited out; step 7 repairs slice 1, so trained step 4
+  # sees the same failed set as step 3 and gets no event. The rest moves 3 steps earlier.
+  assert [(e.step, e.slice, e.kind) for e in out.all_events()] == [
+      (2, 0, 'fail'), (6, 0, 'repair'), (9, 1, 'fail')]
+  assert quality.live_counts(out, 2, 10) == [2, 2, 1, 1, 1, 1, 2, 2, 2, 1]
+  assert simulate.stall_all_down(sched, 2, 12) is None  # all down from step 13 on
+
+
+def test_stalled_preset_never_has_every_slice_down_and_covers_every_step():
+  plain = simulate.preset_schedule('high', 2, 400, 1800.0, seed=1, interval_scale=4.0)
+  stalled = simulate.preset_schedule('high', 2, 400, 1800.0, seed=1, interval_scale=4.0,
+                                     stall=True)
+  assert 0 in quality.live_counts(plain, 2, 400)  # the plain preset does take both down
+  live = quality.live_counts(stalled, 2, 400)
+  assert min(live) == 1 and max(e.step for e in stalled.all_events()) > 380
+  first_stop = quality.live_counts(plain, 2, 400).index(0)
+  assert live[:first_stop] == quality.live_counts(plain, 2, 400)[:first_stop]
 
 
 def test_needed_roles_cover_carriers_and_spread_shares():
