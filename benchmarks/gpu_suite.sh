@@ -35,8 +35,15 @@ case $part in
       run "ablation_$m" 180 benchmarks/ablation.py --config "configs/$m.yaml" --repeats 20 "$bf16"
     done ;;
   snapshot)
+    # The in-memory tier wants tmpfs; containers often give /dev/shm only 64 MB (350m: ~4 GB).
+    snap=/dev/shm/mecefo_bench
+    if [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1)" -lt 16000000 ] 2>/dev/null; then
+      snap=/tmp/mecefo_bench; echo "/dev/shm has under 16 GB free: snapshots go to $snap (disk)"
+    fi
+    mkdir -p "$snap"
     for m in ${MODELS:-llama_60m llama_350m}; do
-      run "snapshot_$m" 270 benchmarks/snapshot_overhead.py --config "configs/$m.yaml" "$bf16"
+      run "snapshot_$m" 270 benchmarks/snapshot_overhead.py --config "configs/$m.yaml" \
+        --dir "$snap" "$bf16"
     done ;;
   failure)
     for m in ${MODELS:-llama_60m}; do
