@@ -99,7 +99,7 @@ def train(args, policy: str, schedule) -> dict:
     if report.get('stopped'):  # its final loss would not be comparable with the others'
       raise RuntimeError(f'{policy} run stopped early: {report["stopped"]}')
     run = {k: report.get(k) for k in ('final_loss', 'wall_s', 'samples', 'goodput',
-                                      'params_sha256', 'losses', 'stopped', 'compile_s')}
+                                      'params_sha256', 'losses', 'compile_s')}
     run['eval_loss_live'] = report.get('eval_loss')  # the trainer's, on the live slices' ids
     run['eval_loss'] = fixed_eval(trainer, args.eval_batches)
   return run
