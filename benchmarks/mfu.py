@@ -1,6 +1,6 @@
 """Model FLOPs utilisation (MFU) of the normal step on one device, over a sweep of micro-batch sizes.
 
-Run: python benchmarks/mfu.py --config configs/llama_350m.yaml --micro-batches 8,32,64 --json OUT.json \
+Run: python benchmarks/mfu.py --config configs/llama_350m.yaml --micro-batches 8,16,32 --json OUT.json \
          model.compute_dtype=bfloat16
 MFU = model FLOPs per step / step time / the device's peak dense bf16 FLOP/s. Model FLOPs follow
 the PaLM convention: 6 × matmul params per token (the untied LM head included, the embedding
@@ -99,9 +99,10 @@ def main(argv=None):
                  help='peak dense FLOP/s of the device in TFLOP/s (default: from the known-device table)')
   args = p.parse_args(argv)
   cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
-  batches = [int(b) for b in args.micro_batches.split(',') if b] or [cfg.train.micro_batch]
-  if any(b < 1 for b in batches):
+  fields = [b for b in args.micro_batches.split(',') if b]
+  if not all(b.isdigit() and int(b) > 0 for b in fields):
     p.error(f'--micro-batches must be positive integers, got {args.micro_batches!r}')
+  batches = [int(b) for b in fields] or [cfg.train.micro_batch]
   device = common.device_info()
   peak = args.peak_tflops or peak_tflops(device['device'])
   table = rows(cfg, measure(cfg, batches, args.repeats), peak)

@@ -39,5 +39,6 @@ def test_mfu_run_agrees_with_xla(tmp_path):
 def test_mfu_without_peak_is_null_and_bad_batches_fail():
   result = mfu.main(['--config', 'configs/tiny.yaml', '--repeats', '1', *SMALL])
   assert result['best_mfu'] is None and result['rows'][0]['mfu'] is None
-  with pytest.raises(SystemExit):
-    mfu.main(['--config', 'configs/tiny.yaml', '--micro-batches', '0', *SMALL])
+  for bad in ('0', '4,x', '-2'):
+    with pytest.raises(SystemExit):
+      mfu.main(['--config', 'configs/tiny.yaml', '--micro-batches', bad, *SMALL])
