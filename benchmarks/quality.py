@@ -205,12 +205,7 @@ def _floor(presets: dict) -> dict:
 
 def live_counts(schedule, n: int, steps: int) -> list[int]:
   """Live slices at each step, as the controller sees them (a step's events apply first)."""
-  failed, out = set(), []
-  for step in range(steps):
-    for e in schedule.events_at(step):
-      (failed.add if e.kind == 'fail' else failed.discard)(e.slice)
-    out.append(n - len(failed))
-  return out
+  return [n - len(failed) for failed in schedule.failed_sets(steps)]
 
 
 def schedule_stats(schedule, n: int, steps: int) -> dict:

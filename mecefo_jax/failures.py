@@ -54,6 +54,14 @@ class FailureSchedule:
   def all_events(self) -> list[FailureEvent]:
     return sorted(e for evs in self._events.values() for e in evs)
 
+  def failed_sets(self, steps: int):
+    """The failed slices at each step in [0, steps), as the controller sees them."""
+    failed = set()
+    for step in range(steps):
+      for e in self.events_at(step):
+        (failed.add if e.kind == 'fail' else failed.discard)(e.slice)
+      yield frozenset(failed)
+
   @classmethod
   def preset(cls, name: str, n_slices: int, steps: int, cluster_step_s: float,
              seed: int = 0) -> 'FailureSchedule':

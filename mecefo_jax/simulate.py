@@ -174,22 +174,21 @@ def poisson_failures(mean_s: float, repair_s: float, n_slices: int, horizon_s: f
 def stall_all_down(schedule: FailureSchedule, n_slices: int, steps: int) -> FailureSchedule | None:
   """`schedule` as a cluster that waits out all-down periods trains it: a step with no live
   slice is not trained but waited through, and the next trained step sees the net change of
-  the failed set since the last one. None if `schedule` runs out before `steps` trained steps."""
-  out, failed, applied, trained = FailureSchedule(n_slices), set(), set(), 0
-  last = max((e.step for e in schedule.all_events()), default=0)
-  for step in range(last + steps + 1):
+  the failed set since the last one (labelled with the schedule's source). None if `schedule`
+  runs out before `steps` trained steps."""
+  events = schedule.all_events()
+  source = events[0].source if events else 'api'
+  out, applied, trained = FailureSchedule(n_slices), frozenset(), 0
+  for failed in schedule.failed_sets((events[-1].step if events else 0) + steps + 1):
     if trained == steps:
-      return out
-    for e in schedule.events_at(step):
-      (failed.add if e.kind == 'fail' else failed.discard)(e.slice)
-      source = e.source
+      break
     if len(failed) == n_slices:
       continue  # every slice is down: no step runs until one is repaired
     for s in sorted(failed - applied):
       out.fail_at(s, trained, source)
     for s in sorted(applied - failed):
       out.repair_at(s, trained, source)
-    applied, trained = set(failed), trained + 1
+    applied, trained = failed, trained + 1
   return out if trained == steps else None
 
 
