@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
@@ -62,17 +61,8 @@ def measure(cfg, repeats: int, warmup: int) -> dict:
   if cfg.mecefo.basis == 'svd':
     state = steps.compile_refresh(cfg, mesh)(state)
   states = {n: jax.tree.map(lambda x: x.copy(), state) for n in VARIANTS}
-  rng = np.random.default_rng(0)
-  tokens = {n: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
-                           jnp.int32) for n, r in roles.items()}
-
-  def runner(name):
-    def run():
-      states[name], metrics = programs[name](states[name], tokens[name])
-      return metrics
-    return run
-
-  times = common.interleaved_times({n: runner(n) for n in VARIANTS}, repeats, warmup)
+  runners = common.donating_runners(programs, states, common.random_tokens(cfg, roles))
+  times = common.interleaved_times(runners, repeats, warmup)
   memory = {n: steps.memory_summary(p) for n, p in programs.items()}
   flops = {n: float(common.cost_analysis(p).get('flops', 0.0)) for n, p in programs.items()}
   return {'times': times, 'memory': memory, 'flops': flops,

@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mecefo_jax import steps
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -60,3 +64,23 @@ def cost_analysis(compiled) -> dict:
   """XLA's cost analysis of a compiled program as one dict ({} where the backend has none)."""
   cost = compiled.cost_analysis()
   return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+
+
+def random_tokens(cfg, roles: dict) -> dict:
+  """Seeded random int32 tokens in each role's one-slice batch shape, keyed like `roles`."""
+  rng = np.random.default_rng(0)
+  return {k: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
+                         jnp.int32) for k, r in roles.items()}
+
+
+def donating_runners(programs: dict, states: dict, tokens: dict,
+                     state_of: Callable[[object], object] = lambda name: name) -> dict:
+  """name -> one call of programs[name] on states[state_of(name)] and tokens[name]; the programs
+  donate their state, so each call stores the new one in its place."""
+  def runner(name):
+    def run():
+      key = state_of(name)
+      states[key], metrics = programs[name](states[key], tokens[name])
+      return metrics
+    return run
+  return {name: runner(name) for name in programs}

@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
@@ -121,9 +120,7 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
             for k in ('group', 'fused', 'update', 'refresh', *(['refresh_full'] if warm else []))}
   if svd:  # real bases for the degraded programs and the warm refresh to start from
     states['group'], states['refresh'] = full(states['group']), full(states['refresh'])
-  rng = np.random.default_rng(0)
-  tokens = {r: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
-                           jnp.int32) for r in {*roles, Role(b)}}
+  tokens = common.random_tokens(cfg, {r: r for r in {*roles, Role(b)}})
   sums = groups[Role(b)](states['group'], tokens[Role(b)])
   # A real host copy (device_get may alias device memory on CPU, MECEFO.md §8).
   host_state = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(states['group']))

@@ -17,8 +17,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from mecefo_jax import model, sharding, steps, train_state  # noqa: E402
@@ -55,18 +53,10 @@ def measure(cfg: Config, micro_batches: list[int], repeats: int) -> dict:
   graphdef, _, _ = model.abstract(cfg.model)
   roles = {b: steps.Role(exact=b) for b in micro_batches}
   compiled = {b: steps.compile_step(cfg, mesh, r, graphdef) for b, r in roles.items()}
-  state = [train_state.create_sharded(cfg, mesh)]
-  rng = np.random.default_rng(0)
-  tokens = {b: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
-                           jnp.int32) for b, r in roles.items()}
-
-  def runner(b):
-    def run():
-      state[0], metrics = compiled[b](state[0], tokens[b])
-      return metrics
-    return run
-
-  times = common.interleaved_times({b: runner(b) for b in roles}, repeats)
+  states = {'shared': train_state.create_sharded(cfg, mesh)}
+  runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles),
+                                    state_of=lambda b: 'shared')
+  times = common.interleaved_times(runners, repeats)
   return {b: {'time': times[b], 'memory': steps.memory_summary(compiled[b]),
               'xla_flops': common.cost_analysis(compiled[b]).get('flops')} for b in roles}
 

@@ -12,8 +12,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from mecefo_jax import model, sharding, steps, train_state  # noqa: E402
@@ -34,17 +32,8 @@ def main(argv=None):
   states = {n: train_state.create_sharded(cfg, mesh) for n in roles}
   if cfg.mecefo.basis == 'svd':
     states['degraded_2'] = steps.compile_refresh(cfg, mesh)(states['degraded_2'])
-  rng = np.random.default_rng(0)
-  tokens = {n: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
-                           jnp.int32) for n, r in roles.items()}
-
-  def runner(name):
-    def run():
-      states[name], metrics = compiled[name](states[name], tokens[name])
-      return metrics
-    return run
-
-  times = common.interleaved_times({n: runner(n) for n in roles}, args.repeats)
+  runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles))
+  times = common.interleaved_times(runners, args.repeats)
   mem = {n: steps.memory_summary(c) for n, c in compiled.items()}
   temp = {n: m.get('temp_bytes', 0) for n, m in mem.items()}
   t = {n: v['median_s'] for n, v in times.items()}
