@@ -24,17 +24,20 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import model, sharding, steps, train_state  # noqa: E402
+from mecefo_jax import sharding  # noqa: E402
+from mecefo_jax.model import train_state  # noqa: E402
+from mecefo_jax.model import llama
+from mecefo_jax.step import train_step
 from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.model import Degrade  # noqa: E402
+from mecefo_jax.model.llama import Degrade  # noqa: E402
 
 # name -> (label, role in units of micro-batches: (exact, degraded), techniques)
 VARIANTS = {
-    'normal_1': ('normal step, 1 micro-batch (reference)', (1, 0), model.NONE),
-    'naive_2': ('(a) naive Neighbor-Do-Both, 2 exact', (2, 0), model.NONE),
+    'normal_1': ('normal step, 1 micro-batch (reference)', (1, 0), llama.NONE),
+    'naive_2': ('(a) naive Neighbor-Do-Both, 2 exact', (2, 0), llama.NONE),
     'skip_2': ('(b) + skip-MHA', (0, 2), Degrade(skip_attention=True)),
     'skip_remat_2': ('(c) + FFN recompute', (0, 2), Degrade(skip_attention=True, remat_ffn=True)),
-    'mecefo_2': ('(d) + low-rank FFN Wgrad = MeCeFO', (0, 2), model.FULL),
+    'mecefo_2': ('(d) + low-rank FFN Wgrad = MeCeFO', (0, 2), llama.FULL),
 }
 
 
@@ -47,23 +50,23 @@ def compile_variants(cfg, mesh, graphdef) -> tuple[dict, dict]:
   """(compiled program, role) of every variant."""
   b, programs, roles = cfg.train.micro_batch, {}, {}
   for name, (_, (e, d), degrade) in VARIANTS.items():
-    roles[name] = steps.Role(exact=e * b, degraded=d * b)
-    programs[name] = steps.compile_step(cfg, mesh, roles[name], graphdef, degrade)
+    roles[name] = train_step.Role(exact=e * b, degraded=d * b)
+    programs[name] = train_step.compile_step(cfg, mesh, roles[name], graphdef, degrade)
   return programs, roles
 
 
 def measure(cfg, repeats: int, warmup: int) -> dict:
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = model.abstract(cfg.model)
+  graphdef, _, _ = llama.abstract(cfg.model)
   programs, roles = compile_variants(cfg, mesh, graphdef)
   # Each donating program needs its own copy of the state; real svd bases for the low-rank one.
   state = train_state.create_sharded(cfg, mesh)
   if cfg.mecefo.basis == 'svd':
-    state = steps.compile_refresh(cfg, mesh)(state)
+    state = train_step.compile_refresh(cfg, mesh)(state)
   states = {n: jax.tree.map(lambda x: x.copy(), state) for n in VARIANTS}
   runners = common.donating_runners(programs, states, common.random_tokens(cfg, roles))
   times = common.interleaved_times(runners, repeats, warmup)
-  memory = {n: steps.memory_summary(p) for n, p in programs.items()}
+  memory = {n: train_step.memory_summary(p) for n, p in programs.items()}
   flops = {n: float(common.cost_analysis(p).get('flops', 0.0)) for n, p in programs.items()}
   return {'times': times, 'memory': memory, 'flops': flops,
           'roles': {n: vars(r) for n, r in roles.items()}}

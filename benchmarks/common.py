@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mecefo_jax import steps
+from mecefo_jax.step import train_step
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def cost_analysis(compiled) -> dict:
 def random_tokens(cfg, roles: dict) -> dict:
   """Seeded random int32 tokens in each role's one-slice batch shape, keyed like `roles`."""
   rng = np.random.default_rng(0)
-  return {k: jnp.asarray(rng.integers(0, cfg.model.vocab_size, steps.batch_shape(cfg, 1, r)),
+  return {k: jnp.asarray(rng.integers(0, cfg.model.vocab_size, train_step.batch_shape(cfg, 1, r)),
                          jnp.int32) for k, r in roles.items()}
 
 

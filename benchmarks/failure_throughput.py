@@ -29,11 +29,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import (model, recovery, sharding, simulate, slice_steps, snapshot, steps,  # noqa: E402
-                        train_state)
+from mecefo_jax import sharding  # noqa: E402
+from mecefo_jax.model import train_state  # noqa: E402
+from mecefo_jax.model import llama
+from mecefo_jax.snapshot import recovery
+from mecefo_jax.fault import simulate
+from mecefo_jax.step import slice_steps
+from mecefo_jax.snapshot import store
+from mecefo_jax.step import train_step
 from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.failures import PRESETS  # noqa: E402
-from mecefo_jax.simulate import CHECKPOINT, PAPER_DEVICES, ClusterCosts, Role  # noqa: E402
+from mecefo_jax.fault.failures import PRESETS  # noqa: E402
+from mecefo_jax.fault.simulate import CHECKPOINT, PAPER_DEVICES, ClusterCosts, Role  # noqa: E402
 
 NOTES = [
     'Role costs: each distinct per-slice program is compiled for a one-device mesh (slice=1) and '
@@ -51,7 +57,7 @@ NOTES = [
     'grid; the fault-free step count of the window is hours*3600/normal_s. A failure or repair '
     'takes effect at the next step boundary (Controller.step applies events before planning).',
     'rate=cluster: a failure every <preset> hours in the whole cluster whatever --slices is '
-    '(MECEFO.md §5 literally). rate=per_device: the paper rates are for 32 GPUs, so the mean '
+    '(docs/algorithm.md §5 literally). rate=per_device: the paper rates are for 32 GPUs, so the mean '
     'interval is scaled by 32/slices. Repair time is never scaled.',
     'Throughput = samples trained / window; drop_pct = 100*(1 - throughput/fault-free). All '
     'policies train the full global batch except drop, which loses the failed slices\' rows. With '
@@ -80,7 +86,7 @@ def role_name(r: Role) -> str:
 def anchor_roles(b: int, needed: set[Role], max_rows: int, one_down: set[Role]) -> set[Role]:
   """Roles timed in --measure anchors: enough to fit the cost model, every role of the most
   common failure state (`one_down`: one slice down), plus common spread shares."""
-  split = lambda rows: steps.split_passes(rows, max_rows)
+  split = lambda rows: train_step.split_passes(rows, max_rows)
   anchors = {Role(b), Role(2 * b), Role(0, 2 * b, split(2 * b)), Role(0, 3 * b, split(3 * b)),
              *one_down}
   shares = sorted({r.degraded for r in needed if r.exact == b and r.degraded})
@@ -99,22 +105,22 @@ def _timed_compile(compile_s: dict, name: str, build):
 def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   """Times every role's group program, the fused normal step, update, refresh and rejoin."""
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = model.abstract(cfg.model)
+  graphdef, _, _ = llama.abstract(cfg.model)
   b, svd, compile_s = cfg.train.micro_batch, cfg.mecefo.basis == 'svd', {}
   groups = {r: _timed_compile(compile_s, role_name(r),
                               lambda r=r: slice_steps.compile_group(cfg, mesh, r, graphdef))
             for r in sorted(roles)}
   fused = _timed_compile(compile_s, 'fused_normal',
-                         lambda: steps.compile_step(cfg, mesh, Role(b), graphdef))
+                         lambda: train_step.compile_step(cfg, mesh, Role(b), graphdef))
   update = _timed_compile(compile_s, 'update', lambda: slice_steps.compile_update(cfg, mesh))
   # 'refresh' is the one a run repeats every tau steps: warm (mecefo.refresh) after the first.
   warm = svd and cfg.mecefo.refresh == 'warm'
   full = svd and _timed_compile(compile_s, 'refresh_full' if warm else 'refresh',
-                                lambda: steps.compile_refresh(cfg, mesh))
+                                lambda: train_step.compile_refresh(cfg, mesh))
   refresh = full
   if warm:
     refresh = _timed_compile(compile_s, 'refresh',
-                             lambda: steps.compile_refresh(cfg, mesh, warm=True))
+                             lambda: train_step.compile_refresh(cfg, mesh, warm=True))
   # Donating programs each need their own state; group programs only read theirs.
   states = {k: train_state.create_sharded(cfg, mesh)
             for k in ('group', 'fused', 'update', 'refresh', *(['refresh_full'] if warm else []))}
@@ -122,7 +128,7 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
     states['group'], states['refresh'] = full(states['group']), full(states['refresh'])
   tokens = common.random_tokens(cfg, {r: r for r in {*roles, Role(b)}})
   sums = groups[Role(b)](states['group'], tokens[Role(b)])
-  # A real host copy (device_get may alias device memory on CPU, MECEFO.md §8).
+  # A real host copy (device_get may alias device memory on CPU, docs/algorithm.md §8).
   host_state = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(states['group']))
 
   def run_fused():
@@ -147,7 +153,7 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   fns |= {role_name(r): (lambda r=r: groups[r](states['group'], tokens[r])) for r in sorted(roles)}
   times = common.interleaved_times(fns, repeats, warmup)
   restore_s = time_restore(cfg, mesh, states['group'])
-  memory = {role_name(r): steps.memory_summary(g).get('temp_bytes', 0) for r, g in groups.items()}
+  memory = {role_name(r): train_step.memory_summary(g).get('temp_bytes', 0) for r, g in groups.items()}
   programs = {'fused_normal': fused, 'update': update,
               **({'refresh': refresh} if svd else {}),
               **{role_name(r): g for r, g in groups.items()}}
@@ -164,13 +170,13 @@ def time_restore(cfg, mesh, state, repeats: int = 3) -> dict:
   with tempfile.TemporaryDirectory(dir=os.environ.get('MECEFO_RESTORE_DIR')) as root:
     root = Path(root)
     # Memory tier never due (every=huge): the save and the restores go to the durable tier only.
-    with snapshot.SnapshotManager(root / 'memory', every=1 << 40, durable_dir=root / 'durable',
+    with store.SnapshotManager(root / 'memory', every=1 << 40, durable_dir=root / 'durable',
                                   durable_every=1) as saver:
       saver.maybe_save(1, state, {'step': 1})
       saver.wait_until_finished()
     want, seconds = train_state.params_sha256(state.params), []
     for _ in range(repeats):
-      with snapshot.SnapshotManager(root / 'memory2', every=1 << 40, durable_dir=root / 'durable',
+      with store.SnapshotManager(root / 'memory2', every=1 << 40, durable_dir=root / 'durable',
                                     durable_every=1) as fresh:
         t0 = time.perf_counter()
         step, restored, _ = recovery.restore(fresh, cfg, mesh)

@@ -21,9 +21,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import model, sharding, steps, train_state  # noqa: E402
+from mecefo_jax import sharding  # noqa: E402
+from mecefo_jax.model import train_state  # noqa: E402
+from mecefo_jax.model import llama
+from mecefo_jax.step import train_step
 from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.data import SyntheticCorpus, sample_ids  # noqa: E402
+from mecefo_jax.data.order import sample_ids  # noqa: E402
+from mecefo_jax.data.synthetic import SyntheticCorpus  # noqa: E402
 
 
 def _norm(tree) -> float:
@@ -56,18 +60,18 @@ def main(argv=None) -> dict:
   args = p.parse_args(argv)
   cfg = load_config(args.config, ['mesh.slice=1', *args.overrides])
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = model.abstract(cfg.model)
+  graphdef, _, _ = llama.abstract(cfg.model)
   b = cfg.train.micro_batch
   corpus = SyntheticCorpus(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
-  normal = steps.compile_step(cfg, mesh, steps.Role(exact=b), graphdef)
+  normal = train_step.compile_step(cfg, mesh, train_step.Role(exact=b), graphdef)
   state = train_state.create_sharded(cfg, mesh)
   fractions = [float(f) for f in args.fractions.split(',')]
   kinds = [k.strip() for k in args.bases.split(',')]
   variants = [(k, f) for k in kinds for f in fractions]
   grad_fns = {v: _grad_fn(cfg, graphdef, *v) for v in variants}
   refreshers = {v: _refresh_fn(cfg, *v) for v in variants if v[0] != 'gaussian'}
-  exact_fn = jax.jit(lambda params, tokens: steps.contribution(
-      params, {}, tokens, jax.random.PRNGKey(0), role=steps.Role(exact=b), graphdef=graphdef,
+  exact_fn = jax.jit(lambda params, tokens: train_step.contribution(
+      params, {}, tokens, jax.random.PRNGKey(0), role=train_step.Role(exact=b), graphdef=graphdef,
       cfg=cfg)[0])
   cut_fn = _grad_fn(cfg, graphdef, 'none', 1.0)
   bases, rows = dict.fromkeys(variants), []
@@ -109,9 +113,9 @@ def _grad_fn(cfg, graphdef, basis, fraction):
 
   def fn(params, bases, tokens, key):
     if basis == 'none':  # attention cut, exact FFN weight gradients
-      return jax.grad(steps._loss_sum)(params, tokens, graphdef, True, None,
+      return jax.grad(train_step._loss_sum)(params, tokens, graphdef, True, None,
                                         vcfg.mecefo.ffn_remat)
-    return steps.contribution(params, bases or {}, tokens, key, role=steps.Role(degraded=n),
+    return train_step.contribution(params, bases or {}, tokens, key, role=train_step.Role(degraded=n),
                               graphdef=graphdef, cfg=vcfg)[0]
   return jax.jit(fn)
 
@@ -121,7 +125,7 @@ def _measure(step, params, bases, tokens, exact_fn, cut_fn, grad_fns):
   key = jax.random.PRNGKey(step)
   exact = exact_fn(params, tokens)
   cut = cut_fn(params, None, tokens, key)
-  non_attn = lambda path: not model.is_attention_branch(path)
+  non_attn = lambda path: not llama.is_attention_branch(path)
   row = {'step': step}
   for (kind, frac), fn in grad_fns.items():
     approx = fn(params, bases[(kind, frac)], tokens, key)

@@ -19,7 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import model, sharding, steps, train_state  # noqa: E402
+from mecefo_jax import sharding  # noqa: E402
+from mecefo_jax.model import train_state  # noqa: E402
+from mecefo_jax.model import llama
+from mecefo_jax.step import train_step
 from mecefo_jax.config import Config, ModelConfig, load_config  # noqa: E402
 
 # Dense bf16 peak, TFLOP/s, from the vendors' data sheets (no sparsity), by device_kind substring.
@@ -50,14 +53,14 @@ def model_flops_per_token(m: ModelConfig) -> dict:
 def measure(cfg: Config, micro_batches: list[int], repeats: int) -> dict:
   """Times the normal step at each micro-batch size, all programs interleaved on one state."""
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = model.abstract(cfg.model)
-  roles = {b: steps.Role(exact=b) for b in micro_batches}
-  compiled = {b: steps.compile_step(cfg, mesh, r, graphdef) for b, r in roles.items()}
+  graphdef, _, _ = llama.abstract(cfg.model)
+  roles = {b: train_step.Role(exact=b) for b in micro_batches}
+  compiled = {b: train_step.compile_step(cfg, mesh, r, graphdef) for b, r in roles.items()}
   states = {'shared': train_state.create_sharded(cfg, mesh)}
   runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles),
                                     state_of=lambda b: 'shared')
   times = common.interleaved_times(runners, repeats)
-  return {b: {'time': times[b], 'memory': steps.memory_summary(compiled[b]),
+  return {b: {'time': times[b], 'memory': train_step.memory_summary(compiled[b]),
               'xla_flops': common.cost_analysis(compiled[b]).get('flops')} for b in roles}
 
 

@@ -6,7 +6,7 @@ Run (§5 presets): python benchmarks/quality.py --presets low,mid,high [--data t
 Run (seeds): add --seeds 0,1,2,3,4 to the presets run: mean, std and SEM over seeds
     (--figure: each seed's increase and the mean +- SEM per policy).
 Scripted: slice 1 is down from --fail-at to --repair-at (fractions of the run). Presets: the
-FailureSchedule preset Poisson process (MECEFO.md §5), one cluster step = --cluster-step-s
+FailureSchedule preset Poisson process (docs/algorithm.md §5), one cluster step = --cluster-step-s
 simulated seconds; --rate per_device (default) scales the mean interval by 32/slices, so the
 slices see the paper's per-GPU failure rate and the same fraction of them is down on average.
 When every slice is down the cluster waits for the first repair (simulate.stall_all_down), as
@@ -92,7 +92,7 @@ def _cfg(args, policy: str):
 
 def train(args, policy: str, schedule) -> dict:
   """One run; its final params evaluated on the fixed held-out set."""
-  from mecefo_jax.trainer import Trainer
+  from mecefo_jax.run.trainer import Trainer
   with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(_cfg(args, policy), Path(out), schedule)
     report = trainer.run()
@@ -110,13 +110,15 @@ def fixed_eval(trainer, n_batches: int) -> float:
   whichever slices are live at the end), by the trainer's eval program on one live slice."""
   import jax
   import numpy as np
-  from mecefo_jax import sharding, slice_steps, steps
-  from mecefo_jax.data import global_batch
+  from mecefo_jax import sharding
+  from mecefo_jax.step import slice_steps
+  from mecefo_jax.step import train_step
+  from mecefo_jax.data.order import global_batch
   c, cfg = trainer.controller, trainer.cfg
   first, rows = c.state_slices[:1], trainer.n_slices * cfg.train.micro_batch
   mesh = sharding.submesh(trainer.mesh, first)
   program = c.program(('eval', first, rows),
-                      lambda: steps.compile_eval(cfg, mesh, rows, trainer.graphdef))
+                      lambda: train_step.compile_eval(cfg, mesh, rows, trainer.graphdef))
   params = slice_steps.state_view(cfg, c.state, trainer.mesh, first).params
   n, b = trainer.n_slices, cfg.train.micro_batch
   batches = (jax.device_put(global_batch(trainer.corpus, i, n, b, split='eval').reshape(1, rows, -1),
@@ -125,7 +127,7 @@ def fixed_eval(trainer, n_batches: int) -> float:
 
 
 def run_scripted(args) -> dict:
-  from mecefo_jax.failures import FailureSchedule
+  from mecefo_jax.fault.failures import FailureSchedule
   steps = _cfg(args, 'fault-free').train.steps
   runs = {}
   for policy in ['fault-free', *args.policies]:
@@ -138,8 +140,8 @@ def run_scripted(args) -> dict:
 
 
 def run_presets(args) -> dict:
-  from mecefo_jax import simulate
-  from mecefo_jax.failures import FailureSchedule
+  from mecefo_jax.fault import simulate
+  from mecefo_jax.fault.failures import FailureSchedule
   cfg = _cfg(args, 'fault-free')
   n, steps = args.slices, cfg.train.steps
   seed = cfg.train.seed if args.schedule_seed is None else args.schedule_seed

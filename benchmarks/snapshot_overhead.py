@@ -34,10 +34,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import (manifest, model, parity, recovery, sharding, slice_steps, snapshot, steps,  # noqa: E402
-                        train_state)
+from mecefo_jax import sharding  # noqa: E402
+from mecefo_jax.model import train_state  # noqa: E402
+from mecefo_jax.snapshot import manifest
+from mecefo_jax.model import llama
+from mecefo_jax.snapshot import parity
+from mecefo_jax.snapshot import recovery
+from mecefo_jax.step import slice_steps
+from mecefo_jax.snapshot import store
+from mecefo_jax.step import train_step
 from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.train_state import params_sha256  # noqa: E402
+from mecefo_jax.model.train_state import params_sha256  # noqa: E402
 
 N_HOSTS = 4
 
@@ -52,15 +59,15 @@ class Bench:
   def __init__(self, cfg, root: Path):
     self.cfg, self.root = cfg, root
     self.mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    graphdef, _, _ = model.abstract(cfg.model)
-    role = steps.Role(exact=cfg.train.micro_batch)
-    self.step = steps.compile_step(cfg, self.mesh, role, graphdef)
+    graphdef, _, _ = llama.abstract(cfg.model)
+    role = train_step.Role(exact=cfg.train.micro_batch)
+    self.step = train_step.compile_step(cfg, self.mesh, role, graphdef)
     self.states = {mode: train_state.create_sharded(cfg, self.mesh)
                    for mode in ('no_snapshot', 'snapshot')}
     rng = np.random.default_rng(0)
     self.tokens = jnp.asarray(rng.integers(0, cfg.model.vocab_size,
-                                           steps.batch_shape(cfg, 1, role)), jnp.int32)
-    self.manager = snapshot.SnapshotManager(root / 'memory', every=1, keep=2)
+                                           train_step.batch_shape(cfg, 1, role)), jnp.int32)
+    self.manager = store.SnapshotManager(root / 'memory', every=1, keep=2)
     self.saves, self.save_block_s = 0, []
 
   def one_replica(self, state):
@@ -115,7 +122,7 @@ def time_restore(bench: Bench, repeats: int) -> dict:
     t0 = time.perf_counter()
     assert manifest.verify_manifest(newest) is None
     verify_s.append(time.perf_counter() - t0)
-    with snapshot.SnapshotManager(newest.parent, keep=2) as fresh:
+    with store.SnapshotManager(newest.parent, keep=2) as fresh:
       t0 = time.perf_counter()
       step, state, _ = recovery.restore(fresh, bench.cfg, bench.mesh)
       jax.block_until_ready(state)
@@ -142,7 +149,7 @@ def time_parity(bench: Bench, lost: int = 2) -> dict:
   for snap_dir, share in zip(snap_dirs, host_shares(bench.one_replica(bench.states['snapshot']),
                                                     N_HOSTS)):
     snap_dir.parent.mkdir()
-    with snapshot.SnapshotManager(snap_dir) as manager:
+    with store.SnapshotManager(snap_dir) as manager:
       manager.maybe_save(0, share, {'host': str(snap_dir)})
   t0 = time.perf_counter()
   parity.write_group_parity(snap_dirs, parity_dirs)
@@ -196,7 +203,7 @@ def run(cfg, root: Path, args) -> tuple[dict, list[dict]]:
       'snapshot_cpu_s': snap['cpu_s_per_step'] - plain['cpu_s_per_step'],
       'cpu_cores': os.cpu_count(),
       'snapshot_bytes': dir_bytes(newest),
-      'state_bytes': snapshot.state_nbytes(bench.one_replica(bench.states['snapshot'])),
+      'state_bytes': store.state_nbytes(bench.one_replica(bench.states['snapshot'])),
       'snapshot_files': sum(1 for p in newest.rglob('*') if p.is_file()),
   }
   result.update(time_restore(bench, args.restores))

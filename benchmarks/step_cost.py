@@ -14,7 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from mecefo_jax import model, sharding, steps, train_state  # noqa: E402
+from mecefo_jax import sharding  # noqa: E402
+from mecefo_jax.model import train_state  # noqa: E402
+from mecefo_jax.model import llama
+from mecefo_jax.step import train_step
 from mecefo_jax.config import load_config  # noqa: E402
 
 
@@ -24,17 +27,17 @@ def main(argv=None):
   args = p.parse_args(argv)
   cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = model.abstract(cfg.model)
+  graphdef, _, _ = llama.abstract(cfg.model)
   b = cfg.train.micro_batch
-  roles = {'normal_1': steps.Role(exact=b), 'degraded_2': steps.Role(degraded=2 * b),
-           'naive_2': steps.Role(exact=2 * b)}
-  compiled = {n: steps.compile_step(cfg, mesh, r, graphdef) for n, r in roles.items()}
+  roles = {'normal_1': train_step.Role(exact=b), 'degraded_2': train_step.Role(degraded=2 * b),
+           'naive_2': train_step.Role(exact=2 * b)}
+  compiled = {n: train_step.compile_step(cfg, mesh, r, graphdef) for n, r in roles.items()}
   states = {n: train_state.create_sharded(cfg, mesh) for n in roles}
   if cfg.mecefo.basis == 'svd':
-    states['degraded_2'] = steps.compile_refresh(cfg, mesh)(states['degraded_2'])
+    states['degraded_2'] = train_step.compile_refresh(cfg, mesh)(states['degraded_2'])
   runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles))
   times = common.interleaved_times(runners, args.repeats)
-  mem = {n: steps.memory_summary(c) for n, c in compiled.items()}
+  mem = {n: train_step.memory_summary(c) for n, c in compiled.items()}
   temp = {n: m.get('temp_bytes', 0) for n, m in mem.items()}
   t = {n: v['median_s'] for n, v in times.items()}
   result = {

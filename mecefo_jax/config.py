@@ -8,7 +8,12 @@ from pathlib import Path
 
 import yaml
 
-from mecefo_jax.takeover import DEGRADED_COST, POLICIES
+# Takeover policies (mecefo_jax/fault/takeover.py plans each).
+POLICIES = ('neighbor', 'spread', 'balance', 'drop', 'naive')
+# Cost of a degraded row relative to an exact one (balance): the FLOP ratio on llama_60m
+# (two degraded micro-batches = 1.32 normal ones, benchmarks/ablation.py), what a compute-bound
+# device pays; CPU step times give 0.3-0.6. Too high only degrades more rows than needed.
+DEGRADED_COST = 0.65
 
 
 class ConfigError(ValueError):
@@ -78,12 +83,12 @@ class TrainConfig:
   data: str = 'synthetic'  # synthetic | text:PATH | tokens:PATH | hf:NAME (see datasources.py)
   eval_every: int = 100  # held-out eval every N steps and at the end; 0 = only at the end
   eval_batches: int = 4  # batches per eval (each: live slices x micro_batch sequences)
-  plot: bool = True  # write <out>/training.png at the end (python -m mecefo_jax.plot)
+  plot: bool = True  # write <out>/training.png at the end (python -m mecefo_jax.run.plot)
 
 
 @dataclass(frozen=True)
 class FaultConfig:
-  failures: str = 'none'  # none | low | mid | high (MECEFO.md §5) | trace:PATH
+  failures: str = 'none'  # none | low | mid | high (docs/algorithm.md §5) | trace:PATH
   takeover: str = 'neighbor'  # neighbor (paper) | spread, balance (ours) | drop | naive (baselines)
   cluster_step_s: float = 60.0  # simulated cluster seconds per step, so short runs cover hours
   max_degraded_rows: int = 0  # most rows one degraded pass holds; 0 = 2 * train.micro_batch

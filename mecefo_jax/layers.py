@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
-from flax import nnx
+from flax import linen as nn, nnx
 
 from mecefo_jax.ops.lowrank import lowrank_matmul
 

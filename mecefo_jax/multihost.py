@@ -15,7 +15,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mecefo_jax import image
 from mecefo_jax.config import ConfigError
 
 log = logging.getLogger('mecefo')
@@ -119,14 +118,6 @@ def local_replica_devices(tree) -> set | None:
   me = jax.process_index()
   mine = [s for s in range(mesh.shape['slice']) if mesh.devices[s].flat[0].process_index == me]
   return set(mesh.devices[mine[0]].flat) if mine else None
-
-
-def local_replica(tree) -> list[np.ndarray] | None:
-  """Host copies of the leaves of `tree` as held by local_replica_devices, or None."""
-  devices = local_replica_devices(tree)
-  if devices is None:
-    return None
-  return list(image.views(*image.pack(tree, devices=devices)))  # views of one fresh copy
 
 
 def first_process(mesh: Mesh) -> int:

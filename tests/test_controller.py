@@ -7,11 +7,14 @@ import numpy as np
 import optax
 import pytest
 
-from mecefo_jax import data, model, sharding, steps, train_state
+from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.controller import AllSlicesDown, Controller, SliceFailure
-from mecefo_jax.failures import FailureSchedule
-from mecefo_jax.precompile import next_live_sets
+from mecefo_jax.data import order, synthetic
+from mecefo_jax.fault.controller import AllSlicesDown, Controller, SliceFailure
+from mecefo_jax.fault.failures import FailureSchedule
+from mecefo_jax.model import llama, train_state
+from mecefo_jax.step import train_step
+from mecefo_jax.step.precompile import next_live_sets
 
 pytestmark = pytest.mark.usefixtures('devices')
 
@@ -20,7 +23,7 @@ TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_le
 MESHES = {'4x2': ('mesh.slice=4', 'mesh.fsdp=2'), '8x1': ('mesh.slice=8',),
           '2x4': ('mesh.slice=2', 'mesh.tensor=4')}
 B, L = 4, 16
-CORPUS = data.SyntheticCorpus(vocab_size=256, seq_len=L, seed=0)
+CORPUS = synthetic.SyntheticCorpus(vocab_size=256, seq_len=L, seed=0)
 ALL4 = (0, 1, 2, 3)
 
 
@@ -31,7 +34,7 @@ def _mesh(name):
   mesh = sharding.make_mesh(cfg.mesh)
   init = jax.jit(lambda: train_state.init_state(cfg),
                  out_shardings=train_state.state_shardings(cfg, mesh))
-  return mesh, init, model.abstract(cfg.model)[0], {}
+  return mesh, init, llama.abstract(cfg.model)[0], {}
 
 
 def _controller(name='4x2', *faults, schedule=None):
@@ -114,7 +117,7 @@ def test_no_fault_runs_only_the_fused_program():
   c = _controller()
   for t in range(2):
     c.step(t)
-  assert set(c._programs) == {('fused', ALL4, steps.Role(exact=B))}
+  assert set(c._programs) == {('fused', ALL4, train_step.Role(exact=B))}
   assert c.samples == {'exact': 2 * 4 * B, 'degraded': 0, 'dropped': 0}
   assert c.goodput['degraded_productive'] == c.goodput['lost'] == 0.0
 
@@ -123,7 +126,7 @@ def test_naive_takeover_equals_fault_free_step():
   params0, loss, params = _fault_free_step0()
   c = _controller('4x2', 'faults.takeover=naive', schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  assert c.live() == (0, 1, 3) and ('group', (3,), steps.Role(exact=2 * B)) in c._programs
+  assert c.live() == (0, 1, 3) and ('group', (3,), train_step.Role(exact=2 * B)) in c._programs
   assert c.samples == {'exact': 4 * B, 'degraded': 0, 'dropped': 0}
   assert float(metrics['exact_tokens']) == 4 * B * L and float(metrics['degraded_tokens']) == 0
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
@@ -136,7 +139,7 @@ def test_neighbor_takeover_loss_equals_fault_free_loss():
   _, loss, _ = _fault_free_step0()
   c = _controller(schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  assert ('group', (3,), steps.Role(degraded=2 * B)) in c._programs
+  assert ('group', (3,), train_step.Role(degraded=2 * B)) in c._programs
   assert c.samples == {'exact': 2 * B, 'degraded': 2 * B, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
@@ -149,19 +152,19 @@ def test_balance_takeover_degrades_own_rows_and_keeps_the_loss():
   # Slice 2's 4 rows over 3 live slices in granules of fsdp=2: shares 2, 2, 0; each slice with
   # a share degrades 2 of its own rows too (2 exact + 0.3 * 4 degraded <= 4).
   groups = {k[1]: k[2] for k in c._programs if k[0] == 'group'}
-  assert groups == {(0, 3): steps.Role(2, 4), (1,): steps.Role(exact=B)}, groups
+  assert groups == {(0, 3): train_step.Role(2, 4), (1,): train_step.Role(exact=B)}, groups
   assert c.samples == {'exact': 2 + 2 + B, 'degraded': 8, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
 
 def _mean_loss(params, tokens_NxL1):
-  logits = model.forward(_mesh('4x2')[2], params, tokens_NxL1[:, :-1])
+  logits = llama.forward(_mesh('4x2')[2], params, tokens_NxL1[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_NxL1[:, 1:]).mean()
 
 
 def test_drop_loss_is_mean_over_live_samples():
   params0, loss, _ = _fault_free_step0()
-  tokens = data.global_batch(CORPUS, 0, 4, B)
+  tokens = order.global_batch(CORPUS, 0, 4, B)
   full = float(jax.jit(_mean_loss)(params0, tokens.reshape(-1, L + 1)))
   np.testing.assert_allclose(full, loss, rtol=1e-5)  # the reference reproduces the controller
   live_only = float(jax.jit(_mean_loss)(params0, tokens[[0, 1, 3]].reshape(-1, L + 1)))
@@ -170,7 +173,7 @@ def test_drop_loss_is_mean_over_live_samples():
   np.testing.assert_allclose(float(metrics['loss']), live_only, rtol=1e-5)
   assert abs(live_only - full) > 1e-4
   assert c.samples == {'exact': 3 * B, 'degraded': 0, 'dropped': B}
-  assert set(c._programs) == {('fused', (0, 1, 3), steps.Role(exact=B))}
+  assert set(c._programs) == {('fused', (0, 1, 3), train_step.Role(exact=B))}
   assert c.goodput['lost'] > 0
 
 
@@ -182,10 +185,10 @@ def test_neighbor_of_neighbor_then_last_slice_carries_all_then_all_down():
   c = _controller('4x2', f'faults.max_degraded_rows={2 * B}', schedule=sched)
   # Step 0: slice 1's neighbour (2) is down too, so slice 3 carries 1, 2 and its own.
   m0 = c.step(0)
-  assert ('group', (3,), steps.Role(degraded=3 * B, passes=2)) in c._programs
+  assert ('group', (3,), train_step.Role(degraded=3 * B, passes=2)) in c._programs
   # Step 1: slice 0 alone carries all four micro-batches, in passes of at most 2B rows.
   m1 = c.step(1)
-  assert ('group', (0,), steps.Role(degraded=4 * B, passes=2)) in c._programs
+  assert ('group', (0,), train_step.Role(degraded=4 * B, passes=2)) in c._programs
   assert float(m1['exact_tokens']) == 0 and float(m1['degraded_tokens']) == 4 * B * L
   assert math.isfinite(float(m0['loss'])) and math.isfinite(float(m1['loss']))
   assert c.samples == {'exact': B, 'degraded': 7 * B, 'dropped': 0}
@@ -264,7 +267,7 @@ def test_precompile_compiles_the_next_live_sets_in_the_background():
   compile_before = c.goodput['compile']
   c.start_precompile()
   c.precompiler.wait()
-  carrier = steps.Role(degraded=2 * B)
+  carrier = train_step.Role(degraded=2 * B)
   for live in ((0,), (1,)):  # a lone slice carries both micro-batches: fused, plus the refreshes
     assert {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True),
             ('eval', live)} <= set(c._programs), sorted(map(str, c._programs))

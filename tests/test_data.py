@@ -5,7 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from mecefo_jax.data import SyntheticCorpus, global_batch, sample_ids
+from mecefo_jax.data.order import global_batch, sample_ids
+from mecefo_jax.data.synthetic import SyntheticCorpus
 
 
 @pytest.fixture(scope='module')

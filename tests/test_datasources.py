@@ -4,9 +4,10 @@ import sys
 import numpy as np
 import pytest
 
-from mecefo_jax.data import SyntheticCorpus, global_batch
-from mecefo_jax.datasources import (DOC_SEP_BYTE, DataError, TokenArrayCorpus, load_corpus,
-                                    parse_spec)
+from mecefo_jax.data.order import global_batch
+from mecefo_jax.data.sources import (DOC_SEP_BYTE, DataError, TokenArrayCorpus, load_corpus,
+                                     parse_spec)
+from mecefo_jax.data.synthetic import SyntheticCorpus
 
 L = 16  # seq_len for most tests
 

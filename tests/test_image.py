@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mecefo_jax import image
-from mecefo_jax.snapshot import SnapshotError, SnapshotManager
+from mecefo_jax.snapshot import image
+from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager
 
 
 @pytest.fixture(scope='module')

@@ -4,8 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
-from flax import nnx
+from flax import linen as nn, nnx
 
 from mecefo_jax.layers import MeCeFODense, MeCeFOLinear
 from mecefo_jax.ops import gaussian_basis

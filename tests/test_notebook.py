@@ -91,7 +91,7 @@ def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
   assert 'crash: the trainer process died at the start of step 14' in text
   assert 'resumed from the snapshot taken after 10 steps' in text
   assert 'resume check: final params_sha256 matches the uninterrupted run' in text
-  from mecefo_jax.trainer import Trainer
+  from mecefo_jax.run.trainer import Trainer
   if 'on_log' in inspect.signature(Trainer.__init__).parameters:
     assert 'live plot through on_log' in text
   images = sum('image/png' in out.get('data', {}) for cell in nb.cells

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax import cli, manifest, recovery
+from mecefo_jax.run import cli
+from mecefo_jax.snapshot import manifest, recovery
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 14

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax import plot, progress, report_schema
 from mecefo_jax.config import load_config
+from mecefo_jax.run import plot, progress, report_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVAL_EVERY, LOG_EVERY = 20, 5, 4
@@ -21,7 +21,7 @@ STEPS, EVAL_EVERY, LOG_EVERY = 20, 5, 4
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   """One short real run (2 slices, snapshots on), shared by the tests of this file."""
-  from mecefo_jax.trainer import Trainer
+  from mecefo_jax.run.trainer import Trainer
   out = tmp_path_factory.mktemp('run')
   cfg = load_config(ROOT / 'configs' / 'tiny.yaml', [
       f'train.steps={STEPS}', f'train.log_every={LOG_EVERY}', f'train.eval_every={EVAL_EVERY}',
@@ -104,11 +104,12 @@ def test_docs_report_md_documents_every_key():
   text = (ROOT / 'docs' / 'report.md').read_text()
   missing = [key for key, *_ in report_schema.rows() if f'`{key}`' not in text]
   assert not missing, f'docs/report.md lacks {missing}; regenerate the table with ' \
-                      '`python -m mecefo_jax.report_schema --markdown`'
+                      '`python -m mecefo_jax.run.report_schema --markdown`'
 
 
 def test_readme_config_table_lists_every_key_with_its_default():
   import dataclasses
+
   from mecefo_jax.config import Config
   text = (ROOT / 'README.md').read_text()
   cfg = Config()
@@ -150,7 +151,7 @@ def test_plot_written_by_the_run_and_by_the_cli(run, tmp_path):
       {'step': 15, 'slice': 0, 'kind': 'fail', 'source': 'api', 'wall_s': 1.5, 'live': 1}]
   (tmp_path / 'report.json').write_text(json.dumps(report))
   png = tmp_path / 'plot.png'
-  proc = subprocess.run([sys.executable, '-m', 'mecefo_jax.plot', str(tmp_path), '--out', str(png)],
+  proc = subprocess.run([sys.executable, '-m', 'mecefo_jax.run.plot', str(tmp_path), '--out', str(png)],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
   assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20_000

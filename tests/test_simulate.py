@@ -3,10 +3,9 @@ import numpy as np
 import pytest
 
 from benchmarks import quality
-
-from mecefo_jax import simulate
-from mecefo_jax.failures import PRESETS, FailureSchedule
-from mecefo_jax.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, Role, replay
+from mecefo_jax.fault import simulate
+from mecefo_jax.fault.failures import PRESETS, FailureSchedule
+from mecefo_jax.fault.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, Role, replay
 
 N, B = 4, 8
 

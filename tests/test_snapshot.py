@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mecefo_jax import manifest, parity, snapshot
-from mecefo_jax.snapshot import SnapshotError, SnapshotManager, SnapshotWarning
-from mecefo_jax.train_state import TrainState
+from mecefo_jax.model.train_state import TrainState
+from mecefo_jax.snapshot import manifest, parity, store
+from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager, SnapshotWarning
 
 META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
 
@@ -174,21 +174,21 @@ def test_bad_directories_are_rejected_before_training(tmp_path):
     SnapshotManager(tmp_path / 'missing' / 'snap')
   if os.path.isdir('/proc'):  # Linux: not writable even for root, unlike a chmod-ed dir
     with pytest.raises(SnapshotError, match=r'/proc/mecefo: /proc is not writable'):
-      snapshot.check_capacity('/proc/mecefo', 1, keep=2)
+      store.check_capacity('/proc/mecefo', 1, keep=2)
   with pytest.raises(SnapshotError, match=r'MiB free < .* MiB needed \(2\+1 snapshots of'):
     SnapshotManager(tmp_path / 'snap', keep=2, state_bytes=2**60)
-  snapshot.check_capacity(tmp_path / 'snap', 2**20, keep=2)
+  store.check_capacity(tmp_path / 'snap', 2**20, keep=2)
 
 
 def test_state_nbytes_counts_concrete_and_abstract_leaves(mesh):
   state = make_state(mesh)
   expected = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(state))
-  assert snapshot.state_nbytes(state) == snapshot.state_nbytes(abstract(state)) == expected
+  assert store.state_nbytes(state) == store.state_nbytes(abstract(state)) == expected
 
 
 def test_sigterm_waits_for_the_in_flight_snapshot(tmp_path, mesh, slow_orbax_writes):
   manager = SnapshotManager(tmp_path / 'mem')
-  previous = snapshot.install_sigterm_handler(manager)
+  previous = store.install_sigterm_handler(manager)
   try:
     manager.maybe_save(0, make_state(mesh), META)
     with pytest.raises(SystemExit) as exit_info:
@@ -265,7 +265,8 @@ def test_rebuilt_host_snapshot_restores(tmp_path, mesh):
 
 def test_manifest_checksums_of_every_format_detect_corruption(tmp_path):
   import zlib
-  from mecefo_jax.manifest import MANIFEST_NAME, verify_manifest, write_manifest
+
+  from mecefo_jax.snapshot.manifest import MANIFEST_NAME, verify_manifest, write_manifest
   (tmp_path / 'd').mkdir()
   (tmp_path / 'd' / 'a').write_bytes(bytes(range(256)) * 1000)
   (tmp_path / 'empty').write_bytes(b'')  # mmap refuses empty files: the streamed path

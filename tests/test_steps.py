@@ -5,8 +5,10 @@ import numpy as np
 import optax
 import pytest
 
-from mecefo_jax import model, sharding, steps, train_state
+from mecefo_jax import sharding
 from mecefo_jax.config import load_config
+from mecefo_jax.model import llama, train_state
+from mecefo_jax.step import train_step
 
 TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
         'model.vocab_size=64', 'train.micro_batch=4']
@@ -60,18 +62,18 @@ def _ref_loss(params, tokens, n_layers, n_heads, cut_attention):
 
 
 def _contribution(cfg, params, bases, tokens, role):
-  graphdef, _, _ = model.abstract(cfg.model)
-  return steps.contribution(params, bases, tokens, jax.random.PRNGKey(1), role=role,
+  graphdef, _, _ = llama.abstract(cfg.model)
+  return train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1), role=role,
                             graphdef=graphdef, cfg=cfg)
 
 
 @pytest.mark.parametrize('remat', ['dots', 'full'])
 def test_degraded_grads_match_dense_projected_reference(remat):
   cfg = _cfg(f'mecefo.ffn_remat={remat}')
-  _, params = model.create(cfg.model, 0)
+  _, params = llama.create(cfg.model, 0)
   bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (6, cfg.model.seq_len + 1))
-  grads, loss, exact_tok, deg_tok = _contribution(cfg, params, bases, tokens, steps.Role(degraded=6))
+  grads, loss, exact_tok, deg_tok = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=6))
   ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, True)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert (float(exact_tok), float(deg_tok)) == (0.0, 6.0 * cfg.model.seq_len)
@@ -94,30 +96,30 @@ def test_degraded_grads_match_dense_projected_reference(remat):
 
 def test_normal_grads_and_losses_match_reference():
   cfg = _cfg()
-  _, params = model.create(cfg.model, 0)
+  _, params = llama.create(cfg.model, 0)
   tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
-  grads, loss, exact_tok, _ = _contribution(cfg, params, {}, tokens, steps.Role(exact=4))
+  grads, loss, exact_tok, _ = _contribution(cfg, params, {}, tokens, train_step.Role(exact=4))
   ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
   bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
-  _, d_loss, _, _ = _contribution(cfg, params, bases, tokens, steps.Role(degraded=4))
+  _, d_loss, _, _ = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=4))
   np.testing.assert_allclose(d_loss, loss, rtol=1e-6)  # the degraded forward is exact
 
 
 def test_normal_step_equals_jax_grad_and_optax(devices):
   cfg = _cfg('mesh.slice=4', 'mesh.fsdp=2')
   mesh = sharding.make_mesh(cfg.mesh)
-  graphdef, _, _ = model.abstract(cfg.model)
-  step = steps.compile_step(cfg, mesh, steps.Role(exact=4), graphdef)
+  graphdef, _, _ = llama.abstract(cfg.model)
+  step = train_step.compile_step(cfg, mesh, train_step.Role(exact=4), graphdef)
   state = _state(cfg, mesh)
   params0 = jax.device_get(state.params)
   tokens = _tokens(cfg, (4, 4, cfg.model.seq_len + 1))
   new_state, metrics = step(state, tokens)
 
   def mean_loss(p):
-    logits = model.forward(graphdef, p, tokens.reshape(16, -1)[:, :-1])
+    logits = llama.forward(graphdef, p, tokens.reshape(16, -1)[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens.reshape(16, -1)[:, 1:]).mean()
   loss, grads = jax.value_and_grad(mean_loss)(params0)
   tx = train_state.make_optimizer(cfg)
@@ -132,7 +134,7 @@ def test_normal_step_equals_jax_grad_and_optax(devices):
 def test_combine_rule_attention_over_exact_only():
   grads = {'block0': {'attn': {'q': jnp.full((2,), 6.0)}, 'ffn': {'up': jnp.full((2,), 6.0)}},
            'head': jnp.full((2,), 6.0)}
-  out = steps.combine(grads, exact_tokens=jnp.float32(2.0), total_tokens=jnp.float32(6.0))
+  out = train_step.combine(grads, exact_tokens=jnp.float32(2.0), total_tokens=jnp.float32(6.0))
   np.testing.assert_allclose(out['block0']['attn']['q'], 3.0)
   np.testing.assert_allclose(out['block0']['ffn']['up'], 1.0)
   np.testing.assert_allclose(out['head'], 1.0)
@@ -141,10 +143,10 @@ def test_combine_rule_attention_over_exact_only():
 def test_degraded_only_step_freezes_attention(devices):
   cfg = _cfg('mesh.slice=2', 'mesh.fsdp=2', 'mesh.tensor=2')
   mesh = sharding.make_mesh(cfg.mesh)
-  graphdef, _, _ = model.abstract(cfg.model)
-  state = steps.compile_refresh(cfg, mesh)(_state(cfg, mesh))
+  graphdef, _, _ = llama.abstract(cfg.model)
+  state = train_step.compile_refresh(cfg, mesh)(_state(cfg, mesh))
   before = jax.device_get(state)
-  step = steps.compile_step(cfg, mesh, steps.Role(degraded=8), graphdef)
+  step = train_step.compile_step(cfg, mesh, train_step.Role(degraded=8), graphdef)
   after, metrics = step(state, _tokens(cfg, (2, 8, cfg.model.seq_len + 1)))
   after = jax.device_get(after)
   assert float(metrics['exact_tokens']) == 0.0
@@ -158,8 +160,8 @@ def test_degraded_only_step_freezes_attention(devices):
 
 
 def _run(cfg, mesh, n_steps):
-  graphdef, _, _ = model.abstract(cfg.model)
-  normal = steps.compile_step(cfg, mesh, steps.Role(exact=8 // mesh.shape['slice']), graphdef)
+  graphdef, _, _ = llama.abstract(cfg.model)
+  normal = train_step.compile_step(cfg, mesh, train_step.Role(exact=8 // mesh.shape['slice']), graphdef)
   state = _state(cfg, mesh)
   for t in range(n_steps):
     tokens = _tokens(cfg, (8, cfg.model.seq_len + 1), seed=t).reshape(mesh.shape['slice'], -1,
@@ -181,9 +183,9 @@ def test_sharded_and_unsharded_runs_agree(devices):
 def test_steps_share_state_shardings_and_degraded_memory_fits(devices):
   cfg = _cfg('mesh.slice=2', 'mesh.fsdp=2', 'mesh.tensor=2')
   mesh = sharding.make_mesh(cfg.mesh)
-  graphdef, _, _ = model.abstract(cfg.model)
-  normal = steps.compile_step(cfg, mesh, steps.Role(exact=4), graphdef)
-  degraded = steps.compile_step(cfg, mesh, steps.Role(degraded=8), graphdef)
+  graphdef, _, _ = llama.abstract(cfg.model)
+  normal = train_step.compile_step(cfg, mesh, train_step.Role(exact=4), graphdef)
+  degraded = train_step.compile_step(cfg, mesh, train_step.Role(degraded=8), graphdef)
   expected = jax.tree.leaves(train_state.state_shardings(cfg, mesh))
   for compiled in (normal, degraded):
     (state_in, _), _ = compiled.input_shardings
@@ -196,22 +198,22 @@ def test_steps_share_state_shardings_and_degraded_memory_fits(devices):
 def test_compiled_memory_degraded_two_fits_in_normal_one(devices):
   cfg = load_config('configs/tiny.yaml', ['mesh.slice=1'])
   mesh = sharding.make_mesh(cfg.mesh, devices[:1])
-  graphdef, _, _ = model.abstract(cfg.model)
+  graphdef, _, _ = llama.abstract(cfg.model)
   b = cfg.train.micro_batch
-  temp = {name: steps.memory_summary(steps.compile_step(cfg, mesh, role, graphdef))['temp_bytes']
-          for name, role in [('normal', steps.Role(exact=b)), ('degraded', steps.Role(degraded=2 * b)),
-                             ('naive', steps.Role(exact=2 * b))]}
+  temp = {name: train_step.memory_summary(train_step.compile_step(cfg, mesh, role, graphdef))['temp_bytes']
+          for name, role in [('normal', train_step.Role(exact=b)), ('degraded', train_step.Role(degraded=2 * b)),
+                             ('naive', train_step.Role(exact=2 * b))]}
   assert temp['degraded'] <= temp['normal'] < temp['naive'], temp
 
 
 def test_degraded_passes_with_remainder_equal_one_pass():
   cfg = _cfg()
-  _, params = model.create(cfg.model, 0)
+  _, params = llama.create(cfg.model, 0)
   bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (7, cfg.model.seq_len + 1))
-  assert steps.split_passes(7, 3) == 3  # chunks of 3, 3 and a remainder of 1
-  one = _contribution(cfg, params, bases, tokens, steps.Role(degraded=7))
-  three = _contribution(cfg, params, bases, tokens, steps.Role(degraded=7, passes=3))
+  assert train_step.split_passes(7, 3) == 3  # chunks of 3, 3 and a remainder of 1
+  one = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=7))
+  three = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=7, passes=3))
   np.testing.assert_allclose(three[1], one[1], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(three[0]), jax.tree.leaves(one[0])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -221,12 +223,12 @@ def test_degraded_passes_with_remainder_equal_one_pass():
 
 def _ablated(degrade, remat='dots'):
   cfg = _cfg(f'mecefo.ffn_remat={remat}')
-  _, params = model.create(cfg.model, 0)
+  _, params = llama.create(cfg.model, 0)
   bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
-  graphdef, _, _ = model.abstract(cfg.model)
-  grads, loss, _, _ = steps.contribution(params, bases, tokens, jax.random.PRNGKey(1),
-                                         role=steps.Role(degraded=4), graphdef=graphdef, cfg=cfg,
+  graphdef, _, _ = llama.abstract(cfg.model)
+  grads, loss, _, _ = train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1),
+                                         role=train_step.Role(degraded=4), graphdef=graphdef, cfg=cfg,
                                          degrade=degrade)
   return cfg, params, bases, tokens, grads, loss
 
@@ -237,11 +239,11 @@ def _ffn_kernel(path):
 
 
 def test_degrade_skip_attention_only_is_the_cut_graph_with_exact_ffn_grads():
-  cfg, params, _, tokens, grads, loss = _ablated(model.Degrade(skip_attention=True))
+  cfg, params, _, tokens, grads, loss = _ablated(llama.Degrade(skip_attention=True))
   ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, True)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the forward is exact
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
-    if model.is_attention_branch(path):
+    if llama.is_attention_branch(path):
       assert not np.any(np.asarray(g)), path  # no gradient from this pass at all
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6, err_msg=str(path))
   # The last block's FFN sees no attention downstream: its grads equal the uncut ones.
@@ -253,7 +255,7 @@ def test_degrade_skip_attention_only_is_the_cut_graph_with_exact_ffn_grads():
 
 @pytest.mark.parametrize('remat', ['dots', 'full'])
 def test_degrade_remat_only_changes_no_gradient(remat):
-  cfg, params, _, tokens, grads, loss = _ablated(model.Degrade(remat_ffn=True), remat)
+  cfg, params, _, tokens, grads, loss = _ablated(llama.Degrade(remat_ffn=True), remat)
   ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
@@ -261,7 +263,7 @@ def test_degrade_remat_only_changes_no_gradient(remat):
 
 
 def test_degrade_lowrank_only_projects_ffn_kernels_and_keeps_the_rest_exact():
-  cfg, params, bases, tokens, grads, loss = _ablated(model.Degrade(lowrank=True))
+  cfg, params, bases, tokens, grads, loss = _ablated(llama.Degrade(lowrank=True))
   ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # loss identical: only Wgrad changes
   flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref))
@@ -276,18 +278,18 @@ def test_degrade_lowrank_only_projects_ffn_kernels_and_keeps_the_rest_exact():
 
 
 def test_degrade_true_is_all_techniques_and_static_under_jit():
-  assert model.Degrade.of(True) == model.FULL == model.Degrade(True, True, True)
-  assert model.Degrade.of(False) == model.NONE and not model.NONE and model.Degrade(lowrank=True)
-  *_, grads, loss = _ablated(model.FULL)
-  cfg, params, bases, tokens, _, _ = _ablated(model.NONE)
-  graphdef, _, _ = model.abstract(cfg.model)
-  default = steps.contribution(params, bases, tokens, jax.random.PRNGKey(1),
-                               role=steps.Role(degraded=4), graphdef=graphdef, cfg=cfg)
+  assert llama.Degrade.of(True) == llama.FULL == llama.Degrade(True, True, True)
+  assert llama.Degrade.of(False) == llama.NONE and not llama.NONE and llama.Degrade(lowrank=True)
+  *_, grads, loss = _ablated(llama.FULL)
+  cfg, params, bases, tokens, _, _ = _ablated(llama.NONE)
+  graphdef, _, _ = llama.abstract(cfg.model)
+  default = train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1),
+                               role=train_step.Role(degraded=4), graphdef=graphdef, cfg=cfg)
   assert float(default[1]) == float(loss)
   for a, b in zip(jax.tree.leaves(default[0]), jax.tree.leaves(grads)):
     np.testing.assert_array_equal(a, b)
   # Hashable and static: one trace per distinct Degrade.
-  fwd = jax.jit(model.forward, static_argnums=(0, 3))
-  out = fwd(graphdef, params, tokens[:, :-1], model.Degrade(skip_attention=True))
-  np.testing.assert_allclose(out, model.forward(graphdef, params, tokens[:, :-1]), rtol=1e-5,
+  fwd = jax.jit(llama.forward, static_argnums=(0, 3))
+  out = fwd(graphdef, params, tokens[:, :-1], llama.Degrade(skip_attention=True))
+  np.testing.assert_allclose(out, llama.forward(graphdef, params, tokens[:, :-1]), rtol=1e-5,
                              atol=1e-6)

@@ -5,9 +5,9 @@ import re
 import numpy as np
 import pytest
 
-from mecefo_jax import takeover
 from mecefo_jax.config import ConfigError
-from mecefo_jax.failures import PRESETS, FailureSchedule
+from mecefo_jax.fault import takeover
+from mecefo_jax.fault.failures import PRESETS, FailureSchedule
 
 
 def _traces(count=100, seed=0):

@@ -282,7 +282,7 @@ def markdown() -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m mecefo_jax.report_schema',
+  p = argparse.ArgumentParser(prog='python -m mecefo_jax.run.report_schema',
                               description='Check a report.json against the schema.')
   p.add_argument('report', nargs='?', help='report.json or a run directory')
   p.add_argument('--markdown', action='store_true', help='print the key table of docs/report.md')

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from mecefo_jax import multihost
+
 Layout = list[list]  # [[path, shape, dtype], ...], JSON-friendly
 
 
@@ -68,3 +70,11 @@ def unpack(image: np.ndarray, target: Any) -> Any:
                                       dtype=x.dtype)
          for x, view in zip(leaves, views(image, layout(target)))]
   return jax.tree.unflatten(treedef, out)
+
+
+def local_replica(tree) -> list[np.ndarray] | None:
+  """Host copies of the leaves of `tree` as held by local_replica_devices, or None."""
+  devices = multihost.local_replica_devices(tree)
+  if devices is None:
+    return None
+  return list(views(*pack(tree, devices=devices)))  # views of one fresh copy

@@ -10,10 +10,9 @@ import jax
 
 from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError
-from mecefo_jax.host_snapshot import HostSnapshots
-from mecefo_jax.snapshot import SnapshotError, SnapshotManager, default_snapshot_dir
-from mecefo_jax.steps import abstract_state
-from mecefo_jax.train_state import state_shardings
+from mecefo_jax.model.train_state import abstract_state, state_shardings
+from mecefo_jax.snapshot.host import HostSnapshots
+from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager, default_snapshot_dir
 
 log = logging.getLogger('mecefo')
 RUN_STATE = 'run_state.json'

@@ -18,10 +18,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mecefo_jax import image, multihost, parity
-from mecefo_jax.manifest import verify_manifest
-from mecefo_jax.snapshot import SnapshotWarning, _Tier, check_capacity
-from mecefo_jax.steps import abstract_state
+from mecefo_jax import multihost
+from mecefo_jax.model.train_state import abstract_state
+from mecefo_jax.snapshot import image, parity
+from mecefo_jax.snapshot.manifest import verify_manifest
+from mecefo_jax.snapshot.store import SnapshotWarning, _Tier, check_capacity
 
 log = logging.getLogger('mecefo')
 _MAX_STEPS = 16  # snapshot steps compared across hosts at restore

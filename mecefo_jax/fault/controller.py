@@ -10,11 +10,14 @@ from typing import Callable
 import jax
 import numpy as np
 
-from mecefo_jax import data, multihost, sharding, slice_steps, steps, takeover
-from mecefo_jax.precompile import Precompiler, next_live_sets
+from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config
-from mecefo_jax.failures import FailureEvent, FailureSchedule
-from mecefo_jax.train_state import params_sha256, state_shardings
+from mecefo_jax.data import order
+from mecefo_jax.fault import takeover
+from mecefo_jax.fault.failures import FailureEvent, FailureSchedule
+from mecefo_jax.model.train_state import params_sha256, state_shardings
+from mecefo_jax.step import slice_steps, train_step
+from mecefo_jax.step.precompile import Precompiler, next_live_sets
 
 log = logging.getLogger('mecefo')
 
@@ -113,12 +116,12 @@ class Controller:
     """The one-program SPMD step for slices that all play `role` (the fault-free path)."""
     mesh = sharding.submesh(self.mesh, live)
     return self.program(('fused', live, role),
-                         lambda: steps.compile_step(self.cfg, mesh, role, self.graphdef))
+                         lambda: train_step.compile_step(self.cfg, mesh, role, self.graphdef))
 
   def evaluator(self, live):
     """The forward-only `(params, tokens) -> mean loss` program on `live`."""
     mesh = sharding.submesh(self.mesh, live)
-    return self.program(('eval', live), lambda: steps.compile_eval(
+    return self.program(('eval', live), lambda: train_step.compile_eval(
         self.cfg, mesh, self.micro_batch, self.graphdef))
 
   def _group(self, slices, role):
@@ -133,7 +136,7 @@ class Controller:
   def _refresh(self, live, warm: bool):
     mesh = sharding.submesh(self.mesh, live)
     return self.program(('refresh', live, warm),
-                        lambda: steps.compile_refresh(self.cfg, mesh, warm))
+                        lambda: train_step.compile_refresh(self.cfg, mesh, warm))
 
   # --- state placement ---------------------------------------------------------------------
   def _place_state(self, live: tuple[int, ...]) -> None:
@@ -221,7 +224,7 @@ class Controller:
 
   def _run(self, step: int, live: tuple[int, ...]) -> tuple[dict, int]:
     work, dropped, roles = self._plan(live)
-    ids_SxB = data.sample_ids(step, self.n_slices, self.micro_batch)
+    ids_SxB = order.sample_ids(step, self.n_slices, self.micro_batch)
     processed = self._account(work, dropped)
     self._place_state(live)
     if any(r.degraded for r in roles.values()):
@@ -236,11 +239,11 @@ class Controller:
       metrics = self._run_groups(live, roles, work, ids_SxB)
     return metrics, processed
 
-  def _batch(self, ids_SxB, work, slices, role: steps.Role) -> jax.Array:
+  def _batch(self, ids_SxB, work, slices, role: train_step.Role) -> jax.Array:
     """Tokens of `slices` on their devices; each process makes only the rows it holds."""
     mesh = sharding.submesh(self.mesh, slices)
     return multihost.put_batch(lambda i: self._tokens(ids_SxB, work[slices[i]]),
-                               steps.batch_shape(self.cfg, len(slices), role),
+                               train_step.batch_shape(self.cfg, len(slices), role),
                                sharding.batch_sharding(mesh))
 
   def _plan(self, live):
@@ -271,9 +274,9 @@ class Controller:
     self.state, metrics = update(self.state, sums)
     return metrics
 
-  def _role(self, w: takeover.SliceWork) -> steps.Role:
+  def _role(self, w: takeover.SliceWork) -> train_step.Role:
     exact, degraded = w.counts()
-    return steps.Role(exact, degraded, steps.split_passes(degraded, self.max_rows))
+    return train_step.Role(exact, degraded, train_step.split_passes(degraded, self.max_rows))
 
   def _tokens(self, ids_SxB, w: takeover.SliceWork) -> np.ndarray:
     ids = [ids_SxB[r.owner, r.start:r.stop] for r in (*w.exact, *w.degraded)]
@@ -328,7 +331,7 @@ class Controller:
             for s in self.state_slices}
 
 
-def _role_groups(live, roles) -> dict[steps.Role, tuple[int, ...]]:
+def _role_groups(live, roles) -> dict[train_step.Role, tuple[int, ...]]:
   """Live slices grouped by role (each group runs one program on its own devices)."""
   groups = collections.defaultdict(list)
   for s in live:

@@ -5,11 +5,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-POLICIES = ('neighbor', 'spread', 'balance', 'drop', 'naive')
-# Cost of a degraded row relative to an exact one (balance): the FLOP ratio on llama_60m
-# (two degraded micro-batches = 1.32 normal ones, benchmarks/ablation.py), what a compute-bound
-# device pays; CPU step times give 0.3-0.6. Too high only degrades more rows than needed.
-DEGRADED_COST = 0.65
+from mecefo_jax.config import DEGRADED_COST, POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +45,7 @@ def _split(n_rows: int, parts: int, granule: int) -> list[int]:
 
 def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
          degraded_cost: float = DEGRADED_COST) -> tuple[dict[int, SliceWork], list[Rows]]:
-  """(work of every live slice, rows dropped) for one step. MECEFO.md §1.
+  """(work of every live slice, rows dropped) for one step. docs/algorithm.md §1.
 
   neighbor: the next live slice on the ring does its own and the orphans, all degraded.
   naive: the same neighbour does both exactly (the baseline that runs out of memory).

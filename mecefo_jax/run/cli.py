@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from mecefo_jax import takeover  # no jax import: XLA_FLAGS are still settable
+from mecefo_jax.config import POLICIES  # no jax import: XLA_FLAGS are still settable
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -24,8 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--dry-run', action='store_true',
                  help='build, compile the step, print parameters, mesh and memory; no training')
   p.add_argument('--failures', default=None,
-                 help='none | low | mid | high (MECEFO.md §5 presets) | trace:PATH (= faults.failures)')
-  p.add_argument('--takeover', default=None, choices=takeover.POLICIES,
+                 help='none | low | mid | high (docs/algorithm.md §5 presets) | trace:PATH (= faults.failures)')
+  p.add_argument('--takeover', default=None, choices=POLICIES,
                  help='who processes a failed slice\'s micro-batch (= faults.takeover)')
   p.add_argument('--resume', action='store_true',
                  help='continue from the newest intact snapshot / checkpoint of --out')
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
   logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
   logging.getLogger('mecefo').setLevel(logging.WARNING if args.quiet else logging.INFO)
   from mecefo_jax.config import ConfigError, load_config, to_dict
-  from mecefo_jax.datasources import DataError
-  from mecefo_jax.snapshot import SnapshotError
+  from mecefo_jax.data.sources import DataError
+  from mecefo_jax.snapshot.store import SnapshotError
   try:
     cfg = load_config(args.config, overrides)
     if args.print_config:
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
       return 0
     from mecefo_jax import multihost
     multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
-    from mecefo_jax import recovery, trainer
+    from mecefo_jax.run import trainer
+    from mecefo_jax.snapshot import recovery
     out_dir = Path(args.out or cfg.train.out_dir)
     resume = args.resume or (not args.fresh and recovery.unfinished(out_dir))
     run = trainer.Trainer(cfg, out_dir, resume=resume, progress='quiet' if args.quiet else 'auto')
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     print(f'error: {e}', file=sys.stderr)
     return 2
   if run.snapshots:  # preemption: checkpoint and stop at the end of the step
-    from mecefo_jax.snapshot import install_sigterm_handler
+    from mecefo_jax.snapshot.store import install_sigterm_handler
     install_sigterm_handler(run.snapshots, defer=True)
   log = logging.getLogger('mecefo')
   log.info('%s', run.describe())

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import jax
@@ -10,11 +9,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from mecefo_jax import model, ops
+from mecefo_jax import ops
 from mecefo_jax.config import Config
+from mecefo_jax.model import llama
+from mecefo_jax.model.train_state import (TrainState, abstract_state, gaussian_bases,
+                                          make_optimizer, state_shardings, svd_bases)
 from mecefo_jax.sharding import batch_sharding, replicated
-from mecefo_jax.train_state import (TrainState, gaussian_bases, init_state, make_optimizer,
-                                    state_shardings, svd_bases)
 
 log = logging.getLogger('mecefo')
 
@@ -36,12 +36,12 @@ class Role:
 
 
 def _loss_sum(params, tokens_NxL1, graphdef, degraded, bases, remat):
-  logits = model.forward(graphdef, params, tokens_NxL1[:, :-1], degraded, bases, remat)
+  logits = llama.forward(graphdef, params, tokens_NxL1[:, :-1], degraded, bases, remat)
   return ops.token_cross_entropy(logits, tokens_NxL1[:, 1:]).sum()
 
 
 def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: Config,
-                 degrade: model.Degrade = model.FULL):
+                 degrade: llama.Degrade = llama.FULL):
   """Summed loss and gradients of one slice's rows; degraded rows give attention no gradient.
 
   Returns (grads, loss_sum, exact_tokens, degraded_tokens); gradients are sums over tokens.
@@ -92,16 +92,16 @@ def split_passes(degraded_rows: int, max_rows: int) -> int:
 
 
 def combine(grads_sum, exact_tokens, total_tokens):
-  """MECEFO.md §3: attention-branch grads average over exact tokens only, the rest over all."""
+  """docs/algorithm.md §3: attention-branch grads average over exact tokens only, the rest over all."""
   def mean(path, g):
-    denom = exact_tokens if model.is_attention_branch(path) else total_tokens
+    denom = exact_tokens if llama.is_attention_branch(path) else total_tokens
     return g / jnp.maximum(denom, 1.0)
   return jax.tree_util.tree_map_with_path(mean, grads_sum)
 
 
 def _freeze_attention(new, old, frozen):
   """Keep attention-branch leaves (params and their optimizer moments) at `old` when frozen."""
-  pick = lambda path, n, o: jnp.where(frozen, o, n) if model.is_attention_branch(path) else n
+  pick = lambda path, n, o: jnp.where(frozen, o, n) if llama.is_attention_branch(path) else n
   return jax.tree_util.tree_map_with_path(pick, new, old)
 
 
@@ -128,12 +128,12 @@ def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg, degrade):
                       degrade=degrade)
 
 
-def make_step_fn(cfg: Config, role: Role, graphdef, degrade: model.Degrade = model.FULL):
+def make_step_fn(cfg: Config, role: Role, graphdef, degrade: llama.Degrade = llama.FULL):
   """The pure step `(state, tokens_SxRxL1) -> (state, metrics)`: every slice plays `role`.
 
   Role(exact=B) is the normal step; Role(degraded=k*B) a slice doing its own and k-1 extra
   micro-batches degraded. Slices with different roles run separate per-slice programs
-  (a collective inside a per-slice branch of one SPMD program deadlocks, MECEFO.md §8).
+  (a collective inside a per-slice branch of one SPMD program deadlocks, docs/algorithm.md §8).
   `degrade` narrows the degraded rows' techniques for the ablation benchmark.
   """
   tx = make_optimizer(cfg)
@@ -161,13 +161,8 @@ def batch_shape(cfg: Config, n_slices: int, role: Role) -> tuple[int, int, int]:
   return n_slices, role.rows, cfg.model.seq_len + 1
 
 
-@functools.lru_cache(maxsize=64)
-def abstract_state(cfg: Config):
-  return jax.eval_shape(lambda: init_state(cfg))
-
-
 def compile_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
-                 degrade: model.Degrade = model.FULL):
+                 degrade: llama.Degrade = llama.FULL):
   """AOT-compiled step for `role` on `mesh`: state donated, identical state in/out shardings."""
   state_sh = state_shardings(cfg, mesh)
   jitted = jax.jit(make_step_fn(cfg, role, graphdef, degrade), donate_argnums=0,

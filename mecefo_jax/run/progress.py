@@ -64,6 +64,7 @@ class Progress:
     if self.mode == 'bar':
       from tqdm import tqdm
       from tqdm.contrib.logging import logging_redirect_tqdm
+
       # tqdm draws nothing on a terminal of size 0x0: give it a fixed size there.
       size = {'dynamic_ncols': True} if _sized(self.stream) else {'ncols': 120, 'nrows': 24}
       self._bar = self._stack.enter_context(

@@ -1,4 +1,4 @@
-"""Plots of a run: `python -m mecefo_jax.plot RUN_DIR [--out PNG]` writes RUN_DIR/training.png."""
+"""Plots of a run: `python -m mecefo_jax.run.plot RUN_DIR [--out PNG]` writes RUN_DIR/training.png."""
 from __future__ import annotations
 
 import argparse
@@ -159,7 +159,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m mecefo_jax.plot',
+  p = argparse.ArgumentParser(prog='python -m mecefo_jax.run.plot',
                               description='Plot loss, throughput, failures and goodput of a run.')
   p.add_argument('run_dir', help='run directory (holds metrics.jsonl and report.json)')
   p.add_argument('--out', default=None, help=f'PNG to write (default RUN_DIR/{PLOT_FILE})')

@@ -11,8 +11,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from mecefo_jax import model, ops
+from mecefo_jax import ops
 from mecefo_jax.config import Config, MeCeFOConfig, ModelConfig
+from mecefo_jax.model import llama
 from mecefo_jax.sharding import replicated, tree_shardings
 
 FFN_MATRICES = ('gate', 'up', 'down')
@@ -20,7 +21,7 @@ FFN_MATRICES = ('gate', 'up', 'down')
 
 class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: optimizer steps taken
-  params: Any  # pure dict of arrays (see model.create)
+  params: Any  # pure dict of arrays (see llama.create)
   opt_state: Any
   bases: Any  # {'block{i}': {'gate','up','down': [d_in, r]}}; {} for gaussian bases
   bases_step: jax.Array  # int32: step the svd bases were computed at, -1 before the first
@@ -90,13 +91,19 @@ def gaussian_bases(cfg: Config, key) -> dict:
 def init_state(cfg: Config, graphdef=None) -> TrainState:
   """Fresh state; jit it with out_shardings=state_shardings(...) to create it sharded."""
   rng = jax.random.PRNGKey(cfg.train.seed)
-  _, params = model.create(cfg.model, cfg.train.seed)
+  _, params = llama.create(cfg.model, cfg.train.seed)
   opt_state = make_optimizer(cfg).init(params)
   bases = {}
   if cfg.mecefo.basis == 'svd':
     bases = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: svd_bases(params, cfg, rng)))
   return TrainState(jnp.zeros((), jnp.int32), params, opt_state, bases,
                     jnp.full((), -1, jnp.int32), rng)
+
+
+@functools.lru_cache(maxsize=64)
+def abstract_state(cfg: Config) -> TrainState:
+  """The train state's shapes and dtypes, without allocating (cached per config)."""
+  return jax.eval_shape(lambda: init_state(cfg))
 
 
 def create_sharded(cfg: Config, mesh: Mesh) -> TrainState:
@@ -118,7 +125,7 @@ def params_sha256(params) -> str:
 @functools.lru_cache(maxsize=256)
 def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
   """NamedShardings of the state: replicated across slices, sharded inside a slice by the rules."""
-  _, param_shapes, param_axes = model.abstract(cfg.model)
+  _, param_shapes, param_axes = llama.abstract(cfg.model)
   shapes = jax.eval_shape(lambda: init_state(cfg))
   param_sh = tree_shardings(param_axes, param_shapes, mesh)
   opt_sh = optax.tree_map_params(make_optimizer(cfg), lambda _, s: s, shapes.opt_state, param_sh,

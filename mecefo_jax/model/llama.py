@@ -17,7 +17,7 @@ ATTENTION_BRANCH = ('attn', 'attn_norm')
 
 @dataclasses.dataclass(frozen=True)
 class Degrade:
-  """Which MECEFO.md §2 techniques a pass uses; frozen and hashable, so it is static under jit.
+  """Which docs/algorithm.md §2 techniques a pass uses; frozen and hashable, so it is static under jit.
 
   `degraded=True` everywhere means all three (the MeCeFO degraded step), `False` none; single
   flags exist for the ablation (benchmarks/ablation.py).
@@ -157,6 +157,6 @@ def forward(graphdef, params, tokens_BxL, degraded: bool | Degrade = False, base
 
 
 def is_attention_branch(path) -> bool:
-  """True for parameters that degraded micro-batches give no gradient (MECEFO.md §2.1)."""
+  """True for parameters that degraded micro-batches give no gradient (docs/algorithm.md §2.1)."""
   keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
   return any(k in ATTENTION_BRANCH for k in keys)

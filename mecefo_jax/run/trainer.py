@@ -10,16 +10,19 @@ from typing import Callable
 import jax
 import numpy as np
 
-from mecefo_jax import model, multihost, recovery, sharding, slice_steps, steps, train_state
+from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config, ConfigError, to_dict
-from mecefo_jax.controller import AllSlicesDown, Controller
-from mecefo_jax.data import global_batch
-from mecefo_jax.datasources import load_corpus
-from mecefo_jax.failures import FailureSchedule
-from mecefo_jax.metrics import MetricsWriter
-from mecefo_jax.progress import Progress
-from mecefo_jax.report_schema import SCHEMA_VERSION
-from mecefo_jax.snapshot import state_nbytes
+from mecefo_jax.data.order import global_batch
+from mecefo_jax.data.sources import load_corpus
+from mecefo_jax.fault.controller import AllSlicesDown, Controller
+from mecefo_jax.fault.failures import FailureSchedule
+from mecefo_jax.model import llama, train_state
+from mecefo_jax.run.metrics import MetricsWriter
+from mecefo_jax.run.progress import Progress
+from mecefo_jax.run.report_schema import SCHEMA_VERSION
+from mecefo_jax.snapshot import image, recovery
+from mecefo_jax.snapshot.store import state_nbytes
+from mecefo_jax.step import slice_steps, train_step
 
 log = logging.getLogger('mecefo')
 
@@ -66,13 +69,13 @@ class Trainer:
     m = cfg.model
     self.corpus = load_corpus(cfg.train.data, seq_len=m.seq_len, seed=cfg.train.seed,
                               vocab_size=m.vocab_size)
-    self.graphdef, _, _ = model.abstract(m)
+    self.graphdef, _, _ = llama.abstract(m)
     f = cfg.faults
     self.schedule = schedule or FailureSchedule.from_spec(
         f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s, cfg.train.seed)
     self.out_dir.mkdir(parents=True, exist_ok=True)
     self.snapshots = recovery.open_manager(cfg, self.out_dir,
-                                           state_nbytes(steps.abstract_state(cfg)))
+                                           state_nbytes(train_state.abstract_state(cfg)))
     t0 = time.perf_counter()
     state = train_state.create_sharded(cfg, self.mesh)
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state)
@@ -86,8 +89,8 @@ class Trainer:
       self._resume()
     # Compile the fault-free step now, so that the first step runs at full speed.
     all_slices = tuple(range(self.n_slices))
-    self.memory = steps.memory_summary(
-        self.controller.fused(all_slices, steps.Role(exact=cfg.train.micro_batch)))
+    self.memory = train_step.memory_summary(
+        self.controller.fused(all_slices, train_step.Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
     if self._precompile():
       self.controller.start_precompile()
@@ -288,7 +291,7 @@ class Trainer:
 
   def _plot(self) -> None:
     try:
-      from mecefo_jax import plot
+      from mecefo_jax.run import plot
       plot.plot_run(self.out_dir)
     except Exception as err:  # noqa: BLE001 -- a missing plot is never worth a failed run
       log.warning('could not write %s: %s: %s', self.out_dir / 'training.png',
@@ -347,7 +350,7 @@ class Trainer:
     digest = None
     if jax.process_index() == source:
       params = self.state.params
-      leaves = multihost.local_replica(params)
+      leaves = image.local_replica(params)
       digest = train_state.params_sha256(jax.tree.unflatten(jax.tree.structure(params), leaves))
     return multihost.broadcast_bytes(digest and digest.encode(), source).decode()
 

@@ -8,9 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from mecefo_jax import takeover
-from mecefo_jax.failures import PRESETS, FailureSchedule
-from mecefo_jax.steps import Role, split_passes
+from mecefo_jax.fault import takeover
+from mecefo_jax.fault.failures import PRESETS, FailureSchedule
+from mecefo_jax.step.train_step import Role, split_passes
 
 CHECKPOINT = 'checkpoint-restart'
 PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster

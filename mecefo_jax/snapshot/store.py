@@ -21,8 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from mecefo_jax import image
-from mecefo_jax.manifest import verify_manifest, write_manifest
+from mecefo_jax.snapshot import image
+from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 

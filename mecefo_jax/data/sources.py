@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mecefo_jax.data import _EVAL_BASE, SyntheticCorpus, _check_int, check_sample_ids
+from mecefo_jax.data.order import EVAL_BASE, check_int, check_sample_ids
+from mecefo_jax.data.synthetic import SyntheticCorpus
 
 BYTE_VOCAB = 256
 DOC_SEP_BYTE = 0  # joins documents: NUL never occurs in text, so it marks a boundary unambiguously
@@ -47,8 +48,8 @@ class TokenArrayCorpus:
   def __init__(self, tokens_1d: np.ndarray, seq_len: int, seed: int = 0, split: str = 'auto',
                eval_fraction: float = 0.01, vocab_size: int | None = None,
                source: str = 'token array'):
-    _check_int('seq_len', seq_len, 1)
-    _check_int('seed', seed, 0)
+    check_int('seq_len', seq_len, 1)
+    check_int('seed', seed, 0)
     if seed >= 1 << 64:
       raise ValueError(f'seed must be < 2**64, got {seed}')
     if split not in _SPLITS:
@@ -85,7 +86,7 @@ class TokenArrayCorpus:
     ids = check_sample_ids(sample_ids)
     ids_N = ids.astype(np.uint64)
     if self.split == 'auto':
-      is_eval_N = ids_N >= np.uint64(_EVAL_BASE)
+      is_eval_N = ids_N >= np.uint64(EVAL_BASE)
     else:
       is_eval_N = np.full(len(ids_N), self.split == 'eval')
     if is_eval_N.any() and self.regions['eval'] is None:

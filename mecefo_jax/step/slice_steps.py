@@ -1,7 +1,7 @@
 """Per-slice programs for steps where slices play different roles, and the cross-slice update.
 
 Slices with different roles cannot share one SPMD program without per-slice branches, and a
-collective inside such a branch deadlocks (MECEFO.md §8). So each group of slices with the
+collective inside such a branch deadlocks (docs/algorithm.md §8). So each group of slices with the
 same role runs its own program on its own devices (in-slice sharding intact), producing
 per-slice gradient sums; one update program over the live slices then reduces them across
 slices (outside any branch), applies the §3 rule and the optimizer, identically everywhere.
@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mecefo_jax import sharding, steps
+from mecefo_jax import sharding
 from mecefo_jax.config import Config
+from mecefo_jax.model.train_state import TrainState, abstract_state, make_optimizer, state_shardings
 from mecefo_jax.sharding import batch_sharding, replicated
-from mecefo_jax.train_state import TrainState, make_optimizer, state_shardings
+from mecefo_jax.step import train_step
 
 
 def view(tree, mesh: Mesh, shardings):
@@ -62,11 +63,11 @@ def stack_groups(outputs, cfg: Config, mesh: Mesh):
   return jax.tree.map(one, target, *outputs)
 
 
-def compile_group(cfg: Config, mesh: Mesh, role: steps.Role, graphdef):
+def compile_group(cfg: Config, mesh: Mesh, role: train_step.Role, graphdef):
   """`(state, tokens_GxRxL1) -> per-slice (grads, loss, exact_tokens, degraded_tokens)` on `mesh`."""
   def group(state: TrainState, tokens_GxRxL1):
     key = jax.random.fold_in(state.rng, state.step)
-    one = functools.partial(steps.contribution, state.params, state.bases, key=key, role=role,
+    one = functools.partial(train_step.contribution, state.params, state.bases, key=key, role=role,
                             graphdef=graphdef, cfg=cfg)
     # vmap over the group's slices: each slice's sums stay on its own devices, unreduced.
     return jax.vmap(one)(tokens_GxRxL1)
@@ -74,8 +75,8 @@ def compile_group(cfg: Config, mesh: Mesh, role: steps.Role, graphdef):
   state_sh = state_shardings(cfg, mesh)
   jitted = jax.jit(group, in_shardings=(state_sh, batch_sharding(mesh)),
                    out_shardings=sums_shardings(cfg, mesh))
-  tokens = jax.ShapeDtypeStruct(steps.batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
-  return jitted.lower(steps.abstract_state(cfg), tokens).compile()
+  tokens = jax.ShapeDtypeStruct(train_step.batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
+  return jitted.lower(abstract_state(cfg), tokens).compile()
 
 
 def compile_update(cfg: Config, mesh: Mesh):
@@ -87,16 +88,16 @@ def compile_update(cfg: Config, mesh: Mesh):
     if cfg.mesh.ordered_reduce:  # every device gets all slices' sums, adds them in slice order
       sums = jax.tree.map(lambda x, sh: jax.lax.with_sharding_constraint(
           x, NamedSharding(mesh, P(None, *sh.spec[1:]))), sums, sums_sh)
-    return steps.finish_step(state, jax.tree.map(lambda x: x.sum(0), sums), tx)
+    return train_step.finish_step(state, jax.tree.map(lambda x: x.sum(0), sums), tx)
 
   jitted = jax.jit(update, donate_argnums=0, in_shardings=(state_shardings(cfg, mesh), sums_sh),
                    out_shardings=(state_shardings(cfg, mesh), replicated(mesh)))
-  return jitted.lower(steps.abstract_state(cfg), _abstract_sums(cfg, mesh.shape['slice'])).compile()
+  return jitted.lower(abstract_state(cfg), _abstract_sums(cfg, mesh.shape['slice'])).compile()
 
 
 def _abstract_sums(cfg: Config, n_slices: int):
   """Shapes of per-slice sums stacked over n_slices: (grads, loss, exact, degraded)."""
   stacked = lambda shape, dtype: jax.ShapeDtypeStruct((n_slices, *shape), dtype)
-  params = steps.abstract_state(cfg).params
+  params = abstract_state(cfg).params
   scalar = stacked((), jnp.float32)
   return (jax.tree.map(lambda p: stacked(p.shape, p.dtype), params), scalar, scalar, scalar)

@@ -23,15 +23,10 @@ import math
 
 import numpy as np
 
-_EVAL_BASE = 1 << 62   # eval ids live in [2^62, 2^63), train ids in [0, 2^62): disjoint ranges
+from mecefo_jax.data.order import check_int, check_sample_ids
+
 _FLOOR_BASE = 1 << 63  # floor-estimate rows use [2^63, 2^64), never seen in training or eval
-_SPLITS = {'train': 0, 'eval': _EVAL_BASE}
 _FLOOR_CHUNK = 512     # rows per floor rollout: bounds the [rows, vocab] follower table
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f'{name} must be an integer >= {minimum}, got {value!r}')
 
 
 def _entr(p: np.ndarray) -> np.ndarray:
@@ -45,12 +40,12 @@ class SyntheticCorpus:
   def __init__(self, vocab_size: int = 256, seq_len: int = 64, seed: int = 0,
                n_successors: int = 6, successor_window: int = 8, dirichlet_alpha: float = 0.5,
                p_copy: float = 0.7, n_floor_samples: int = 4096):
-    _check_int('vocab_size', vocab_size, 8)
-    _check_int('seq_len', seq_len, 2)
-    _check_int('seed', seed, 0)
-    _check_int('n_successors', n_successors, 1)
-    _check_int('successor_window', successor_window, 0)
-    _check_int('n_floor_samples', n_floor_samples, 2)
+    check_int('vocab_size', vocab_size, 8)
+    check_int('seq_len', seq_len, 2)
+    check_int('seed', seed, 0)
+    check_int('n_successors', n_successors, 1)
+    check_int('successor_window', successor_window, 0)
+    check_int('n_floor_samples', n_floor_samples, 2)
     # Offsets must stay distinct mod V, so the window is clamped to the ring; 0 means anywhere.
     window = min(successor_window, (vocab_size - 1) // 2)
     span = 2 * window if window else vocab_size
@@ -168,38 +163,3 @@ class SyntheticCorpus:
         with np.errstate(divide='ignore'):
           logp_NxL[:, t - 1] = np.log(p_N)
     return tokens_NxL1, logp_NxL, ent_NxL
-
-
-def check_sample_ids(sample_ids) -> np.ndarray:
-  """The ids as a 1-D integer array, or ValueError."""
-  ids = np.asarray(sample_ids)
-  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError(f'sample_ids must be a 1-D integer array, got {ids.dtype} {ids.shape}')
-  if ids.size and np.issubdtype(ids.dtype, np.signedinteger) and ids.min() < 0:
-    raise ValueError('sample_ids must be >= 0')
-  return ids
-
-
-def sample_ids(step: int, n_slices: int, micro_batch: int, split: str = 'train') -> np.ndarray:
-  """int64 [n_slices, micro_batch]: global sample ids of every slice's micro-batch at `step`.
-
-  'eval' ids come from a disjoint range. Slice s owns the contiguous block [s*B, (s+1)*B) of the
-  step's ids, so they do not depend on which slice processes them.
-  """
-  _check_int('step', step, 0)
-  _check_int('n_slices', n_slices, 1)
-  _check_int('micro_batch', micro_batch, 1)
-  if split not in _SPLITS:
-    raise ValueError(f'split must be one of {sorted(_SPLITS)}, got {split!r}')
-  per_step = n_slices * micro_batch
-  if (step + 1) * per_step > _EVAL_BASE:
-    raise ValueError(f'step {step} * batch {per_step} overflows the {split} id range')
-  ids = _SPLITS[split] + step * per_step + np.arange(per_step, dtype=np.int64)
-  return ids.reshape(n_slices, micro_batch)
-
-
-def global_batch(corpus: SyntheticCorpus, step: int, n_slices: int, micro_batch: int,
-                 split: str = 'train') -> np.ndarray:
-  """int32 [n_slices, micro_batch, seq_len + 1] tokens for the whole step."""
-  ids_SxB = sample_ids(step, n_slices, micro_batch, split)
-  return corpus.sequences(ids_SxB.reshape(-1)).reshape(n_slices, micro_batch, corpus.seq_len + 1)

@@ -9,7 +9,7 @@ import numpy as np
 
 from mecefo_jax.config import ConfigError
 
-# MECEFO.md §5: (mean hours between failures in the cluster, hours until repair).
+# docs/algorithm.md §5: (mean hours between failures in the cluster, hours until repair).
 PRESETS = {'low': (2.0, 4.0), 'mid': (1.0, 3.0), 'high': (0.5, 2.0)}
 KINDS = ('fail', 'repair')
 

@@ -1,0 +1,1 @@
+"""In-memory (tmpfs) and durable Orbax snapshots, their byte image, checksums, parity and resume."""

@@ -1,0 +1,1 @@
+"""Train-step programs: the normal and degraded steps, per-slice programs, and their cache."""
