@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 from mecefo_jax import sharding  # noqa: E402
 from mecefo_jax.model import train_state  # noqa: E402
+from mecefo_jax.model.bases import svd_bases  # noqa: E402
 from mecefo_jax.model import llama
 from mecefo_jax.step import train_step
 from mecefo_jax.config import load_config  # noqa: E402
@@ -100,8 +101,8 @@ def _variant_cfg(cfg, basis, fraction):
 def _refresh_fn(cfg, basis, fraction):
   """jitted (params, key, previous bases or None) -> the svd bases of that variant."""
   vcfg = _variant_cfg(cfg, basis, fraction)
-  full = jax.jit(lambda params, key: train_state.svd_bases(params, vcfg, key))
-  warm = jax.jit(lambda params, key, prev: train_state.svd_bases(params, vcfg, key, prev))
+  full = jax.jit(lambda params, key: svd_bases(params, vcfg, key))
+  warm = jax.jit(lambda params, key, prev: svd_bases(params, vcfg, key, prev))
   return lambda params, key, prev: (
       warm(params, key, prev) if basis == 'svd-warm' and prev is not None else full(params, key))
 

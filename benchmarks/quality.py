@@ -117,7 +117,7 @@ def fixed_eval(trainer, n_batches: int) -> float:
   c, cfg = trainer.controller, trainer.cfg
   first, rows = c.state_slices[:1], trainer.n_slices * cfg.train.micro_batch
   mesh = sharding.submesh(trainer.mesh, first)
-  program = c.program(('eval', first, rows),
+  program = c.programs.get(('eval', first, rows),
                       lambda: train_step.compile_eval(cfg, mesh, rows, trainer.graphdef))
   params = slice_steps.state_view(cfg, c.state, trainer.mesh, first).params
   n, b = trainer.n_slices, cfg.train.micro_batch

@@ -52,7 +52,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class MeCeFOConfig:
-  basis: str = 'svd'  # 'svd' (paper: top singular subspace of W) | 'gaussian' (unbiased)
+  basis: str = 'svd'  # a name in model/bases.py's BASES: 'svd' (paper) | 'gaussian' (unbiased)
   rank: int = 0  # low-rank Wgrad rank; 0 = rank_fraction * d_in of each FFN matrix
   rank_fraction: float = 0.25
   tau: int = 10  # svd bases are recomputed every tau steps while degraded steps run
@@ -123,7 +123,6 @@ class Config:
 _CHOICES = {
     'model.compute_dtype': ('float32', 'bfloat16', 'float16'),
     'model.param_dtype': ('float32', 'bfloat16'),
-    'mecefo.basis': ('svd', 'gaussian'),
     'mecefo.ffn_remat': ('full', 'dots'),
     'mecefo.refresh': ('warm', 'full'),
     'faults.takeover': POLICIES,

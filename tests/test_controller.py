@@ -44,13 +44,11 @@ def _controller(name='4x2', *faults, schedule=None):
   mesh, init, graphdef, cache = _mesh(name)
   schedule = schedule or FailureSchedule(mesh.shape['slice'])
   c = Controller(cfg, mesh, graphdef, CORPUS, schedule, init())
-  own = c.program
+  own = c.programs.get
 
-  def program(key, build):
-    if key in cache:
-      c._programs.setdefault(key, cache[key])
-    return cache.setdefault(key, own(key, build))
-  c.program = program
+  def get(key, build):
+    return cache.setdefault(key, own(key, lambda: cache[key] if key in cache else build()))
+  c.programs.get = get
   return c
 
 
@@ -117,7 +115,7 @@ def test_no_fault_runs_only_the_fused_program():
   c = _controller()
   for t in range(2):
     c.step(t)
-  assert set(c._programs) == {('fused', ALL4, train_step.Role(exact=B))}
+  assert set(c.programs.keys()) == {('fused', ALL4, train_step.Role(exact=B))}
   assert c.samples == {'exact': 2 * 4 * B, 'degraded': 0, 'dropped': 0}
   assert c.goodput['degraded_productive'] == c.goodput['lost'] == 0.0
 
@@ -126,7 +124,7 @@ def test_naive_takeover_equals_fault_free_step():
   params0, loss, params = _fault_free_step0()
   c = _controller('4x2', 'faults.takeover=naive', schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  assert c.live() == (0, 1, 3) and ('group', (3,), train_step.Role(exact=2 * B)) in c._programs
+  assert c.live() == (0, 1, 3) and ('group', (3,), train_step.Role(exact=2 * B)) in c.programs.keys()
   assert c.samples == {'exact': 4 * B, 'degraded': 0, 'dropped': 0}
   assert float(metrics['exact_tokens']) == 4 * B * L and float(metrics['degraded_tokens']) == 0
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
@@ -139,7 +137,7 @@ def test_neighbor_takeover_loss_equals_fault_free_loss():
   _, loss, _ = _fault_free_step0()
   c = _controller(schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  assert ('group', (3,), train_step.Role(degraded=2 * B)) in c._programs
+  assert ('group', (3,), train_step.Role(degraded=2 * B)) in c.programs.keys()
   assert c.samples == {'exact': 2 * B, 'degraded': 2 * B, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
@@ -151,7 +149,7 @@ def test_balance_takeover_degrades_own_rows_and_keeps_the_loss():
   metrics = c.step(0)
   # Slice 2's 4 rows over 3 live slices in granules of fsdp=2: shares 2, 2, 0; each slice with
   # a share degrades 2 of its own rows too (2 exact + 0.3 * 4 degraded <= 4).
-  groups = {k[1]: k[2] for k in c._programs if k[0] == 'group'}
+  groups = {k[1]: k[2] for k in c.programs.keys() if k[0] == 'group'}
   assert groups == {(0, 3): train_step.Role(2, 4), (1,): train_step.Role(exact=B)}, groups
   assert c.samples == {'exact': 2 + 2 + B, 'degraded': 8, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
@@ -173,7 +171,7 @@ def test_drop_loss_is_mean_over_live_samples():
   np.testing.assert_allclose(float(metrics['loss']), live_only, rtol=1e-5)
   assert abs(live_only - full) > 1e-4
   assert c.samples == {'exact': 3 * B, 'degraded': 0, 'dropped': B}
-  assert set(c._programs) == {('fused', (0, 1, 3), train_step.Role(exact=B))}
+  assert set(c.programs.keys()) == {('fused', (0, 1, 3), train_step.Role(exact=B))}
   assert c.goodput['lost'] > 0
 
 
@@ -185,10 +183,10 @@ def test_neighbor_of_neighbor_then_last_slice_carries_all_then_all_down():
   c = _controller('4x2', f'faults.max_degraded_rows={2 * B}', schedule=sched)
   # Step 0: slice 1's neighbour (2) is down too, so slice 3 carries 1, 2 and its own.
   m0 = c.step(0)
-  assert ('group', (3,), train_step.Role(degraded=3 * B, passes=2)) in c._programs
+  assert ('group', (3,), train_step.Role(degraded=3 * B, passes=2)) in c.programs.keys()
   # Step 1: slice 0 alone carries all four micro-batches, in passes of at most 2B rows.
   m1 = c.step(1)
-  assert ('group', (0,), train_step.Role(degraded=4 * B, passes=2)) in c._programs
+  assert ('group', (0,), train_step.Role(degraded=4 * B, passes=2)) in c.programs.keys()
   assert float(m1['exact_tokens']) == 0 and float(m1['degraded_tokens']) == 4 * B * L
   assert math.isfinite(float(m0['loss'])) and math.isfinite(float(m1['loss']))
   assert c.samples == {'exact': B, 'degraded': 7 * B, 'dropped': 0}
@@ -270,13 +268,13 @@ def test_precompile_compiles_the_next_live_sets_in_the_background():
   carrier = train_step.Role(degraded=2 * B)
   for live in ((0,), (1,)):  # a lone slice carries both micro-batches: fused, plus the refreshes
     assert {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True),
-            ('eval', live)} <= set(c._programs), sorted(map(str, c._programs))
+            ('eval', live)} <= set(c.programs.keys()), sorted(map(str, c.programs.keys()))
   assert c.precompiler.compiled == 2 and c.precompiler.seconds > 0
-  programs = set(c._programs)
+  programs = set(c.programs.keys())
   loss = float(c.step(1)['loss'])  # slice 1 fails: its programs are ready
   assert math.isfinite(loss) and c.live() == (0,)
   c.evaluator((0,))
   assert c.goodput['compile'] == compile_before
   c.precompiler.wait()  # the repair set (0, 1) was queued: its fused step exists already
-  assert c.precompiler.compiled == 3 and set(c._programs) == programs | {('eval', (0, 1))}
+  assert c.precompiler.compiled == 3 and set(c.programs.keys()) == programs | {('eval', (0, 1))}
   c.precompiler.stop()

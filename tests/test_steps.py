@@ -8,6 +8,7 @@ import pytest
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
+from mecefo_jax.model.bases import svd_bases
 from mecefo_jax.step import train_step
 
 TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
@@ -71,7 +72,7 @@ def _contribution(cfg, params, bases, tokens, role):
 def test_degraded_grads_match_dense_projected_reference(remat):
   cfg = _cfg(f'mecefo.ffn_remat={remat}')
   _, params = llama.create(cfg.model, 0)
-  bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
+  bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (6, cfg.model.seq_len + 1))
   grads, loss, exact_tok, deg_tok = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=6))
   ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, True)
@@ -103,7 +104,7 @@ def test_normal_grads_and_losses_match_reference():
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
-  bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
+  bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   _, d_loss, _, _ = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=4))
   np.testing.assert_allclose(d_loss, loss, rtol=1e-6)  # the degraded forward is exact
 
@@ -209,7 +210,7 @@ def test_compiled_memory_degraded_two_fits_in_normal_one(devices):
 def test_degraded_passes_with_remainder_equal_one_pass():
   cfg = _cfg()
   _, params = llama.create(cfg.model, 0)
-  bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
+  bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (7, cfg.model.seq_len + 1))
   assert train_step.split_passes(7, 3) == 3  # chunks of 3, 3 and a remainder of 1
   one = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=7))
@@ -224,7 +225,7 @@ def test_degraded_passes_with_remainder_equal_one_pass():
 def _ablated(degrade, remat='dots'):
   cfg = _cfg(f'mecefo.ffn_remat={remat}')
   _, params = llama.create(cfg.model, 0)
-  bases = train_state.svd_bases(params, cfg, jax.random.PRNGKey(3))
+  bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
   graphdef, _, _ = llama.abstract(cfg.model)
   grads, loss, _, _ = train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1),

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from typing import Callable
 
@@ -13,17 +12,16 @@ import numpy as np
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config
 from mecefo_jax.data import order
-from mecefo_jax.fault import takeover
 from mecefo_jax.fault.failures import FailureEvent, FailureSchedule
+from mecefo_jax.fault.goodput import Goodput
+from mecefo_jax.fault.takeover import Planner, SliceWork
+from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.model.train_state import params_sha256, state_shardings
 from mecefo_jax.step import slice_steps, train_step
+from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.precompile import Precompiler, next_live_sets
 
 log = logging.getLogger('mecefo')
-
-# Time categories of the goodput breakdown (seconds).
-GOODPUT_KEYS = ('normal_productive', 'degraded_productive', 'compile', 'rejoin', 'lost')
-
 
 class SliceFailure(RuntimeError):
   """Raised (e.g. by an error hook) while dispatching or running one slice's work."""
@@ -44,19 +42,17 @@ class Controller:
     self.cfg, self.mesh, self.graphdef, self.corpus = cfg, mesh, graphdef, corpus
     self.n_slices, self.micro_batch = mesh.shape['slice'], cfg.train.micro_batch
     self.schedule, self.policy = schedule, cfg.faults.takeover
-    self.max_rows = cfg.faults.max_degraded_rows or 2 * self.micro_batch
+    self.planner = Planner.from_config(cfg, self.n_slices, granule=mesh.shape['fsdp'])
     self.state, self.state_slices = state, tuple(range(self.n_slices))
     self.failed: set[int] = set()
     self.error_hooks: list[Callable[[int, int], None]] = []  # (slice, step); may raise
     self.events: list[dict] = []
-    self.goodput = dict.fromkeys(GOODPUT_KEYS, 0.0)
+    self.ledger = Goodput()
     self.samples = collections.Counter()  # exact / degraded / dropped sample counts
-    self._programs: dict = {}
-    self._compile_lock = threading.Lock()
-    self._training_thread = threading.get_ident()
+    self.programs = ProgramCache(cfg, mesh, graphdef, lambda s: self.ledger.book('compile', s))
     self.precompiler: Precompiler | None = None
     self._bases_step = _host_int(state.bases_step)
-    self._last_end: float | None = None
+    self._refreshed = basis_kind(cfg).refresh is not None  # svd: bases kept, refreshed every tau
     self.devices_back_at: int | None = None  # resumed after every slice was down at this step
 
   # --- failure state -------------------------------------------------------------------------
@@ -76,19 +72,9 @@ class Controller:
                 list(self.live()))
 
   # --- programs ----------------------------------------------------------------------------
-  def program(self, key, build):
-    """The compiled program cached under `key`, built once. The training thread's compile
-    time (waits for a background precompile included) is booked; the precompiler's is not."""
-    program = self._programs.get(key)
-    if program is None:
-      t0 = time.perf_counter()
-      with self._compile_lock:  # one compile at a time; the loser of a race reuses the result
-        program = self._programs.get(key)
-        if program is None:
-          program = self._programs[key] = build()
-      if threading.get_ident() == self._training_thread:
-        self.goodput['compile'] += time.perf_counter() - t0
-    return program
+  @property
+  def goodput(self) -> dict:
+    return self.ledger.seconds
 
   def start_precompile(self) -> None:
     """Compiles, in the background, the programs of every live set one event away."""
@@ -96,47 +82,24 @@ class Controller:
     self.precompiler.want(next_live_sets(self.live(), self.n_slices))
 
   def compile_live_set(self, live: tuple[int, ...]) -> None:
-    """Compiles (and caches) every program a step on `live` runs, as `_run` would ask, and
-    the eval program when evals run between steps (train.eval_every)."""
+    """Compiles (and caches) every program a step on `live` runs, and the eval program when
+    evals run between steps (train.eval_every)."""
     if self.cfg.train.eval_every:
       self.evaluator(live)
-    _, _, roles = self._plan(live)
-    if self.cfg.mecefo.basis == 'svd' and any(r.degraded for r in roles.values()):
-      self._refresh(live, warm=False)  # the first refresh of a run, or mecefo.refresh=full
+    roles = self.planner.plan(live).roles
+    if self._refreshed and any(r.degraded for r in roles.values()):
+      self.programs.program('refresh', live, False)  # the first refresh, or mecefo.refresh=full
       if self.cfg.mecefo.refresh == 'warm':
-        self._refresh(live, warm=True)
-    if self._fused_path(roles):
-      self.fused(live, roles[live[0]])
-      return
-    for role, slices in _role_groups(live, roles).items():
-      self._group(slices, role)
-    self._update(live)
+        self.programs.program('refresh', live, True)
+    self.programs.step_programs(live, roles)
 
   def fused(self, live, role):
     """The one-program SPMD step for slices that all play `role` (the fault-free path)."""
-    mesh = sharding.submesh(self.mesh, live)
-    return self.program(('fused', live, role),
-                         lambda: train_step.compile_step(self.cfg, mesh, role, self.graphdef))
+    return self.programs.program('fused', live, role)
 
   def evaluator(self, live):
     """The forward-only `(params, tokens) -> mean loss` program on `live`."""
-    mesh = sharding.submesh(self.mesh, live)
-    return self.program(('eval', live), lambda: train_step.compile_eval(
-        self.cfg, mesh, self.micro_batch, self.graphdef))
-
-  def _group(self, slices, role):
-    mesh = sharding.submesh(self.mesh, slices)
-    return self.program(('group', slices, role),
-                         lambda: slice_steps.compile_group(self.cfg, mesh, role, self.graphdef))
-
-  def _update(self, live):
-    mesh = sharding.submesh(self.mesh, live)
-    return self.program(('update', live), lambda: slice_steps.compile_update(self.cfg, mesh))
-
-  def _refresh(self, live, warm: bool):
-    mesh = sharding.submesh(self.mesh, live)
-    return self.program(('refresh', live, warm),
-                        lambda: train_step.compile_refresh(self.cfg, mesh, warm))
+    return self.programs.program('eval', live)
 
   # --- state placement ---------------------------------------------------------------------
   def _place_state(self, live: tuple[int, ...]) -> None:
@@ -155,13 +118,13 @@ class Controller:
       t0 = time.perf_counter()
       target = state_shardings(self.cfg, sharding.submesh(self.mesh, live))
       if multihost.is_multiprocess():
-        copy = self.program(('rejoin', keep, live),
-                            lambda: multihost.compile_rejoin(target, live.index(keep[0])))
+        copy = self.programs.get(('rejoin', keep, live),
+                                 lambda: multihost.compile_rejoin(target, live.index(keep[0])))
         self.state = copy(multihost.stack_for_rejoin(self.state, target))
       else:
         self.state = jax.device_put(self.state, target)
       self.state = jax.block_until_ready(self.state)
-      self.goodput['rejoin'] += time.perf_counter() - t0
+      self.ledger.book('rejoin', time.perf_counter() - t0)
     self.state_slices = live
 
   # --- one step ----------------------------------------------------------------------------
@@ -205,38 +168,28 @@ class Controller:
           raise SliceFailure(s, f'slice {s}: {type(err).__name__}: {err}') from err
 
   def _timed(self, step: int, live: tuple[int, ...]) -> dict:
-    """Runs the step and books its wall time (minus compile and rejoin) by category."""
-    start = self._last_end if self._last_end is not None else time.perf_counter()
-    overhead = self.goodput['compile'] + self.goodput['rejoin']
+    """Runs the step and books its wall time in the goodput ledger."""
+    self.ledger.start_step()
     metrics, processed = self._run(step, live)
     if self.failed:
-      # Steps under failure keep training: degraded-productive, except what `drop` skips.
-      jax.block_until_ready(metrics)
-    self._last_end = time.perf_counter()
-    spent = self._last_end - start - (self.goodput['compile'] + self.goodput['rejoin'] - overhead)
-    total_rows = self.n_slices * self.micro_batch
-    if not self.failed:
-      self.goodput['normal_productive'] += spent
-    else:
-      self.goodput['degraded_productive'] += spent * processed / total_rows
-      self.goodput['lost'] += spent * (total_rows - processed) / total_rows
+      jax.block_until_ready(metrics)  # a step under failure is booked by what it processed
+    self.ledger.end_step(processed, self.n_slices * self.micro_batch, bool(self.failed))
     return metrics
 
   def _run(self, step: int, live: tuple[int, ...]) -> tuple[dict, int]:
-    work, dropped, roles = self._plan(live)
+    plan = self.planner.plan(live)
     ids_SxB = order.sample_ids(step, self.n_slices, self.micro_batch)
-    processed = self._account(work, dropped)
+    processed = self._account(plan.work, plan.dropped)
     self._place_state(live)
-    if any(r.degraded for r in roles.values()):
+    if any(r.degraded for r in plan.roles.values()):
       self._maybe_refresh_bases(step, live)
-    if self._fused_path(roles):
-      role = roles[live[0]]
-      program = self.fused(live, role)
-      metrics = None  # where this process holds no live slice (multi-process): nothing to run
-      if multihost.is_local(sharding.submesh(self.mesh, live)):
-        self.state, metrics = program(self.state, self._batch(ids_SxB, work, live, role))
-    else:
-      metrics = self._run_groups(live, roles, work, ids_SxB)
+    programs = self.programs.step_programs(live, plan.roles)
+    if programs.fused is None:
+      return self._run_groups(live, programs, plan.work, ids_SxB), processed
+    metrics = None  # where this process holds no live slice (multi-process): nothing to run
+    if multihost.is_local(sharding.submesh(self.mesh, live)):
+      role = plan.roles[live[0]]
+      self.state, metrics = programs.fused(self.state, self._batch(ids_SxB, plan.work, live, role))
     return metrics, processed
 
   def _batch(self, ids_SxB, work, slices, role: train_step.Role) -> jax.Array:
@@ -246,39 +199,21 @@ class Controller:
                                train_step.batch_shape(self.cfg, len(slices), role),
                                sharding.batch_sharding(mesh))
 
-  def _plan(self, live):
-    """(work, dropped rows, role of every live slice) of a step on `live`."""
-    work, dropped = takeover.plan(live, self.n_slices, self.micro_batch, self.policy,
-                                  self.mesh.shape['fsdp'], self.cfg.faults.degraded_cost)
-    return work, dropped, {s: self._role(w) for s, w in work.items()}
-
-  def _fused_path(self, roles) -> bool:
-    """All live slices play one single-pass role: one SPMD program (no failure: the normal step)."""
-    uniform = len(set(roles.values())) == 1 and next(iter(roles.values())).passes == 1
-    return uniform and not self.cfg.mesh.ordered_reduce
-
-  def _run_groups(self, live, roles, work, ids_SxB) -> dict:
+  def _run_groups(self, live, programs, work, ids_SxB) -> dict:
     outputs = []
-    for role, slices in _role_groups(live, roles).items():
-      program = self._group(slices, role)
+    for role, slices, program in programs.groups:
       if not multihost.is_local(sharding.submesh(self.mesh, slices)):
         continue  # multi-process: another process runs this group
       state_view = slice_steps.state_view(self.cfg, self.state, self.mesh, slices)
       outputs.append(program(state_view, self._batch(ids_SxB, work, slices, role)))
-    # Each slice's sums stay on its devices; the stack over the live mesh places them by device.
-    live_mesh = sharding.submesh(self.mesh, live)
-    update = self._update(live)
     if not outputs:
       return None
-    sums = slice_steps.stack_groups(outputs, self.cfg, live_mesh)
-    self.state, metrics = update(self.state, sums)
+    # Each slice's sums stay on its devices; the stack over the live mesh places them by device.
+    sums = slice_steps.stack_groups(outputs, self.cfg, sharding.submesh(self.mesh, live))
+    self.state, metrics = programs.update(self.state, sums)
     return metrics
 
-  def _role(self, w: takeover.SliceWork) -> train_step.Role:
-    exact, degraded = w.counts()
-    return train_step.Role(exact, degraded, train_step.split_passes(degraded, self.max_rows))
-
-  def _tokens(self, ids_SxB, w: takeover.SliceWork) -> np.ndarray:
+  def _tokens(self, ids_SxB, w: SliceWork) -> np.ndarray:
     ids = [ids_SxB[r.owner, r.start:r.stop] for r in (*w.exact, *w.degraded)]
     return self.corpus.sequences(np.concatenate(ids))
 
@@ -297,10 +232,11 @@ class Controller:
     """svd bases are recomputed every tau steps, and only when degraded work runs: from scratch
     the first time, then warm-started from the last bases unless mecefo.refresh=full."""
     mc = self.cfg.mecefo
-    if mc.basis != 'svd':
+    if not self._refreshed:
       return
     if self._bases_step < 0 or step - self._bases_step >= mc.tau:
-      refresh = self._refresh(live, warm=mc.refresh == 'warm' and self._bases_step >= 0)
+      warm = mc.refresh == 'warm' and self._bases_step >= 0
+      refresh = self.programs.program('refresh', live, warm)
       if multihost.is_local(sharding.submesh(self.mesh, live)):
         self.state = refresh(self.state)
       self._bases_step = step
@@ -308,16 +244,16 @@ class Controller:
   # --- snapshot / resume ---------------------------------------------------------------------
   def dump_meta(self) -> dict:
     """The controller's host state as JSON-able data (saved with every snapshot)."""
-    return {'failed': sorted(self.failed), 'events': self.events, 'goodput': self.goodput,
+    return {'failed': sorted(self.failed), 'events': self.events, 'goodput': self.ledger.seconds,
             'samples': dict(self.samples)}
 
   def load_meta(self, meta: dict) -> None:
     """Restores dump_meta() output; the state was just restored onto every slice."""
     self.failed = set(meta['failed'])
-    self.events, self.goodput = list(meta['events']), dict(meta['goodput'])
+    self.events, self.ledger = list(meta['events']), Goodput(meta['goodput'])
     self.samples = collections.Counter(meta['samples'])
     self.state_slices = tuple(range(self.n_slices))
-    self._bases_step, self._last_end = _host_int(self.state.bases_step), None
+    self._bases_step = _host_int(self.state.bases_step)
 
   def _devices_back(self, step: int, wall_s: float) -> None:
     """The run stopped at `step` with every slice down and was resumed: all are back now."""
@@ -329,14 +265,6 @@ class Controller:
     """params_sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
     return {s: params_sha256(slice_steps.state_view(self.cfg, self.state, self.mesh, (s,)).params)
             for s in self.state_slices}
-
-
-def _role_groups(live, roles) -> dict[train_step.Role, tuple[int, ...]]:
-  """Live slices grouped by role (each group runs one program on its own devices)."""
-  groups = collections.defaultdict(list)
-  for s in live:
-    groups[roles[s]].append(s)
-  return {role: tuple(slices) for role, slices in groups.items()}
 
 
 def _host_int(x: jax.Array) -> int:

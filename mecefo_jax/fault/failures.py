@@ -14,6 +14,34 @@ PRESETS = {'low': (2.0, 4.0), 'mid': (1.0, 3.0), 'high': (0.5, 2.0)}
 KINDS = ('fail', 'repair')
 
 
+@dataclasses.dataclass(frozen=True)
+class TimedEvent:
+  """A failure or repair at a time in seconds (the simulator's continuous clock)."""
+  time_s: float
+  slice: int
+  kind: str  # 'fail' | 'repair'
+
+
+def poisson_events(mean_s: float, repair_s: float, n_slices: int, horizon_s: float,
+                   seed: int) -> list[TimedEvent]:
+  """Failures as a Poisson process of mean interval `mean_s`, each on a random live slice and
+  repaired `repair_s` later, over [0, horizon_s); sorted by time, repairs first at equal times
+  (a slice repaired and failed at once ends up failed)."""
+  rng, t, repaired_at, events = np.random.default_rng(seed), 0.0, {}, []
+  while True:
+    t += rng.exponential(mean_s)
+    if t >= horizon_s:
+      return sorted(events, key=lambda e: (e.time_s, e.kind != 'repair', e.slice))
+    live = [s for s in range(n_slices) if repaired_at.get(s, -1.0) <= t]
+    if not live:
+      continue  # every slice is already down: nothing left to hit
+    victim = int(rng.choice(live))
+    repaired_at[victim] = t + repair_s
+    events.append(TimedEvent(t, victim, 'fail'))
+    if repaired_at[victim] < horizon_s:
+      events.append(TimedEvent(repaired_at[victim], victim, 'repair'))
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class FailureEvent:
   step: int
@@ -64,25 +92,18 @@ class FailureSchedule:
 
   @classmethod
   def preset(cls, name: str, n_slices: int, steps: int, cluster_step_s: float,
-             seed: int = 0) -> 'FailureSchedule':
-    """Poisson failures on random live slices over `steps` steps of `cluster_step_s` seconds."""
+             seed: int = 0, interval_scale: float = 1.0) -> 'FailureSchedule':
+    """Poisson failures on random live slices over `steps` steps of `cluster_step_s` seconds;
+    the preset's mean interval times `interval_scale`."""
     if name not in PRESETS:
       raise ConfigError(f"failure preset must be one of {', '.join(PRESETS)}, got {name!r}")
     mean_h, repair_h = PRESETS[name]
-    sched, rng = cls(n_slices), np.random.default_rng(seed)
-    horizon_s, t, repaired_at = steps * cluster_step_s, 0.0, {}  # slice -> repair time (s)
-    while True:
-      t += rng.exponential(mean_h * 3600.0)
-      if t >= horizon_s:
-        return sched
-      live = [s for s in range(n_slices) if repaired_at.get(s, -1.0) <= t]
-      if not live:
-        continue  # every slice is already down: nothing left to hit
-      victim = int(rng.choice(live))
-      repaired_at[victim] = t + repair_h * 3600.0
-      sched.fail_at(victim, int(t // cluster_step_s), f'preset:{name}')
-      if repaired_at[victim] < horizon_s:
-        sched.repair_at(victim, int(repaired_at[victim] // cluster_step_s), f'preset:{name}')
+    sched = cls(n_slices)
+    for e in poisson_events(mean_h * interval_scale * 3600.0, repair_h * 3600.0, n_slices,
+                            steps * cluster_step_s, seed):
+      add = sched.fail_at if e.kind == 'fail' else sched.repair_at
+      add(e.slice, int(e.time_s // cluster_step_s), f'preset:{name}')
+    return sched
 
   @classmethod
   def from_trace(cls, path: str | Path, n_slices: int) -> 'FailureSchedule':

@@ -8,9 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from mecefo_jax.fault import takeover
-from mecefo_jax.fault.failures import PRESETS, FailureSchedule
-from mecefo_jax.step.train_step import Role, split_passes
+from mecefo_jax.fault.failures import FailureSchedule, TimedEvent as Event, poisson_events
+from mecefo_jax.fault.takeover import Planner
+from mecefo_jax.step.train_step import Role
 
 CHECKPOINT = 'checkpoint-restart'
 PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster
@@ -18,31 +18,15 @@ PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster
 
 # --- roles --------------------------------------------------------------------------------------
 
-def slice_roles(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
-                max_rows: int = 0, degraded_cost: float = takeover.DEGRADED_COST
-                ) -> dict[int, Role]:
-  """Role of every live slice in one step, derived as Controller._role does."""
-  work, _ = takeover.plan(live, n_slices, micro_batch, policy, granule, degraded_cost)
-  max_rows = max_rows or 2 * micro_batch
-  roles = {}
-  for s, w in work.items():
-    exact, degraded = w.counts()
-    roles[s] = Role(exact, degraded, split_passes(degraded, max_rows))
-  return roles
-
-
 def live_sets(n_slices: int):
   """Every non-empty set of live slices."""
   for k in range(1, n_slices + 1):
     yield from itertools.combinations(range(n_slices), k)
 
 
-def needed_roles(n_slices: int, micro_batch: int, policies: Sequence[str], granule: int = 1,
-                 max_rows: int = 0, degraded_cost: float = takeover.DEGRADED_COST) -> set[Role]:
-  """Every role any failure pattern can give a slice under `policies` (all 2^n - 1 live sets)."""
-  return {r for p in policies for live in live_sets(n_slices)
-          for r in slice_roles(live, n_slices, micro_batch, p, granule, max_rows,
-                               degraded_cost).values()}
+def needed_roles(planners: Sequence[Planner]) -> set[Role]:
+  """Every role any failure pattern can give a slice under `planners` (all 2^n - 1 live sets)."""
+  return {r for p in planners for live in live_sets(p.n_slices) for r in p.plan(live).roles.values()}
 
 
 # --- cost model ---------------------------------------------------------------------------------
@@ -106,15 +90,14 @@ class ClusterCosts:
 class PolicyModel:
   """Step time, samples per step and compile time of a live set under one takeover policy."""
 
-  def __init__(self, policy: str, n_slices: int, micro_batch: int, costs: ClusterCosts,
-               granule: int = 1, max_rows: int = 0, degraded_cost: float = takeover.DEGRADED_COST):
-    self.policy, self.n, self.b, self.costs = policy, n_slices, micro_batch, costs
-    self.granule, self.max_rows, self.degraded_cost = granule, max_rows, degraded_cost
+  def __init__(self, planner: Planner, costs: ClusterCosts):
+    """`planner.policy` may be CHECKPOINT: a spare replaces the failed slice (no takeover)."""
+    self.planner, self.costs = planner, costs
+    self.policy, self.n, self.b = planner.policy, planner.n_slices, planner.micro_batch
     self._cache: dict = {}
 
   def _roles(self, live):
-    return slice_roles(live, self.n, self.b, self.policy, self.granule, self.max_rows,
-                       self.degraded_cost)
+    return self.planner.plan(live).roles
 
   def step(self, live: tuple[int, ...]) -> tuple[float, int]:
     """(seconds, samples) of one step on `live`; the slowest live slice sets the pace."""
@@ -145,32 +128,6 @@ class PolicyModel:
 
 # --- failures and replay ------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Event:
-  time_s: float
-  slice: int
-  kind: str  # 'fail' | 'repair'
-
-
-def poisson_failures(mean_s: float, repair_s: float, n_slices: int, horizon_s: float,
-                     seed: int) -> list[Event]:
-  """FailureSchedule.preset's process (same draws for the same seed) kept in continuous time."""
-  rng, t, repaired_at, events = np.random.default_rng(seed), 0.0, {}, []
-  while True:
-    t += rng.exponential(mean_s)
-    if t >= horizon_s:
-      # Repairs first at equal times: a slice repaired and failed at once ends up failed.
-      return sorted(events, key=lambda e: (e.time_s, e.kind != 'repair', e.slice))
-    live = [s for s in range(n_slices) if repaired_at.get(s, -1.0) <= t]
-    if not live:
-      continue
-    victim = int(rng.choice(live))
-    repaired_at[victim] = t + repair_s
-    events.append(Event(t, victim, 'fail'))
-    if repaired_at[victim] < horizon_s:
-      events.append(Event(repaired_at[victim], victim, 'repair'))
-
-
 def stall_all_down(schedule: FailureSchedule, n_slices: int, steps: int) -> FailureSchedule | None:
   """`schedule` as a cluster that waits out all-down periods trains it: a step with no live
   slice is not trained but waited through, and the next trained step sees the net change of
@@ -194,21 +151,12 @@ def stall_all_down(schedule: FailureSchedule, n_slices: int, steps: int) -> Fail
 
 def preset_schedule(name: str, n_slices: int, steps: int, cluster_step_s: float, seed: int,
                     interval_scale: float = 1.0, stall: bool = False) -> FailureSchedule:
-  """FailureSchedule.preset with the mean interval scaled (1: identical events, see tests).
-
-  interval_scale = PAPER_DEVICES / n_slices is the per-device reading of §5: an n-slice cluster
-  sees n/32 of the paper's 32-GPU failure rate, so the same fraction of it is down on average.
-  stall: the cluster waits out all-down periods (stall_all_down) instead of stopping there, so
-  every step is trained; the process is drawn over as many more steps as the waits take.
-  """
-  mean_h, repair_h = PRESETS[name]
+  """FailureSchedule.preset; `stall`: the cluster waits out all-down periods (stall_all_down)
+  instead of stopping there, so every step is trained; the process is drawn over as many more
+  steps as the waits take."""
   drawn = steps
   while True:
-    sched = FailureSchedule(n_slices)
-    for e in poisson_failures(mean_h * interval_scale * 3600.0, repair_h * 3600.0, n_slices,
-                              drawn * cluster_step_s, seed):
-      add = sched.fail_at if e.kind == 'fail' else sched.repair_at
-      add(e.slice, int(e.time_s // cluster_step_s), f'preset:{name}')
+    sched = FailureSchedule.preset(name, n_slices, drawn, cluster_step_s, seed, interval_scale)
     stalled = stall_all_down(sched, n_slices, steps) if stall else sched
     if stalled is not None:
       return stalled

@@ -1,11 +1,12 @@
-"""Takeover policies: which live slice processes which rows of every micro-batch in a step."""
+"""The takeover planner: which live slice processes which rows of every micro-batch, and its role."""
 from __future__ import annotations
 
 import dataclasses
 import math
 from typing import Sequence
 
-from mecefo_jax.config import DEGRADED_COST, POLICIES
+from mecefo_jax.config import DEGRADED_COST, POLICIES, Config
+from mecefo_jax.step.train_step import Role, split_passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,3 +109,42 @@ def _balance(w: SliceWork, owner: int, micro_batch: int, granule: int, cost: flo
   own = min(own, micro_batch)
   w.exact = [Rows(owner, 0, micro_batch - own)] if own < micro_batch else []
   w.degraded = ([Rows(owner, micro_batch - own, micro_batch)] if own else []) + w.degraded
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  work: dict[int, SliceWork]  # rows every live slice processes, exact and degraded
+  dropped: list[Rows]  # rows nobody processes (policy drop)
+  roles: dict[int, Role]  # the program shape every live slice runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Planner:
+  """The one place that turns a live set into work and roles, with the run's defaults; the
+  controller, the simulator and the benchmarks all plan through it."""
+  n_slices: int
+  micro_batch: int
+  policy: str = 'neighbor'
+  granule: int = 1  # spread shares are multiples of it (a slice's fsdp size keeps them shardable)
+  max_rows: int = 0  # most rows of one degraded pass; 0: two micro-batches (faults.max_degraded_rows)
+  degraded_cost: float = DEGRADED_COST
+
+  def __post_init__(self):
+    if not self.max_rows:
+      object.__setattr__(self, 'max_rows', 2 * self.micro_batch)
+
+  @classmethod
+  def from_config(cls, cfg: Config, n_slices: int, granule: int = 1,
+                  policy: str | None = None) -> 'Planner':
+    f = cfg.faults
+    return cls(n_slices, cfg.train.micro_batch, policy or f.takeover, granule,
+               f.max_degraded_rows, f.degraded_cost)
+
+  def plan(self, live: Sequence[int]) -> StepPlan:
+    work, dropped = plan(live, self.n_slices, self.micro_batch, self.policy, self.granule,
+                         self.degraded_cost)
+    return StepPlan(work, dropped, {s: self.role(w) for s, w in work.items()})
+
+  def role(self, w: SliceWork) -> Role:
+    exact, degraded = w.counts()
+    return Role(exact, degraded, split_passes(degraded, self.max_rows))

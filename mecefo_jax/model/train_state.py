@@ -11,19 +11,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from mecefo_jax import ops
-from mecefo_jax.config import Config, MeCeFOConfig, ModelConfig
-from mecefo_jax.model import llama
+from mecefo_jax.config import Config
+from mecefo_jax.model import bases, llama
 from mecefo_jax.sharding import replicated, tree_shardings
-
-FFN_MATRICES = ('gate', 'up', 'down')
-
 
 class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: Any  # pure dict of arrays (see llama.create)
   opt_state: Any
-  bases: Any  # {'block{i}': {'gate','up','down': [d_in, r]}}; {} for gaussian bases
+  bases: Any  # {'block{i}': {'gate','up','down': [d_in, r]}} kept between steps; {} when drawn per step
   bases_step: jax.Array  # int32: step the svd bases were computed at, -1 before the first
   rng: jax.Array  # uint32[2] raw PRNG key
 
@@ -42,61 +38,14 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
 
 
-def ranks(m: ModelConfig, mc: MeCeFOConfig) -> dict[str, int]:
-  """Low-rank Wgrad rank of each FFN matrix (by its input dimension)."""
-  def rank(d_in):
-    r = mc.rank or max(1, round(mc.rank_fraction * d_in))
-    return min(r, d_in, m.d_model if d_in == m.ffn_dim else m.ffn_dim)
-  return {'gate': rank(m.d_model), 'up': rank(m.d_model), 'down': rank(m.ffn_dim)}
-
-
-def basis_axes() -> dict:
-  return {'gate': ('embed', 'rank'), 'up': ('embed', 'rank'), 'down': ('mlp', 'rank')}
-
-
-def _ffn_kernels(params, i):
-  ffn = params[f'block{i}']['ffn']
-  return {name: ffn[name]['kernel'] for name in FFN_MATRICES}
-
-
-def svd_bases(params, cfg: Config, key, previous: dict | None = None) -> dict:
-  """Paper's bases: top singular input subspace of every FFN matrix (randomized SVD), or, given
-  the `previous` bases, one warm-started subspace iteration from them (mecefo.refresh=warm)."""
-  r = ranks(cfg.model, cfg.mecefo)
-  out = {}
-  for i in range(cfg.model.n_layers):
-    kernels = _ffn_kernels(params, i)
-    if previous is not None:
-      out[f'block{i}'] = {name: ops.refine_basis(w, previous[f'block{i}'][name])
-                          for name, w in kernels.items()}
-      continue
-    keys = jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES))
-    out[f'block{i}'] = {name: ops.svd_basis(w, r[name], k, cfg.mecefo.power_iters)
-                        for (name, w), k in zip(kernels.items(), keys)}
-  return out
-
-
-def gaussian_bases(cfg: Config, key) -> dict:
-  """Fresh unbiased Gaussian bases for every FFN matrix (E[V Vᵀ] = I)."""
-  r, m = ranks(cfg.model, cfg.mecefo), cfg.model
-  d_in = {'gate': m.d_model, 'up': m.d_model, 'down': m.ffn_dim}
-  out = {}
-  for i in range(m.n_layers):
-    keys = jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES))
-    out[f'block{i}'] = {name: ops.gaussian_basis(k, d_in[name], r[name], jnp.dtype(m.param_dtype))
-                        for name, k in zip(FFN_MATRICES, keys)}
-  return out
-
-
 def init_state(cfg: Config, graphdef=None) -> TrainState:
   """Fresh state; jit it with out_shardings=state_shardings(...) to create it sharded."""
   rng = jax.random.PRNGKey(cfg.train.seed)
   _, params = llama.create(cfg.model, cfg.train.seed)
   opt_state = make_optimizer(cfg).init(params)
-  bases = {}
-  if cfg.mecefo.basis == 'svd':
-    bases = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: svd_bases(params, cfg, rng)))
-  return TrainState(jnp.zeros((), jnp.int32), params, opt_state, bases,
+  stored = jax.eval_shape(lambda: bases.kind(cfg).stored(params, cfg, rng))
+  state_bases = jax.tree.map(jnp.zeros_like, stored)  # computed at the first degraded step
+  return TrainState(jnp.zeros((), jnp.int32), params, opt_state, state_bases,
                     jnp.full((), -1, jnp.int32), rng)
 
 
@@ -131,7 +80,7 @@ def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
   opt_sh = optax.tree_map_params(make_optimizer(cfg), lambda _, s: s, shapes.opt_state, param_sh,
                                  transform_non_params=lambda _: replicated(mesh),
                                  is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-  bases_axes = {b: basis_axes() for b in shapes.bases}
+  bases_axes = {b: bases.AXES for b in shapes.bases}
   return TrainState(replicated(mesh), param_sh, opt_sh,
                     tree_shardings(bases_axes, shapes.bases, mesh),
                     replicated(mesh), replicated(mesh))

@@ -250,11 +250,8 @@ class Trainer:
     loss = self.evaluate(self.cfg.train.eval_batches)
     spent = time.perf_counter() - t0
     self._eval_s += spent
-    # The controller books all time since the previous step's end to the next step (snapshots
-    # included); an eval is not step time, so move that mark past it. Its compile, if any, is
-    # booked as compile by controller.program.
-    if self.controller._last_end is not None:
-      self.controller._last_end += spent
+    # An eval is not step time; its compile, if any, is booked as compile by the program cache.
+    self.controller.ledger.exclude(spent)
     self.evals.append({'step': step, 'loss': loss, 'perplexity': perplexity(loss)})
     return {'kind': 'eval', **self.evals[-1], 'eval_s': spent,
             'wall_s': time.perf_counter() - t_start, 'live_slices': len(self.controller.live())}

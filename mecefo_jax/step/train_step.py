@@ -12,8 +12,8 @@ from jax.sharding import Mesh
 from mecefo_jax import ops
 from mecefo_jax.config import Config
 from mecefo_jax.model import llama
-from mecefo_jax.model.train_state import (TrainState, abstract_state, gaussian_bases,
-                                          make_optimizer, state_shardings, svd_bases)
+from mecefo_jax.model.bases import kind as basis_kind
+from mecefo_jax.model.train_state import TrainState, abstract_state, make_optimizer, state_shardings
 from mecefo_jax.sharding import batch_sharding, replicated
 
 log = logging.getLogger('mecefo')
@@ -53,8 +53,7 @@ def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: 
   if role.exact:
     loss, grads = grad_fn(params, tokens_RxL1[:role.exact], graphdef, False, None, None)
   if role.degraded:
-    if cfg.mecefo.basis == 'gaussian':
-      bases = gaussian_bases(cfg, key)
+    bases = basis_kind(cfg).for_step(bases, cfg, key)
     rows = tokens_RxL1[role.exact:role.rows]
     d_loss, d_grads = _degraded_passes(grad_fn, params, rows, bases, role.passes, graphdef, cfg,
                                        degrade)
@@ -194,7 +193,7 @@ def compile_refresh(cfg: Config, mesh: Mesh, warm: bool = False):
 
   def refresh(state: TrainState) -> TrainState:
     key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1)
-    bases = svd_bases(state.params, cfg, key, state.bases if warm else None)
+    bases = basis_kind(cfg).refresh(state.params, cfg, key, state.bases if warm else None)
     return state._replace(bases=bases, bases_step=state.step)
 
   jitted = jax.jit(refresh, donate_argnums=0, in_shardings=(state_sh,), out_shardings=state_sh)

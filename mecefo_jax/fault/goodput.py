@@ -1,0 +1,47 @@
+"""The goodput ledger: a run's wall time by category, booked by the controller step by step."""
+from __future__ import annotations
+
+import time
+
+# Time categories of the goodput breakdown (seconds).
+KEYS = ('normal_productive', 'degraded_productive', 'compile', 'rejoin', 'lost')
+
+
+class Goodput:
+  """Seconds by category. A step's time runs from the end of the previous step (snapshots and
+  logging in between included) to its own end, minus the compile and rejoin booked meanwhile."""
+
+  def __init__(self, seconds: dict | None = None):
+    self.seconds = {**dict.fromkeys(KEYS, 0.0), **(seconds or {})}
+    self._last_end: float | None = None  # None: the next step's time starts when it starts
+    self._start = self._overhead_at_start = 0.0
+
+  def book(self, key: str, seconds: float) -> None:
+    self.seconds[key] += seconds
+
+  def start_step(self) -> None:
+    self._start = self._last_end if self._last_end is not None else time.perf_counter()
+    self._overhead_at_start = self._overhead()
+
+  def end_step(self, processed_rows: int, total_rows: int, failed: bool) -> None:
+    """Books the step: normal without failures; under failure the processed share is degraded
+    productive and the share of rows that nobody processed (drop) is lost."""
+    self._last_end = time.perf_counter()
+    spent = self._last_end - self._start - (self._overhead() - self._overhead_at_start)
+    if not failed:
+      self.seconds['normal_productive'] += spent
+    else:
+      self.seconds['degraded_productive'] += spent * processed_rows / total_rows
+      self.seconds['lost'] += spent * (total_rows - processed_rows) / total_rows
+
+  def exclude(self, seconds: float) -> None:
+    """Time between two steps that is not step time (an eval): the next step does not pay it."""
+    if self._last_end is not None:
+      self._last_end += seconds
+
+  def restart_clock(self) -> None:
+    """After a resume: the next step's time starts when it starts."""
+    self._last_end = None
+
+  def _overhead(self) -> float:
+    return self.seconds['compile'] + self.seconds['rejoin']

@@ -1,0 +1,92 @@
+"""Low-rank FFN bases (docs/algorithm.md §2.3) behind one registry: a new basis is its functions
+plus one row of BASES."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from mecefo_jax import ops
+from mecefo_jax.config import Config, ConfigError, MeCeFOConfig, ModelConfig
+
+FFN_MATRICES = ('gate', 'up', 'down')
+AXES = {'gate': ('embed', 'rank'), 'up': ('embed', 'rank'), 'down': ('mlp', 'rank')}
+
+
+def ranks(m: ModelConfig, mc: MeCeFOConfig) -> dict[str, int]:
+  """Low-rank Wgrad rank of each FFN matrix (by its input dimension)."""
+  def rank(d_in):
+    r = mc.rank or max(1, round(mc.rank_fraction * d_in))
+    return min(r, d_in, m.d_model if d_in == m.ffn_dim else m.ffn_dim)
+  return {'gate': rank(m.d_model), 'up': rank(m.d_model), 'down': rank(m.ffn_dim)}
+
+
+def _ffn_kernels(params, i):
+  ffn = params[f'block{i}']['ffn']
+  return {name: ffn[name]['kernel'] for name in FFN_MATRICES}
+
+
+def svd_bases(params, cfg: Config, key, previous: dict | None = None) -> dict:
+  """Paper's bases: top singular input subspace of every FFN matrix (randomized SVD), or, given
+  the `previous` bases, one warm-started subspace iteration from them (mecefo.refresh=warm)."""
+  r = ranks(cfg.model, cfg.mecefo)
+  out = {}
+  for i in range(cfg.model.n_layers):
+    kernels = _ffn_kernels(params, i)
+    if previous is not None:
+      out[f'block{i}'] = {name: ops.refine_basis(w, previous[f'block{i}'][name])
+                          for name, w in kernels.items()}
+      continue
+    keys = jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES))
+    out[f'block{i}'] = {name: ops.svd_basis(w, r[name], k, cfg.mecefo.power_iters)
+                        for (name, w), k in zip(kernels.items(), keys)}
+  return out
+
+
+def gaussian_bases(cfg: Config, key) -> dict:
+  """Fresh unbiased Gaussian bases for every FFN matrix (E[V Vᵀ] = I)."""
+  r, m = ranks(cfg.model, cfg.mecefo), cfg.model
+  d_in = {'gate': m.d_model, 'up': m.d_model, 'down': m.ffn_dim}
+  out = {}
+  for i in range(m.n_layers):
+    keys = jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES))
+    out[f'block{i}'] = {name: ops.gaussian_basis(k, d_in[name], r[name], jnp.dtype(m.param_dtype))
+                        for name, k in zip(FFN_MATRICES, keys)}
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BasisKind:
+  """How a basis type enters training.
+
+  `refresh(params, cfg, key, previous)`: bases kept in the train state and recomputed every
+  mecefo.tau degraded steps (`previous`: warm start, or None); None when drawn per step.
+  `draw(cfg, key)`: fresh bases for every degraded step; None when kept in the state.
+  """
+  refresh: Callable | None = None
+  draw: Callable | None = None
+
+  def stored(self, params, cfg: Config, key) -> dict:
+    """The bases the train state keeps ({} for per-step bases)."""
+    return self.refresh(params, cfg, key, None) if self.refresh else {}
+
+  def for_step(self, state_bases, cfg: Config, key) -> dict:
+    """The bases a degraded step projects onto."""
+    return self.draw(cfg, key) if self.draw else state_bases
+
+
+BASES = {
+    'svd': BasisKind(refresh=svd_bases),  # the paper's: top singular input subspace
+    'gaussian': BasisKind(draw=gaussian_bases),  # unbiased: E[V Vᵀ] = I
+}
+
+
+def kind(cfg: Config) -> BasisKind:
+  """The registry entry of cfg.mecefo.basis, or a one-line ConfigError."""
+  try:
+    return BASES[cfg.mecefo.basis]
+  except KeyError:
+    raise ConfigError(f"mecefo.basis must be one of {', '.join(BASES)}, got "
+                      f'{cfg.mecefo.basis!r}') from None
