@@ -1,7 +1,7 @@
 """Ablation of the degraded step: one slice carrying two micro-batches, adding §2's techniques in turn.
 
-Run: python benchmarks/ablation.py --config configs/tiny.yaml --json OUT.json [--figure OUT.png]
-     python benchmarks/ablation.py --from-json A.json,B.json --figure OUT.png  (re-plot only)
+Run: python -m benchmarks.ablation --config configs/tiny.yaml --json OUT.json [--figure OUT.png]
+     python -m benchmarks.ablation --from-json A.json,B.json --figure OUT.png  (re-plot only)
 Variants (as the paper's ablation): (a) naive Neighbor-Do-Both = the exact step on 2
 micro-batches, (b) + skip-MHA (attention branch cut in backward), (c) + FFN recompute
 (jax.checkpoint), (d) + low-rank FFN Wgrad = the full MeCeFO degraded step; reference: the
@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# Single-threaded OpenBLAS for the svd refresh (see failure_throughput.py).
-os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from mecefo_jax import sharding  # noqa: E402
-from mecefo_jax.model import train_state  # noqa: E402
-from mecefo_jax.model import llama
+from benchmarks import common
+from mecefo_jax import sharding
+from mecefo_jax.config import load_config
+from mecefo_jax.model import llama, train_state
+from mecefo_jax.model.llama import Degrade
 from mecefo_jax.step import train_step
-from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.model.llama import Degrade  # noqa: E402
 
 # name -> (label, role in units of micro-batches: (exact, degraded), techniques)
 VARIANTS = {
@@ -111,7 +105,8 @@ def plot(results: list[dict], path: str) -> None:
                  fontsize=9)
     ax.legend(fontsize=8)
   fig.suptitle(f"Degraded-step ablation, one slice carrying 2 micro-batches "
-               f"({results[0]['device']['device']}, jax {results[0]['device']['jax']})", fontsize=10)
+               f"({results[0]['device']['device_kind']}, jax {results[0]['device']['jax']})",
+               fontsize=10)
   fig.tight_layout()
   Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=120)
@@ -133,8 +128,8 @@ def main(argv=None):
       plot(results, args.figure)
     return results
   cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
-  result = {'config': args.config, 'overrides': args.overrides, 'device': common.device_info(),
-            'micro_batch': cfg.train.micro_batch, 'seq_len': cfg.model.seq_len,
+  result = {**common.run_info(__spec__.name, argv), 'config': args.config,
+            'overrides': args.overrides, 'micro_batch': cfg.train.micro_batch, 'seq_len': cfg.model.seq_len,
             'mecefo': vars(cfg.mecefo), 'repeats': args.repeats,
             'env': {'OPENBLAS_NUM_THREADS': os.environ.get('OPENBLAS_NUM_THREADS')},
             **measure(cfg, args.repeats, args.warmup)}

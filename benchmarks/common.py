@@ -1,13 +1,19 @@
-"""Shared benchmark harness: config loading, interleaved timing, JSON + markdown table output."""
+"""Shared benchmark harness: config loading, run metadata, interleaved timing, JSON + markdown
+table output."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +30,41 @@ def parser(description: str) -> argparse.ArgumentParser:
   return p
 
 
+REPO = Path(__file__).resolve().parents[1]
+RUN_KEYS = ('commit', 'command', 'device', 'date')  # what run_info records, emit insists on
+
+
 def device_info() -> dict:
+  """Platform, device kind and count, and the host's CPUs (all, and those this process may use)."""
   d = jax.devices()[0]
-  return {'backend': jax.default_backend(), 'device': d.device_kind, 'n_devices': jax.device_count(),
-          'jax': jax.__version__, 'host': platform.node(), 'python': platform.python_version()}
+  available = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  return {'platform': jax.default_backend(), 'device_kind': d.device_kind,
+          'device_count': jax.device_count(), 'host_cpu_count': os.cpu_count(),
+          'host_cpus_available': available, 'jax': jax.__version__, 'python': platform.python_version(),
+          'host': platform.node()}
+
+
+def git_commit() -> str | None:
+  """HEAD of the repository, '-dirty' appended if the work tree has changes; None without git.
+  Read-only: --no-optional-locks keeps `git status` from refreshing the index."""
+  def git(*args):
+    return subprocess.run(['git', '--no-optional-locks', *args], cwd=REPO, capture_output=True,
+                          text=True, check=True, timeout=30).stdout.strip()
+  try:
+    head = git('rev-parse', 'HEAD')
+    return head + ('-dirty' if git('status', '--porcelain') else '')
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
+def run_info(module: str, argv: Sequence[str] | None) -> dict:
+  """commit, command, device and UTC date of a benchmark run: every result JSON starts with them.
+  `module` is the benchmark's module (its __spec__.name), `argv` its arguments (main's argv, or
+  the command line's when None), so the command reruns it from the repository root."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  return {'commit': git_commit(), 'command': shlex.join(['python', '-m', module, *args]),
+          'device': device_info(),
+          'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict:
@@ -53,6 +90,10 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def emit(result: dict, table: str, json_path: str | None) -> None:
+  """Prints the table and writes `result` (which must carry run_info's keys) as JSON."""
+  missing = [k for k in RUN_KEYS if k not in result]
+  if missing:
+    raise ValueError(f'result lacks {missing}: start it with common.run_info(...)')
   print(table)
   if json_path:
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Throughput drop under the §5 failure presets: measured per-role step costs, simulated cluster.
 
-Run: python benchmarks/failure_throughput.py --config configs/tiny.yaml --json OUT.json
+Run: python -m benchmarks.failure_throughput --config configs/tiny.yaml --json OUT.json
      [--slices 8] [--policies neighbor,spread,balance,drop,naive] [--presets low,mid,high] [--hours 720]
      [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
      [--remeasure-restore] [--stat median|min|flops] [--checkpoint-every N] [--repeats 3]
@@ -15,31 +15,22 @@ import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# jaxlib's CPU QR/SVD (the svd refresh) call a threaded OpenBLAS whose threads spin against
-# XLA's own pool on a small shared CPU: 60m refresh measured 5.2 s threaded vs 1.15 s single.
-os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from mecefo_jax import sharding  # noqa: E402
-from mecefo_jax.model import train_state  # noqa: E402
-from mecefo_jax.model import llama
-from mecefo_jax.snapshot import recovery
+from benchmarks import common
+from mecefo_jax import sharding
+from mecefo_jax.config import load_config
 from mecefo_jax.fault import simulate
-from mecefo_jax.step import slice_steps
-from mecefo_jax.snapshot import store
-from mecefo_jax.step import train_step
-from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.fault.failures import PRESETS  # noqa: E402
-from mecefo_jax.fault.simulate import CHECKPOINT, PAPER_DEVICES, ClusterCosts, Role  # noqa: E402
+from mecefo_jax.fault.failures import PRESETS
+from mecefo_jax.fault.simulate import CHECKPOINT, PAPER_DEVICES, ClusterCosts, Role
+from mecefo_jax.model import llama, train_state
+from mecefo_jax.snapshot import recovery, store
+from mecefo_jax.step import slice_steps, train_step
 
 NOTES = [
     'Role costs: each distinct per-slice program is compiled for a one-device mesh (slice=1) and '
@@ -330,8 +321,8 @@ def main(argv=None):
     timed = needed if args.measure == 'all' else anchor_roles(b, needed, max_rows, one_down_roles)
     measurement = measure(cfg, timed, args.repeats, args.warmup)
   costs = costs_from(measurement, args.stat).complete(needed)
-  result = {'config': args.config, 'overrides': args.overrides, 'args': vars(args),
-            'device': common.device_info(), 'slices': n, 'micro_batch': b,
+  result = {**common.run_info(__spec__.name, argv), 'config': args.config,
+            'overrides': args.overrides, 'args': vars(args), 'slices': n, 'micro_batch': b,
             'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo), 'granule': granule,
             'max_degraded_rows': max_rows, 'costs': costs.to_json(), 'measurement': measurement,
             'cost_model': model_check(costs), 'notes': NOTES,

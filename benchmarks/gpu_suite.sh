@@ -12,7 +12,8 @@ export PYTHONUNBUFFERED=1
 bf16=model.compute_dtype=bfloat16
 py=${PYTHON:-python3}
 
-# run NAME SECONDS COMMAND...: one benchmark, its JSON in $out/NAME.json, its output in $out/NAME.log.
+# run NAME SECONDS -m benchmarks.MODULE ARGS...: one benchmark (python -m, from the repository
+# root), its JSON in $out/NAME.json, its output in $out/NAME.log.
 run() {
   local name=$1 limit=$2; shift 2
   echo "== $name"
@@ -23,16 +24,16 @@ run() {
 case $part in
   mfu)
     for m in ${MODELS:-llama_350m llama_1b}; do
-      run "mfu_$m" 280 benchmarks/mfu.py --config "configs/$m.yaml" --micro-batches 8,16,32 \
+      run "mfu_$m" 280 -m benchmarks.mfu --config "configs/$m.yaml" --micro-batches 8,16,32 \
         --repeats 20 "$bf16"
     done ;;
   step_cost)
     for m in ${MODELS:-llama_60m llama_130m llama_350m}; do
-      run "step_cost_$m" 180 benchmarks/step_cost.py --config "configs/$m.yaml" --repeats 20 "$bf16"
+      run "step_cost_$m" 180 -m benchmarks.step_cost --config "configs/$m.yaml" --repeats 20 "$bf16"
     done ;;
   ablation)
     for m in ${MODELS:-llama_60m llama_130m llama_350m}; do
-      run "ablation_$m" 180 benchmarks/ablation.py --config "configs/$m.yaml" --repeats 20 "$bf16"
+      run "ablation_$m" 180 -m benchmarks.ablation --config "configs/$m.yaml" --repeats 20 "$bf16"
     done ;;
   snapshot)
     # The in-memory tier wants tmpfs; containers often give /dev/shm only 64 MB (350m: ~4 GB).
@@ -42,12 +43,12 @@ case $part in
     fi
     mkdir -p "$snap"
     for m in ${MODELS:-llama_60m llama_350m}; do
-      run "snapshot_$m" 270 benchmarks/snapshot_overhead.py --config "configs/$m.yaml" \
+      run "snapshot_$m" 270 -m benchmarks.snapshot_overhead --config "configs/$m.yaml" \
         --dir "$snap" "$bf16"
     done ;;
   failure)
     for m in ${MODELS:-llama_60m}; do
-      run "failure_$m" 540 benchmarks/failure_throughput.py --config "configs/$m.yaml" --slices 8 \
+      run "failure_$m" 540 -m benchmarks.failure_throughput --config "configs/$m.yaml" --slices 8 \
         --measure anchors --rate per_device --repeats 10 "$bf16"
     done ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;

@@ -1,6 +1,6 @@
 """Relative error ‖G̃ − G‖/‖G‖ of the degraded gradient over a training run, per basis and rank.
 
-Run: python benchmarks/gradient_error.py --config configs/tiny.yaml --json OUT.json
+Run: python -m benchmarks.gradient_error --config configs/tiny.yaml --json OUT.json
 Trains with normal steps; every --every steps, on a fresh batch, compares the exact gradient G
 with the degraded gradient G̃ for each basis (svd with bases --tau steps old, as the trainer
 keeps them; gaussian fresh) and rank fraction. Reports the error over all non-attention
@@ -9,26 +9,20 @@ the part due to the projection only (vs the exact gradient of the attention-cut 
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import dataclasses
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import dataclasses  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from mecefo_jax import sharding  # noqa: E402
-from mecefo_jax.model import train_state  # noqa: E402
-from mecefo_jax.model.bases import svd_bases  # noqa: E402
-from mecefo_jax.model import llama
+from benchmarks import common
+from mecefo_jax import sharding
+from mecefo_jax.config import load_config
+from mecefo_jax.data.order import sample_ids
+from mecefo_jax.data.synthetic import SyntheticCorpus
+from mecefo_jax.model import llama, train_state
+from mecefo_jax.model.bases import svd_bases
 from mecefo_jax.step import train_step
-from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.data.order import sample_ids  # noqa: E402
-from mecefo_jax.data.synthetic import SyntheticCorpus  # noqa: E402
 
 
 def _norm(tree) -> float:
@@ -84,8 +78,8 @@ def main(argv=None) -> dict:
     if step % args.every == 0 or step == cfg.train.steps - 1:
       rows.append(_measure(step, state.params, bases, tokens, exact_fn, cut_fn, grad_fns))
     state, _ = normal(state, jnp.asarray(tokens)[None])
-  result = {'config': args.config, 'overrides': args.overrides, 'device': common.device_info(),
-            'tau': args.tau, 'rows': rows, 'mean': _means(rows, variants)}
+  result = {**common.run_info(__spec__.name, argv), 'config': args.config,
+            'overrides': args.overrides, 'tau': args.tau, 'rows': rows, 'mean': _means(rows, variants)}
   table = [{'basis': k, 'rank_fraction': f, **{m: result['mean'][f'{k}:{f}'][m]
             for m in ('non_attention', 'ffn', 'projection_only')}} for k, f in variants]
   common.emit(result, common.markdown_table(table, list(table[0])), args.json)

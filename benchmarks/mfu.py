@@ -1,6 +1,6 @@
 """Model FLOPs utilisation (MFU) of the normal step on one device, over a sweep of micro-batch sizes.
 
-Run: python benchmarks/mfu.py --config configs/llama_350m.yaml --micro-batches 8,16,32 --json OUT.json \
+Run: python -m benchmarks.mfu --config configs/llama_350m.yaml --micro-batches 8,16,32 --json OUT.json \
          model.compute_dtype=bfloat16
 MFU = model FLOPs per step / step time / the device's peak dense bf16 FLOP/s. Model FLOPs follow
 the PaLM convention: 6 × matmul params per token (the untied LM head included, the embedding
@@ -11,19 +11,13 @@ on a device not in it (a CPU, say) MFU is null.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jax  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from mecefo_jax import sharding  # noqa: E402
-from mecefo_jax.model import train_state  # noqa: E402
-from mecefo_jax.model import llama
+from benchmarks import common
+from mecefo_jax import sharding
+from mecefo_jax.config import Config, ModelConfig, load_config
+from mecefo_jax.model import llama, train_state
 from mecefo_jax.step import train_step
-from mecefo_jax.config import Config, ModelConfig, load_config  # noqa: E402
 
 # Dense bf16 peak, TFLOP/s, from the vendors' data sheets (no sparsity), by device_kind substring.
 # Order matters: the first substring found in the lower-cased device_kind wins.
@@ -96,18 +90,19 @@ def main(argv=None):
   if not all(b.isdigit() and int(b) > 0 for b in fields):
     p.error(f'--micro-batches must be positive integers, got {args.micro_batches!r}')
   batches = [int(b) for b in fields] or [cfg.train.micro_batch]
-  device = common.device_info()
-  peak = args.peak_tflops or peak_tflops(device['device'])
+  info = common.run_info(__spec__.name, argv)
+  device = info['device']
+  peak = args.peak_tflops or peak_tflops(device['device_kind'])
   table = rows(cfg, measure(cfg, batches, args.repeats), peak)
   best = max((r['mfu'] for r in table if r['mfu'] is not None), default=None)
   result = {
-      'config': args.config, 'overrides': args.overrides, 'device': device,
+      **info, 'config': args.config, 'overrides': args.overrides,
       'compute_dtype': cfg.model.compute_dtype, 'peak_tflops': peak,
       'peak_source': 'argument' if args.peak_tflops else ('table' if peak else None),
       'model_flops_per_token': model_flops_per_token(cfg.model), 'rows': table, 'best_mfu': best,
   }
   if peak is None:
-    print(f'note: no peak FLOP/s known for {device["device"]!r}; pass --peak-tflops for MFU')
+    print(f'note: no peak FLOP/s known for {device["device_kind"]!r}; pass --peak-tflops for MFU')
   if cfg.model.compute_dtype != 'bfloat16' and peak is not None:
     print('note: MFU is against the bf16 peak; set model.compute_dtype=bfloat16 on accelerators')
   common.emit(result, common.markdown_table(table, list(table[0])), args.json)

@@ -1,7 +1,7 @@
 """Quality under failures: fault-free vs takeover policies, same data, seed and failures.
 
-Run (scripted): python benchmarks/quality.py --config configs/tiny.yaml --json OUT.json
-Run (§5 presets): python benchmarks/quality.py --presets low,mid,high [--data text:PATH]
+Run (scripted): python -m benchmarks.quality --config configs/tiny.yaml --json OUT.json
+Run (§5 presets): python -m benchmarks.quality --presets low,mid,high [--data text:PATH]
     [--cluster-step-s 1800] [--rate per_device|cluster] [--figure OUT.png] [overrides...]
 Run (seeds): add --seeds 0,1,2,3,4 to the presets run: mean, std and SEM over seeds
     (--figure: each seed's increase and the mean +- SEM per policy).
@@ -18,12 +18,10 @@ vs fault-free (the paper's table reports perplexity), plus wall time.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import benchmarks
 
 
 def _args(argv):
@@ -64,14 +62,13 @@ def _args(argv):
 
 def main(argv=None) -> dict:
   args = _args(argv)
-  if 'jax' not in sys.modules:  # fake CPU devices for the slices, before jax is imported
-    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                               f' --xla_force_host_platform_device_count={args.slices}')
+  benchmarks.fake_cpu_devices(args.slices)  # one per slice; jax is imported only after this
   from benchmarks import common
+  info = common.run_info(__spec__.name, argv)
   result = (run_seeds(args) if args.seeds else run_presets(args) if args.presets
             else run_scripted(args))
-  result.update({'config': args.config, 'overrides': args.overrides, 'slices': args.slices,
-                 'data': args.data or 'synthetic', 'device': common.device_info()})
+  result = {**info, **result, 'config': args.config, 'overrides': args.overrides,
+            'slices': args.slices, 'data': args.data or 'synthetic'}
   rows = table_rows(result)
   common.emit(result, common.markdown_table(rows, list(rows[0])), args.json)
   if args.figure:

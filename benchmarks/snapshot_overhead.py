@@ -1,6 +1,6 @@
 """Snapshot overhead: step time with every-step in-memory snapshots vs none; restore; parity rebuild.
 
-Run: python benchmarks/snapshot_overhead.py --config configs/llama_60m.yaml --json OUT.json
+Run: python -m benchmarks.snapshot_overhead --config configs/llama_60m.yaml --json OUT.json
 The real per-step path on one device: the AOT-compiled fused step, then (snapshot mode) what
 Trainer._snapshot does, SnapshotManager.maybe_save of one replica (slice_steps.state_view) with every=1.
 Blocks of --block steps alternate between the modes (ABBA order over --rounds); a block's first
@@ -13,38 +13,33 @@ snapshot_cpu_s is the extra process CPU time per step with snapshots (all thread
 time.process_time over whole blocks), cpu_bound_overhead_pct that time over the CPU time of a
 plain step, i.e. the overhead expected when the step keeps every core busy.
 Restore: restore_latest of a fresh SnapshotManager (manifest check + Orbax restore), median of
---restores. Parity: the one-replica state's leaves are dealt to 4 'hosts' (size-balanced), each
-saved as its own snapshot dir; write_group_parity over the 4, then one host (its snapshot and
-its parity block) is deleted and rebuild_host recreates it; both checked bit-exact.
+--restores. Parity: the code a multi-process run executes (snapshot/host.py, HostSnapshots) for
+4 hosts: the one-replica state packed into one zero-padded image of 4 equal parts (image.pack,
+as maybe_save does), each host's parity block (parity.parity_block, computed by every host at
+every save: parity_block_s is one host's), then one part and its block dropped and rebuilt by
+parity.rebuild_part (as restore_latest does: parity_rebuild_s), checked bit-exact.
+--only-parity measures the parity alone (no step is compiled or timed).
 """
 from __future__ import annotations
 
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from mecefo_jax import sharding  # noqa: E402
-from mecefo_jax.model import train_state  # noqa: E402
-from mecefo_jax.snapshot import manifest
-from mecefo_jax.model import llama
-from mecefo_jax.snapshot import parity
-from mecefo_jax.snapshot import recovery
-from mecefo_jax.step import slice_steps
-from mecefo_jax.snapshot import store
-from mecefo_jax.step import train_step
-from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.model.train_state import params_sha256  # noqa: E402
+from benchmarks import common
+from mecefo_jax import sharding
+from mecefo_jax.config import load_config
+from mecefo_jax.model import llama, train_state
+from mecefo_jax.model.train_state import params_sha256
+from mecefo_jax.snapshot import image, manifest, parity, recovery, store
+from mecefo_jax.step import slice_steps, train_step
 
 N_HOSTS = 4
 
@@ -132,38 +127,30 @@ def time_restore(bench: Bench, repeats: int) -> dict:
           'restore_bit_exact': bool(exact), 'restored_step_dir': str(newest)}
 
 
-def host_shares(state, n: int) -> list[dict]:
-  """The leaves of `state` dealt to n hosts, largest first to the least loaded host."""
-  leaves = sorted(jax.tree_util.tree_leaves_with_path(state), key=lambda kv: -kv[1].size)
-  shares, loads = [{} for _ in range(n)], [0] * n
-  for path, leaf in leaves:
-    host = loads.index(min(loads))
-    shares[host][jax.tree_util.keystr(path)] = leaf
-    loads[host] += leaf.nbytes
-  return shares
-
-
-def time_parity(bench: Bench, lost: int = 2) -> dict:
-  hosts = [bench.root / f'host{i}' for i in range(N_HOSTS)]
-  snap_dirs, parity_dirs = [h / 'snap' for h in hosts], [h / 'parity' for h in hosts]
-  for snap_dir, share in zip(snap_dirs, host_shares(bench.one_replica(bench.states['snapshot']),
-                                                    N_HOSTS)):
-    snap_dir.parent.mkdir()
-    with store.SnapshotManager(snap_dir) as manager:
-      manager.maybe_save(0, share, {'host': str(snap_dir)})
-  t0 = time.perf_counter()
-  parity.write_group_parity(snap_dirs, parity_dirs)
-  write_s = time.perf_counter() - t0
-  image = parity.pack_tree(snap_dirs[lost])
-  shutil.rmtree(hosts[lost])  # the whole host: its snapshot and the parity block it kept
-  t0 = time.perf_counter()
-  parity.rebuild_host(snap_dirs, parity_dirs, lost)
-  rebuild_s = time.perf_counter() - t0
-  exact = (parity.pack_tree(snap_dirs[lost]) == image
-           and manifest.verify_manifest(snap_dirs[lost] / '0') is None)
-  return {'parity_write_s': write_s, 'parity_rebuild_s': rebuild_s, 'parity_rebuild_bit_exact': exact,
-          'parity_hosts': N_HOSTS, 'host_snapshot_bytes': [dir_bytes(d) for d in snap_dirs],
-          'parity_block_bytes': dir_bytes(parity_dirs[lost])}
+def time_parity(state, n: int = N_HOSTS, lost: int = 2, repeats: int = 3) -> dict:
+  """HostSnapshots' parity over n hosts (see the module doc): the median seconds of one host's
+  parity block and of rebuilding part `lost` from the others' parts and blocks."""
+  image_len = image.nbytes(image.layout(state))
+  part_len = -(-image_len // (n * (n - 1))) * (n - 1)  # as HostSnapshots: n parts of n-1 chunks
+  packed = np.zeros(part_len * n, np.uint8)  # the packed state + zero padding
+  image.pack(state, packed[:image_len])
+  parts = [packed[p * part_len:(p + 1) * part_len] for p in range(n)]
+  blocks, block_s = [], []
+  for holder in range(n):  # each host computes its own block at every save
+    t0 = time.perf_counter()
+    blocks.append(parity.parity_block(parts, holder))
+    block_s.append(time.perf_counter() - t0)
+  survivors = [None if i == lost else p for i, p in enumerate(parts)]
+  kept = [None if i == lost else b for i, b in enumerate(blocks)]  # the lost host's block is gone
+  rebuild_s, exact = [], True
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    rebuilt = parity.rebuild_part(survivors, kept, lost)
+    rebuild_s.append(time.perf_counter() - t0)
+    exact &= bool(np.array_equal(rebuilt, parts[lost]))
+  return {'parity_block_s': statistics.median(block_s),
+          'parity_rebuild_s': statistics.median(rebuild_s), 'parity_rebuild_bit_exact': exact,
+          'parity_hosts': n, 'parity_part_bytes': part_len, 'parity_block_bytes': blocks[0].nbytes}
 
 
 def main(argv=None):
@@ -173,19 +160,29 @@ def main(argv=None):
   p.add_argument('--rounds', type=int, default=2, help='ABBA rounds of one block per mode')
   p.add_argument('--restores', type=int, default=3)
   p.add_argument('--dir', default=None, help='snapshot root (default: a fresh dir in /dev/shm)')
+  p.add_argument('--only-parity', action='store_true',
+                 help='measure only the parity block and rebuild (no step timing, no snapshots)')
   args = p.parse_args(argv)
   cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
+  info = common.run_info(__spec__.name, argv)
+  if args.only_parity:
+    state = train_state.create_sharded(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+    result = {**info, 'config': args.config, 'overrides': args.overrides,
+              'state_bytes': store.state_nbytes(state), **time_parity(state)}
+    rows = [{'quantity': k, 'value': v} for k, v in result.items() if k.startswith('parity_')]
+    common.emit(result, common.markdown_table(rows, list(rows[0])), args.json)
+    return result
   base = args.dir or ('/dev/shm' if os.path.isdir('/dev/shm') else None)
   root = Path(tempfile.mkdtemp(prefix='mecefo-snapbench-', dir=base))
   try:
-    result, rows = run(cfg, root, args)
+    result, rows = run(cfg, root, args, info)
   finally:
     shutil.rmtree(root, ignore_errors=True)
   common.emit(result, common.markdown_table(rows, list(rows[0])), args.json)
   return result
 
 
-def run(cfg, root: Path, args) -> tuple[dict, list[dict]]:
+def run(cfg, root: Path, args, info: dict) -> tuple[dict, list[dict]]:
   bench = Bench(cfg, root)
   t0 = time.perf_counter()
   bench.iteration('no_snapshot')
@@ -194,8 +191,7 @@ def run(cfg, root: Path, args) -> tuple[dict, list[dict]]:
   plain, snap = times['no_snapshot'], times['snapshot']
   newest = Path(bench.manager.tiers[0].step_dir(bench.saves))
   result = {
-      'config': args.config, 'overrides': args.overrides, 'device': common.device_info(),
-      'micro_batch': cfg.train.micro_batch, 'seq_len': cfg.model.seq_len,
+      **info, 'config': args.config, 'overrides': args.overrides, 'micro_batch': cfg.train.micro_batch, 'seq_len': cfg.model.seq_len,
       'block': block, 'rounds': args.rounds, 'times': times,
       'overhead_pct': 100.0 * (snap['mean_s'] / plain['mean_s'] - 1.0),
       'overhead_pct_median': 100.0 * (snap['median_s'] / plain['median_s'] - 1.0),
@@ -208,14 +204,14 @@ def run(cfg, root: Path, args) -> tuple[dict, list[dict]]:
   }
   result.update(time_restore(bench, args.restores))
   bench.manager.close()
-  result.update(time_parity(bench))
+  result.update(time_parity(bench.one_replica(bench.states['snapshot'])))
   # On CPU the step keeps every core busy: each CPU second a snapshot takes is taken from it.
   result['cpu_bound_overhead_pct'] = 100.0 * result['snapshot_cpu_s'] / plain['cpu_s_per_step']
   rows = [{'quantity': k, 'value': result[k]} for k in (
       'overhead_pct', 'overhead_pct_median', 'snapshot_cpu_s', 'cpu_bound_overhead_pct',
       'maybe_save_blocking_s', 'snapshot_bytes',
       'state_bytes', 'snapshot_files', 'restore_s', 'verify_manifest_s', 'restore_bit_exact',
-      'parity_write_s', 'parity_rebuild_s', 'parity_rebuild_bit_exact', 'parity_block_bytes')]
+      'parity_block_s', 'parity_rebuild_s', 'parity_rebuild_bit_exact', 'parity_block_bytes')]
   rows = [{'quantity': f'step_s ({m}, mean)', 'value': t['mean_s']} for m, t in times.items()] + rows
   return result, rows
 

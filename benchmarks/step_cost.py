@@ -1,24 +1,18 @@
 """Per-slice step cost: normal step on one micro-batch vs degraded and naive exact steps on two.
 
-Run: python benchmarks/step_cost.py --config configs/tiny.yaml --json OUT.json
+Run: python -m benchmarks.step_cost --config configs/tiny.yaml --json OUT.json
 Time is the median over interleaved repeats in one process; memory is XLA's compiled
 temp memory (activations, gradients, optimizer temporaries) of each program.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jax  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from mecefo_jax import sharding  # noqa: E402
-from mecefo_jax.model import train_state  # noqa: E402
-from mecefo_jax.model import llama
+from benchmarks import common
+from mecefo_jax import sharding
+from mecefo_jax.config import load_config
+from mecefo_jax.model import llama, train_state
 from mecefo_jax.step import train_step
-from mecefo_jax.config import load_config  # noqa: E402
 
 
 def main(argv=None):
@@ -41,7 +35,7 @@ def main(argv=None):
   temp = {n: m.get('temp_bytes', 0) for n, m in mem.items()}
   t = {n: v['median_s'] for n, v in times.items()}
   result = {
-      'config': args.config, 'overrides': args.overrides, 'device': common.device_info(),
+      **common.run_info(__spec__.name, argv), 'config': args.config, 'overrides': args.overrides,
       'micro_batch': b, 'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo),
       'times': times, 'memory': mem,
       'time_ratio': t['degraded_2'] / t['normal_1'],

@@ -72,6 +72,23 @@ def tree_shardings(logical_tree, shape_tree, mesh: Mesh):
                       logical_tree, shape_tree, is_leaf=is_axes)
 
 
+def view(tree, mesh: Mesh, shardings):
+  """Zero-copy view of replicated-over-slice arrays restricted to the devices of `mesh`."""
+  devices = set(mesh.devices.flat)
+
+  def one(x, sh):
+    shards = [s.data for s in x.addressable_shards if s.device in devices]
+    # dtype: a process holding none of the mesh's devices (multi-process) gets an empty view.
+    return jax.make_array_from_single_device_arrays(x.shape, sh, shards, dtype=x.dtype)
+  return jax.tree.map(one, tree, shardings)
+
+
+def first_replica(tree):
+  """Zero-copy view, on its first slice's devices, of a tree replicated over its mesh's slices."""
+  sub = submesh(jax.tree.leaves(tree)[0].sharding.mesh, (0,))
+  return view(tree, sub, jax.tree.map(lambda x: NamedSharding(sub, x.sharding.spec), tree))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Tokens [slice, rows, seq]: dim 0 across slices, rows across fsdp."""
   fsdp = 'fsdp' if mesh.shape['fsdp'] > 1 else None

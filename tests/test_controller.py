@@ -190,7 +190,7 @@ def test_neighbor_of_neighbor_then_last_slice_carries_all_then_all_down():
   assert float(m1['exact_tokens']) == 0 and float(m1['degraded_tokens']) == 4 * B * L
   assert math.isfinite(float(m0['loss'])) and math.isfinite(float(m1['loss']))
   assert c.samples == {'exact': B, 'degraded': 7 * B, 'dropped': 0}
-  with pytest.raises(AllSlicesDown, match='--resume'):
+  with pytest.raises(AllSlicesDown, match='all 4 slices are down at step 2'):
     c.step(2)
 
 
@@ -238,12 +238,12 @@ def test_repair_and_failure_of_every_holder_in_one_step_hands_the_state_over():
   assert c.samples == {'exact': 2 * B, 'degraded': 4 * B, 'dropped': 0}
 
 
-def test_repair_after_every_holder_is_down_says_how_to_resume():
+def test_repair_after_every_holder_is_down_says_why():
   c = _controller('2x4', schedule=FailureSchedule(2).fail_at(0, 0).fail_at(1, 1).repair_at(0, 2))
   c.step(0)
   with pytest.raises(AllSlicesDown, match='all 2 slices are down'):
     c.step(1)
-  with pytest.raises(AllSlicesDown, match='no live slice holds the training state.*--resume'):
+  with pytest.raises(AllSlicesDown, match='no live slice holds the training state'):
     c.step(2)
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from benchmarks import failure_throughput
+import benchmark_run
 
 SMALL = ['model.n_layers=1', 'model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=96',
          'model.seq_len=32', 'model.vocab_size=64', 'train.micro_batch=4']
@@ -15,8 +15,8 @@ QUICK = ['--slices', '2', '--measure', 'anchors', '--presets', 'high', '--hours'
 @pytest.mark.slow
 def test_measure_then_replay_every_policy_and_reread_as_flops(tmp_path):
   out = tmp_path / 'ft.json'
-  result = failure_throughput.main(['--config', 'configs/tiny.yaml', *QUICK, '--json', str(out),
-                                    *SMALL])
+  result = benchmark_run.run('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
+                             *SMALL, json_path=out)
   policies = {'neighbor', 'spread', 'balance', 'drop', 'naive', 'checkpoint-restart'}
   assert set(result['results']) == policies
   assert all(math.isfinite(r['high']['drop_pct']) for r in result['results'].values())
@@ -24,8 +24,9 @@ def test_measure_then_replay_every_policy_and_reread_as_flops(tmp_path):
   assert {'refresh', 'refresh_full', 'fused_normal', 'update'} <= set(m['times'])  # warm refresh
   assert m['flops']['fused_normal'] > 0 and m['flops']['refresh'] < m['flops']['fused_normal']
   # The same costs read as FLOPs: the normal step keeps its measured time, no new timing.
-  again = failure_throughput.main(['--config', 'configs/tiny.yaml', *QUICK, '--costs', str(out),
-                                   '--stat', 'flops', *SMALL])
+  again = benchmark_run.run('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
+                            '--costs', out, '--stat', 'flops', *SMALL,
+                            json_path=tmp_path / 'ft_flops.json')
   assert again['costs']['normal_s'] == pytest.approx(result['costs']['normal_s'])
   assert again['measurement'] == json.loads(out.read_text())['measurement']
   assert set(again['results']) == policies

@@ -1,14 +1,16 @@
 """Quality under failures: MeCeFO's final eval loss stays within 3% of the fault-free run."""
 import pytest
 
+import benchmark_run
 from benchmarks import quality
 
 
 @pytest.mark.slow
 def test_neighbor_takeover_loss_within_3pct_of_fault_free(tmp_path):
   # Slice 1 of 4 is down for half of the run (>= a third, as the issue asks).
-  result = quality.main(['--policies', 'neighbor', '--fail-at', '0.2', '--repair-at', '0.7',
-                         '--json', str(tmp_path / 'q.json')])
+  result = benchmark_run.run('quality', '--policies', 'neighbor', '--fail-at', '0.2',
+                             '--repair-at', '0.7', json_path=tmp_path / 'q.json')
+  assert result['device']['device_count'] == 4  # one fake CPU device per slice
   runs = result['runs']
   assert runs['neighbor']['samples']['degraded'] > 0
   assert runs['neighbor']['samples'].get('dropped', 0) == 0
@@ -30,9 +32,9 @@ def test_live_counts_apply_a_steps_events_first():
 def test_presets_mode_runs_the_preset_schedule_and_reports_the_floor(tmp_path):
   small = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=64', 'model.seq_len=32',
            'train.steps=30', 'train.log_every=2']
-  result = quality.main(['--presets', 'high', '--policies', 'neighbor', '--cluster-step-s', '7200',
-                         '--eval-batches', '2', '--json', str(tmp_path / 'q.json'),
-                         '--figure', str(tmp_path / 'q.png'), *small])
+  result = benchmark_run.run('quality', '--presets', 'high', '--policies', 'neighbor',
+                             '--cluster-step-s', '7200', '--eval-batches', '2',
+                             '--figure', tmp_path / 'q.png', *small, json_path=tmp_path / 'q.json')
   high = result['presets']['high']
   assert high['schedule']['failures'] > 0 and result['simulated_hours'] == 60.0
   run = high['runs']['neighbor']

@@ -136,16 +136,25 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(crashed, killed, refer
   assert result['resumed_from_step'] >= second and result['steps_lost'] <= 1, log[-3000:]
 
 
+def memory_dir(out: Path, shm: Path) -> Path:
+  """The run's in-memory tier: one folder per run id under snapshot.dir."""
+  return shm / recovery.read_run_state(out)['run_id']
+
+
+def durable_dir(out: Path) -> Path:
+  return out / 'checkpoints' / recovery.read_run_state(out)['run_id']
+
+
 def newest_intact_after(out: Path, shm: Path, spoiled: int) -> int:
   """The step a resume should pick once memory snapshot `spoiled` is unusable."""
-  memory = [step for step in complete_steps(shm) if step != spoiled]
-  return max(memory + complete_steps(out / 'checkpoints'))
+  memory = [step for step in complete_steps(memory_dir(out, shm)) if step != spoiled]
+  return max(memory + complete_steps(durable_dir(out)))
 
 
 def test_truncated_newest_snapshot_is_skipped(crashed, reference):
   out, shm = crashed
-  newest = complete_steps(shm)[-1]
-  files = [p for p in (shm / str(newest)).rglob('*') if p.is_file()]
+  newest = complete_steps(memory_dir(out, shm))[-1]
+  files = [p for p in (memory_dir(out, shm) / str(newest)).rglob('*') if p.is_file()]
   largest = max(files, key=lambda p: p.stat().st_size)
   os.truncate(largest, largest.stat().st_size // 2)
   expected = newest_intact_after(out, shm, newest)
@@ -156,8 +165,8 @@ def test_truncated_newest_snapshot_is_skipped(crashed, reference):
 
 def test_snapshot_without_manifest_is_never_used(crashed, reference):
   out, shm = crashed
-  newest = complete_steps(shm)[-1]
-  (shm / str(newest) / manifest.MANIFEST_NAME).unlink()  # as if killed before the manifest
+  newest = complete_steps(memory_dir(out, shm))[-1]
+  (memory_dir(out, shm) / str(newest) / manifest.MANIFEST_NAME).unlink()  # as if killed before the manifest
   expected = newest_intact_after(out, shm, newest)
   result, log = resume_to_end(out, shm, reference)
   assert re.search(rf'skipping memory snapshot .*/{newest}: no manifest', log), log
@@ -166,7 +175,7 @@ def test_snapshot_without_manifest_is_never_used(crashed, reference):
 
 def test_durable_checkpoint_when_memory_snapshots_are_lost(crashed, killed, reference):
   out, shm = crashed
-  durable = complete_steps(out / 'checkpoints')[-1]
+  durable = complete_steps(durable_dir(out))[-1]
   assert durable % 5 == 0 and durable <= killed[1] + 1
   shutil.rmtree(shm)  # host memory lost (e.g. the machine rebooted)
   result, log = resume_to_end(out, shm, reference)
@@ -204,13 +213,13 @@ def test_sigterm_saves_a_durable_checkpoint_and_exits(tmp_path, reference):
   out, shm = tmp_path / 'run', tmp_path / 'shm'
   args = ('mesh.slice=1', f'snapshot.dir={shm}', 'snapshot.durable_every=1000')
   code, log = kill_after(out, 4, *args, sig=signal.SIGTERM)
-  assert code == 128 + signal.SIGTERM and 'preempted (SIGTERM)' in log, log[-3000:]
+  assert code == 128 + signal.SIGTERM and 'stopped by SIGTERM after step' in log, log[-3000:]
   stopped = report(out)
   assert stopped['preempted'] and '--resume' in stopped['stopped']
-  durable = complete_steps(out / 'checkpoints')
+  durable = complete_steps(durable_dir(out))
   assert durable == [stopped['steps']] and stopped['steps'] >= 5
-  assert manifest.verify_manifest(out / 'checkpoints' / str(durable[0])) is None
-  assert not [p for p in shm.iterdir() if 'tmp' in p.name]  # nothing left half-written
+  assert manifest.verify_manifest(durable_dir(out) / str(durable[0])) is None
+  assert not [p for p in memory_dir(out, shm).iterdir() if 'tmp' in p.name]  # none half-written
   shutil.rmtree(shm)  # a preempted machine loses its memory: the durable checkpoint must do
   code, log = train(out, *args)
   assert code == 0, log[-3000:]

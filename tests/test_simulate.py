@@ -25,20 +25,6 @@ def _model(policy, costs=None):
   return PolicyModel(planner, costs)
 
 
-@pytest.mark.parametrize('scale', [1.0, 2.0])
-def test_preset_failures_arrive_at_the_preset_rate(scale):
-  mean_h, repair_h = PRESETS['high']
-  step_s, steps = 60.0, 20000  # 333 h: ~667 failures at scale 1 (fewer: all-down draws skip)
-  events = FailureSchedule.preset('high', 64, steps, step_s, seed=3, interval_scale=scale)
-  fails = [e for e in events.all_events() if e.kind == 'fail']
-  expected = steps * step_s / (mean_h * 3600 * scale)
-  assert abs(len(fails) - expected) < 4 * expected ** 0.5  # Poisson: 4 sigma
-  repairs = {(e.slice, e.step) for e in events.all_events() if e.kind == 'repair'}
-  for e in fails[:50]:  # each repaired repair_h later (to the step), unless past the horizon
-    at = int((e.step * step_s + repair_h * 3600) // step_s)
-    assert any((e.slice, s) in repairs for s in (at - 1, at, at + 1)) or at >= steps - 1
-
-
 def test_fault_free_replay_loses_nothing():
   t = replay([], N, 1000.0, _model('neighbor'))
   assert t.samples == pytest.approx(1000.0 * N * B) and t.steps == 1000

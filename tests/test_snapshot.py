@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax.model.train_state import TrainState
-from mecefo_jax.snapshot import manifest, parity, store
+from mecefo_jax.snapshot import manifest, parity, recovery, store
 from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager, SnapshotWarning
 
 META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
@@ -188,7 +188,7 @@ def test_state_nbytes_counts_concrete_and_abstract_leaves(mesh):
 
 def test_sigterm_waits_for_the_in_flight_snapshot(tmp_path, mesh, slow_orbax_writes):
   manager = SnapshotManager(tmp_path / 'mem')
-  previous = store.install_sigterm_handler(manager)
+  previous = recovery.install_sigterm_handler(manager)
   try:
     manager.maybe_save(0, make_state(mesh), META)
     with pytest.raises(SystemExit) as exit_info:
@@ -203,89 +203,38 @@ def test_sigterm_waits_for_the_in_flight_snapshot(tmp_path, mesh, slow_orbax_wri
 
 # ---- parity -------------------------------------------------------------------------------------
 
-def test_xor_parity_rebuilds_any_one_shard_of_unequal_lengths():
-  rng = np.random.default_rng(0)
-  shards = [rng.bytes(n) for n in (0, 5, 1000, 77)]
-  parity_block = parity.encode_group(shards)
-  for lost in range(len(shards)):
-    survivors = [None if i == lost else s for i, s in enumerate(shards)]
-    assert parity.rebuild(survivors, parity_block) == shards[lost]
-  with pytest.raises(parity.ParityError, match='exactly one None'):
-    parity.rebuild([None, None, shards[2], shards[3]], parity_block)
+@pytest.mark.parametrize('n', [2, 3, 4, 5])
+def test_parity_rebuilds_any_one_lost_part_and_block(n):
+  # The layout of HostSnapshots: n parts of one length (a multiple of n-1), one block per host.
+  rng = np.random.default_rng(n)
+  parts = [rng.integers(0, 256, 6 * (n - 1), dtype=np.uint8) for _ in range(n)]
+  blocks = [parity.parity_block(parts, holder) for holder in range(n)]
+  assert all(len(b) == 6 for b in blocks)
+  for lost in range(n):  # a dead host loses its part and the block it kept
+    rebuilt = parity.rebuild_part([None if i == lost else p for i, p in enumerate(parts)],
+                                  [None if i == lost else b for i, b in enumerate(blocks)], lost)
+    np.testing.assert_array_equal(rebuilt, parts[lost])
+  with pytest.raises(parity.ParityError):
+    parity.parity_block([parts[0], parts[1][:-1]] + parts[2:], 0)
 
 
-def write_tree(root, files):
-  for rel, data in files.items():
-    path = root / rel
-    if data is None:
-      path.mkdir(parents=True, exist_ok=True)
-    else:
-      path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_bytes(data)
-
-
-def test_group_of_four_rebuilds_each_lost_host_bit_exact(tmp_path):
-  rng = np.random.default_rng(1)
-  trees = [{'a.bin': rng.bytes(1000), 'sub/deeper/b.bin': rng.bytes(33)},
-           {'big.bin': rng.bytes(300_000), 'empty.bin': b''},
-           {'only/empty/dir': None, 'x/y/z.txt': b'z'},
-           {f'shard{i:02d}': rng.bytes(int(n)) for i, n in enumerate(rng.integers(0, 5000, 20))}]
-  hosts = [tmp_path / f'host{i}' for i in range(4)]
-  snap_dirs, parity_dirs = [h / 'snap' for h in hosts], [h / 'parity' for h in hosts]
-  for snap_dir, files in zip(snap_dirs, trees):
-    write_tree(snap_dir, files)
-  images = [parity.pack_tree(d) for d in snap_dirs]
-  parity.write_group_parity(snap_dirs, parity_dirs)
-  for lost in range(4):
-    block = (parity_dirs[lost] / parity.PARITY_FILE).read_bytes()
-    shutil.rmtree(hosts[lost])  # the whole host: its snapshot and the parity block it kept
-    start = time.perf_counter()
-    parity.rebuild_host(snap_dirs, parity_dirs, lost)
-    logging.info('rebuilt host %d in %.1f ms', lost, 1e3 * (time.perf_counter() - start))
-    assert parity.pack_tree(snap_dirs[lost]) == images[lost]
-    assert (parity_dirs[lost] / parity.PARITY_FILE).read_bytes() == block
-  assert (snap_dirs[2] / 'only' / 'empty' / 'dir').is_dir()
-
-
-def test_rebuilt_host_snapshot_restores(tmp_path, mesh):
-  states = [make_state(mesh, seed=i) for i in range(4)]
-  hosts = [tmp_path / f'host{i}' for i in range(4)]
-  snap_dirs, parity_dirs = [h / 'snap' for h in hosts], [h / 'parity' for h in hosts]
-  for host, snap_dir, state in zip(hosts, snap_dirs, states):  # one process: slices play hosts
-    host.mkdir()
-    with SnapshotManager(snap_dir) as manager:
-      manager.maybe_save(7, state, META)
-  parity.write_group_parity(snap_dirs, parity_dirs)
-  shutil.rmtree(hosts[2])
-  parity.rebuild_host(snap_dirs, parity_dirs, 2)
-  with SnapshotManager(snap_dirs[2]) as manager:
-    step, restored, _ = manager.restore_latest(abstract(states[2]))
-  assert step == 7 and digests(restored) == digests(states[2])
-
-
-def test_manifest_checksums_of_every_format_detect_corruption(tmp_path):
-  import zlib
-
+def test_manifest_checksums_detect_corruption_and_other_formats_are_unreadable(tmp_path):
   from mecefo_jax.snapshot.manifest import MANIFEST_NAME, verify_manifest, write_manifest
   (tmp_path / 'd').mkdir()
   (tmp_path / 'd' / 'a').write_bytes(bytes(range(256)) * 1000)
   (tmp_path / 'empty').write_bytes(b'')  # mmap refuses empty files: the streamed path
   write_manifest(tmp_path)
-  manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
-  assert manifest['format'] == 3 and set(manifest['files']['empty']) == {'bytes', 'xxh3'}
+  written = json.loads((tmp_path / MANIFEST_NAME).read_text())
+  assert written['format'] == 3 and set(written['files']['empty']) == {'bytes', 'xxh3'}
   assert verify_manifest(tmp_path) is None
-
-  def older(fmt, key, digest):  # checkpoints written by earlier versions still verify
-    return {'format': fmt, 'files': {name: {'bytes': e['bytes'], key: digest(
-        (tmp_path / name).read_bytes())} for name, e in manifest['files'].items()}}
-  crc32 = older(2, 'crc32', lambda b: f'{zlib.crc32(b):08x}')
-  sha256 = older(1, 'sha256', lambda b: hashlib.sha256(b).hexdigest())
-  for m in (manifest, crc32, sha256):
-    (tmp_path / MANIFEST_NAME).write_text(json.dumps(m))
-    assert verify_manifest(tmp_path) is None
-    data = (tmp_path / 'd' / 'a').read_bytes()
-    (tmp_path / 'd' / 'a').write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, 1 bit off
-    assert verify_manifest(tmp_path) == 'd/a fails its checksum'
-    (tmp_path / 'd' / 'a').write_bytes(data[:100])
-    assert verify_manifest(tmp_path) == 'd/a fails its checksum'
-    (tmp_path / 'd' / 'a').write_bytes(data)
+  data = (tmp_path / 'd' / 'a').read_bytes()
+  (tmp_path / 'd' / 'a').write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, 1 bit off
+  assert verify_manifest(tmp_path) == 'd/a fails its checksum'
+  (tmp_path / 'd' / 'a').write_bytes(data[:100])
+  assert verify_manifest(tmp_path) == 'd/a fails its checksum'
+  (tmp_path / 'd' / 'a').write_bytes(data)
+  assert verify_manifest(tmp_path) is None
+  older = {'format': 2, 'files': {name: {'bytes': e['bytes'], 'crc32': '0'}
+                                  for name, e in written['files'].items()}}
+  (tmp_path / MANIFEST_NAME).write_text(json.dumps(older))
+  assert verify_manifest(tmp_path).startswith('unreadable manifest (format 2')

@@ -194,6 +194,33 @@ def test_preset_mean_interarrival(name):
   assert len(fails) > 1000 and mean_h == pytest.approx(PRESETS[name][0], rel=0.1)
 
 
+@pytest.mark.parametrize('n', [4, 8, 64])
+def test_per_device_rate_keeps_the_papers_down_fraction(n):
+  """per_device: the interval scales with 32 / n, so the mean fraction of slices down is the
+  same at any size (and all of them down is rare); cluster: n/32 times that."""
+  fraction = lambda rate: np.mean([len(f) / n for f in FailureSchedule.from_spec(
+      'high', n, 20_000, 60.0, 0, rate).failed_sets(20_000)])
+  per_device = fraction('per_device')
+  # high: one failure per 0.5 h per 32 devices, repaired in 2 h: about 2 / 0.5 / 32 = 1/8 down.
+  assert per_device == pytest.approx(0.125, rel=0.3)
+  if n == 4:
+    assert fraction('cluster') > 0.5  # the old reading: most of a small cluster down
+  assert FailureSchedule.from_spec('high', n, 100, 60.0, 0, 'per_device').all_events() == \
+      FailureSchedule.preset('high', n, 100, 60.0, 0, interval_scale=32 / n).all_events()
+
+
+def test_a_repair_within_its_failures_step_lands_on_the_next_step():
+  # 3 h per step > high's 2 h repair: every failure and its repair fall in one step; one
+  # failure per 4 h (interval x8), so each costs its slice one step and then it is back.
+  sched = FailureSchedule.preset('high', 4, 400, 3 * 3600.0, seed=0, interval_scale=8.0)
+  fails = [e for e in sched.all_events() if e.kind == 'fail']
+  repairs = {(e.slice, e.step) for e in sched.all_events() if e.kind == 'repair'}
+  assert len(fails) > 100
+  assert all((e.slice, e.step + 1) in repairs for e in fails[:-1]), fails[:8]
+  slice_steps_down = sum(len(f) for f in sched.failed_sets(400))
+  assert slice_steps_down <= len(fails)  # never longer than its one step
+
+
 def test_preset_unknown_name():
   with pytest.raises(ConfigError, match='failure preset must be one of low, mid, high'):
     FailureSchedule.preset('extreme', 4, 10, 60.0)

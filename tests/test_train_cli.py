@@ -1,5 +1,6 @@
 """train.py end to end (subprocess) and its one-line errors for bad configuration."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train(*args, timeout=300):
+def _train(*args, timeout=300, env=None):
   return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout)
+                        text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.slow
@@ -31,7 +32,7 @@ def test_train_py_loss_goes_down(tmp_path):
     ('model.nope=1', "unknown config key 'model.nope'"),
     ('model.n_layers=two', "config key 'model.n_layers' must be int"),
     ('mesh.slice=64', 'mesh.slice*mesh.fsdp*mesh.tensor = 64 exceeds the'),
-    ('mecefo.basis=qr', "config key 'mecefo.basis' must be one of svd, gaussian"),
+    ('mecefo.basis=qr', "mecefo.basis must be one of svd, gaussian, got 'qr'"),  # bases.py
 ])
 def test_bad_config_fails_with_one_clear_line(override, needle):
   proc = _train(override, 'train.steps=1', timeout=120)
@@ -73,8 +74,16 @@ def test_bad_data_path_fails_with_one_clear_line(tmp_path):
 
 
 def test_dry_run_compiles_and_reports_without_training(tmp_path):
-  proc = _train('--dry-run', '--no-snapshots', '--out', str(tmp_path), timeout=120)
+  from mecefo_jax.snapshot.recovery import run_name
+  from mecefo_jax.snapshot.store import default_snapshot_dir
+
+  out, scratch = tmp_path / 'new' / 'run', tmp_path / 'tmp'
+  scratch.mkdir()
+  env = {**os.environ, 'TMPDIR': str(scratch)}
+  proc = _train('--dry-run', '--out', str(out), timeout=120, env=env)
   assert proc.returncode == 0, proc.stderr[-2000:]
   info = json.loads(proc.stdout[proc.stdout.index('{'):])
   assert info['param_count'] > 0 and info['step_memory_bytes']['temp_bytes'] > 0
-  assert not (tmp_path / 'report.json').exists()
+  # Nothing left behind: no run directory, no tmpfs snapshots, no scratch directory.
+  assert not (tmp_path / 'new').exists() and not list(scratch.iterdir())
+  assert not default_snapshot_dir(run_name(out)).exists()

@@ -110,7 +110,7 @@ class Controller:
     if not keep:
       raise AllSlicesDown(
           f'no live slice holds the training state: slices {list(self.state_slices)} held it '
-          f'and are all down. Resume from the newest snapshot with `python train.py --resume`.')
+          f'and are all down')
     if keep != self.state_slices:
       self.state = slice_steps.state_view(self.cfg, self.state, self.mesh, keep)
     if keep != live:
@@ -145,9 +145,7 @@ class Controller:
       live = self.live()
       if not live:
         raise AllSlicesDown(
-            f'all {self.n_slices} slices are down at step {step}; nothing can run. The state of '
-            f'step {step} is the last one trained; resume with `python train.py --resume` '
-            'when devices return.')
+            f'all {self.n_slices} slices are down at step {step}; nothing can run')
       try:
         self._run_hooks(step, live)
         return self._timed(step, live)

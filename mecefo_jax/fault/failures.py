@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mecefo_jax.config import ConfigError
+from mecefo_jax.config import ConfigError, read_text
 
 # docs/algorithm.md §5: (mean hours between failures in the cluster, hours until repair).
 PRESETS = {'low': (2.0, 4.0), 'mid': (1.0, 3.0), 'high': (0.5, 2.0)}
+PAPER_DEVICES = 32  # §5-6: the presets' rates are for the paper's 32-GPU cluster
+RATES = ('per_device', 'cluster')
 KINDS = ('fail', 'repair')
 
 
@@ -98,11 +100,15 @@ class FailureSchedule:
     if name not in PRESETS:
       raise ConfigError(f"failure preset must be one of {', '.join(PRESETS)}, got {name!r}")
     mean_h, repair_h = PRESETS[name]
-    sched = cls(n_slices)
+    sched, failed_at = cls(n_slices), {}
     for e in poisson_events(mean_h * interval_scale * 3600.0, repair_h * 3600.0, n_slices,
                             steps * cluster_step_s, seed):
-      add = sched.fail_at if e.kind == 'fail' else sched.repair_at
-      add(e.slice, int(e.time_s // cluster_step_s), f'preset:{name}')
+      step = int(e.time_s // cluster_step_s)
+      if e.kind == 'fail':
+        failed_at[e.slice] = step
+        sched.fail_at(e.slice, step, f'preset:{name}')
+      else:  # a repair within its failure's step still costs that step: it lands on the next
+        sched.repair_at(e.slice, max(step, failed_at[e.slice] + 1), f'preset:{name}')
     return sched
 
   @classmethod
@@ -112,11 +118,12 @@ class FailureSchedule:
     if not path.is_file():
       raise ConfigError(f'failure trace {str(path)!r} not found')
     sched = cls(n_slices)
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(read_text(path, 'failure trace').splitlines(), 1):
       fields = line.split('#', 1)[0].split()
       if not fields:
         continue
-      if len(fields) != 3 or fields[2] not in KINDS or not all(f.isdigit() for f in fields[:2]):
+      numbers = all(f.isascii() and f.isdigit() for f in fields[:2])  # '²'.isdigit(), int fails
+      if len(fields) != 3 or fields[2] not in KINDS or not numbers:
         raise ConfigError(f"{path}:{lineno}: expected 'step slice fail|repair', got {line.strip()!r}")
       step, slice_ = int(fields[0]), int(fields[1])
       (sched.fail_at if fields[2] == 'fail' else sched.repair_at)(slice_, step, f'trace:{path.name}')
@@ -124,10 +131,14 @@ class FailureSchedule:
 
   @classmethod
   def from_spec(cls, spec: str, n_slices: int, steps: int, cluster_step_s: float,
-                seed: int) -> 'FailureSchedule':
-    """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'."""
+                seed: int, rate: str = 'per_device') -> 'FailureSchedule':
+    """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'; a preset's `rate` per_device scales its
+    interval by PAPER_DEVICES / n_slices (the paper's down fraction at any size), cluster not."""
     if spec == 'none':
       return cls(n_slices)
     if spec.startswith('trace:'):
       return cls.from_trace(spec[len('trace:'):], n_slices)
-    return cls.preset(spec, n_slices, steps, cluster_step_s, seed)
+    if rate not in RATES:
+      raise ConfigError(f"failure rate must be one of {', '.join(RATES)}, got {rate!r}")
+    scale = PAPER_DEVICES / n_slices if rate == 'per_device' else 1.0
+    return cls.preset(spec, n_slices, steps, cluster_step_s, seed, scale)

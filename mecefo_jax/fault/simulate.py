@@ -8,12 +8,11 @@ from typing import Sequence
 
 import numpy as np
 
-from mecefo_jax.fault.failures import FailureSchedule, TimedEvent as Event, poisson_events
+from mecefo_jax.fault.failures import PAPER_DEVICES, FailureSchedule, TimedEvent as Event
 from mecefo_jax.fault.takeover import Planner
 from mecefo_jax.step.train_step import Role
 
 CHECKPOINT = 'checkpoint-restart'
-PAPER_DEVICES = 32  # §6: the paper's failure rates are for its 32-GPU cluster
 
 
 # --- roles --------------------------------------------------------------------------------------

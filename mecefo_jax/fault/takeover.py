@@ -6,6 +6,7 @@ import math
 from typing import Sequence
 
 from mecefo_jax.config import DEGRADED_COST, POLICIES, Config
+from mecefo_jax.fault import budget
 from mecefo_jax.step.train_step import Role, split_passes
 
 
@@ -45,7 +46,8 @@ def _split(n_rows: int, parts: int, granule: int) -> list[int]:
 
 
 def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
-         degraded_cost: float = DEGRADED_COST) -> tuple[dict[int, SliceWork], list[Rows]]:
+         degraded_cost: float = DEGRADED_COST, time_budget: float = 1.0
+         ) -> tuple[dict[int, SliceWork], list[Rows]]:
   """(work of every live slice, rows dropped) for one step. docs/algorithm.md §1.
 
   neighbor: the next live slice on the ring does its own and the orphans, all degraded.
@@ -56,6 +58,10 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
     its own rows that its cost stays within a normal step's when a degraded row costs
     `degraded_cost` exact rows: more rows degraded than spread, the step time of no failure.
   drop: orphans are skipped (smaller global batch), like torchft.
+  exact: every row processed exactly, the orphans split evenly over the live slices (no
+    approximation; the step costs n/(n-d) of a normal one): the quality reference.
+  budget: every live slice stays within `time_budget` times the fault-free step's cost (exact
+    row 1, degraded row `degraded_cost`) with the fewest degraded rows (fault/budget.py).
   `granule` (dividing micro_batch) keeps spread shares shardable over a slice's fsdp devices.
   """
   if not 0.0 < degraded_cost < 1.0:
@@ -67,6 +73,9 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
   live = sorted(live)
   if not live:
     raise ValueError('no live slice')
+  if policy in ('exact', 'budget'):
+    limit = math.inf if policy == 'exact' else time_budget * micro_batch / granule
+    return _within_budget(live, n_slices, micro_batch, granule, limit, degraded_cost), []
   work = {s: SliceWork(exact=[Rows(s, 0, micro_batch)]) for s in live}
   orphans = [s for s in range(n_slices) if s not in live]
   dropped: list[Rows] = []
@@ -128,6 +137,7 @@ class Planner:
   granule: int = 1  # spread shares are multiples of it (a slice's fsdp size keeps them shardable)
   max_rows: int = 0  # most rows of one degraded pass; 0: two micro-batches (faults.max_degraded_rows)
   degraded_cost: float = DEGRADED_COST
+  time_budget: float = 1.0  # policy budget: a multiple of the fault-free step's cost
 
   def __post_init__(self):
     if not self.max_rows:
@@ -138,13 +148,46 @@ class Planner:
                   policy: str | None = None) -> 'Planner':
     f = cfg.faults
     return cls(n_slices, cfg.train.micro_batch, policy or f.takeover, granule,
-               f.max_degraded_rows, f.degraded_cost)
+               f.max_degraded_rows, f.degraded_cost, f.time_budget)
 
   def plan(self, live: Sequence[int]) -> StepPlan:
     work, dropped = plan(live, self.n_slices, self.micro_batch, self.policy, self.granule,
-                         self.degraded_cost)
+                         self.degraded_cost, self.time_budget)
     return StepPlan(work, dropped, {s: self.role(w) for s, w in work.items()})
 
   def role(self, w: SliceWork) -> Role:
     exact, degraded = w.counts()
     return Role(exact, degraded, split_passes(degraded, self.max_rows))
+
+
+def _within_budget(live, n_slices, micro_batch, granule, budget_units, cost) -> dict[int, SliceWork]:
+  """Rows by the budget's (exact, degraded) counts: heavier loads on the failed slices' ring
+  successors; each slice its own rows first (exact first), then the orphans in order."""
+  per_slice = micro_batch // granule
+  loads = budget.counts(len(live), n_slices * per_slice, budget_units, cost)
+  first_down = min((s for s in range(n_slices) if s not in live), default=n_slices - 1)
+  ring = sorted(live, key=lambda s: (s - first_down) % n_slices)
+  taken = {s: [Rows(s, 0, granule * min(e + g, per_slice))] for s, (e, g) in zip(ring, loads)}
+  queue = [Rows(o, taken[o][0].stop if o in taken else 0, micro_batch) for o in range(n_slices)]
+  queue = [r for r in queue if r.n]
+  work = {}
+  for s, (e, g) in zip(ring, loads):
+    rows = taken[s]
+    rows += _pop_rows(queue, granule * (e + g) - rows[0].n)
+    exact = _pop_rows(rows, granule * e)
+    work[s] = SliceWork(exact=exact, degraded=rows)
+  assert not queue, queue  # every row has a slice
+  return work
+
+
+def _pop_rows(rows: list[Rows], n: int) -> list[Rows]:
+  """The first `n` rows of `rows` (removed from it), splitting a range where needed."""
+  out = []
+  while n > 0:
+    r = rows.pop(0)
+    if r.n > n:
+      rows.insert(0, Rows(r.owner, r.start + n, r.stop))
+      r = Rows(r.owner, r.start, r.start + n)
+    out.append(r)
+    n -= r.n
+  return out

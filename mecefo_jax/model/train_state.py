@@ -15,6 +15,7 @@ from mecefo_jax.config import Config
 from mecefo_jax.model import bases, llama
 from mecefo_jax.sharding import replicated, tree_shardings
 
+
 class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: Any  # pure dict of arrays (see llama.create)
@@ -24,8 +25,24 @@ class TrainState(NamedTuple):
   rng: jax.Array  # uint32[2] raw PRNG key
 
 
+# Optimizer partitions: attention-branch leaves, which skip steps without an exact row
+# (docs/algorithm.md §3), and the rest. Each has its own AdamW state, count included.
+ATTENTION, REST = 'attention', 'rest'
+
+
+def partition_labels(params):
+  """ATTENTION for attention-branch leaves, REST for the others (same tree as params)."""
+  label = lambda path, _: ATTENTION if llama.is_attention_branch(path) else REST
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-  """AdamW with linear warmup and cosine decay; weight decay only on matrices."""
+  """AdamW with linear warmup and cosine decay; weight decay only on matrices.
+
+  Attention-branch params get their own AdamW (same hyperparameters) so that a step which
+  freezes them can keep their count too: their bias correction and schedule then follow their
+  own updates. Both counts move together without failures, so that path is plain AdamW.
+  """
   o = cfg.optimizer
   warmup = min(o.warmup_steps, cfg.train.steps)
   # Start at lr/(warmup+1), not 0, so that step 0 already trains.
@@ -33,9 +50,11 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
       o.lr / (warmup + 1), o.lr, warmup, max(cfg.train.steps, warmup + 1),
       end_value=o.lr * o.min_lr_ratio)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                      mask=decay_mask)
-  return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
+  adamw = lambda: optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                              mask=decay_mask)
+  parts = optax.multi_transform({ATTENTION: adamw(), REST: adamw()}, partition_labels)
+  # Clipping stays outside the partitions: one global norm over every gradient.
+  return optax.chain(optax.clip_by_global_norm(o.grad_clip), parts) if o.grad_clip > 0 else parts
 
 
 def init_state(cfg: Config, graphdef=None) -> TrainState:
@@ -77,9 +96,12 @@ def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
   _, param_shapes, param_axes = llama.abstract(cfg.model)
   shapes = jax.eval_shape(lambda: init_state(cfg))
   param_sh = tree_shardings(param_axes, param_shapes, mesh)
-  opt_sh = optax.tree_map_params(make_optimizer(cfg), lambda _, s: s, shapes.opt_state, param_sh,
+  # Each partition's moments hold MaskedNode where the other partition's params are: kept as is.
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  opt_sh = optax.tree_map_params(make_optimizer(cfg), lambda v, s: v if masked(v) else s,
+                                 shapes.opt_state, param_sh,
                                  transform_non_params=lambda _: replicated(mesh),
-                                 is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+                                 is_leaf=lambda x: isinstance(x, jax.sharding.Sharding) or masked(x))
   bases_axes = {b: bases.AXES for b in shapes.bases}
   return TrainState(replicated(mesh), param_sh, opt_sh,
                     tree_shardings(bases_axes, shapes.bases, mesh),

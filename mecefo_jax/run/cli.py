@@ -5,86 +5,214 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
-from mecefo_jax.config import POLICIES  # no jax import: XLA_FLAGS are still settable
+# No jax import here: XLA_FLAGS are still settable, and config errors come at once.
+from mecefo_jax.config import POLICIES, ConfigError, load_config, to_dict
+
+
+# configs/ lies next to train.py in the repository: the default must not depend on the cwd.
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = ROOT / 'configs' / 'tiny.yaml'
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse whose usage errors are one `error: ...` line (exit 2), like every other error."""
+
+  def error(self, message):
+    print(f'error: {message} (see {self.prog} --help)', file=sys.stderr)
+    sys.exit(2)
+
+
+def _int_at_least(low: int):
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f'must be >= {low}, got {value}')
+    return value
+  return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
+  p = _Parser(
       prog='train.py', description='MeCeFO fault-tolerant LLM training (JAX/Flax).',
       epilog='example: python train.py --config configs/tiny.yaml train.steps=50 model.n_layers=4')
-  p.add_argument('--config', default='configs/tiny.yaml', help='YAML file overriding the defaults')
+  p.add_argument('--config', default=None,
+                 help="YAML file overriding the defaults (default: the repository's "
+                      'configs/tiny.yaml, whatever the current directory)')
   p.add_argument('--out', default=None, help='run directory (default: train.out_dir)')
   p.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
   p.add_argument('--data', default=None,
                  help='synthetic (built in) | text:PATH | tokens:PATH[?dtype=uint16] | hf:NAME (= train.data)')
   p.add_argument('--dry-run', action='store_true',
-                 help='build, compile the step, print parameters, mesh and memory; no training')
+                 help='build, compile the step, print parameters, mesh and memory; no training '
+                      'and no files left behind')
   p.add_argument('--failures', default=None,
                  help='none | low | mid | high (docs/algorithm.md §5 presets) | trace:PATH (= faults.failures)')
   p.add_argument('--takeover', default=None, choices=POLICIES,
                  help='who processes a failed slice\'s micro-batch (= faults.takeover)')
-  p.add_argument('--resume', action='store_true',
-                 help='continue from the newest intact snapshot / checkpoint of --out')
-  p.add_argument('--fresh', action='store_true',
-                 help='start from step 0 even if --out holds an unfinished run')
+  start = p.add_mutually_exclusive_group()
+  start.add_argument('--resume', action='store_true',
+                     help='continue from the newest intact snapshot / checkpoint of --out')
+  start.add_argument('--fresh', action='store_true',
+                     help='start from step 0 even if --out holds an unfinished run')
   p.add_argument('--no-snapshots', action='store_true', help='no in-memory snapshots (= snapshot.enabled=false)')
   p.add_argument('--quiet', '-q', action='store_true',
                  help='only warnings, errors (failures, repairs) and the final summary line')
-  p.add_argument('--host-devices', type=int, default=None,
+  p.add_argument('--host-devices', type=_int_at_least(1), default=None,
                  help='CPU only: simulate this many devices (XLA host platform), e.g. 8 slices')
   p.add_argument('--coordinator', default=None,
                  help='multi-process run: HOST:PORT of process 0 (automatic on TPU pods)')
   p.add_argument('--num-processes', type=int, default=None, help='multi-process run: how many')
   p.add_argument('--process-id', type=int, default=None, help='multi-process run: this one (0..n-1)')
-  p.add_argument('--heartbeat-s', type=int, default=100,
+  p.add_argument('--heartbeat-s', type=_int_at_least(1), default=100,
                  help='multi-process run: seconds of silence after which a process counts as dead '
                       'and the others abort (then restart them with --resume)')
   p.add_argument('overrides', nargs='*', help='dotted overrides: section.key=value')
   return p.parse_intermixed_args(argv)
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
+def _setup_process(args) -> None:
+  """Environment (before jax is imported anywhere) and logging."""
   # jaxlib's QR/SVD (the svd-basis refresh) use OpenBLAS, whose threads fight XLA's own on
   # CPU hosts: measured 5.2 s vs 1.15 s per llama_60m refresh on 2 cores.
   os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
-  if args.host_devices:
-    # Must happen before jax is imported anywhere.
+  if args.host_devices is not None:
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                f' --xla_force_host_platform_device_count={args.host_devices}')
+  logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
+  logging.getLogger('mecefo').setLevel(logging.WARNING if args.quiet else logging.INFO)
+  # Orbax logs a failed background save with its whole traceback; the snapshot code reports
+  # it in one line (a skipped in-memory snapshot, or a durable-tier error), so keep it quiet.
+  logging.getLogger('absl').setLevel(logging.CRITICAL)
+
+
+def _overrides(args) -> list[str]:
   overrides = list(args.overrides)
   overrides += [f'train.data={args.data}'] if args.data else []
   overrides += [f'faults.failures={args.failures}'] if args.failures else []
   overrides += [f'faults.takeover={args.takeover}'] if args.takeover else []
-  overrides += ['snapshot.enabled=false'] if args.no_snapshots else []
-  logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
-  logging.getLogger('mecefo').setLevel(logging.WARNING if args.quiet else logging.INFO)
-  from mecefo_jax.config import ConfigError, load_config, to_dict
+  # A dry run writes no snapshots (nothing left in /dev/shm) and trains in a scratch dir.
+  overrides += ['snapshot.enabled=false'] if args.no_snapshots or args.dry_run else []
+  return overrides
+
+
+def _config_path(args) -> Path:
+  if args.config is not None:
+    return Path(args.config)
+  if not DEFAULT_CONFIG.is_file():
+    raise ConfigError(f'default config {str(DEFAULT_CONFIG)!r} not found (package installed '
+                      'without its repository?); pass --config FILE')
+  return DEFAULT_CONFIG
+
+
+def _check_out_dir(out_dir: Path) -> None:
+  """Creates the run directory; one that cannot be used fails in one line before any work."""
+  if out_dir.exists() and not out_dir.is_dir():
+    raise ConfigError(f'run directory {str(out_dir)!r} (--out) exists and is not a directory')
+  try:
+    out_dir.mkdir(parents=True, exist_ok=True)
+  except OSError as err:
+    raise ConfigError(f'cannot create run directory {str(out_dir)!r} (--out): '
+                      f'{err.strerror or err}') from None
+  if not os.access(out_dir, os.W_OK | os.X_OK):
+    raise ConfigError(f'run directory {str(out_dir)!r} (--out) is not writable')
+
+
+def _probe_out_dir(out_dir: Path) -> None:
+  """A dry run's check of the run directory: created as a real run would, then removed."""
+  path = out_dir.absolute()
+  created = [d for d in (path, *path.parents) if not d.exists()]  # deepest first
+  try:
+    _check_out_dir(out_dir)
+  finally:
+    for directory in created:
+      try:
+        directory.rmdir()
+      except OSError:
+        break  # not ours any more (something wrote into it), or never made
+
+
+def _install_stop_handlers(snapshots) -> list:
+  """SIGTERM (preemption) and SIGINT (Ctrl-C) both checkpoint and stop at the end of the step;
+  a SIGINT ignored by the parent (a shell's background job) stays ignored. Returns
+  [(signal, previous handler)]."""
+  from mecefo_jax.snapshot.recovery import install_sigterm_handler
+  signums = [signal.SIGTERM]
+  signums += [signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else []
+  return [(s, install_sigterm_handler(snapshots, defer=True, signum=s)) for s in signums]
+
+
+def _restore_handlers(handlers) -> None:
+  for signum, previous in handlers:
+    if previous is not None:  # None: a handler set outside Python, which we cannot reinstall
+      signal.signal(signum, previous)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  _setup_process(args)
+  scratch = Path(tempfile.mkdtemp(prefix='mecefo-dry-run-')) if args.dry_run else None
+  try:
+    return _main(args, scratch)
+  except KeyboardInterrupt:  # before the handlers are in place, without snapshots, or twice
+    print('error: interrupted (Ctrl-C) without a final checkpoint; `python train.py --resume` '
+          'continues from the last snapshot, if any', file=sys.stderr)
+    return 128 + signal.SIGINT
+  finally:
+    if scratch is not None:
+      shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _error(err: Exception) -> int:
+  print(f'error: {err}', file=sys.stderr)
+  return 2
+
+
+def _main(args, scratch: Path | None) -> int:
+  try:  # config and --out first: their errors need no jax import (seconds)
+    cfg = load_config(_config_path(args), _overrides(args))
+    out_dir = Path(args.out or cfg.train.out_dir)
+    if not args.print_config:
+      (_check_out_dir if scratch is None else _probe_out_dir)(out_dir)
+  except ConfigError as e:
+    return _error(e)
+  if args.print_config:
+    import yaml
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return 0
+  return _start(args, cfg, out_dir, scratch)
+
+
+def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
+  """Builds the trainer (in `scratch` for a dry run), then trains."""
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.store import SnapshotError
   try:
-    cfg = load_config(args.config, overrides)
-    if args.print_config:
-      import yaml
-      print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-      return 0
     from mecefo_jax import multihost
     multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
     from mecefo_jax.run import trainer
     from mecefo_jax.snapshot import recovery
-    out_dir = Path(args.out or cfg.train.out_dir)
-    resume = args.resume or (not args.fresh and recovery.unfinished(out_dir))
-    run = trainer.Trainer(cfg, out_dir, resume=resume, progress='quiet' if args.quiet else 'auto')
+    resume = scratch is None and (args.resume or (not args.fresh and recovery.unfinished(out_dir)))
+    run = trainer.Trainer(cfg, scratch or out_dir, resume=resume,
+                          progress='quiet' if args.quiet else 'auto')
   except (ConfigError, DataError, SnapshotError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  if run.snapshots:  # preemption: checkpoint and stop at the end of the step
-    from mecefo_jax.snapshot.store import install_sigterm_handler
-    install_sigterm_handler(run.snapshots, defer=True)
+    return _error(e)
+  handlers = _install_stop_handlers(run.snapshots) if run.snapshots else []
+  try:
+    return _train(args, run, out_dir)
+  finally:
+    _restore_handlers(handlers)
+
+
+def _train(args, run, out_dir: Path) -> int:
   log = logging.getLogger('mecefo')
   log.info('%s', run.describe())
   log.info('data: %s', run.corpus.describe())
@@ -103,7 +231,7 @@ def main(argv=None) -> int:
     log.info('%s', summary)
     log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
              report['samples'])
-  if report['preempted']:
+  if report['preempted']:  # SIGTERM or Ctrl-C: checkpointed, resumable
     return 128 + signal.SIGTERM
   return 3 if report['stopped'] else 0
 

@@ -15,6 +15,26 @@ TB_KEYS = {'train': ('loss', 'grad_norm', 'tokens_per_s', 'live_slices'),
            'eval': ('loss', 'perplexity')}
 
 
+def _finite(obj):
+  """`obj` with non-finite floats as None, numpy scalars as Python ones, tuples as lists."""
+  if isinstance(obj, dict):
+    return {key: _finite(value) for key, value in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_finite(value) for value in obj]
+  if hasattr(obj, 'item') and getattr(obj, 'shape', None) == ():  # numpy / jax scalar
+    obj = obj.item()
+  if isinstance(obj, float) and not math.isfinite(obj):
+    return None
+  return obj
+
+
+def to_json(obj, **kwargs) -> str:
+  """Strict JSON (RFC 8259) of `obj`: NaN and +-inf anywhere become null, never the bare
+  NaN / Infinity that json.dumps writes by default and other JSON readers reject. kwargs go
+  to json.dumps (e.g. indent=2)."""
+  return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
 def _tb_writer(directory: Path):
   """A tensorboardX SummaryWriter, or None (with one info line) when it is not installed."""
   try:
@@ -53,7 +73,7 @@ class MetricsWriter:
   def write(self, row: dict) -> None:
     if self._file is None:
       return
-    self._file.write(json.dumps(row) + '\n')
+    self._file.write(to_json(row) + '\n')
     self._file.flush()  # recovery.last_logged_step reads it while (or after) we crash
     if self._tb is not None:
       kind = row.get('kind', 'train')

@@ -1,4 +1,4 @@
-"""Plots of a run: `python -m mecefo_jax.run.plot RUN_DIR [--out PNG]` writes RUN_DIR/training.png."""
+"""Plots of runs: `python -m mecefo_jax.run.plot RUN_DIR [RUN_DIR ...] [--out PNG]`."""
 from __future__ import annotations
 
 import argparse
@@ -53,10 +53,15 @@ def _shade(ax, spans, label='slice down') -> None:
     ax.axvspan(lo, hi, color=DOWN_COLOR, alpha=0.12, lw=0, label=label if i == 0 else None)
 
 
+def _losses(rows: list[dict]) -> list[float]:
+  """The rows' losses, NaN where metrics.jsonl holds null (a non-finite loss)."""
+  return [np.nan if r['loss'] is None else r['loss'] for r in rows]
+
+
 def _loss_panel(ax, x_train, train, x_eval, evals, xlabel, floor=None) -> None:
-  ax.plot(x_train, [r['loss'] for r in train], lw=1.2, label='train loss')
+  ax.plot(x_train, _losses(train), lw=1.2, label='train loss')
   if evals:
-    ax.plot(x_eval, [r['loss'] for r in evals], 'o', ms=5, color='tab:orange', label='eval loss')
+    ax.plot(x_eval, _losses(evals), 'o', ms=5, color='tab:orange', label='eval loss')
   if floor is not None:
     ax.axhline(floor, ls='--', lw=0.8, color='gray', label=f'entropy floor {floor:.3f}')
   ax.set_xlabel(xlabel)
@@ -158,14 +163,56 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
   return out
 
 
+def _labels(run_dirs: list[Path]) -> list[str]:
+  """Each run's directory name, or its path where two runs share a name."""
+  names = [d.name or str(d) for d in run_dirs]
+  return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]
+
+
+def plot_compare(run_dirs, out: str | Path) -> Path:
+  """Writes one figure to `out`: loss vs step of every run in `run_dirs` (a line each, eval
+  losses as dots of its colour), labelled by directory name."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  run_dirs = [Path(d) for d in run_dirs]
+  fig = Figure(figsize=(9, 5.5), layout='constrained')
+  FigureCanvasAgg(fig)
+  ax = fig.subplots()
+  for run_dir, label in zip(run_dirs, _labels(run_dirs)):
+    rows = read_rows(run_dir)
+    train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
+    if not train:
+      raise ValueError(f'{run_dir / "metrics.jsonl"} has no training rows to plot')
+    line, = ax.plot([r['step'] for r in train], _losses(train), lw=1.2, label=label)
+    evals = [r for r in rows if r['kind'] == 'eval']
+    ax.plot([r['step'] for r in evals], _losses(evals), 'o', ms=5, color=line.get_color())
+  ax.set_xlabel('step')
+  ax.set_ylabel('loss (nats/token); dots: eval loss')
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8, loc='upper right')
+  ax.set_title(f'training loss of {len(run_dirs)} runs', fontsize=11)
+  fig.savefig(out, dpi=100)
+  return Path(out)
+
+
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m mecefo_jax.run.plot',
-                              description='Plot loss, throughput, failures and goodput of a run.')
-  p.add_argument('run_dir', help='run directory (holds metrics.jsonl and report.json)')
-  p.add_argument('--out', default=None, help=f'PNG to write (default RUN_DIR/{PLOT_FILE})')
+  p = argparse.ArgumentParser(
+      prog='python -m mecefo_jax.run.plot',
+      description='Plot loss, throughput, failures and goodput of a run, or compare the loss '
+                  'of several runs on one figure.')
+  p.add_argument('run_dirs', nargs='+', metavar='RUN_DIR',
+                 help='run directory (holds metrics.jsonl and report.json); several: compare')
+  p.add_argument('--out', default=None,
+                 help=f'PNG to write (default RUN_DIR/{PLOT_FILE}; needed with several runs)')
   args = p.parse_args(argv)
   try:
-    out = plot_run(args.run_dir, args.out)
+    if len(args.run_dirs) == 1:
+      out = plot_run(args.run_dirs[0], args.out)
+    elif args.out is None:
+      raise ValueError(f'comparing {len(args.run_dirs)} runs needs --out PNG')
+    else:
+      out = plot_compare(args.run_dirs, args.out)
   except (OSError, ValueError) as err:
     print(f'error: {err}', file=sys.stderr)
     return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ class Scalar(Spec):
           (self.typ is float and type(value) is int))
     if not ok:
       errors.append(f'{path}: expected {self.name}, got {type(value).__name__} {value!r:.60}')
+    elif type(value) is float and not math.isfinite(value):  # strict JSON has no NaN/Infinity
+      errors.append(f'{path}: expected a finite float, got {value!r} (write null where allowed)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +148,8 @@ class Record(Spec):
 # ---- the schema --------------------------------------------------------------------------------
 
 INT, FLOAT, STR, BOOL = Scalar(int), Scalar(float), Scalar(str), Scalar(bool)
+# A loss of a diverged run may be NaN or inf: written as null (metrics.to_json), never bare NaN.
+LOSS_VALUE = Nullable(FLOAT)
 LOSS = 'nats/token'
 GOODPUT_DOC = {
     'normal_productive': 'steps with every slice live',
@@ -156,8 +161,9 @@ GOODPUT_DOC = {
 
 EVAL = Record({
     'step': Field(INT, 'step', 'last training step before the eval (the eval sees the params after it)'),
-    'loss': Field(FLOAT, LOSS, 'mean held-out loss over train.eval_batches batches'),
-    'perplexity': Field(FLOAT, '', 'exp(loss)'),
+    'loss': Field(LOSS_VALUE, LOSS, 'mean held-out loss over train.eval_batches batches; '
+                  'null if not finite (diverged)'),
+    'perplexity': Field(LOSS_VALUE, '', 'exp(loss); null if not finite'),
 })
 EVENT_FIELDS = {
     'step': Field(INT, 'step', 'step at whose start the event applies'),
@@ -183,6 +189,8 @@ SNAPSHOTS = Record({
     'dir': Field(Nullable(STR), '', 'in-memory tier directory (tmpfs); null when disabled'),
     'every': Field(INT, 'steps', 'snapshot.every; 0 when disabled'),
     'saved': Field(INT, '', 'in-memory snapshots written by this process'),
+    'skipped': Field(INT, '', 'in-memory snapshots skipped on a write error (e.g. tmpfs full), '
+                     'with a warning each; training went on'),
     'retained_steps': Field(ListOf(INT), 'steps', 'in-memory snapshots on disk at the end'),
     'durable_dir': Field(Nullable(STR), '', 'durable checkpoint directory; null if none'),
     'durable_every': Field(INT, 'steps', 'snapshot.durable_every; 0 if no durable tier'),
@@ -217,7 +225,8 @@ SCHEMA = Record({
     'param_count': Field(INT, 'parameters', 'number of model parameters'),
     'entropy_floor': Field(Nullable(FLOAT), LOSS, 'lowest reachable loss of the built-in '
                            'corpus; null for other data'),
-    'losses': Field(ListOf(Pair(INT, FLOAT)), LOSS, '[step, training loss] of every logged step'),
+    'losses': Field(ListOf(Pair(INT, LOSS_VALUE)), LOSS, '[step, training loss] of every logged '
+                    'step; the loss is null if not finite (diverged)'),
     'mesh': Field(MapOf(INT), 'devices', "mesh axis sizes: {'slice', 'fsdp', 'tensor'}"),
     'device': Field(STR, '', 'device kind, e.g. cpu, NVIDIA H100 80GB HBM3, TPU v5 lite'),
     'step_memory': Field(MapOf(INT), 'bytes', 'compiled fault-free step per device (argument, '
@@ -281,6 +290,20 @@ def markdown() -> str:
   return '\n'.join(lines)
 
 
+def _bare_constant(name: str):
+  raise ValueError(f'bare {name} is not JSON (a non-finite number is written as null)')
+
+
+def load(path: Path) -> Any:
+  """The parsed report at `path`; OSError / ValueError with a one-line message otherwise."""
+  if not path.is_file():
+    raise OSError(f'{path}: not found (give a report.json or a run directory holding one)')
+  try:
+    return json.loads(path.read_bytes(), parse_constant=_bare_constant)
+  except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, bare NaN
+    raise ValueError(f'{path}: not valid JSON: {err}') from None
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog='python -m mecefo_jax.run.report_schema',
                               description='Check a report.json against the schema.')
@@ -292,7 +315,12 @@ def main(argv=None) -> int:
     return 0
   path = Path(args.report)
   path = path / 'report.json' if path.is_dir() else path
-  found = errors(json.loads(path.read_text()))
+  try:
+    report = load(path)
+  except (OSError, ValueError) as err:
+    print(f'error: {err}', file=sys.stderr)
+    return 2
+  found = errors(report)
   for line in found:
     print(f'{path}: {line}', file=sys.stderr)
   print(f'{path}: {"OK" if not found else f"{len(found)} mismatch(es)"}')

@@ -1,8 +1,10 @@
 """The training loop: mesh, sharded state, failure-aware controller, snapshots, evals, outputs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -12,17 +14,18 @@ import numpy as np
 
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config, ConfigError, to_dict
-from mecefo_jax.data.order import global_batch
+from mecefo_jax.data import order
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.run.metrics import MetricsWriter
+from mecefo_jax.run.metrics import MetricsWriter, to_json
+from mecefo_jax.run import rundir
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.report_schema import SCHEMA_VERSION
-from mecefo_jax.snapshot import image, recovery
+from mecefo_jax.snapshot import image, recovery, store
 from mecefo_jax.snapshot.store import state_nbytes
-from mecefo_jax.step import slice_steps, train_step
+from mecefo_jax.step import train_step
 
 log = logging.getLogger('mecefo')
 
@@ -55,7 +58,7 @@ class Trainer:
 
   def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,
                resume: bool = False, *, progress: str = 'auto',
-               on_log: Callable[[dict], None] | None = None):
+               on_log: Callable[[dict], None] | None = None, replace: bool = False):
     if cfg.train.eval_every < 0 or cfg.train.eval_batches < 1:
       raise ConfigError(f'train.eval_every must be >= 0 and train.eval_batches >= 1, got '
                         f'{cfg.train.eval_every}, {cfg.train.eval_batches}')
@@ -72,19 +75,25 @@ class Trainer:
     self.graphdef, _, _ = llama.abstract(m)
     f = cfg.faults
     self.schedule = schedule or FailureSchedule.from_spec(
-        f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s, cfg.train.seed)
+        f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s, cfg.train.seed, f.rate)
+    if self.n_slices == 1 and f.failures != 'none':
+      log.warning('one slice: a failure leaves no live slice to take over its micro-batch, so '
+                  'the run stops at the first failure (use mesh.slice >= 2 to survive failures)')
     self.out_dir.mkdir(parents=True, exist_ok=True)
+    self._lock = rundir.lock(self.out_dir) if self.is_chief else None
+    self.run_id = self._start_run(resume, replace)
     self.snapshots = recovery.open_manager(cfg, self.out_dir,
-                                           state_nbytes(train_state.abstract_state(cfg)))
+                                           state_nbytes(train_state.abstract_state(cfg)),
+                                           self.run_id)
     t0 = time.perf_counter()
     state = train_state.create_sharded(cfg, self.mesh)
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state)
     self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
     self.evals: list[dict] = []  # {step, loss, perplexity} of every eval, carried over resumes
-    self.snapshots_saved = {'memory': 0, 'durable': 0}  # started (and finished) by this process
     self._eval_s = 0.0
-    self._carried_state = {}  # run_state.json entries kept while resuming (all_down_at)
-    self.stopped_by_sigterm = False
+    # run_state.json: the run's identity, and entries kept while resuming (all_down_at)
+    self._carried_state = {'run_id': self.run_id, 'config': to_dict(cfg)}
+    self.stopped_by_sigterm, self._finished = False, False
     if resume:
       self._resume()
     # Compile the fault-free step now, so that the first step runs at full speed.
@@ -102,23 +111,36 @@ class Trainer:
       return jax.devices()[0].platform != 'cpu' and not multihost.is_multiprocess()
     return mode == 'always'
 
+  def _start_run(self, resume: bool, replace: bool) -> str:
+    """This run's id (rundir.start on process 0, the same on every process)."""
+    run_id = rundir.start(self.out_dir, self.cfg, resume=resume, replace=replace) \
+        if self.is_chief else None
+    if multihost.is_multiprocess():
+      run_id = multihost.broadcast_bytes(run_id and run_id.encode(), 0).decode()
+    return run_id
+
   def _resume(self) -> None:
+    all_down_at = recovery.read_run_state(self.out_dir).get('all_down_at')
     restored = self.snapshots and recovery.restore(self.snapshots, self.cfg, self.mesh)
-    if not restored:
-      log.warning('resume: no intact snapshot or checkpoint found; starting from step 0')
-      return
-    step, state, meta = restored
+    step = 0
+    if restored:
+      step, state, meta = restored
+      self._restored(step, state, meta)
+    else:
+      log.warning('resume: no intact snapshot or checkpoint of run %s found; starting from '
+                  'step 0', self.run_id)
+    if all_down_at is not None:
+      self._carried_state['all_down_at'] = all_down_at
+      if step <= all_down_at:  # every slice was down there; a resume means they are back
+        self.controller.devices_back_at = all_down_at
+
+  def _restored(self, step: int, state, meta: dict) -> None:
     reached = recovery.last_logged_step(self.out_dir)
     self.steps_lost = max(0, reached + 1 - step) if reached is not None else None
     self.controller.state = state
     self.controller.load_meta(meta['controller'])
     self.start_step, self.losses, self.resumed_from = step, meta['losses'], step
     self.evals = list(meta.get('evals', []))  # snapshots of older versions have none
-    all_down_at = recovery.read_run_state(self.out_dir).get('all_down_at')
-    if all_down_at is not None:
-      self._carried_state['all_down_at'] = all_down_at
-      if step <= all_down_at:  # every slice was down there; a resume means they are back
-        self.controller.devices_back_at = all_down_at
     log.warning('resumed from the snapshot after step %d; the previous process had logged step '
                 '%s, so %s step(s) are trained again', step, reached, self.steps_lost)
 
@@ -144,20 +166,28 @@ class Trainer:
             'step_memory_bytes': self.memory, 'data': self.corpus.describe()}
 
   def evaluate(self, n_batches: int = 4) -> float:
-    """Mean loss on held-out samples (ids disjoint from training), on the live slices."""
+    """Mean token loss on fixed held-out rows (ids disjoint from training): `n_batches` global
+    batches of the run's slice count, the same rows whichever slices are live."""
     live = self.controller.state_slices
     mesh = sharding.submesh(self.mesh, live)
     b = self.cfg.train.micro_batch
     program = self.controller.evaluator(live)
-    losses = []
-    for i in range(n_batches):
-      tokens = global_batch(self.corpus, i, len(live), b, split='eval')
-      loss = None
+    ids = np.concatenate([order.sample_ids(i, self.n_slices, b, 'eval').ravel()
+                          for i in range(n_batches)])
+    per_call, loss_sum, tokens = len(live) * b, 0.0, 0.0
+    for start in range(0, len(ids), per_call):
+      chunk = ids[start:start + per_call]
+      rows = self.corpus.sequences(chunk)
+      rows = np.concatenate([rows, np.full((per_call - len(chunk), rows.shape[1]), -1, rows.dtype)])
+      rows_SxBxL1 = rows.reshape(len(live), b, -1)  # padding rows (-1) count for nothing
+      out = None
       if multihost.is_local(mesh):
-        batch = multihost.put_batch(tokens.__getitem__, tokens.shape, sharding.batch_sharding(mesh))
-        loss = {'loss': program(self.state.params, batch)}
-      losses.append(multihost.fetch(loss, mesh, keys=('loss',))['loss'])
-    return float(np.mean(losses))
+        batch = multihost.put_batch(rows_SxBxL1.__getitem__, rows_SxBxL1.shape,
+                                    sharding.batch_sharding(mesh))
+        out = program(self.state.params, batch)
+      values = multihost.fetch(out, mesh, keys=('loss_sum', 'tokens'))
+      loss_sum, tokens = loss_sum + values['loss_sum'], tokens + values['tokens']
+    return loss_sum / tokens
 
   def run(self) -> dict:
     """Trains to train.steps (or until every slice is down / SIGTERM); returns the report."""
@@ -175,12 +205,15 @@ class Trainer:
         self._emit(self._eval_row(cfg.train.steps - 1, t_start))  # the final eval
     jax.block_until_ready(self.state)
     wall_s = time.perf_counter() - t_start
+    if not stopped:  # the final state as a durable checkpoint too: a later --resume extends it
+      self._snapshot(cfg.train.steps, durable=True)
     if self.snapshots:
       self.snapshots.wait_until_finished()
     report = self._report(steps_done, wall_s, stopped, tensorboard=writer.tensorboard)
     if self.is_chief:
-      (self.out_dir / 'report.json').write_text(json.dumps(report, indent=2))
+      (self.out_dir / 'report.json').write_text(to_json(report, indent=2))
     self._write_run_state('stopped' if stopped else 'finished')
+    self._finished = not stopped
     if cfg.train.plot and self.is_chief:
       self._plot()
     return report
@@ -197,9 +230,11 @@ class Trainer:
       try:
         metrics = self.controller.step(step, time.perf_counter() - t_start)
       except AllSlicesDown as err:
-        log.error('%s', err)
+        message = (f'{err}. When devices return, `python train.py --out {self.out_dir} --resume` '
+                   f'continues from the newest snapshot (every slice back at step {step})')
+        log.error('%s', message)
         self._carried_state['all_down_at'] = step
-        return step, str(err)
+        return step, message
       self._progress.step(len(self.controller.live()))
       rows = []
       last = step == cfg.train.steps - 1
@@ -262,8 +297,8 @@ class Trainer:
 
   def _preemption_message(self, steps_done: int) -> str:
     where = 'a durable checkpoint' if self.cfg.snapshot.durable_every else 'an in-memory snapshot'
-    message = (f'preempted (SIGTERM) after step {steps_done}, saved as {where}; resume with '
-               '`python train.py --resume`')
+    message = (f'stopped by {self.snapshots.preempted} after step {steps_done}, saved as {where}; '
+               f'resume with `python train.py --out {self.out_dir} --resume`')
     log.warning('%s', message)
     return message
 
@@ -276,15 +311,7 @@ class Trainer:
     c = self.controller
     meta = {'controller': c.dump_meta(), 'losses': self.losses, 'reached': steps_done,
             'evals': self.evals}
-    # One replica is enough: the slices hold identical copies. Multi-process: each host's
-    # HostSnapshots takes its own local replica of the live state.
-    one_replica = (c.state if multihost.is_multiprocess() else
-                   slice_steps.state_view(self.cfg, c.state, self.mesh, c.state_slices[:1]))
-    if sn.maybe_save(steps_done, one_replica, meta, force_durable=durable):
-      # The same due-rules as SnapshotManager.maybe_save, to count what it started.
-      self.snapshots_saved['memory'] += steps_done % sn.every == 0
-      self.snapshots_saved['durable'] += len(getattr(sn, 'tiers', ())) > 1 and (
-          durable or steps_done % sn.durable_every == 0)
+    sn.maybe_save(steps_done, c.state, meta, force_durable=durable)
 
   def _plot(self) -> None:
     try:
@@ -299,6 +326,18 @@ class Trainer:
       self.controller.precompiler.stop()
     if self.snapshots:
       self.snapshots.close()
+      if self._finished and not self.cfg.snapshot.keep_when_finished:
+        self._remove_memory_tier()
+    if self._lock is not None:
+      self._lock.close()  # releases the run directory
+      self._lock = None
+
+  def _remove_memory_tier(self) -> None:
+    """A finished run needs no in-memory snapshots: free the tmpfs (durable checkpoints stay)."""
+    memory = recovery.snapshot_dirs(self.cfg.snapshot, self.out_dir, self.run_id)[0]
+    shutil.rmtree(memory, ignore_errors=True)
+    with contextlib.suppress(OSError):
+      memory.parent.rmdir()  # the run directory's tmpfs folder, once no run is left in it
 
   def _report(self, steps_done, wall_s, stopped, tensorboard: bool) -> dict:
     """report.json; every key is documented in docs/report.md and checked by report_schema."""
@@ -352,19 +391,4 @@ class Trainer:
     return multihost.broadcast_bytes(digest and digest.encode(), source).decode()
 
   def _snapshot_report(self) -> dict:
-    sn = self.snapshots
-    off = {'enabled': False, 'dir': None, 'every': 0, 'saved': 0, 'retained_steps': [],
-           'durable_dir': None, 'durable_every': 0, 'durable_saved': 0,
-           'durable_retained_steps': []}
-    if not sn:
-      return off
-    if not hasattr(sn, 'tiers'):  # multi-process HostSnapshots: this host's part, no durable tier
-      return {**off, 'enabled': True, 'dir': str(sn.directory), 'every': sn.every,
-              'saved': self.snapshots_saved['memory']}
-    memory, durable = sn.tiers[0], (sn.tiers[1] if len(sn.tiers) > 1 else None)
-    return {'enabled': True, 'dir': str(memory.directory), 'every': sn.every,
-            'saved': self.snapshots_saved['memory'], 'retained_steps': sorted(memory.steps()),
-            'durable_dir': str(durable.directory) if durable else None,
-            'durable_every': sn.durable_every if durable else 0,
-            'durable_saved': self.snapshots_saved['durable'],
-            'durable_retained_steps': sorted(durable.steps()) if durable else []}
+    return self.snapshots.report() if self.snapshots else store.OFF

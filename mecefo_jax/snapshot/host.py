@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from pathlib import Path
 
 import jax
@@ -21,15 +20,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mecefo_jax import multihost
 from mecefo_jax.model.train_state import abstract_state
 from mecefo_jax.snapshot import image, parity
-from mecefo_jax.snapshot.manifest import verify_manifest
-from mecefo_jax.snapshot.store import SnapshotWarning, _Tier, check_capacity
+from mecefo_jax.snapshot.store import OFF_DURABLE, Tier, check_capacity
 
 log = logging.getLogger('mecefo')
 _MAX_STEPS = 16  # snapshot steps compared across hosts at restore
 
 
 class HostSnapshots:
-  """The in-memory tier of a multi-process run; same interface the trainer uses on SnapshotManager."""
+  """The in-memory tier of a multi-process run, with SnapshotManager's interface (maybe_save,
+  restore_latest, wait_until_finished, close, report, preempted)."""
 
   def __init__(self, directory: str | Path, cfg, *, every: int = 1, keep: int = 2):
     self.cfg, self.every, self.preempted = cfg, every, False
@@ -39,7 +38,8 @@ class HostSnapshots:
     self.part_len = -(-self.image_len // (n * (n - 1))) * (n - 1)  # n parts of n-1 chunks each
     check_capacity(directory, self.part_len * n // (n - 1), keep, factor=1.1)
     self.directory = Path(directory) / f'host{self.host}'
-    self._tier = _Tier('memory', self.directory, keep, compress=False, local=True)
+    self._tier = Tier('memory', self.directory, keep, compress=False, local=True)
+    self.saved = 0  # parts saved by this process
     self._image = np.zeros(self.part_len * n, np.uint8)  # packed state + zero padding
     first_devices = [next(d for d in jax.devices() if d.process_index == p) for p in range(n)]
     self._sharding = NamedSharding(Mesh(np.array(first_devices), ('host',)), P('host'))
@@ -50,14 +50,16 @@ class HostSnapshots:
     return jax.make_array_from_single_device_arrays(
         (self.n_hosts, len(row)), self._sharding, [jax.device_put(row[None], device)])
 
-  def maybe_save(self, step: int, state, meta: dict, *, force_durable: bool = False) -> bool:
-    """Saves this host's part and parity block of `state` (the live state) when `step` is due."""
+  def maybe_save(self, step: int, state, meta: dict, *,
+                 force_durable: bool = False) -> tuple[str, ...]:
+    """Saves this host's part and parity block of `state` (the live state) when `step` is due;
+    returns the tiers it started (('memory',) or ())."""
     del force_durable  # no durable tier in multi-process runs (see docs/tpu.md)
     if step % self.every:
-      return False
+      return ()
     devices = multihost.local_replica_devices(state)
     if devices is None:
-      return False  # every slice of this host is down: its part stays at an older step
+      return ()  # every slice of this host is down: its part stays at an older step
     self._tier.wait()  # the previous save may still read the image buffer
     # The state's bytes, packed into the reused, zero-padded image: a real host copy that
     # donation cannot touch.
@@ -66,29 +68,20 @@ class HostSnapshots:
     tree = {'part': self._global(parts[self.host]),
             'parity': self._global(parity.parity_block(parts, self.host))}
     self._tier.save(step, tree, json.loads(json.dumps(meta)), background=True)
-    return True
+    self.saved += 1
+    return ('memory',)
 
-  def _intact_steps(self) -> list[int]:
-    intact = []
-    for step in self._tier.steps():
-      problem = verify_manifest(self._tier.step_dir(step))
-      if problem is None:
-        intact.append(step)
-        continue
-      message = f'skipping snapshot {self._tier.step_dir(step)}: {problem}'
-      if problem.startswith('no manifest'):
-        log.warning(message)
-      else:
-        warnings.warn(message, SnapshotWarning, stacklevel=2)
-      self._tier.delete(step)
-    return intact
+  def report(self) -> dict:
+    """report.json's `snapshots` section: this host's part; no durable tier."""
+    return {'enabled': True, **self._tier.report('', self.every, self.saved), 'skipped': 0,
+            **OFF_DURABLE}
 
   def restore_latest(self, target):
     """(step, state on `target`'s shardings, meta) from the newest step that all hosts but at
     most one hold intact (the missing part rebuilt from parity), else None. All processes
     call it."""
     self.wait_until_finished()
-    mine = self._intact_steps()[:_MAX_STEPS]
+    mine = [s for s in self._tier.steps() if self._tier.verified(s)][:_MAX_STEPS]
     table = np.asarray(multihost_utils.process_allgather(
         np.array(mine + [-1] * (_MAX_STEPS - len(mine)), np.int64)))
     counts = {s: int((table == s).any(axis=1).sum()) for s in set(table.flat) - {-1}}

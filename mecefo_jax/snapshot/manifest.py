@@ -1,41 +1,24 @@
 """Snapshot manifests: size and checksum of every file; a manifest marks a snapshot complete."""
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
-import zlib
 
 import xxhash
 from etils import epath
 
 MANIFEST_NAME = 'mecefo_manifest.json'
 _HASH_BLOCK = 1 << 22
-
-
-class _Crc32:
-  """zlib's CRC-32 in hashlib's shape: what format-2 manifests record."""
-
-  def __init__(self):
-    self.value = 0
-
-  def update(self, data) -> None:
-    self.value = zlib.crc32(data, self.value)
-
-  def hexdigest(self) -> str:
-    return f'{self.value:08x}'
-
-
-# Manifest key -> hasher. Every-step snapshots hash the whole state each step: XXH3 of a mapped
-# 326 MB tmpfs file costs ~0.045 s here, CRC-32 ~0.12 s, reading + sha256 ~0.24 s. All detect
-# truncation and corruption; none is meant against tampering. Older formats still verify.
-_HASHERS = {'xxh3': xxhash.xxh3_64, 'crc32': _Crc32, 'sha256': hashlib.sha256}
+# Every-step snapshots hash the whole state each step: XXH3 of a mapped 326 MB tmpfs file costs
+# ~0.045 s here (CRC-32 ~0.12 s, reading + sha256 ~0.24 s). It detects truncation and corruption;
+# it is not meant against tampering. Only this format verifies: a manifest of another (older)
+# format reads as unreadable, and the snapshot is skipped like any other damaged one.
 _FORMAT, _KEY = 3, 'xxh3'
 
 
-def _digest(path: epath.Path, key: str) -> str:
-  digest = _HASHERS[key]()
+def _digest(path: epath.Path) -> str:
+  digest = xxhash.xxh3_64()
   try:
     with open(os.fspath(path), 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
       digest.update(m)  # pages hashed in place, no copy into Python
@@ -47,11 +30,8 @@ def _digest(path: epath.Path, key: str) -> str:
 
 
 def _intact(path: epath.Path, expected: dict) -> bool:
-  """Size and checksum match the manifest entry (whichever hash the entry records)."""
-  if path.stat().length != expected['bytes']:
-    return False
-  key = next(k for k in _HASHERS if k in expected)
-  return _digest(path, key) == expected[key]
+  """Size and checksum match the manifest entry."""
+  return path.stat().length == expected['bytes'] and _digest(path) == expected[_KEY]
 
 
 def _files(root: epath.Path):
@@ -65,7 +45,7 @@ def _files(root: epath.Path):
 def write_manifest(step_dir: str | os.PathLike) -> None:
   """Checksum and size of every file of a finished snapshot; its presence marks the snapshot complete."""
   step_dir = epath.Path(step_dir)
-  files = {str(f.relative_to(step_dir)): {'bytes': f.stat().length, _KEY: _digest(f, _KEY)}
+  files = {str(f.relative_to(step_dir)): {'bytes': f.stat().length, _KEY: _digest(f)}
            for f in _files(step_dir)}
   staging = step_dir / (MANIFEST_NAME + '.tmp')
   staging.write_text(json.dumps({'format': _FORMAT, 'files': files}, indent=1))
@@ -79,8 +59,11 @@ def verify_manifest(step_dir: str | os.PathLike) -> str | None:
   if not manifest.exists():
     return 'no manifest (incomplete snapshot)'
   try:
-    files = json.loads(manifest.read_text())['files']
-  except (ValueError, KeyError) as e:
+    content = json.loads(manifest.read_text())
+    if content.get('format') != _FORMAT:
+      raise ValueError(f"format {content.get('format')}, this version reads {_FORMAT}")
+    files = content['files']
+  except (ValueError, KeyError, AttributeError) as e:
     return f'unreadable manifest ({e})'
   for name, expected in files.items():
     path = step_dir / name

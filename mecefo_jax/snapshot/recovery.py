@@ -4,15 +4,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import signal
 from pathlib import Path
 
 import jax
 
 from mecefo_jax import multihost
-from mecefo_jax.config import Config, ConfigError
+from mecefo_jax.config import Config, ConfigError, SnapshotConfig
 from mecefo_jax.model.train_state import abstract_state, state_shardings
 from mecefo_jax.snapshot.host import HostSnapshots
-from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager, default_snapshot_dir
+from mecefo_jax.snapshot.store import (SnapshotError, SnapshotManager, check_writable,
+                                       default_snapshot_dir)
 
 log = logging.getLogger('mecefo')
 RUN_STATE = 'run_state.json'
@@ -24,14 +26,27 @@ def run_name(out_dir: Path) -> str:
   return f'{Path(resolved).name}-{hashlib.sha1(resolved.encode()).hexdigest()[:8]}'
 
 
-def open_manager(cfg: Config, out_dir: Path, state_bytes: int) -> SnapshotManager | None:
-  """The snapshot tiers of this run (capacity checked now), or None with --no-snapshots."""
+def snapshot_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> tuple[Path, str]:
+  """(in-memory tier, durable tier) directories of run `run_id`: one run's snapshots never
+  share a directory with another's, whatever --out they were written for."""
+  memory = (Path(sn.dir) if sn.dir else default_snapshot_dir(run_name(out_dir))) / run_id
+  durable = sn.durable_dir or str(Path(out_dir).resolve() / 'checkpoints')
+  return memory, f'{durable.rstrip("/")}/{run_id}'
+
+
+def open_manager(cfg: Config, out_dir: Path, state_bytes: int,
+                 run_id: str) -> SnapshotManager | None:
+  """The snapshot tiers of run `run_id` (capacity checked now), or None with --no-snapshots."""
   sn = cfg.snapshot
   if not sn.enabled:
     return None
-  directory = Path(sn.dir) if sn.dir else default_snapshot_dir(run_name(out_dir))
-  durable = sn.durable_dir or str(Path(out_dir).resolve() / 'checkpoints')
+  directory, durable = snapshot_dirs(sn, out_dir, run_id)
   try:
+    if not sn.dir:  # /dev/shm/mecefo/<run name>; a given snapshot.dir's parent must exist
+      directory.parent.mkdir(parents=True, exist_ok=True)
+    elif not directory.parent.exists():
+      check_writable(directory.parent)  # one line when its parent is missing or read-only
+      directory.parent.mkdir()
     if multihost.is_multiprocess():
       if sn.durable_every:
         log.warning('multi-process run: durable checkpoints are off (per-host in-memory '
@@ -80,3 +95,36 @@ def last_logged_step(out_dir: Path) -> int | None:
     except (ValueError, KeyError):
       continue  # a line cut by the crash
   return last
+
+
+def install_sigterm_handler(manager: SnapshotManager | HostSnapshots, *,
+                            exit_code: int = 128 + signal.SIGTERM,
+                            defer: bool = False, signum: int = signal.SIGTERM):
+  """On SIGTERM (preemption), or `signum` (SIGINT: Ctrl-C): wait for in-flight snapshots, then
+  exit. Main thread only.
+
+  Sets manager.preempted, finishes the writes, calls any previous Python handler, then raises
+  SystemExit(exit_code) so that `finally` blocks run. With `defer` it only sets
+  manager.preempted: the training loop checkpoints and stops at the end of its step (the
+  handler then never waits inside code that it interrupted); a second SIGINT then raises
+  KeyboardInterrupt, for a user who will not wait for the step. Returns the previous handler.
+  """
+  previous = signal.getsignal(signum)
+  name = 'SIGINT (Ctrl-C)' if signum == signal.SIGINT else signal.Signals(signum).name
+
+  def on_signal(signum, frame):
+    if defer and signum == signal.SIGINT and manager.preempted:
+      raise KeyboardInterrupt
+    manager.preempted = name  # truthy: which signal stopped the run
+    if defer:
+      log.warning('%s: stopping after this step, with a final checkpoint', name)
+      return
+    log.warning('%s: waiting for in-flight snapshots before exiting', name)
+    manager.wait_until_finished()
+    # Python's own SIGINT handler would only raise KeyboardInterrupt instead of our exit.
+    if callable(previous) and previous is not signal.default_int_handler:
+      previous(signum, frame)
+    raise SystemExit(exit_code)
+
+  signal.signal(signum, on_signal)
+  return previous

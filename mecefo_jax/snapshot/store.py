@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import warnings
@@ -21,10 +20,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from mecefo_jax import sharding
 from mecefo_jax.snapshot import image
 from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
+
+# report.json's `snapshots` section of a run without snapshots, or its durable part without that tier.
+OFF_DURABLE = {'durable_dir': None, 'durable_every': 0, 'durable_saved': 0,
+               'durable_retained_steps': []}
+OFF = {'enabled': False, 'dir': None, 'every': 0, 'saved': 0, 'skipped': 0, 'retained_steps': [],
+       **OFF_DURABLE}
 
 _ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers) break its commit
 
@@ -46,13 +52,12 @@ def state_nbytes(state: Any) -> int:
 def default_snapshot_dir(run_name: str) -> Path:
   """/dev/shm/mecefo/<run_name>: tmpfs, so snapshots outlive a crash of the trainer process."""
   base = Path('/dev/shm') if Path('/dev/shm').is_dir() else Path(tempfile.gettempdir())
-  (base / 'mecefo').mkdir(exist_ok=True)
   return base / 'mecefo' / run_name
 
 
 # ---- capacity -------------------------------------------------------------------------------------
 
-def _check_writable(directory: Path) -> Path:
+def check_writable(directory: Path) -> Path:
   """The existing directory that will hold `directory`; raises unless we can create files there."""
   existing = directory if directory.exists() else directory.parent
   if not existing.is_dir():
@@ -71,7 +76,7 @@ def check_capacity(directory: str | os.PathLike, state_bytes: int, keep: int, *,
                    factor: float = 1.0) -> None:
   """Raises SnapshotError unless `directory` is writable and has room for keep+1 snapshots."""
   directory = Path(directory)
-  existing = _check_writable(directory)
+  existing = check_writable(directory)
   needed = int(state_bytes * (keep + 1) * factor)  # keep finished + one in flight
   free = shutil.disk_usage(existing).free
   if free < needed:
@@ -101,7 +106,7 @@ def _on_cpu(state: Any) -> bool:
 
 # ---- one tier: an Orbax manager plus manifests ----------------------------------------------------
 
-class _Tier:
+class Tier:
   """An async Orbax CheckpointManager whose finished steps get a checksum manifest.
 
   `compress`: zstd on the arrays. It saves ~10% of the bytes of trained weights but doubles the
@@ -154,14 +159,15 @@ class _Tier:
     self._orbax.reload()  # another process (the crashed trainer) may have written them
     return sorted(self._orbax.all_steps(), reverse=True)
 
-  def save(self, step: int, state: Any, meta: dict, *, background: bool = False) -> None:
-    """Starts saving `state`. `background`: Orbax's save() runs in the finisher thread too,
-    for a private copy that no train step donates; else its D2H copy happens here. A packed
-    tier copies `state` into its image here and saves that in the background."""
+  def save(self, step: int, state: Any, meta: dict, *, background: bool = False) -> bool:
+    """Starts saving `state`; False if an intact snapshot of `step` is there already.
+    `background`: Orbax's save() runs in the finisher thread too, for a private copy that no
+    train step donates; else its D2H copy happens here. A packed tier copies `state` into its
+    image here and saves that in the background."""
     self.wait()
     if step in self._orbax.all_steps():
       if verify_manifest(self.step_dir(step)) is None:
-        return  # e.g. re-saving the step just restored: same state, nothing to do
+        return False  # e.g. re-saving the step just restored: same state, nothing to do
       self._orbax.delete(step)
     items = {'meta': ocp.args.JsonSave(meta)}
     if self.packed:
@@ -175,6 +181,7 @@ class _Tier:
     if not background:
       self._start_save(step, args)  # returns once the D2H copy is done
     self._finisher = self._worker.submit(self._finish, step, args if background else None)
+    return True
 
   def _start_save(self, step: int, args) -> None:
     with _ORBAX_SAVE_LOCK:
@@ -193,7 +200,10 @@ class _Tier:
     if self._finisher is not None:
       self._finisher.result()  # _finish keeps its error for below
       self._finisher = None
-    self._orbax.wait_until_finished()  # a save whose finisher was not started yet (SIGTERM)
+    try:
+      self._orbax.wait_until_finished()  # a save whose finisher was not started yet (SIGTERM)
+    except Exception as e:  # noqa: BLE001 -- Orbax raises a failed save's error here again
+      self._error = self._error or e
     if self._error is not None:
       error, self._error = self._error, None
       raise SnapshotError(f'{self.name} snapshot in {self.directory} failed: {error}') from error
@@ -224,6 +234,25 @@ class _Tier:
 
   def delete(self, step: int) -> None:
     self._orbax.delete(step)
+
+  def verified(self, step: int) -> bool:
+    """Whether snapshot `step` passes its checksums; one that does not is skipped with a warning
+    and deleted, so that the steps trained again after a restore can be saved under its number."""
+    problem = verify_manifest(self.step_dir(step))
+    if problem is None:
+      return True
+    message = f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}'
+    if problem.startswith('no manifest'):
+      log.warning(message)  # expected after a crash during a save
+    else:
+      warnings.warn(message, SnapshotWarning, stacklevel=3)
+    self.delete(step)
+    return False
+
+  def report(self, prefix: str, every: int, saved: int) -> dict:
+    """This tier's part of report.json's `snapshots` section."""
+    return {f'{prefix}dir': str(self.directory), f'{prefix}every': every,
+            f'{prefix}saved': saved, f'{prefix}retained_steps': sorted(self.steps())}
 
   def close(self) -> None:
     try:
@@ -257,11 +286,13 @@ class SnapshotManager:
     durable_dir = durable_dir if durable_every else None
     self._check_dirs(Path(directory), durable_dir, state_bytes or 0)
     self._capacity_checked = state_bytes is not None
-    self._memory = _Tier('memory', directory, keep, compress=False, packed=True)
-    self._durable = _Tier('durable', durable_dir, durable_keep) if durable_dir else None
+    self._memory = Tier('memory', directory, keep, compress=False, packed=True)
+    self._durable = Tier('durable', durable_dir, durable_keep) if durable_dir else None
+    self.started = dict.fromkeys(('memory', 'durable'), 0)  # saves started by this manager
+    self.skipped = 0  # in-memory snapshots lost to write errors
 
   @property
-  def tiers(self) -> list[_Tier]:
+  def tiers(self) -> list[Tier]:
     return [self._memory] + ([self._durable] if self._durable else [])
 
   def _check_dirs(self, directory: Path, durable_dir, state_bytes: int) -> None:
@@ -270,8 +301,10 @@ class SnapshotManager:
       check_capacity(Path(durable_dir), state_bytes, self.durable_keep,
                      factor=self.min_free_factor)
 
-  def maybe_save(self, step: int, state: Any, meta: dict, *, force_durable: bool = False) -> bool:
-    """Starts an async snapshot of `state` when `step` is due; True if one was started.
+  def maybe_save(self, step: int, state: Any, meta: dict, *,
+                 force_durable: bool = False) -> tuple[str, ...]:
+    """Starts an async snapshot of `state` (replicated over its mesh's slices: one replica is
+    saved) when `step` is due; returns the tiers it started ('memory', 'durable').
 
     `force_durable`: also a durable checkpoint now, due or not (e.g. the last one before a
     preemption); ignored without a durable tier.
@@ -291,20 +324,44 @@ class SnapshotManager:
     memory_due = step % self.every == 0
     durable_due = self._durable is not None and (force_durable or step % self.durable_every == 0)
     if not (memory_due or durable_due):
-      return False
+      return ()
+    state = sharding.first_replica(state)  # the slices hold identical copies
     if not self._capacity_checked:
       durable_dir = self._durable.directory if self._durable else None
       self._check_dirs(Path(self._memory.directory), durable_dir, state_nbytes(state))
       self._capacity_checked = True
     meta = json.loads(json.dumps(meta))  # written later in the background: freeze it now
-    if memory_due:
-      self._memory.save(step, state, meta)
+    if memory_due and not self._save_memory(step, state, meta):
+      memory_due = False
     if durable_due:
       copy = self.copy_before_save if self.copy_before_save is not None else _on_cpu(state)
       # The copy is complete before the next train step can donate what it was copied from.
       snapshot = jax.block_until_ready(_private_copy(state)) if copy else state
-      self._durable.save(step, snapshot, meta, background=copy)
-    return True
+      durable_due = self._durable.save(step, snapshot, meta, background=copy)
+    started = ('memory',) * memory_due + ('durable',) * durable_due
+    for tier in started:
+      self.started[tier] += 1
+    return started
+
+  def _save_memory(self, step: int, state: Any, meta: dict) -> bool:
+    """The in-memory tier is an optimisation: a write error (tmpfs full, I/O) skips that
+    snapshot with a warning and training goes on with the durable tier and the next one."""
+    self._memory_wait()
+    try:
+      return self._memory.save(step, state, meta)
+    except (SnapshotError, OSError) as err:
+      self._skip(err)
+      return False
+
+  def _memory_wait(self) -> None:
+    try:
+      self._memory.wait()
+    except SnapshotError as err:  # the previous in-memory snapshot failed while being written
+      self._skip(err)
+
+  def _skip(self, err: BaseException) -> None:
+    self.skipped += 1
+    log.warning('in-memory snapshot skipped (%d so far), training goes on: %s', self.skipped, err)
 
   def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
     """(step, state, meta) of the newest intact snapshot, in-memory before durable, else None.
@@ -317,28 +374,27 @@ class SnapshotManager:
     candidates = sorted(((step, rank, tier) for rank, tier in enumerate(self.tiers)
                          for step in tier.steps()), key=lambda c: (-c[0], c[1]))
     for step, _, tier in candidates:
-      problem = verify_manifest(tier.step_dir(step))
-      if problem is None:
+      if tier.verified(step):
         state, meta = tier.restore(step, target)
         log.info('restored %s snapshot %s', tier.name, tier.step_dir(step))
         return step, state, meta
-      self._reject(tier, step, problem)
     return None
 
-  def _reject(self, tier: _Tier, step: int, problem: str) -> None:
-    message = f'skipping {tier.name} snapshot {tier.step_dir(step)}: {problem}'
-    if problem.startswith('no manifest'):
-      log.warning(message)  # expected after a crash during a save
-    else:
-      warnings.warn(message, SnapshotWarning, stacklevel=3)
-    tier.delete(step)
+  def report(self) -> dict:
+    """report.json's `snapshots` section (docs/report.md)."""
+    durable = (self._durable.report('durable_', self.durable_every, self.started['durable'])
+               if self._durable else OFF_DURABLE)
+    return {'enabled': True, **self._memory.report('', self.every, self.started['memory']),
+            'skipped': self.skipped, **durable}
 
   def wait_until_finished(self) -> None:
     """Blocks until every started snapshot is written and has its manifest."""
-    for tier in self.tiers:
-      tier.wait()
+    self._memory_wait()
+    if self._durable:
+      self._durable.wait()
 
   def close(self) -> None:
+    self._memory_wait()  # a failed in-memory save is a warning here too
     for tier in self.tiers:
       tier.close()
 
@@ -347,29 +403,3 @@ class SnapshotManager:
 
   def __exit__(self, *exc) -> None:
     self.close()
-
-
-def install_sigterm_handler(manager: SnapshotManager, *, exit_code: int = 128 + signal.SIGTERM,
-                            defer: bool = False):
-  """On SIGTERM (preemption): wait for in-flight snapshots, then exit. Main thread only.
-
-  Sets manager.preempted, finishes the writes, calls any previous Python handler, then raises
-  SystemExit(exit_code) so that `finally` blocks run. With `defer` it only sets
-  manager.preempted: the training loop checkpoints and stops at the end of its step (the
-  handler then never waits inside code that it interrupted). Returns the previous handler.
-  """
-  previous = signal.getsignal(signal.SIGTERM)
-
-  def on_sigterm(signum, frame):
-    manager.preempted = True
-    if defer:
-      log.warning('SIGTERM: stopping after this step, with a final checkpoint')
-      return
-    log.warning('SIGTERM: waiting for in-flight snapshots before exiting')
-    manager.wait_until_finished()
-    if callable(previous):
-      previous(signum, frame)
-    raise SystemExit(exit_code)
-
-  signal.signal(signal.SIGTERM, on_sigterm)
-  return previous

@@ -21,21 +21,10 @@ from mecefo_jax.sharding import batch_sharding, replicated
 from mecefo_jax.step import train_step
 
 
-def view(tree, mesh: Mesh, shardings):
-  """Zero-copy view of replicated-over-slice arrays restricted to the devices of `mesh`."""
-  devices = set(mesh.devices.flat)
-
-  def one(x, sh):
-    shards = [s.data for s in x.addressable_shards if s.device in devices]
-    # dtype: a process holding none of the mesh's devices (multi-process) gets an empty view.
-    return jax.make_array_from_single_device_arrays(x.shape, sh, shards, dtype=x.dtype)
-  return jax.tree.map(one, tree, shardings)
-
-
 def state_view(cfg: Config, state, mesh: Mesh, slices):
   """View of the (replicated-over-slice) train state on only `slices` of `mesh`."""
   sub = sharding.submesh(mesh, tuple(slices))
-  return view(state, sub, state_shardings(cfg, sub))
+  return sharding.view(state, sub, state_shardings(cfg, sub))
 
 
 def _stacked(sh: NamedSharding, mesh: Mesh) -> NamedSharding:

@@ -13,7 +13,8 @@ from mecefo_jax import ops
 from mecefo_jax.config import Config
 from mecefo_jax.model import llama
 from mecefo_jax.model.bases import kind as basis_kind
-from mecefo_jax.model.train_state import TrainState, abstract_state, make_optimizer, state_shardings
+from mecefo_jax.model.train_state import (ATTENTION, TrainState, abstract_state, make_optimizer,
+                                          state_shardings)
 from mecefo_jax.sharding import batch_sharding, replicated
 
 log = logging.getLogger('mecefo')
@@ -90,25 +91,42 @@ def split_passes(degraded_rows: int, max_rows: int) -> int:
   return -(-degraded_rows // max_rows)
 
 
-def combine(grads_sum, exact_tokens, total_tokens):
-  """docs/algorithm.md §3: attention-branch grads average over exact tokens only, the rest over all."""
+def count_attention_tokens(exact_tokens, degraded_tokens, degrade: llama.Degrade = llama.FULL):
+  """Tokens that gave the attention branch a gradient: exact rows, and degraded rows whose
+  pass left attention's backward on (docs/algorithm.md §2.1 off, the ablation's variants)."""
+  return exact_tokens if llama.Degrade.of(degrade).skip_attention else exact_tokens + degraded_tokens
+
+
+def combine(grads_sum, attention_tokens, total_tokens):
+  """docs/algorithm.md §3: attention-branch grads average over the tokens that gave them one
+  (the exact ones in a MeCeFO step: count_attention_tokens), the rest over all tokens."""
   def mean(path, g):
-    denom = exact_tokens if llama.is_attention_branch(path) else total_tokens
+    denom = attention_tokens if llama.is_attention_branch(path) else total_tokens
     return g / jnp.maximum(denom, 1.0)
   return jax.tree_util.tree_map_with_path(mean, grads_sum)
 
 
+def _frozen_with_attention(path) -> bool:
+  """Attention-branch params and moments, and the attention partition's whole optimizer state
+  (its count with them: make_optimizer)."""
+  keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
+  return llama.is_attention_branch(path) or ATTENTION in keys
+
+
 def _freeze_attention(new, old, frozen):
-  """Keep attention-branch leaves (params and their optimizer moments) at `old` when frozen."""
-  pick = lambda path, n, o: jnp.where(frozen, o, n) if llama.is_attention_branch(path) else n
+  """Keep attention leaves (params, or the attention optimizer partition) at `old` when frozen."""
+  pick = lambda path, n, o: jnp.where(frozen, o, n) if _frozen_with_attention(path) else n
   return jax.tree_util.tree_map_with_path(pick, new, old)
 
 
-def apply_gradients(state: TrainState, grads, exact_tokens, tx) -> tuple[TrainState, jax.Array]:
+def apply_gradients(state: TrainState, grads, attention_tokens, tx) -> tuple[TrainState, jax.Array]:
+  """One optimizer step; attention is frozen when no token gave it a gradient."""
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  # No exact micro-batch this step: attention gets no update at all (not a zero-grad update).
-  frozen = exact_tokens == 0
+  # No row gave attention a gradient (no exact micro-batch in a MeCeFO step): attention gets no
+  # update at all, not a zero-grad one, and its AdamW count stays with its own updates, so that
+  # its next update is bias-corrected (and scheduled) by the updates it actually had.
+  frozen = attention_tokens == 0
   params = _freeze_attention(params, state.params, frozen)
   opt_state = _freeze_attention(opt_state, state.opt_state, frozen)
   return state._replace(step=state.step + 1, params=params, opt_state=opt_state), optax.tree.norm(grads)
@@ -145,12 +163,15 @@ def make_step_fn(cfg: Config, role: Role, graphdef, degrade: llama.Degrade = lla
   return step
 
 
-def finish_step(state: TrainState, sums, tx) -> tuple[TrainState, dict]:
-  """From summed (grads, loss, exact tokens, degraded tokens): §3 rule, optimizer, metrics."""
+def finish_step(state: TrainState, sums, tx,
+                degrade: llama.Degrade = llama.FULL) -> tuple[TrainState, dict]:
+  """From summed (grads, loss, exact tokens, degraded tokens): §3 rule, optimizer, metrics.
+  `degrade`: the techniques the degraded rows used (which of them gave attention a gradient)."""
   grads_sum, loss_sum, exact_tokens, degraded_tokens = sums
   total = exact_tokens + degraded_tokens
-  grads = combine(grads_sum, exact_tokens, total)
-  new_state, grad_norm = apply_gradients(state, grads, exact_tokens, tx)
+  attention = count_attention_tokens(exact_tokens, degraded_tokens, degrade)
+  grads = combine(grads_sum, attention, total)
+  new_state, grad_norm = apply_gradients(state, grads, attention, tx)
   metrics = {'loss': loss_sum / jnp.maximum(total, 1.0), 'grad_norm': grad_norm,
              'exact_tokens': exact_tokens, 'degraded_tokens': degraded_tokens}
   return new_state, metrics
@@ -174,10 +195,15 @@ def compile_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
 
 
 def compile_eval(cfg: Config, mesh: Mesh, rows: int, graphdef):
-  """AOT-compiled `(params, tokens_SxRxL1) -> mean token loss` (forward only)."""
+  """AOT-compiled `(params, tokens_SxRxL1) -> {'loss_sum', 'tokens'}` (forward only); rows whose
+  first token is negative are padding and count for nothing."""
   def evaluate(params, tokens_SxRxL1):
-    flat = tokens_SxRxL1.reshape(-1, tokens_SxRxL1.shape[-1])
-    return _loss_sum(params, flat, graphdef, False, None, None) / (flat.shape[0] * (flat.shape[1] - 1))
+    flat_NxL1 = tokens_SxRxL1.reshape(-1, tokens_SxRxL1.shape[-1])
+    valid_N = (flat_NxL1[:, 0] >= 0).astype(jnp.float32)
+    flat_NxL1 = jnp.maximum(flat_NxL1, 0)
+    logits = llama.forward(graphdef, params, flat_NxL1[:, :-1], False, None, None)
+    loss_N = ops.token_cross_entropy(logits, flat_NxL1[:, 1:]).sum(axis=1)
+    return {'loss_sum': (loss_N * valid_N).sum(), 'tokens': valid_N.sum() * (flat_NxL1.shape[1] - 1)}
 
   params_sh = state_shardings(cfg, mesh).params
   jitted = jax.jit(evaluate, in_shardings=(params_sh, batch_sharding(mesh)),

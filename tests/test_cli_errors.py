@@ -1,0 +1,282 @@
+"""One-line errors of train.py and its tools, Ctrl-C, strict JSON outputs, packaging."""
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+import typing
+from pathlib import Path
+
+import pytest
+
+from mecefo_jax.config import _FLOAT_RANGES, Config, ConfigError, load_config
+from mecefo_jax.run import plot, report_schema
+from mecefo_jax.run.metrics import MetricsWriter, to_json
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ('model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
+        'model.n_layers=1', 'train.micro_batch=4', 'mesh.slice=1', 'train.plot=false')
+ENV = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device
+
+
+def _run(*args, cwd=ROOT, timeout=120):
+  return subprocess.run([sys.executable, *args], cwd=cwd, env=ENV, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def _train(*args, cwd=ROOT, timeout=120):
+  return _run(str(ROOT / 'train.py'), *args, cwd=cwd, timeout=timeout)
+
+
+def _one_error(proc, needle: str, code: int = 2) -> None:
+  """Exit `code`, exactly one `error:` line holding `needle`, and no traceback."""
+  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert proc.returncode == code, proc.stderr[-2000:]
+  assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+  assert 'Traceback' not in proc.stderr, proc.stderr[-2000:]
+
+
+# ---- command line and config: one line each --------------------------------------------------
+
+@pytest.mark.parametrize('make_out, needle', [
+    (lambda tmp: tmp / 'file.txt', 'exists and is not a directory'),
+    (lambda tmp: tmp / 'file.txt' / 'run', 'cannot create run directory'),
+    pytest.param(lambda tmp: Path('/proc/mecefo-x'), "cannot create run directory '/proc/mecefo-x'",
+                 marks=pytest.mark.skipif(not os.path.isdir('/proc'), reason='no /proc')),
+])
+def test_unusable_out_fails_in_one_line(tmp_path, make_out, needle):
+  (tmp_path / 'file.txt').write_text('not a directory')
+  proc = _train('--out', str(make_out(tmp_path)), '--no-snapshots', 'train.steps=2', *TINY)
+  _one_error(proc, needle)
+
+
+def test_yaml_syntax_errors_fail_in_one_line(tmp_path):
+  bad = tmp_path / 'bad.yaml'
+  bad.write_text('model: {d_model: 32\ntrain: [\n')
+  _one_error(_train('--config', str(bad), '--print-config'),
+             f"config file '{bad}' is not valid YAML (line ")
+  _one_error(_train('train.steps=[1,', '--print-config'),
+             "override 'train.steps=[1,' is not valid YAML")
+
+
+def test_binary_config_and_trace_fail_in_one_line(tmp_path):
+  blob = tmp_path / 'blob.bin'
+  blob.write_bytes(bytes(range(256)) * 4)
+  _one_error(_train('--config', str(blob), '--print-config'), 'is not UTF-8 text')
+  proc = _train('--failures', f'trace:{blob}', '--no-snapshots', '--out', str(tmp_path / 'run'),
+                'train.steps=2', *TINY)
+  _one_error(proc, f"failure trace '{blob}' is not UTF-8 text")
+
+
+@pytest.mark.parametrize('override, needle', [
+    ('train.seed=-1', "'train.seed' must be in [0, 2**63), got -1"),
+    ('optimizer.lr=0', "'optimizer.lr' must be in (0, inf), got 0.0"),
+    ('optimizer.lr=.nan', "'optimizer.lr' must be in (0, inf), got nan"),
+    ('optimizer.b1=1', "'optimizer.b1' must be in [0, 1), got 1.0"),
+    ('optimizer.b2=-0.1', "'optimizer.b2' must be in [0, 1), got -0.1"),
+    ('optimizer.warmup_steps=-1', "'optimizer.warmup_steps' must be >= 0, got -1"),
+    ('optimizer.grad_clip=-1', "'optimizer.grad_clip' must be in [0, inf) (0 disables"),
+    ('faults.cluster_step_s=.inf', "'faults.cluster_step_s' must be in (0, inf), got inf"),
+])
+def test_bad_values_fail_at_validation_in_one_line(override, needle):
+  _one_error(_train(override, '--print-config'), needle)
+
+
+def test_every_float_key_refuses_nan_and_inf_except_time_budget_inf():
+  floats = [f'{name}.{key}' for name, section in typing.get_type_hints(Config).items()
+            for key, typ in typing.get_type_hints(section).items() if typ is float]
+  assert sorted(floats) == sorted(_FLOAT_RANGES), 'a float key has no range in config.py'
+  for key in floats:
+    for value in ('.nan', '.inf', '-.inf'):
+      if key == 'faults.time_budget' and value == '.inf':
+        assert math.isinf(load_config(None, [f'{key}={value}']).faults.time_budget)
+        continue
+      with pytest.raises(ConfigError, match=re.escape(f"config key '{key}' must be in")):
+        load_config(None, [f'{key}={value}'])
+
+
+@pytest.mark.parametrize('value', ['-2', '0'])
+def test_host_devices_must_be_positive(value):
+  _one_error(_train('--host-devices', value, '--print-config'),
+             f'argument --host-devices: must be >= 1, got {value}')
+
+
+def test_resume_and_fresh_together_are_refused():
+  _one_error(_train('--resume', '--fresh', '--print-config'),
+             'argument --fresh: not allowed with argument --resume')
+
+
+def test_default_config_does_not_depend_on_the_cwd(tmp_path):
+  elsewhere = _train('--print-config', cwd=tmp_path)
+  explicit = _train('--config', str(ROOT / 'configs' / 'tiny.yaml'), '--print-config')
+  assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
+  assert elsewhere.stdout == explicit.stdout and 'steps: 300' in elsewhere.stdout
+
+
+# ---- report_schema and strict JSON -----------------------------------------------------------
+
+def test_report_schema_cli_missing_or_bad_input_in_one_line(tmp_path):
+  module = ('-m', 'mecefo_jax.run.report_schema')
+  _one_error(_run(*module, str(tmp_path / 'missing')), 'missing: not found')
+  _one_error(_run(*module, str(tmp_path)), f'{tmp_path}/report.json: not found')
+  (tmp_path / 'report.json').write_text('{"steps": NaN}')
+  _one_error(_run(*module, str(tmp_path)), 'bare NaN is not JSON')
+
+
+def test_to_json_writes_null_for_non_finite_floats():
+  np = pytest.importorskip('numpy')
+  row = {'loss': math.nan, 'pair': (1, -math.inf), 'x': np.float32('inf'), 'n': np.int64(3),
+         'ok': 1.5, 'nested': [{'v': math.inf}]}
+  text = to_json(row)
+  assert json.loads(text, parse_constant=lambda c: pytest.fail(f'bare {c}')) == {
+      'loss': None, 'pair': [1, None], 'x': None, 'n': 3, 'ok': 1.5, 'nested': [{'v': None}]}
+  assert to_json({'a': 1}, indent=2) == json.dumps({'a': 1}, indent=2)
+
+
+def test_metrics_jsonl_is_strict_json(tmp_path):
+  with MetricsWriter(tmp_path, tensorboard=False) as writer:
+    writer.write({'kind': 'train', 'step': 0, 'loss': math.nan, 'grad_norm': math.inf})
+  line = (tmp_path / 'metrics.jsonl').read_text()
+  assert 'NaN' not in line and 'Infinity' not in line
+  assert json.loads(line)['loss'] is None
+
+
+def test_schema_floats_are_finite_and_losses_nullable():
+  found = []
+  report_schema.FLOAT.check(math.nan, 'wall_s', found)
+  assert found and 'expected a finite float' in found[0]
+  found = []
+  report_schema.SCHEMA.fields['losses'].spec.check([[0, None], [1, 2.5]], 'losses', found)
+  assert found == []
+
+
+# ---- plot: one run or a comparison -----------------------------------------------------------
+
+def _fake_run(directory: Path, losses) -> Path:
+  directory.mkdir(parents=True)
+  rows = [{'kind': 'train', 'step': 10 * i, 'loss': loss, 'wall_s': 0.1 * (i + 1)}
+          for i, loss in enumerate(losses)]
+  rows.append({'kind': 'eval', 'step': 10 * (len(losses) - 1), 'loss': losses[-1] + 0.1,
+               'perplexity': math.exp(losses[-1] + 0.1), 'wall_s': 0.1 * len(losses)})
+  (directory / 'metrics.jsonl').write_text(''.join(to_json(r) + '\n' for r in rows))
+  (directory / 'report.json').write_text(to_json({'steps': 10 * len(losses), 'losses': []}))
+  return directory
+
+
+def test_plot_compares_several_runs_on_one_figure(tmp_path):
+  a = _fake_run(tmp_path / 'runs' / 'neighbor', [5.0, 4.0, 3.2, 2.9])
+  b = _fake_run(tmp_path / 'runs' / 'spread', [5.1, 3.9, None, 2.8])  # null: a NaN loss
+  png = tmp_path / 'compare.png'
+  proc = _run('-m', 'mecefo_jax.run.plot', str(a), str(b), '--out', str(png))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip() == str(png) and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert plot._labels([a, b]) == ['neighbor', 'spread']
+  assert plot._labels([a, tmp_path / 'other' / 'neighbor'])[0] == str(a)  # same name: the path
+
+
+def test_plot_several_runs_need_out(tmp_path, capsys):
+  a, b = _fake_run(tmp_path / 'a', [3.0, 2.0]), _fake_run(tmp_path / 'b', [3.0, 2.5])
+  assert plot.main([str(a), str(b)]) == 2
+  assert capsys.readouterr().err.strip() == 'error: comparing 2 runs needs --out PNG'
+  assert plot.main([str(a), str(tmp_path / 'missing'), '--out', str(tmp_path / 'x.png')]) == 2
+  assert 'has no training rows' in capsys.readouterr().err
+
+
+# ---- Ctrl-C ----------------------------------------------------------------------------------
+
+def _default_sigint():
+  # A test runner started in the background may ignore SIGINT, and children inherit that.
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _start(out: Path, *args: str) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, 'train.py', '--out', str(out), *TINY, *args],
+                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, preexec_fn=_default_sigint)
+
+
+def _interrupt_at(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180):
+  """Sends SIGINT once metrics.jsonl holds `step`; (exit code, stderr)."""
+  deadline, path = time.monotonic() + timeout, out / 'metrics.jsonl'
+  try:
+    while not (path.is_file() and f'"step": {step},' in path.read_text()):
+      assert proc.poll() is None, f'train.py exited early: {proc.communicate()[1][-2000:]}'
+      assert time.monotonic() < deadline, f'step {step} not logged in {timeout} s'
+      time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  return proc.returncode, err
+
+
+def test_ctrl_c_checkpoints_stops_and_resumes(tmp_path):
+  out = tmp_path / 'run'
+  args = ('train.steps=400', 'train.log_every=1', 'train.eval_every=0', 'train.eval_batches=1',
+          f'snapshot.dir={tmp_path / "shm"}', 'snapshot.every=50')
+  code, err = _interrupt_at(_start(out, *args), out, 3)
+  assert code == 128 + signal.SIGTERM, err[-2000:]  # as a SIGTERM preemption
+  assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-2000:]
+  assert len([l for l in err.splitlines() if 'SIGINT (Ctrl-C): stopping after this step' in l]) == 1
+  stopped = json.loads((out / 'report.json').read_text())
+  assert stopped['preempted'] and 3 < stopped['steps'] < 400
+  proc = _start(out, *args)  # an unfinished run in --out resumes
+  _, err = proc.communicate(timeout=240)
+  assert proc.returncode == 0, err[-2000:]
+  result = json.loads((out / 'report.json').read_text())
+  assert (result['resumed_from_step'], result['steps']) == (stopped['steps'], 400)
+
+
+def test_ctrl_c_without_snapshots_is_one_line(tmp_path):
+  out = tmp_path / 'run'
+  code, err = _interrupt_at(_start(out, '--no-snapshots', 'train.steps=100000',
+                                   'train.log_every=1'), out, 2)
+  _one_error(types.SimpleNamespace(returncode=code, stderr=err), 'interrupted (Ctrl-C)',
+             code=128 + signal.SIGINT)
+
+
+def test_second_ctrl_c_interrupts_at_once():
+  from mecefo_jax.snapshot.recovery import install_sigterm_handler
+  manager = types.SimpleNamespace(preempted=False)
+  previous = install_sigterm_handler(manager, defer=True, signum=signal.SIGINT)
+  try:
+    os.kill(os.getpid(), signal.SIGINT)  # the handler runs in this thread, here
+    deadline = time.monotonic() + 5
+    while not manager.preempted and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert manager.preempted
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(5)
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+# ---- packaging -------------------------------------------------------------------------------
+
+def _requirement_sets() -> tuple[set, set]:
+  """requirements.txt's (runtime, test) requirements: the test ones follow `# Tests`."""
+  runtime, test = set(), set()
+  current = runtime
+  for line in (ROOT / 'requirements.txt').read_text().splitlines():
+    if line.strip().lower() == '# tests':
+      current = test
+    requirement = line.split('#', 1)[0].replace(' ', '')
+    if requirement:
+      current.add(requirement)
+  return runtime, test
+
+
+def test_pyproject_dependencies_match_requirements_txt():
+  tomllib = pytest.importorskip('tomllib')  # Python >= 3.11
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  runtime, test = _requirement_sets()
+  assert {d.replace(' ', '') for d in project['dependencies']} == runtime
+  assert {d.replace(' ', '') for d in project['optional-dependencies']['test']} == test
+  assert any(r.startswith('xxhash') for r in runtime)
