@@ -21,7 +21,7 @@ import numpy as np
 from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.model.llama import Degrade
 from mecefo_jax.step import train_step
 
@@ -55,7 +55,7 @@ def measure(cfg, repeats: int, warmup: int) -> dict:
   programs, roles = compile_variants(cfg, mesh, graphdef)
   # Each donating program needs its own copy of the state; real svd bases for the low-rank one.
   state = train_state.create_sharded(cfg, mesh)
-  if cfg.mecefo.basis == 'svd':
+  if bases.kind(cfg).refresh is not None:
     state = train_step.compile_refresh(cfg, mesh)(state)
   states = {n: jax.tree.map(lambda x: x.copy(), state) for n in VARIANTS}
   runners = common.donating_runners(programs, states, common.random_tokens(cfg, roles))

@@ -1,7 +1,8 @@
 """Throughput drop under the §5 failure presets: measured per-role step costs, simulated cluster.
 
 Run: python -m benchmarks.failure_throughput --config configs/tiny.yaml --json OUT.json
-     [--slices 8] [--policies neighbor,spread,balance,drop,naive] [--presets low,mid,high] [--hours 720]
+     [--slices 8[,32,256]] [--policies neighbor,spread,exact,budget:1.0,budget:1.05,drop,naive]
+     [--presets low,mid,high] [--hours 720] [--figure PNG]
      [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
      [--remeasure-restore] [--stat median|min|flops] [--checkpoint-every N] [--repeats 3]
      [--warmup 1] [overrides...]
@@ -26,9 +27,10 @@ from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.fault import simulate
-from mecefo_jax.fault.failures import PRESETS
-from mecefo_jax.fault.simulate import CHECKPOINT, PAPER_DEVICES, ClusterCosts, Role
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.fault.failures import PAPER_DEVICES, PRESETS, poisson_events
+from mecefo_jax.fault.simulate import CHECKPOINT, ClusterCosts, Role
+from mecefo_jax.fault.takeover import Planner
+from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.snapshot import recovery, store
 from mecefo_jax.step import slice_steps, train_step
 
@@ -74,15 +76,25 @@ def role_name(r: Role) -> str:
   return f'e{r.exact}_d{r.degraded}_p{r.passes}'
 
 
-def anchor_roles(b: int, needed: set[Role], max_rows: int, one_down: set[Role]) -> set[Role]:
-  """Roles timed in --measure anchors: enough to fit the cost model, every role of the most
-  common failure state (`one_down`: one slice down), plus common spread shares."""
-  split = lambda rows: train_step.split_passes(rows, max_rows)
+def planner(spec: str, n: int, granule: int, cfg) -> Planner:
+  """The planner of policy `spec` on n slices: a policy name, 'budget:T' (faults.time_budget
+  T) or CHECKPOINT (a spare replaces the failed slice, nothing to plan)."""
+  policy, _, budget = spec.partition(':')
+  f = cfg.faults
+  return Planner(n, cfg.train.micro_batch, policy, granule, f.max_degraded_rows, f.degraded_cost,
+                 float(budget) if budget else f.time_budget)
+
+
+def anchor_roles(b: int, planners: list[Planner]) -> set[Role]:
+  """Roles timed in --measure anchors: shapes that pin the affine cost model (normal, exact
+  and degraded multiples, multi-pass, mixed), and every role of the commonest failure state,
+  one slice down, under each policy at each slice count."""
+  split = lambda rows: train_step.split_passes(rows, planners[0].max_rows)
   anchors = {Role(b), Role(2 * b), Role(0, 2 * b, split(2 * b)), Role(0, 3 * b, split(3 * b)),
-             *one_down}
-  shares = sorted({r.degraded for r in needed if r.exact == b and r.degraded})
-  if shares:  # one orphan over n-1 slices, and about one micro-batch of orphans per slice
-    anchors |= {Role(b, s, split(s)) for s in (shares[0], min(shares, key=lambda s: abs(s - b)))}
+             Role(b // 2, b // 2), Role(b, b // 2)}
+  for p in planners:
+    if p.policy != CHECKPOINT:
+      anchors |= set(p.plan(tuple(range(1, p.n_slices))).roles.values())
   return anchors
 
 
@@ -97,7 +109,7 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   """Times every role's group program, the fused normal step, update, refresh and rejoin."""
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   graphdef, _, _ = llama.abstract(cfg.model)
-  b, svd, compile_s = cfg.train.micro_batch, cfg.mecefo.basis == 'svd', {}
+  b, svd, compile_s = cfg.train.micro_batch, bases.kind(cfg).refresh is not None, {}
   groups = {r: _timed_compile(compile_s, role_name(r),
                               lambda r=r: slice_steps.compile_group(cfg, mesh, r, graphdef))
             for r in sorted(roles)}
@@ -233,18 +245,18 @@ def failure_model(args, n: int) -> dict:
           for p in args.presets}
 
 
-def replay_all(costs: ClusterCosts, args, n: int, b: int, granule: int, max_rows: int,
-               degraded_cost: float) -> dict:
+def replay_all(costs: ClusterCosts, args, planners: dict[str, Planner]) -> dict:
   """results[policy][preset] averaged over seeds; the same failure draws for every policy."""
+  first = next(iter(planners.values()))
+  n, b = first.n_slices, first.micro_batch
   horizon_s = args.hours * 3600.0
-  events = {p: [simulate.poisson_failures(f['mean_interval_h'] * 3600, f['repair_h'] * 3600, n,
-                                          horizon_s, seed) for seed in range(args.seeds)]
+  events = {p: [poisson_events(f['mean_interval_h'] * 3600, f['repair_h'] * 3600, n, horizon_s,
+                               seed) for seed in range(args.seeds)]
             for p, f in failure_model(args, n).items()}
   fault_free = n * b / costs.normal_s
-  rows = [*args.policies, *([CHECKPOINT] if args.checkpoint_every else [])]
   results = {}
-  for policy in rows:
-    pm = simulate.PolicyModel(policy, n, b, costs, granule, max_rows, degraded_cost)
+  for policy, plan in planners.items():
+    pm = simulate.PolicyModel(plan, costs)
     results[policy] = {
         p: simulate.summarize([simulate.replay(ev, n, horizon_s, pm, args.checkpoint_every)
                                for ev in events[p]], horizon_s, fault_free)
@@ -253,33 +265,57 @@ def replay_all(costs: ClusterCosts, args, n: int, b: int, granule: int, max_rows
 
 
 def tables(result: dict) -> str:
-  res, a = result['results'], result['args']
+  a = result['args']
   presets = a['presets']
-  drop = [{'policy': pol, **{p: f"{r[p]['drop_pct']:.2f} ± {r[p]['drop_pct_std']:.2f}"
-                             for p in presets}} for pol, r in res.items()]
-  first = next(iter(res.values()))
-  fail = [{'preset': p, 'mean_live_slices': first[p]['mean_live_slices'],
-           'time_with_failure': first[p]['failure_time_frac'],
-           'time_all_down': first[p]['all_down_time_frac']} for p in presets]
+  out = []
+  for n, res in result['results_by_slices'].items():
+    drop = [{'policy': pol, **{p: f"{r[p]['drop_pct']:.2f} ± {r[p]['drop_pct_std']:.2f}"
+                               for p in presets}} for pol, r in res.items()]
+    first = next(iter(res.values()))
+    fail = [{'preset': p, 'mean_live_slices': first[p]['mean_live_slices'],
+             'time_with_failure': first[p]['failure_time_frac'],
+             'time_all_down': first[p]['all_down_time_frac']} for p in presets]
+    out += [f"throughput drop % (mean ± std over {a['seeds']} seeds), rate={a['rate']}, "
+            f"stat={a['stat']}, {n} slices, {a['hours']} h",
+            common.markdown_table(drop, ['policy', *presets]),
+            common.markdown_table(fail, list(fail[0]))]
   c = result['costs']
   roles = [{'role': role_name(Role(r['exact'], r['degraded'], r['passes'])),
             'step_s': r['step_s'], 'vs_normal': r['step_s'] / c['normal_s'],
             'modelled': r['modelled']} for r in c['roles']]
   scalars = {k: c[k] for k in ('normal_s', 'update_s', 'refresh_s', 'rejoin_s', 'restore_s',
                                'fused_compile_s')}
+  check = result['cost_model']
   return '\n\n'.join([
-      f"throughput drop % (mean ± std over {a['seeds']} seeds), rate={a['rate']}, "
-      f"stat={a['stat']}, {result['slices']} slices, {a['hours']} h",
-      common.markdown_table(drop, ['policy', *presets]),
-      common.markdown_table(fail, list(fail[0])),
-      'costs: ' + ', '.join(f'{k}={v:.4g}' for k, v in scalars.items()),
+      *out, 'costs: ' + ', '.join(f'{k}={v:.4g}' for k, v in scalars.items()),
+      f"affine cost model over {len(check['rel_residual'])} measured roles: max |relative "
+      f"residual| {check['max_abs_rel_residual']:.3f}",
       common.markdown_table(roles, list(roles[0]))])
+
+
+def figure(result: dict, path: str, preset: str) -> None:
+  """Throughput drop against slice count, one line per policy."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(6, 4))
+  ax = fig.add_subplot()
+  by_n = result['results_by_slices']
+  slices = sorted(by_n, key=int)
+  for policy in next(iter(by_n.values())):
+    ax.plot([int(n) for n in slices], [by_n[n][policy][preset]['drop_pct'] for n in slices],
+            marker='o', label=policy)
+  ax.set(xscale='log', xlabel='slices', ylabel='throughput drop (%)',
+         title=f"{preset}, rate={result['args']['rate']}, stat={result['args']['stat']}")
+  ax.set_xticks([int(n) for n in slices], labels=[str(n) for n in slices])
+  ax.legend(fontsize=8)
+  FigureCanvasAgg(fig).print_figure(path, dpi=120, bbox_inches='tight')
 
 
 def main(argv=None):
   p = common.parser(__doc__.splitlines()[0])
-  p.add_argument('--slices', type=int, default=8)
-  p.add_argument('--policies', default='neighbor,spread,balance,drop,naive')
+  p.add_argument('--slices', default='8', help='slice counts, comma-separated (e.g. 8,32,256)')
+  p.add_argument('--policies', default='neighbor,spread,exact,budget:1.0,budget:1.05,drop,naive')
+  p.add_argument('--figure', default=None, help='PNG: throughput drop vs slice count (first preset)')
   p.add_argument('--presets', default='low,mid,high')
   p.add_argument('--hours', type=float, default=720.0)
   p.add_argument('--seeds', type=int, default=5)
@@ -299,41 +335,47 @@ def main(argv=None):
   p.add_argument('--warmup', type=int, default=1)
   args = p.parse_args(argv)
   args.policies, args.presets = args.policies.split(','), args.presets.split(',')
+  slice_counts = [int(s) for s in args.slices.split(',')]
   cluster_cfg = load_config(args.config, args.overrides)
   cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
-  n, b = args.slices, cfg.train.micro_batch
+  b, granule = cfg.train.micro_batch, cluster_cfg.mesh.fsdp
   if args.checkpoint_every < 0:
     args.checkpoint_every = cfg.snapshot.durable_every
-  granule, max_rows = cluster_cfg.mesh.fsdp, cfg.faults.max_degraded_rows or 2 * b
-  dc = cfg.faults.degraded_cost
-  carriers = [q for q in args.policies if q != 'drop']
-  needed = simulate.needed_roles(n, b, carriers, granule, max_rows, dc)
-  needed.add(Role(b))
-  one_down = tuple(range(1, n))
-  one_down_roles = {r for q in carriers
-                    for r in simulate.slice_roles(one_down, n, b, q, granule, max_rows, dc).values()}
+  specs = [*args.policies, *([CHECKPOINT] if args.checkpoint_every else [])]
+  planners = {n: {s: planner(s, n, granule, cfg) for s in specs} for n in slice_counts}
+  carriers = [p for ps in planners.values() for p in ps.values()
+              if p.policy not in ('drop', CHECKPOINT)]
   if args.costs:
     measurement = json.loads(Path(args.costs).read_text())['measurement']
     if args.remeasure_restore or 'restore_s' not in measurement:
       mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
       measurement = {**measurement, **time_restore(cfg, mesh, train_state.create_sharded(cfg, mesh))}
   else:
-    timed = needed if args.measure == 'all' else anchor_roles(b, needed, max_rows, one_down_roles)
+    if args.measure == 'all' and max(slice_counts) > 10:
+      raise SystemExit('--measure all enumerates every live set: use --measure anchors above 10 '
+                       'slices (the affine cost model covers the other roles)')
+    timed = (simulate.needed_roles(carriers) | {Role(b)} if args.measure == 'all' else
+             anchor_roles(b, carriers))
     measurement = measure(cfg, timed, args.repeats, args.warmup)
-  costs = costs_from(measurement, args.stat).complete(needed)
+  costs = costs_from(measurement, args.stat)
+  cost_model = model_check(costs)
   result = {**common.run_info(__spec__.name, argv), 'config': args.config,
-            'overrides': args.overrides, 'args': vars(args), 'slices': n, 'micro_batch': b,
-            'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo), 'granule': granule,
-            'max_degraded_rows': max_rows, 'costs': costs.to_json(), 'measurement': measurement,
-            'cost_model': model_check(costs), 'notes': NOTES,
+            'overrides': args.overrides, 'args': vars(args), 'slices': slice_counts,
+            'micro_batch': b, 'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo),
+            'granule': granule, 'max_degraded_rows': carriers[0].max_rows if carriers else 2 * b,
+            'measurement': measurement, 'cost_model': cost_model, 'notes': NOTES,
             'env': {'OPENBLAS_NUM_THREADS': os.environ.get('OPENBLAS_NUM_THREADS')}}
-  result['failure_model'] = failure_model(args, n)
+  result['failure_model'] = {n: failure_model(args, n) for n in slice_counts}
   result['compile_one_failure_s'] = {
-      q: simulate.PolicyModel(q, n, b, costs, granule, max_rows, dc).compile_s(one_down)
-      for q in [*args.policies, CHECKPOINT]}
-  result['split_path_vs_fused'] = (costs.group_s[Role(b)] + costs.update_s) / costs.normal_s
-  result['results'] = replay_all(costs, args, n, b, granule, max_rows, dc)
+      n: {s: simulate.PolicyModel(p, costs).compile_s(tuple(range(1, n))) for s, p in ps.items()}
+      for n, ps in planners.items()}
+  result['split_path_vs_fused'] = (costs.group(Role(b)) + costs.update_s) / costs.normal_s
+  result['results_by_slices'] = {n: replay_all(costs, args, ps) for n, ps in planners.items()}
+  result['results'] = result['results_by_slices'][slice_counts[-1]]
+  result['costs'] = costs.to_json()  # with every role the replays met (modelled ones marked)
   common.emit(result, tables(result), args.json)
+  if args.figure:
+    figure(result, args.figure, args.presets[0])
   return result
 
 

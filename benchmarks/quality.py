@@ -97,30 +97,9 @@ def train(args, policy: str, schedule) -> dict:
       raise RuntimeError(f'{policy} run stopped early: {report["stopped"]}')
     run = {k: report.get(k) for k in ('final_loss', 'wall_s', 'samples', 'goodput',
                                       'params_sha256', 'losses', 'compile_s')}
-    run['eval_loss_live'] = report.get('eval_loss')  # the trainer's, on the live slices' ids
-    run['eval_loss'] = fixed_eval(trainer, args.eval_batches)
+    # Fixed held-out rows of all n slices, whichever are live at the end: comparable runs.
+    run['eval_loss'] = trainer.evaluate(args.eval_batches)
   return run
-
-
-def fixed_eval(trainer, n_batches: int) -> float:
-  """Mean token loss on the held-out sequences of all n slices (the same set for every run,
-  whichever slices are live at the end), by the trainer's eval program on one live slice."""
-  import jax
-  import numpy as np
-  from mecefo_jax import sharding
-  from mecefo_jax.step import slice_steps
-  from mecefo_jax.step import train_step
-  from mecefo_jax.data.order import global_batch
-  c, cfg = trainer.controller, trainer.cfg
-  first, rows = c.state_slices[:1], trainer.n_slices * cfg.train.micro_batch
-  mesh = sharding.submesh(trainer.mesh, first)
-  program = c.programs.get(('eval', first, rows),
-                      lambda: train_step.compile_eval(cfg, mesh, rows, trainer.graphdef))
-  params = slice_steps.state_view(cfg, c.state, trainer.mesh, first).params
-  n, b = trainer.n_slices, cfg.train.micro_batch
-  batches = (jax.device_put(global_batch(trainer.corpus, i, n, b, split='eval').reshape(1, rows, -1),
-                            sharding.batch_sharding(mesh)) for i in range(n_batches))
-  return float(np.mean([program(params, tokens) for tokens in batches]))
 
 
 def run_scripted(args) -> dict:
@@ -138,11 +117,11 @@ def run_scripted(args) -> dict:
 
 def run_presets(args) -> dict:
   from mecefo_jax.fault import simulate
-  from mecefo_jax.fault.failures import FailureSchedule
+  from mecefo_jax.fault.failures import PAPER_DEVICES, FailureSchedule
   cfg = _cfg(args, 'fault-free')
   n, steps = args.slices, cfg.train.steps
   seed = cfg.train.seed if args.schedule_seed is None else args.schedule_seed
-  scale = simulate.PAPER_DEVICES / n if args.rate == 'per_device' else 1.0
+  scale = PAPER_DEVICES / n if args.rate == 'per_device' else 1.0
   fault_free = train(args, 'fault-free', FailureSchedule(n))
   presets = {}
   for preset in args.presets:

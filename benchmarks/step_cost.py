@@ -11,7 +11,7 @@ import jax
 from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.step import train_step
 
 
@@ -27,7 +27,7 @@ def main(argv=None):
            'naive_2': train_step.Role(exact=2 * b)}
   compiled = {n: train_step.compile_step(cfg, mesh, r, graphdef) for n, r in roles.items()}
   states = {n: train_state.create_sharded(cfg, mesh) for n in roles}
-  if cfg.mecefo.basis == 'svd':
+  if bases.kind(cfg).refresh is not None:
     states['degraded_2'] = train_step.compile_refresh(cfg, mesh)(states['degraded_2'])
   runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles))
   times = common.interleaved_times(runners, args.repeats)

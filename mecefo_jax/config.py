@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 
 # Takeover policies (mecefo_jax/fault/takeover.py plans each).
-POLICIES = ('neighbor', 'spread', 'balance', 'exact', 'budget', 'drop', 'naive')
-# Cost of a degraded row relative to an exact one (balance): the FLOP ratio on llama_60m
+POLICIES = ('neighbor', 'spread', 'exact', 'budget', 'drop', 'naive')
+# Cost of a degraded row relative to an exact one (policy budget): the FLOP ratio on llama_60m
 # (two degraded micro-batches = 1.32 normal ones, benchmarks/ablation.py), what a compute-bound
 # device pays; CPU step times give 0.3-0.6. Too high only degrades more rows than needed.
 DEGRADED_COST = 0.65
@@ -93,13 +93,13 @@ class FaultConfig:
   # per_device: a preset's interval is per device of the paper's 32-device cluster, so the
   # expected fraction of slices down is the paper's at any slice count; cluster: for the cluster.
   rate: str = 'per_device'  # per_device | cluster
-  takeover: str = 'neighbor'  # neighbor (paper) | spread, balance, exact, budget | drop, naive
+  takeover: str = 'neighbor'  # neighbor (paper) | spread, exact, budget | drop, naive
   # budget: each live slice's step cost stays within this multiple of the fault-free step's
   # (exact row 1, degraded row degraded_cost) with the fewest degraded rows; inf = all exact.
   time_budget: float = 1.0
   cluster_step_s: float = 60.0  # simulated cluster seconds per step, so short runs cover hours
   max_degraded_rows: int = 0  # most rows one degraded pass holds; 0 = 2 * train.micro_batch
-  degraded_cost: float = DEGRADED_COST  # balance, budget: cost of a degraded row / an exact row's
+  degraded_cost: float = DEGRADED_COST  # budget: cost of a degraded row / an exact row's
   # Compile the programs of live sets one failure/repair away in a background thread: auto =
   # on for GPU/TPU single-process runs, off on CPU (the compiles would take the step's cores).
   precompile: str = 'auto'  # auto | always | never

@@ -84,9 +84,19 @@ def view(tree, mesh: Mesh, shardings):
 
 
 def first_replica(tree):
-  """Zero-copy view, on its first slice's devices, of a tree replicated over its mesh's slices."""
-  sub = submesh(jax.tree.leaves(tree)[0].sharding.mesh, (0,))
-  return view(tree, sub, jax.tree.map(lambda x: NamedSharding(sub, x.sharding.spec), tree))
+  """Zero-copy view, on its first slice's devices, of a tree replicated over its mesh's slices;
+  leaves on no multi-slice mesh (host arrays, other meshes) are returned as they are."""
+  subs = {}
+
+  def one(x):
+    mesh = getattr(getattr(x, 'sharding', None), 'mesh', None)
+    if not isinstance(x, jax.Array) or mesh is None or mesh.shape.get('slice', 1) == 1:
+      return x
+    if id(mesh) not in subs:
+      subs[id(mesh)] = submesh(mesh, (0,))
+    sub = subs[id(mesh)]
+    return view(x, sub, NamedSharding(sub, x.sharding.spec))
+  return jax.tree.map(one, tree)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

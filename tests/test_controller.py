@@ -142,16 +142,16 @@ def test_neighbor_takeover_loss_equals_fault_free_loss():
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
 
-def test_balance_takeover_degrades_own_rows_and_keeps_the_loss():
+def test_budget_takeover_degrades_fewest_rows_and_keeps_the_loss():
   _, loss, _ = _fault_free_step0()
-  c = _controller('4x2', 'faults.takeover=balance', 'faults.degraded_cost=0.3',
+  c = _controller('4x2', 'faults.takeover=budget', 'faults.degraded_cost=0.3',
                   schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  # Slice 2's 4 rows over 3 live slices in granules of fsdp=2: shares 2, 2, 0; each slice with
-  # a share degrades 2 of its own rows too (2 exact + 0.3 * 4 degraded <= 4).
+  # Slice 2's 4 rows over 3 live slices in granules of fsdp=2, each slice within a normal
+  # step's cost (4): one slice degrading 6 rows (2 exact + 0.3 * 6 <= 4) beats two degrading 4.
   groups = {k[1]: k[2] for k in c.programs.keys() if k[0] == 'group'}
-  assert groups == {(0, 3): train_step.Role(2, 4), (1,): train_step.Role(exact=B)}, groups
-  assert c.samples == {'exact': 2 + 2 + B, 'degraded': 8, 'dropped': 0}
+  assert groups == {(3,): train_step.Role(2, 6), (0, 1): train_step.Role(exact=B)}, groups
+  assert c.samples == {'exact': 2 + 2 * B, 'degraded': 6, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
 

@@ -8,7 +8,7 @@ import benchmark_run
 
 SMALL = ['model.n_layers=1', 'model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=96',
          'model.seq_len=32', 'model.vocab_size=64', 'train.micro_batch=4']
-QUICK = ['--slices', '2', '--measure', 'anchors', '--presets', 'high', '--hours', '4',
+QUICK = ['--slices', '2,4', '--measure', 'anchors', '--presets', 'high', '--hours', '4',
          '--seeds', '1', '--repeats', '1', '--warmup', '0']
 
 
@@ -17,8 +17,10 @@ def test_measure_then_replay_every_policy_and_reread_as_flops(tmp_path):
   out = tmp_path / 'ft.json'
   result = benchmark_run.run('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
                              *SMALL, json_path=out)
-  policies = {'neighbor', 'spread', 'balance', 'drop', 'naive', 'checkpoint-restart'}
-  assert set(result['results']) == policies
+  policies = {'neighbor', 'spread', 'exact', 'budget:1.0', 'budget:1.05', 'drop', 'naive',
+              'checkpoint-restart'}
+  assert set(result['results_by_slices']) == {'2', '4'}
+  assert all(set(r) == policies for r in result['results_by_slices'].values())
   assert all(math.isfinite(r['high']['drop_pct']) for r in result['results'].values())
   m = result['measurement']
   assert {'refresh', 'refresh_full', 'fused_normal', 'update'} <= set(m['times'])  # warm refresh

@@ -96,32 +96,10 @@ def test_adjacent_failures_spread_evenly():
   assert sorted(w.counts()[1] for w in work.values()) == [0, 0, 2, 2, 2, 2]
 
 
-@pytest.mark.parametrize('cost', [0.3, 0.6, 0.9])
-def test_balance_degrades_just_enough_own_rows_to_cost_a_normal_step(cost):
-  for n, b, granule, live in _traces():
-    spread, _ = takeover.plan(live, n, b, 'spread', granule)
-    work, _ = takeover.plan(live, n, b, 'balance', granule, degraded_cost=cost)
-    for s, w in work.items():
-      share = spread[s].counts()[1]  # the same orphan rows as spread
-      exact, degraded = w.counts()
-      assert exact + degraded == b + share
-      assert [r for r in w.degraded if r.owner != s] == spread[s].degraded
-      assert all(r.owner == s for r in w.exact) and exact % granule == 0
-      own = degraded - share
-      if share and exact:  # within a normal step, and one granule fewer would not be
-        assert exact + cost * degraded <= b + 1e-9
-        assert (exact + granule) + cost * (degraded - granule) > b or own < granule
-      elif not share:
-        assert (exact, degraded) == (b, 0)
-  # 8 slices, one down, b=8, cost 0.65: shares of 1 or 2 rows; 6 exact + 3 or 4 + 6 degraded.
-  work, _ = takeover.plan(range(1, 8), 8, 8, 'balance')
-  assert sorted(w.counts() for w in work.values()) == [(4, 6)] + [(6, 3)] * 6
-
-
 def test_plan_rejects_bad_degraded_cost():
   for bad in (0.0, 1.0, -0.5):
     with pytest.raises(ValueError, match='degraded_cost must be in'):
-      takeover.plan([0], 2, 4, 'balance', degraded_cost=bad)
+      takeover.plan([0], 2, 4, 'budget', degraded_cost=bad)
 
 
 @pytest.mark.parametrize('policy', takeover.POLICIES)

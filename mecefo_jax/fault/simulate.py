@@ -68,13 +68,22 @@ class ClusterCosts:
     missing = set(roles) - set(self.group_s)
     if not missing:
       return self
-    coef = fit({r: s for r, s in self.group_s.items() if r not in self.modelled})
-    compile_mean = float(np.mean(list(self.group_compile_s.values())))
+    if not hasattr(self, '_fit'):  # of the measured roles only, once
+      measured = {r: s for r, s in self.group_s.items() if r not in self.modelled}
+      self._fit = (fit(measured), float(np.mean([self.group_compile_s[r] for r in measured])))
+    coef, compile_mean = self._fit
     for r in missing:
       self.group_s[r] = predict(coef, r)
       self.group_compile_s[r] = compile_mean
     self.modelled |= missing
     return self
+
+  def group(self, role: Role) -> float:
+    """Seconds of `role`'s group program: measured, else predicted (and then kept)."""
+    return self.complete({role}).group_s[role]
+
+  def group_compile(self, role: Role) -> float:
+    return self.complete({role}).group_compile_s[role]
 
   def to_json(self) -> dict:
     roles = [{'exact': r.exact, 'degraded': r.degraded, 'passes': r.passes,
@@ -113,7 +122,7 @@ class PolicyModel:
     if roles == {Role(self.b)}:
       return c.normal_s, samples  # uniform normal role: the fused step (Controller._run)
     refresh = c.refresh_s / c.tau if any(r.degraded for r in roles) else 0.0
-    return max(c.group_s[r] for r in roles) + c.update_s + refresh, samples
+    return max(c.group(r) for r in roles) + c.update_s + refresh, samples
 
   def compile_s(self, live: tuple[int, ...]) -> float:
     """Compile seconds of a new live set: a program per role group + update (+ refresh)."""
@@ -122,7 +131,7 @@ class PolicyModel:
     if roles == {Role(self.b)}:
       return c.fused_compile_s
     refresh = c.refresh_compile_s if any(r.degraded for r in roles) else 0.0
-    return sum(c.group_compile_s[r] for r in roles) + c.update_compile_s + refresh
+    return sum(c.group_compile(r) for r in roles) + c.update_compile_s + refresh
 
 
 # --- failures and replay ------------------------------------------------------------------------

@@ -54,9 +54,6 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
   naive: the same neighbour does both exactly (the baseline that runs out of memory).
   spread: each orphaned micro-batch is split evenly over all live slices (starting after the
     failed one); each runs its own rows exactly and only its share degraded.
-  balance (ours): shares as spread, then each slice with a share also degrades just enough of
-    its own rows that its cost stays within a normal step's when a degraded row costs
-    `degraded_cost` exact rows: more rows degraded than spread, the step time of no failure.
   drop: orphans are skipped (smaller global batch), like torchft.
   exact: every row processed exactly, the orphans split evenly over the live slices (no
     approximation; the step costs n/(n-d) of a normal one): the quality reference.
@@ -86,7 +83,7 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
     elif policy in ('neighbor', 'naive'):
       carrier = work[ring_next(live, f, n_slices)]
       carrier.exact.append(whole) if policy == 'naive' else carrier.degraded.append(whole)
-    else:  # spread and balance
+    else:  # spread
       # Remainder granules go to the least-loaded slices first (ties: ring order after the
       # failed one), so that over several orphans no slice carries over a granule more than another.
       order = sorted(live, key=lambda s: (sum(r.n for r in work[s].degraded), (s - f) % n_slices))
@@ -101,23 +98,7 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
       if w.degraded and w.exact:
         w.degraded = w.exact + w.degraded
         w.exact = []
-  if policy == 'balance':
-    for s, w in work.items():
-      _balance(w, s, micro_batch, granule, degraded_cost)
   return work, dropped
-
-
-def _balance(w: SliceWork, owner: int, micro_batch: int, granule: int, cost: float) -> None:
-  """Degrades the last rows of the slice's own micro-batch until exact + cost * degraded rows
-  fits in micro_batch (or all its rows are degraded)."""
-  share = w.counts()[1]
-  if not share:
-    return
-  # (b - m) + cost * (share + m) <= b  <=>  m >= cost * share / (1 - cost), in whole granules.
-  own = granule * math.ceil(cost * share / (1.0 - cost) / granule - 1e-9)
-  own = min(own, micro_batch)
-  w.exact = [Rows(owner, 0, micro_batch - own)] if own < micro_batch else []
-  w.degraded = ([Rows(owner, micro_batch - own, micro_batch)] if own else []) + w.degraded
 
 
 @dataclasses.dataclass(frozen=True)

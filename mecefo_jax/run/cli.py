@@ -202,7 +202,7 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     from mecefo_jax.snapshot import recovery
     resume = scratch is None and (args.resume or (not args.fresh and recovery.unfinished(out_dir)))
     run = trainer.Trainer(cfg, scratch or out_dir, resume=resume,
-                          progress='quiet' if args.quiet else 'auto')
+                          progress='quiet' if args.quiet else 'auto', replace=args.fresh)
   except (ConfigError, DataError, SnapshotError) as e:
     return _error(e)
   handlers = _install_stop_handlers(run.snapshots) if run.snapshots else []

@@ -34,6 +34,16 @@ def snapshot_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> tuple[Path,
   return memory, f'{durable.rstrip("/")}/{run_id}'
 
 
+def _make_parent(tier_dir: Path, *, given: bool) -> None:
+  """Creates the directory that holds a tier's run-id directory. Defaults are made with their
+  parents; a directory the user gave must have an existing, writable parent (one-line error)."""
+  if not given:
+    tier_dir.parent.mkdir(parents=True, exist_ok=True)
+  elif not tier_dir.parent.exists():
+    check_writable(tier_dir.parent)
+    tier_dir.parent.mkdir()
+
+
 def open_manager(cfg: Config, out_dir: Path, state_bytes: int,
                  run_id: str) -> SnapshotManager | None:
   """The snapshot tiers of run `run_id` (capacity checked now), or None with --no-snapshots."""
@@ -42,11 +52,9 @@ def open_manager(cfg: Config, out_dir: Path, state_bytes: int,
     return None
   directory, durable = snapshot_dirs(sn, out_dir, run_id)
   try:
-    if not sn.dir:  # /dev/shm/mecefo/<run name>; a given snapshot.dir's parent must exist
-      directory.parent.mkdir(parents=True, exist_ok=True)
-    elif not directory.parent.exists():
-      check_writable(directory.parent)  # one line when its parent is missing or read-only
-      directory.parent.mkdir()
+    _make_parent(directory, given=bool(sn.dir))
+    if sn.durable_every and '://' not in durable:  # buckets: Orbax creates what it needs
+      _make_parent(Path(durable), given=bool(sn.durable_dir))
     if multihost.is_multiprocess():
       if sn.durable_every:
         log.warning('multi-process run: durable checkpoints are off (per-host in-memory '
