@@ -15,6 +15,7 @@ POLICIES = ('neighbor', 'spread', 'exact', 'budget', 'drop', 'naive')
 # (two degraded micro-batches = 1.32 normal ones, benchmarks/ablation.py), what a compute-bound
 # device pays; CPU step times give 0.3-0.6. Too high only degrades more rows than needed.
 DEGRADED_COST = 0.65
+DEFAULT_OUT = 'runs/latest'
 
 
 class ConfigError(ValueError):
@@ -80,7 +81,7 @@ class TrainConfig:
   micro_batch: int = 8  # sequences per slice per step; global batch = slices * micro_batch
   seed: int = 0
   log_every: int = 10
-  out_dir: str = 'runs/latest'
+  out_dir: str = DEFAULT_OUT  # a new run here replaces a finished one (README: Snapshots)
   data: str = 'synthetic'  # synthetic | text:PATH | tokens:PATH | hf:NAME (see data/sources.py)
   eval_every: int = 100  # held-out eval every N steps and at the end; 0 = only at the end
   eval_batches: int = 4  # batches per eval (each: live slices x micro_batch sequences)

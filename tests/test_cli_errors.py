@@ -137,6 +137,20 @@ def test_to_json_writes_null_for_non_finite_floats():
   assert to_json({'a': 1}, indent=2) == json.dumps({'a': 1}, indent=2)
 
 
+def test_a_diverged_run_stops_with_one_line_and_keeps_only_finite_snapshots(tmp_path):
+  out, shm = tmp_path / 'run', tmp_path / 'shm'
+  proc = _train('--out', str(out), 'optimizer.lr=1e9', 'optimizer.warmup_steps=0',
+                'train.steps=20', 'snapshot.every=1', f'snapshot.dir={shm}', *TINY)
+  lines = [l for l in proc.stderr.splitlines() if 'the training loss is not finite' in l]
+  assert proc.returncode == 4 and len(lines) == 1 and 'Traceback' not in proc.stderr, proc.stderr
+  report = json.loads((out / 'report.json').read_text())  # strict JSON (json.loads allows NaN)
+  step = report['diverged_at_step']
+  assert step is not None and report['stopped'] and report['final_loss'] is not None
+  assert report['snapshots']['retained_steps'] and max(report['snapshots']['retained_steps']) <= step
+  assert all(math.isfinite(loss) for _, loss in report['losses'])
+  assert json.loads((out / 'run_state.json').read_text())['status'] == 'stopped'
+
+
 def test_metrics_jsonl_is_strict_json(tmp_path):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
     writer.write({'kind': 'train', 'step': 0, 'loss': math.nan, 'grad_norm': math.inf})

@@ -115,3 +115,23 @@ def test_all_slices_down_before_the_first_snapshot_resumes_past_it(tmp_path):
   assert code == 3 and f'python train.py --out {out} --resume' in log, log
   code, log = train(out, *args)  # the printed hint, as the user would run it
   assert code == 0 and report(out)['steps'] == 5, log
+
+
+def test_default_run_directory_replaces_a_finished_run_and_resumes_an_unfinished_one(tmp_path):
+  def default_out(*args):  # no --out: runs/latest under the working directory
+    proc = subprocess.run([sys.executable, str(ROOT / 'train.py'), '-q', *TINY, *args],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    return proc.returncode, proc.stdout + proc.stderr
+  latest, shm = tmp_path / 'runs' / 'latest', tmp_path / 'shm'
+  code, log = default_out('train.steps=3', f'snapshot.dir={shm}')
+  assert code == 0, log
+  first = recovery.read_run_state(latest)['run_id']
+  code, log = default_out('train.steps=4', 'optimizer.lr=0.001', f'snapshot.dir={shm}')
+  assert code == 0 and 'removed the outputs, snapshots and checkpoints of the previous run' in log
+  state = recovery.read_run_state(latest)
+  assert state['run_id'] != first and state['config']['optimizer']['lr'] == 0.001
+  assert report(latest)['steps'] == 4 and not (latest / 'checkpoints' / first).exists()
+  # An unfinished run there is never replaced: a changed config is refused in one line.
+  recovery.write_run_state(latest, 'stopped', **{k: v for k, v in state.items() if k != 'status'})
+  code, log = default_out('train.steps=4', 'optimizer.lr=0.002', f'snapshot.dir={shm}')
+  assert code == 2 and 'resume with a changed config: optimizer.lr' in log, log

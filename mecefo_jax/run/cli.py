@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
-from mecefo_jax.config import POLICIES, ConfigError, load_config, to_dict
+from mecefo_jax.config import DEFAULT_OUT, POLICIES, ConfigError, load_config, to_dict
 
 
 # configs/ lies next to train.py in the repository: the default must not depend on the cwd.
@@ -202,7 +202,9 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     from mecefo_jax.snapshot import recovery
     resume = scratch is None and (args.resume or (not args.fresh and recovery.unfinished(out_dir)))
     run = trainer.Trainer(cfg, scratch or out_dir, resume=resume,
-                          progress='quiet' if args.quiet else 'auto', replace=args.fresh)
+                          progress='quiet' if args.quiet else 'auto', replace=args.fresh,
+                          # runs/latest, not chosen by the user: a new run replaces a finished one
+                          replace_finished=args.out is None and cfg.train.out_dir == DEFAULT_OUT)
   except (ConfigError, DataError, SnapshotError) as e:
     return _error(e)
   handlers = _install_stop_handlers(run.snapshots) if run.snapshots else []
@@ -233,6 +235,8 @@ def _train(args, run, out_dir: Path) -> int:
              report['samples'])
   if report['preempted']:  # SIGTERM or Ctrl-C: checkpointed, resumable
     return 128 + signal.SIGTERM
+  if report['diverged_at_step'] is not None:
+    return 4
   return 3 if report['stopped'] else 0
 
 

@@ -240,9 +240,11 @@ SCHEMA = Record({
                      'micro-batch rows were processed'),
     'goodput': Field(Record({k: Field(FLOAT, 's', v) for k, v in GOODPUT_DOC.items()}), 's',
                      'where the time went'),
-    'stopped': Field(Nullable(STR), '', 'why the run stopped early (all slices down, SIGTERM); '
-                     'null if it finished'),
-    'preempted': Field(BOOL, '', 'stopped by SIGTERM (exit code 143)'),
+    'stopped': Field(Nullable(STR), '', 'why the run stopped early (all slices down, SIGTERM or '
+                     'Ctrl-C, a non-finite loss); null if it finished'),
+    'preempted': Field(BOOL, '', 'stopped by SIGTERM or Ctrl-C (exit code 143)'),
+    'diverged_at_step': Field(Nullable(INT), 'step', 'step whose training loss was not finite '
+                              '(the run stopped there, exit code 4); null otherwise'),
     'resumed_from_step': Field(Nullable(INT), 'step', 'step of the snapshot resumed from; null '
                                'for a fresh run'),
     'steps_lost': Field(Nullable(INT), 'steps', 'steps trained again after the resume; null if '

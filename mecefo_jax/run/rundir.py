@@ -43,15 +43,17 @@ def lock(out_dir: Path):
   return os.fdopen(fd, 'r+')
 
 
-def start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool) -> str:
+def start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
+          replace_finished: bool = False) -> str:
   """The run id to train under: the recorded run's when resuming (same config but for
-  SAFE_ON_RESUME), else a new one; a fresh start over another run needs `replace`."""
+  SAFE_ON_RESUME), else a new one; a fresh start over another run needs `replace`
+  (`replace_finished`: enough for a finished run, as in the default runs/latest)."""
   previous = recovery.read_run_state(out_dir)
   if resume and previous.get('run_id'):
     _check_same_config(previous.get('config', {}), to_dict(cfg))
     return previous['run_id']
   if not resume and (previous or (Path(out_dir) / 'metrics.jsonl').exists()):
-    if not replace:
+    if not (replace or replace_finished and previous.get('status') == 'finished'):
       status = previous.get('status', 'unknown')
       raise ConfigError(f'run directory {str(out_dir)!r} holds another run ({status}); resume '
                         'it with --resume, replace it with --fresh, or pass another --out')
@@ -73,8 +75,8 @@ def clear(out_dir: Path, previous: dict) -> None:
   for name in OUTPUTS:
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-  log.warning('--fresh: removed the outputs, snapshots and checkpoints of run %s in %s',
-              run_id or '(unknown id)', out_dir)
+  log.warning('a new run: removed the outputs, snapshots and checkpoints of the previous run '
+              '%s in %s (pass --out to keep runs apart)', run_id or '(unknown id)', out_dir)
 
 
 def _flat(tree: dict, prefix: str = '') -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -58,7 +59,8 @@ class Trainer:
 
   def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,
                resume: bool = False, *, progress: str = 'auto',
-               on_log: Callable[[dict], None] | None = None, replace: bool = False):
+               on_log: Callable[[dict], None] | None = None, replace: bool = False,
+               replace_finished: bool = False):
     if cfg.train.eval_every < 0 or cfg.train.eval_batches < 1:
       raise ConfigError(f'train.eval_every must be >= 0 and train.eval_batches >= 1, got '
                         f'{cfg.train.eval_every}, {cfg.train.eval_batches}')
@@ -81,7 +83,7 @@ class Trainer:
                   'the run stops at the first failure (use mesh.slice >= 2 to survive failures)')
     self.out_dir.mkdir(parents=True, exist_ok=True)
     self._lock = rundir.lock(self.out_dir) if self.is_chief else None
-    self.run_id = self._start_run(resume, replace)
+    self.run_id = self._start_run(resume, replace, replace_finished)
     self.snapshots = recovery.open_manager(cfg, self.out_dir,
                                            state_nbytes(train_state.abstract_state(cfg)),
                                            self.run_id)
@@ -93,7 +95,7 @@ class Trainer:
     self._eval_s = 0.0
     # run_state.json: the run's identity, and entries kept while resuming (all_down_at)
     self._carried_state = {'run_id': self.run_id, 'config': to_dict(cfg)}
-    self.stopped_by_sigterm, self._finished = False, False
+    self.stopped_by_sigterm, self._finished, self.diverged_at = False, False, None
     if resume:
       self._resume()
     # Compile the fault-free step now, so that the first step runs at full speed.
@@ -111,10 +113,10 @@ class Trainer:
       return jax.devices()[0].platform != 'cpu' and not multihost.is_multiprocess()
     return mode == 'always'
 
-  def _start_run(self, resume: bool, replace: bool) -> str:
+  def _start_run(self, resume: bool, replace: bool, replace_finished: bool) -> str:
     """This run's id (rundir.start on process 0, the same on every process)."""
-    run_id = rundir.start(self.out_dir, self.cfg, resume=resume, replace=replace) \
-        if self.is_chief else None
+    run_id = rundir.start(self.out_dir, self.cfg, resume=resume, replace=replace,
+                          replace_finished=replace_finished) if self.is_chief else None
     if multihost.is_multiprocess():
       run_id = multihost.broadcast_bytes(run_id and run_id.encode(), 0).decode()
     return run_id
@@ -238,8 +240,15 @@ class Trainer:
       self._progress.step(len(self.controller.live()))
       rows = []
       last = step == cfg.train.steps - 1
+      # Checked before every snapshot (which waits for the step anyway off CPU), so that no
+      # snapshot ever holds a diverged state, and at every logged step.
+      snapshot_due = self.snapshots and (self.snapshots.due(step + 1) or self.preempted)
+      values = (self._fetch(metrics) if snapshot_due or step % cfg.train.log_every == 0 or last
+                else None)
+      if values and not math.isfinite(values['loss']):
+        return step, self._diverged(step, values['loss'])
       if step % cfg.train.log_every == 0 or last:
-        rows.append(self._train_row(step, metrics, t_start))
+        rows.append(self._train_row(step, values, t_start))
         self.losses.append((step, rows[-1]['loss']))
       preempted = self.preempted
       every = cfg.train.eval_every
@@ -269,9 +278,20 @@ class Trainer:
     samples = self.controller.samples
     return (samples.get('exact', 0) + samples.get('degraded', 0)) * self.cfg.model.seq_len
 
-  def _train_row(self, step, metrics, t_start) -> dict:
-    # Waits for the step. Multi-process: a collective, so every process logs the same steps.
-    values = multihost.fetch(metrics, sharding.submesh(self.mesh, self.controller.state_slices))
+  def _fetch(self, metrics) -> dict:
+    # Waits for the step. Multi-process: a collective, so every process fetches the same steps.
+    return multihost.fetch(metrics, sharding.submesh(self.mesh, self.controller.state_slices))
+
+  def _diverged(self, step: int, loss: float) -> str:
+    self.diverged_at = step
+    message = (f'the training loss is not finite ({loss}) at step {step}: the run stopped '
+               f'without saving that step (the snapshots and checkpoints hold earlier steps); '
+               f'start anew with a lower optimizer.lr or more optimizer.warmup_steps '
+               f'(`python train.py --out {self.out_dir} --fresh ...`)')
+    log.error('%s', message)
+    return message
+
+  def _train_row(self, step, values, t_start) -> dict:
     now, tokens = time.perf_counter(), self._tokens_trained()
     # tokens/s since the previous train row, eval time left out: dips show failures and rejoins.
     t0, tokens0, eval0 = self._window
@@ -360,7 +380,7 @@ class Trainer:
         'failures': cfg.faults.failures, 'failure_events': c.events,
         'scheduled_events': [e.to_dict() for e in self.schedule.all_events()],
         'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': stopped,
-        'preempted': self.stopped_by_sigterm,
+        'preempted': self.stopped_by_sigterm, 'diverged_at_step': self.diverged_at,
         'resumed_from_step': self.resumed_from, 'steps_lost': self.steps_lost,
         'live_slices_at_end': list(c.live()), 'snapshots': self._snapshot_report(),
         'precompile': (c.precompiler.summary() if c.precompiler else

@@ -28,7 +28,7 @@ _MAX_STEPS = 16  # snapshot steps compared across hosts at restore
 
 class HostSnapshots:
   """The in-memory tier of a multi-process run, with SnapshotManager's interface (maybe_save,
-  restore_latest, wait_until_finished, close, report, preempted)."""
+  due, restore_latest, wait_until_finished, close, report, preempted)."""
 
   def __init__(self, directory: str | Path, cfg, *, every: int = 1, keep: int = 2):
     self.cfg, self.every, self.preempted = cfg, every, False
@@ -50,12 +50,15 @@ class HostSnapshots:
     return jax.make_array_from_single_device_arrays(
         (self.n_hosts, len(row)), self._sharding, [jax.device_put(row[None], device)])
 
+  def due(self, step: int) -> bool:
+    return step % self.every == 0
+
   def maybe_save(self, step: int, state, meta: dict, *,
                  force_durable: bool = False) -> tuple[str, ...]:
     """Saves this host's part and parity block of `state` (the live state) when `step` is due;
     returns the tiers it started (('memory',) or ())."""
     del force_durable  # no durable tier in multi-process runs (see docs/tpu.md)
-    if step % self.every:
+    if not self.due(step):
       return ()
     devices = multihost.local_replica_devices(state)
     if devices is None:

@@ -301,6 +301,10 @@ class SnapshotManager:
       check_capacity(Path(durable_dir), state_bytes, self.durable_keep,
                      factor=self.min_free_factor)
 
+  def due(self, step: int) -> bool:
+    """Whether maybe_save(step, ...) will save anything (without force_durable)."""
+    return step % self.every == 0 or bool(self._durable and step % self.durable_every == 0)
+
   def maybe_save(self, step: int, state: Any, meta: dict, *,
                  force_durable: bool = False) -> tuple[str, ...]:
     """Starts an async snapshot of `state` (replicated over its mesh's slices: one replica is

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Callable
@@ -10,6 +11,8 @@ from mecefo_jax import sharding
 from mecefo_jax.config import Config
 from mecefo_jax.step import slice_steps, train_step
 from mecefo_jax.step.train_step import Role
+
+log = logging.getLogger('mecefo')
 
 # kind -> build(cfg, mesh of the program's slices, graphdef, *args)
 _BUILDERS = {
@@ -39,6 +42,9 @@ class ProgramCache:
     """The program cached under `key`, built once (the loser of a race reuses the result)."""
     program = self._programs.get(key)
     if program is None:
+      if threading.get_ident() == self._owner:  # the step waits: say why (seconds on CPU)
+        log.info('compiling the %s program for slices %s (%s)', key[0], list(key[1]),
+                 'waiting for the background compile' if self._lock.locked() else 'first use')
       t0 = time.perf_counter()
       with self._lock:  # one compile at a time
         program = self._programs.get(key)
