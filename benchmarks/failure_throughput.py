@@ -229,13 +229,19 @@ def costs_from(measurement: dict, stat: str) -> ClusterCosts:
 
 
 def model_check(costs: ClusterCosts) -> dict:
-  """How well the linear model explains the measured roles (relative residual per role)."""
+  """How well the affine model explains the measured roles: the relative residual of each
+  role under the fit of all, and under the fit of the others (leave-one-out: a prediction)."""
   measured = {r: s for r, s in costs.group_s.items() if r not in costs.modelled}
   coef = simulate.fit(measured)
   rel = {role_name(r): simulate.predict(coef, r) / s - 1.0 for r, s in measured.items()}
+  loo = {role_name(r): simulate.predict(simulate.fit({q: t for q, t in measured.items()
+                                                      if q != r}), r) / s - 1.0
+         for r, s in measured.items()} if len(measured) > 4 else {}
   return {'coef': dict(zip(('overhead_s', 'per_exact_row_s', 'per_degraded_pass_s',
                             'per_degraded_row_s'), map(float, coef))),
-          'rel_residual': rel, 'max_abs_rel_residual': max(map(abs, rel.values()))}
+          'rel_residual': rel, 'max_abs_rel_residual': max(map(abs, rel.values())),
+          'loo_rel_residual': loo,
+          'max_abs_loo_rel_residual': max(map(abs, loo.values())) if loo else None}
 
 
 def failure_model(args, n: int) -> dict:
@@ -286,11 +292,16 @@ def tables(result: dict) -> str:
   scalars = {k: c[k] for k in ('normal_s', 'update_s', 'refresh_s', 'rejoin_s', 'restore_s',
                                'fused_compile_s')}
   check = result['cost_model']
+  loo = check['max_abs_loo_rel_residual']
   return '\n\n'.join([
       *out, 'costs: ' + ', '.join(f'{k}={v:.4g}' for k, v in scalars.items()),
       f"affine cost model over {len(check['rel_residual'])} measured roles: max |relative "
-      f"residual| {check['max_abs_rel_residual']:.3f}",
+      f"residual| {check['max_abs_rel_residual']:.3f}, leave-one-out {_fmt(loo)}",
       common.markdown_table(roles, list(roles[0]))])
+
+
+def _fmt(x) -> str:
+  return 'n/a' if x is None else f'{x:.3f}'
 
 
 def figure(result: dict, path: str, preset: str) -> None:

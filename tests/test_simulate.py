@@ -125,3 +125,15 @@ def test_fit_recovers_a_linear_cost_and_marks_modelled_roles():
   assert costs.group_s[Role(0, 40, 4)] == pytest.approx(simulate.predict(coef, Role(0, 40, 4)))
   assert costs.modelled == {Role(0, 40, 4)}
   assert [r['modelled'] for r in costs.to_json()['roles']].count(True) == 1
+
+
+@pytest.mark.parametrize('policy', ['neighbor', 'spread', 'exact', 'budget', 'drop', 'naive'])
+@pytest.mark.parametrize('granule', [1, 2])
+def test_live_sets_of_one_shape_have_the_same_roles(policy, granule):
+  # PolicyModel plans once per shape of live set; every live set must get its own plan's roles.
+  rng = np.random.default_rng(0)
+  planner = Planner(12, 4, policy, granule)
+  model = PolicyModel(planner, _costs())
+  for _ in range(300):
+    live = tuple(sorted(rng.choice(12, rng.integers(1, 13), replace=False).tolist()))
+    assert model._roles(live) == set(planner.plan(live).roles.values()), live
