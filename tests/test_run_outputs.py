@@ -219,6 +219,19 @@ def _show(mode, stream, caplog):
     return p.mode, [r.getMessage() for r in caplog.records]
 
 
+def test_plain_lines_are_shown_when_logging_is_not_configured():
+  # A notebook or script calling Trainer(progress='plain') without logging.basicConfig.
+  log = logging.getLogger('mecefo')
+  assert not log.isEnabledFor(logging.INFO)  # pytest leaves the root logger at WARNING
+  stream = io.StringIO()
+  with progress.Progress(20, 0, 2, 'neighbor', mode='plain', stream=stream) as p:
+    p.train_row(ROW)
+    p.eval_row(EVAL)
+  lines = stream.getvalue().splitlines()
+  assert len(lines) == 2 and 'step 4/20 loss 3.2500' in lines[0] and 'eval after step' in lines[1]
+  assert not log.isEnabledFor(logging.INFO) and log.propagate and not log.handlers  # restored
+
+
 def test_plain_log_lines_when_stderr_is_not_a_tty(caplog):
   stream = io.StringIO()
   mode, messages = _show('auto', stream, caplog)

@@ -374,9 +374,6 @@ def test_attention_averages_over_every_row_that_gave_it_a_gradient(exact):
   assert _adam_counts(new.opt_state)[train_state.ATTENTION] == 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason='make_step_fn calls finish_step without its `degrade`; pass it there '
-                   '(one line, not in this change) and drop this marker')
 def test_fused_step_with_attention_backward_on_averages_over_every_row():
   cfg, state, graphdef, tokens = _one_slice()
   step = train_step.make_step_fn(cfg, train_step.Role(2, 2), graphdef, ATTENTION_ON)

@@ -61,6 +61,15 @@ class Progress:
     self._fields = {'loss': '', 'rate': '', 'live': '', 'mode': '', 'eval': ''}
 
   def __enter__(self) -> Progress:
+    if self.mode == 'plain' and not log.isEnabledFor(logging.INFO):
+      # Called from Python with logging unconfigured (INFO dropped): lines of our own for the run.
+      handler = logging.StreamHandler(self.stream)
+      handler.setFormatter(logging.Formatter('%(asctime)s %(message)s', '%H:%M:%S'))
+      saved = log.level, log.propagate
+      log.addHandler(handler)
+      log.setLevel(logging.INFO)
+      log.propagate = False
+      self._stack.callback(self._restore_log, handler, saved)
     if self.mode == 'bar':
       from tqdm import tqdm
       from tqdm.contrib.logging import logging_redirect_tqdm
@@ -72,6 +81,12 @@ class Progress:
                file=self.stream, leave=True, **size))
       self._stack.enter_context(logging_redirect_tqdm())
     return self
+
+  @staticmethod
+  def _restore_log(handler, saved) -> None:
+    log.removeHandler(handler)
+    log.setLevel(saved[0])
+    log.propagate = saved[1]
 
   def __exit__(self, *exc) -> None:
     self._stack.close()

@@ -15,13 +15,12 @@ import numpy as np
 
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config, ConfigError, to_dict
-from mecefo_jax.data import order
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.run.metrics import MetricsWriter, to_json
-from mecefo_jax.run import rundir
+from mecefo_jax.run import evaluation, rundir
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.report_schema import SCHEMA_VERSION
 from mecefo_jax.snapshot import image, recovery, store
@@ -168,28 +167,8 @@ class Trainer:
             'step_memory_bytes': self.memory, 'data': self.corpus.describe()}
 
   def evaluate(self, n_batches: int = 4) -> float:
-    """Mean token loss on fixed held-out rows (ids disjoint from training): `n_batches` global
-    batches of the run's slice count, the same rows whichever slices are live."""
-    live = self.controller.state_slices
-    mesh = sharding.submesh(self.mesh, live)
-    b = self.cfg.train.micro_batch
-    program = self.controller.evaluator(live)
-    ids = np.concatenate([order.sample_ids(i, self.n_slices, b, 'eval').ravel()
-                          for i in range(n_batches)])
-    per_call, loss_sum, tokens = len(live) * b, 0.0, 0.0
-    for start in range(0, len(ids), per_call):
-      chunk = ids[start:start + per_call]
-      rows = self.corpus.sequences(chunk)
-      rows = np.concatenate([rows, np.full((per_call - len(chunk), rows.shape[1]), -1, rows.dtype)])
-      rows_SxBxL1 = rows.reshape(len(live), b, -1)  # padding rows (-1) count for nothing
-      out = None
-      if multihost.is_local(mesh):
-        batch = multihost.put_batch(rows_SxBxL1.__getitem__, rows_SxBxL1.shape,
-                                    sharding.batch_sharding(mesh))
-        out = program(self.state.params, batch)
-      values = multihost.fetch(out, mesh, keys=('loss_sum', 'tokens'))
-      loss_sum, tokens = loss_sum + values['loss_sum'], tokens + values['tokens']
-    return loss_sum / tokens
+    """Mean token loss on fixed held-out rows, the same whichever slices are live."""
+    return evaluation.held_out_loss(self.controller, n_batches)
 
   def run(self) -> dict:
     """Trains to train.steps (or until every slice is down / SIGTERM); returns the report."""

@@ -158,7 +158,7 @@ def make_step_fn(cfg: Config, role: Role, graphdef, degrade: llama.Degrade = lla
   def step(state: TrainState, tokens_SxRxL1):
     key = jax.random.fold_in(state.rng, state.step)
     sums = _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg, degrade)
-    return finish_step(state, sums, tx)
+    return finish_step(state, sums, tx, degrade)
 
   return step
 
