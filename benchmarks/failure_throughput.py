@@ -2,7 +2,7 @@
 
 Run: python -m benchmarks.failure_throughput --config configs/tiny.yaml --json OUT.json
      [--slices 8[,32,256]] [--policies neighbor,spread,exact,budget:1.0,budget:1.05,drop,naive]
-     [--presets low,mid,high] [--hours 720] [--figure PNG]
+     [--presets low,mid,high] [--hours 720] [--figure PNG [--figure-also EARLIER.json]]
      [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
      [--remeasure-restore] [--stat median|min|flops] [--checkpoint-every N] [--repeats 3]
      [--warmup 1] [overrides...]
@@ -304,21 +304,25 @@ def _fmt(x) -> str:
   return 'n/a' if x is None else f'{x:.3f}'
 
 
-def figure(result: dict, path: str, preset: str) -> None:
-  """Throughput drop against slice count, one line per policy."""
+def figure(results: list[dict], path: str) -> None:
+  """Throughput drop against slice count at `high` (else the first preset), one line per
+  policy, one panel per result (e.g. the FLOP and the CPU-timed reading of the same costs)."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
-  fig = Figure(figsize=(6, 4))
-  ax = fig.add_subplot()
-  by_n = result['results_by_slices']
-  slices = sorted(by_n, key=int)
-  for policy in next(iter(by_n.values())):
-    ax.plot([int(n) for n in slices], [by_n[n][policy][preset]['drop_pct'] for n in slices],
-            marker='o', label=policy)
-  ax.set(xscale='log', xlabel='slices', ylabel='throughput drop (%)',
-         title=f"{preset}, rate={result['args']['rate']}, stat={result['args']['stat']}")
-  ax.set_xticks([int(n) for n in slices], labels=[str(n) for n in slices])
-  ax.legend(fontsize=8)
+  fig = Figure(figsize=(6 * len(results), 4.2))
+  for i, result in enumerate(results):
+    ax, a = fig.add_subplot(1, len(results), i + 1), result['args']
+    preset = 'high' if 'high' in a['presets'] else a['presets'][0]
+    by_n = result['results_by_slices']
+    slices = sorted(by_n, key=int)
+    for policy in next(iter(by_n.values())):
+      ax.plot([int(n) for n in slices], [by_n[n][policy][preset]['drop_pct'] for n in slices],
+              marker='o', label=policy)
+    ax.set(xscale='log', xlabel='slices', ylabel='throughput drop (%)',
+           title=f"{preset}, rate={a['rate']}, stat={a['stat']}")
+    ax.set_xticks([int(n) for n in slices], labels=[str(n) for n in slices])
+    ax.axhline(0, color='gray', lw=0.5)
+    ax.legend(fontsize=8)
   FigureCanvasAgg(fig).print_figure(path, dpi=120, bbox_inches='tight')
 
 
@@ -326,7 +330,9 @@ def main(argv=None):
   p = common.parser(__doc__.splitlines()[0])
   p.add_argument('--slices', default='8', help='slice counts, comma-separated (e.g. 8,32,256)')
   p.add_argument('--policies', default='neighbor,spread,exact,budget:1.0,budget:1.05,drop,naive')
-  p.add_argument('--figure', default=None, help='PNG: throughput drop vs slice count (first preset)')
+  p.add_argument('--figure', default=None, help='PNG: throughput drop vs slice count at high')
+  p.add_argument('--figure-also', default=[], action='append', metavar='JSON',
+                 help='an earlier result of this benchmark drawn as a further panel of --figure')
   p.add_argument('--presets', default='low,mid,high')
   p.add_argument('--hours', type=float, default=720.0)
   p.add_argument('--seeds', type=int, default=5)
@@ -386,7 +392,7 @@ def main(argv=None):
   result['costs'] = costs.to_json()  # with every role the replays met (modelled ones marked)
   common.emit(result, tables(result), args.json)
   if args.figure:
-    figure(result, args.figure, args.presets[0])
+    figure([result, *(json.loads(Path(f).read_text()) for f in args.figure_also)], args.figure)
   return result
 
 
