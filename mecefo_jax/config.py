@@ -86,6 +86,9 @@ class TrainConfig:
   eval_every: int = 100  # held-out eval every N steps and at the end; 0 = only at the end
   eval_batches: int = 4  # batches per eval (each: live slices x micro_batch sequences)
   plot: bool = True  # write <out>/training.png at the end (python -m mecefo_jax.run.plot)
+  # train.py: JAX's persistent compilation cache, so restarts and new runs of the same shapes
+  # load their programs instead of compiling them ('' = off; JAX_COMPILATION_CACHE_DIR wins).
+  compile_cache: str = '~/.cache/mecefo-jax/xla'
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,13 @@ def test_host_devices_must_be_positive(value):
              f'argument --host-devices: must be >= 1, got {value}')
 
 
+def test_one_slice_with_a_failure_preset_warns_at_start(tmp_path):
+  proc = _train('--out', str(tmp_path / 'run'), '--no-snapshots', '--failures', 'high',
+                'train.steps=2', *TINY)
+  assert proc.returncode in (0, 3), proc.stderr[-2000:]
+  assert 'one slice: a failure leaves no live slice to take over' in proc.stderr
+
+
 def test_resume_and_fresh_together_are_refused():
   _one_error(_train('--resume', '--fresh', '--print-config'),
              'argument --fresh: not allowed with argument --resume')

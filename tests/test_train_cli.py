@@ -87,3 +87,21 @@ def test_dry_run_compiles_and_reports_without_training(tmp_path):
   # Nothing left behind: no run directory, no tmpfs snapshots, no scratch directory.
   assert not (tmp_path / 'new').exists() and not list(scratch.iterdir())
   assert not default_snapshot_dir(run_name(out)).exists()
+
+
+def test_persistent_compile_cache_is_filled_and_reused_bit_exactly(tmp_path):
+  cache, env = tmp_path / 'xla', {k: v for k, v in os.environ.items()
+                                  if k not in ('JAX_COMPILATION_CACHE_DIR', 'XLA_FLAGS')}
+  reports = []
+  for run in ('a', 'b'):
+    proc = subprocess.run([sys.executable, 'train.py', '-q', '--out', str(tmp_path / run),
+                           'train.steps=3', '--no-snapshots', 'train.plot=false',
+                           f'train.compile_cache={cache}'],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports.append(json.loads((tmp_path / run / 'report.json').read_text()))
+    if run == 'a':
+      entries = {p.name for p in cache.iterdir()}
+      assert any(name.startswith('jit_step') for name in entries), entries
+  assert {p.name for p in cache.iterdir()} == entries  # the second run compiled nothing new
+  assert reports[0]['params_sha256'] == reports[1]['params_sha256']

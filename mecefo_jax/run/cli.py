@@ -196,6 +196,7 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.store import SnapshotError
   try:
+    _use_compile_cache(cfg.train.compile_cache)
     from mecefo_jax import multihost
     multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
     from mecefo_jax.run import trainer
@@ -212,6 +213,13 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     return _train(args, run, out_dir)
   finally:
     _restore_handlers(handlers)
+
+
+def _use_compile_cache(directory: str) -> None:
+  """JAX's persistent compilation cache in `directory`, unless the user set one for JAX."""
+  if directory and not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+    import jax
+    jax.config.update('jax_compilation_cache_dir', str(Path(directory).expanduser()))
 
 
 def _train(args, run, out_dir: Path) -> int:
