@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from mecefo_jax.snapshot import recovery
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
 # Slice 3 fails at step 1 and is repaired at step 3: with 4 processes x 2 devices that leaves
@@ -67,6 +69,11 @@ def _wait(procs, timeout=420) -> list[int]:
   return codes
 
 
+def _memory_tier(tmp: Path) -> Path:
+  """The in-memory snapshots of run 'run': one folder per run id under snapshot.dir."""
+  return tmp / 'run_shm' / recovery.read_run_state(tmp / 'run')['run_id']
+
+
 def _report(tmp: Path, out: str) -> dict:
   return json.loads((tmp / out / 'report.json').read_text())
 
@@ -87,14 +94,15 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize('n_processes', [4])  # 2 processes: test_process_death_resumes_from_parity
 def test_processes_match_one_process(n_processes, reference, tmp_path):
-  codes = _wait(_spawn(tmp_path, 'run', n_processes))
+  codes = _wait(_spawn(tmp_path, 'run', n_processes, 'snapshot.keep_when_finished=true'))
   assert codes == [0] * n_processes, _logs(tmp_path, 'run')
   report = _report(tmp_path, 'run')
   assert report['params_sha256'] == reference['params_sha256']
   assert report['samples'] == reference['samples'] and report['samples']['degraded'] > 0
   assert [e['kind'] for e in report['failure_events']] == ['fail', 'repair']
   # Each host keeps its own part of every snapshot.
-  assert all((tmp_path / 'run_shm' / f'host{i}' / str(STEPS)).is_dir() for i in range(n_processes))
+  shm = _memory_tier(tmp_path)
+  assert all((shm / f'host{i}' / str(STEPS)).is_dir() for i in range(n_processes))
 
 
 def test_process_death_resumes_from_parity(reference, tmp_path):
@@ -116,7 +124,7 @@ def test_process_death_resumes_from_parity(reference, tmp_path):
   assert survivor != 0 and time.monotonic() - t0 < 90, _logs(tmp_path, 'run')
   assert 'heartbeat timeout' in _logs(tmp_path, 'run', tail=0)
   # The dead host's snapshot memory is gone with it: its part is rebuilt from parity.
-  shutil.rmtree(tmp_path / 'run_shm' / 'host1')
+  shutil.rmtree(_memory_tier(tmp_path) / 'host1')
   codes = _wait(_spawn(tmp_path, 'run', 2, '--resume'))
   assert codes == [0, 0], _logs(tmp_path, 'run')
   text = _logs(tmp_path, 'run', tail=0)

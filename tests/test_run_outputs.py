@@ -220,16 +220,26 @@ def _show(mode, stream, caplog):
 
 
 def test_plain_lines_are_shown_when_logging_is_not_configured():
-  # A notebook or script calling Trainer(progress='plain') without logging.basicConfig.
-  log = logging.getLogger('mecefo')
-  assert not log.isEnabledFor(logging.INFO)  # pytest leaves the root logger at WARNING
-  stream = io.StringIO()
-  with progress.Progress(20, 0, 2, 'neighbor', mode='plain', stream=stream) as p:
-    p.train_row(ROW)
-    p.eval_row(EVAL)
-  lines = stream.getvalue().splitlines()
-  assert len(lines) == 2 and 'step 4/20 loss 3.2500' in lines[0] and 'eval after step' in lines[1]
-  assert not log.isEnabledFor(logging.INFO) and log.propagate and not log.handlers  # restored
+  # A notebook or script calling Trainer(progress='plain') without logging.basicConfig: INFO
+  # is not enabled for the 'mecefo' logger (other tests may have configured it: reset it here).
+  log, root = logging.getLogger('mecefo'), logging.getLogger()
+  saved = log.level, log.propagate, root.level
+  log.setLevel(logging.NOTSET)
+  root.setLevel(logging.WARNING)
+  try:
+    handlers = list(log.handlers)
+    stream = io.StringIO()
+    with progress.Progress(20, 0, 2, 'neighbor', mode='plain', stream=stream) as p:
+      p.train_row(ROW)
+      p.eval_row(EVAL)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and 'step 4/20 loss 3.2500' in lines[0], lines
+    assert 'eval after step' in lines[1], lines
+    assert not log.isEnabledFor(logging.INFO) and log.propagate and log.handlers == handlers
+  finally:
+    log.setLevel(saved[0])
+    log.propagate = saved[1]
+    root.setLevel(saved[2])
 
 
 def test_plain_log_lines_when_stderr_is_not_a_tty(caplog):

@@ -196,7 +196,10 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.store import SnapshotError
   try:
-    _use_compile_cache(cfg.train.compile_cache)
+    if (args.num_processes or 1) == 1:
+      # Not with several processes: a process that loads a program from the cache reaches the
+      # next collective long before one that compiles it, and gloo gives up after 30 s.
+      _use_compile_cache(cfg.train.compile_cache)
     from mecefo_jax import multihost
     multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
     from mecefo_jax.run import trainer
