@@ -1,6 +1,7 @@
 """Mesh construction and the one logical-axis rules table that maps parameter axes to mesh axes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -43,6 +44,16 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
   shape = mesh_shape(cfg, len(devices))
   used = devices[:math.prod(shape)]
   return Mesh(np.asarray(used).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def present_mesh(cfg: MeshConfig, n_slices: int) -> Mesh:
+  """The mesh of the first of a run's `n_slices` slices that this machine's devices hold."""
+  in_slice, devices = cfg.fsdp * cfg.tensor, jax.devices()
+  present = min(n_slices, len(devices) // in_slice)
+  if present < 1:
+    raise ConfigError(f'this run has {n_slices} slices of {in_slice} device(s); '
+                      f'{len(devices)} device(s) present: not one slice')
+  return make_mesh(dataclasses.replace(cfg, slice=present), devices)
 
 
 def submesh(mesh: Mesh, slices: Sequence[int]) -> Mesh:

@@ -38,12 +38,18 @@ class AllSlicesDown(RuntimeError):
 class Controller:
   """Owns the train state and runs each step on the live slices with the takeover policy."""
 
-  def __init__(self, cfg: Config, mesh, graphdef, corpus, schedule: FailureSchedule, state):
+  def __init__(self, cfg: Config, mesh, graphdef, corpus, schedule: FailureSchedule, state,
+               n_slices: int | None = None):
+    """`n_slices`: the run's logical slice count N, when only the first rows of `mesh` are
+    present (slices mesh.shape['slice'] .. N-1 are absent: failed until a later start)."""
     self.cfg, self.mesh, self.graphdef, self.corpus = cfg, mesh, graphdef, corpus
-    self.n_slices, self.micro_batch = mesh.shape['slice'], cfg.train.micro_batch
+    self.n_slices, self.micro_batch = n_slices or mesh.shape['slice'], cfg.train.micro_batch
+    # Present slices are the mesh's rows, so a slice id indexes mesh.devices; absent ones (the
+    # highest ids, when a run resumes with fewer devices) are failed until a later start.
+    self.present = tuple(range(mesh.shape['slice']))
     self.schedule, self.policy = schedule, cfg.faults.takeover
     self.planner = Planner.from_config(cfg, self.n_slices, granule=mesh.shape['fsdp'])
-    self.state, self.state_slices = state, tuple(range(self.n_slices))
+    self.state, self.state_slices = state, self.present
     self.failed: set[int] = set()
     self.error_hooks: list[Callable[[int, int], None]] = []  # (slice, step); may raise
     self.events: list[dict] = []
@@ -63,6 +69,11 @@ class Controller:
     if event.kind == 'fail' and event.slice not in self.failed:
       self.failed.add(event.slice)
     elif event.kind == 'repair' and event.slice in self.failed:
+      if event.slice not in self.present:
+        log.warning('step %d: slice %d cannot be repaired here (%s): its devices are absent; '
+                    'it rejoins at a start with them present', event.step, event.slice,
+                    event.source)
+        return
       self.failed.discard(event.slice)
     else:
       return  # no change (already failed / not failed)
@@ -79,7 +90,10 @@ class Controller:
   def start_precompile(self) -> None:
     """Compiles, in the background, the programs of every live set one event away."""
     self.precompiler = Precompiler(self.compile_live_set)
-    self.precompiler.want(next_live_sets(self.live(), self.n_slices))
+    self.precompiler.want(self._next_live_sets())
+
+  def _next_live_sets(self) -> list[tuple[int, ...]]:
+    return [s for s in next_live_sets(self.live(), self.n_slices) if set(s) <= set(self.present)]
 
   def compile_live_set(self, live: tuple[int, ...]) -> None:
     """Compiles (and caches) every program a step on `live` runs, and the eval program when
@@ -140,7 +154,7 @@ class Controller:
     if step == self.devices_back_at:
       self._devices_back(step, wall_s)
     if self.precompiler and events and self.live():
-      self.precompiler.want(next_live_sets(self.live(), self.n_slices))
+      self.precompiler.want(self._next_live_sets())
     while True:
       live = self.live()
       if not live:
@@ -250,8 +264,21 @@ class Controller:
     self.failed = set(meta['failed'])
     self.events, self.ledger = list(meta['events']), Goodput(meta['goodput'])
     self.samples = collections.Counter(meta['samples'])
-    self.state_slices = tuple(range(self.n_slices))
+    self.state_slices = self.present
     self._bases_step = _host_int(self.state.bases_step)
+
+  def apply_presence(self, step: int) -> None:
+    """At a start: slices without devices fail ('absent') from `step` on; absent ones whose
+    devices are back rejoin ('present'), as after a repair. The schedule cannot repair an
+    absent slice (no devices): its repairs wait for a later start."""
+    for s in range(self.n_slices):
+      if s not in self.present:
+        self._apply(FailureEvent(step, s, 'fail', 'absent'), 0.0)
+      elif s in self.failed and self._last_source(s) == 'absent':
+        self._apply(FailureEvent(step, s, 'repair', 'present'), 0.0)
+
+  def _last_source(self, s: int) -> str | None:
+    return next((e['source'] for e in reversed(self.events) if e['slice'] == s), None)
 
   def _devices_back(self, step: int, wall_s: float) -> None:
     """The run stopped at `step` with every slice down and was resumed: all are back now."""

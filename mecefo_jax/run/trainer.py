@@ -65,11 +65,10 @@ class Trainer:
                         f'{cfg.train.eval_every}, {cfg.train.eval_batches}')
     self.cfg, self.out_dir = cfg, Path(out_dir)
     self.progress_mode, self.on_log = progress, on_log
-    self.mesh = sharding.make_mesh(cfg.mesh)
+    self.mesh, self.n_slices = self._present_mesh(resume)
     if multihost.is_multiprocess():
       multihost.check_slices_within_processes(self.mesh)
     self.is_chief = jax.process_index() == 0  # the one process that writes the run's files
-    self.n_slices = self.mesh.shape['slice']
     m = cfg.model
     self.corpus = load_corpus(cfg.train.data, seq_len=m.seq_len, seed=cfg.train.seed,
                               vocab_size=m.vocab_size)
@@ -88,22 +87,38 @@ class Trainer:
                                            self.run_id)
     t0 = time.perf_counter()
     state = train_state.create_sharded(cfg, self.mesh)
-    self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state)
+    self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state,
+                                 self.n_slices)
     self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
     self.evals: list[dict] = []  # {step, loss, perplexity} of every eval, carried over resumes
     self._eval_s = 0.0
     # run_state.json: the run's identity, and entries kept while resuming (all_down_at)
-    self._carried_state = {'run_id': self.run_id, 'config': to_dict(cfg)}
+    self._carried_state = {'run_id': self.run_id, 'config': to_dict(cfg),
+                           'n_slices': self.n_slices}
     self.stopped_by_sigterm, self._finished, self.diverged_at = False, False, None
     if resume:
       self._resume()
+      self.controller.apply_presence(self.start_step)
     # Compile the fault-free step now, so that the first step runs at full speed.
-    all_slices = tuple(range(self.n_slices))
-    self.memory = train_step.memory_summary(
-        self.controller.fused(all_slices, train_step.Role(exact=cfg.train.micro_batch)))
+    self.memory = train_step.memory_summary(self.controller.fused(
+        self.controller.present, train_step.Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
     if self._precompile():
       self.controller.start_precompile()
+
+  def _present_mesh(self, resume: bool):
+    """(mesh of the slices present, the run's slice count N). N is fixed when the run is made
+    (run_state.json); a resume with devices for fewer slices runs on those, the others absent."""
+    recorded = recovery.read_run_state(self.out_dir).get('n_slices') if resume else None
+    if not recorded or multihost.is_multiprocess():
+      mesh = sharding.make_mesh(self.cfg.mesh)
+      return mesh, mesh.shape['slice']
+    mesh = sharding.present_mesh(self.cfg.mesh, recorded)
+    if mesh.shape['slice'] < recorded:
+      log.warning('%d of the run\'s %d slices present: slices %s are absent from this start on, '
+                  'their micro-batches taken over (faults.takeover=%s)', mesh.shape['slice'],
+                  recorded, list(range(mesh.shape['slice'], recorded)), self.cfg.faults.takeover)
+    return mesh, recorded
 
   def _precompile(self) -> bool:
     """faults.precompile: auto = on where the host CPU is idle during steps (GPU/TPU)."""

@@ -1,0 +1,48 @@
+"""Logical vs present slices: a run resumed with devices for fewer slices keeps its N slices."""
+import signal
+
+import pytest
+
+from mecefo_jax.snapshot import recovery
+from test_recovery import STEPS, kill_after, report, train
+
+pytestmark = pytest.mark.slow
+
+
+def test_absent_slices_are_taken_over_and_rejoin_when_present_again(tmp_path):
+  out, shm = tmp_path / 'run', tmp_path / 'shm'
+  on = lambda devices: ('--host-devices', str(devices), 'mesh.slice=4', f'snapshot.dir={shm}')
+  code, log = kill_after(out, 3, *on(4))  # SIGKILL after step 3
+  assert code == -signal.SIGKILL, log[-3000:]
+  # The machine comes back with devices for 3 slices only: slice 3 is absent, not waited for.
+  code, log = kill_after(out, 8, *on(3))
+  assert code == -signal.SIGKILL and '3 of the run\'s 4 slices present' in log, log[-3000:]
+  assert 'slice 3 FAILED (absent)' in log, log[-3000:]
+  assert recovery.read_run_state(out)['n_slices'] == 4
+  # All 4 present again: slice 3 rejoins, the run ends with nothing dropped.
+  code, log = train(out, *on(4))
+  assert code == 0 and 'slice 3 repaired, rejoining (present)' in log, log[-3000:]
+  result = report(out)
+  events = [(e['slice'], e['kind'], e['source']) for e in result['failure_events']]
+  assert events == [(3, 'fail', 'absent'), (3, 'repair', 'present')], events
+  assert result['samples']['dropped'] == 0 and result['live_slices_at_end'] == [0, 1, 2, 3]
+  # The same failures replayed in one uninterrupted 4-slice run give the same parameters.
+  fail, repair = (e['step'] for e in result['failure_events'])
+  trace = tmp_path / 'failures.txt'
+  trace.write_text(f'{fail} 3 fail\n{repair} 3 repair\n')
+  code, log = train(tmp_path / 'replay', '--host-devices', '4', 'mesh.slice=4', '--no-snapshots',
+                    '--failures', f'trace:{trace}')
+  assert code == 0, log[-3000:]
+  assert report(tmp_path / 'replay')['params_sha256'] == result['params_sha256']
+  assert report(tmp_path / 'replay')['steps'] == STEPS
+
+
+def test_no_slice_present_is_one_line(tmp_path):
+  out = tmp_path / 'run'
+  code, log = train(out, '--host-devices', '4', 'mesh.slice=2', 'mesh.fsdp=2', '--no-snapshots',
+                    'train.steps=2')
+  assert code == 0, log[-3000:]
+  code, log = train(out, '--host-devices', '1', 'mesh.slice=2', 'mesh.fsdp=2', '--no-snapshots',
+                    'train.steps=3', '--resume')
+  errors = [l for l in log.splitlines() if l.startswith('error:')]
+  assert code == 2 and len(errors) == 1 and 'not one slice' in errors[0], log[-3000:]
