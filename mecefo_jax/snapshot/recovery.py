@@ -41,7 +41,7 @@ def _make_parent(tier_dir: Path, *, given: bool) -> None:
     tier_dir.parent.mkdir(parents=True, exist_ok=True)
   elif not tier_dir.parent.exists():
     check_writable(tier_dir.parent)
-    tier_dir.parent.mkdir()
+    tier_dir.parent.mkdir(exist_ok=True)  # another process of the job may make it first
 
 
 def open_manager(cfg: Config, out_dir: Path, state_bytes: int,
