@@ -194,7 +194,7 @@ def _main(args, scratch: Path | None) -> int:
 def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   """Builds the trainer (in `scratch` for a dry run), then trains."""
   from mecefo_jax.data.sources import DataError
-  from mecefo_jax.snapshot.store import SnapshotError
+  from mecefo_jax.snapshot.capacity import SnapshotError
   try:
     if (args.num_processes or 1) == 1:
       # Not with several processes: a process that loads a program from the cache reaches the

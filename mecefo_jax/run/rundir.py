@@ -68,10 +68,7 @@ def clear(out_dir: Path, previous: dict) -> None:
   if run_id and previous.get('config'):
     recorded = previous['config'].get('snapshot', {})
     sn = SnapshotConfig(**{k: v for k, v in recorded.items() if k in SNAPSHOT_KEYS})
-    memory, durable = recovery.snapshot_dirs(sn, out_dir, run_id)
-    for directory in (memory, Path(durable)):
-      if '://' not in str(directory):
-        shutil.rmtree(directory, ignore_errors=True)
+    recovery.remove_snapshots(sn, out_dir, run_id, durable=True)
   for name in OUTPUTS:
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)

@@ -1,11 +1,9 @@
 """The training loop: mesh, sharded state, failure-aware controller, snapshots, evals, outputs."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -341,17 +339,11 @@ class Trainer:
     if self.snapshots:
       self.snapshots.close()
       if self._finished and not self.cfg.snapshot.keep_when_finished:
-        self._remove_memory_tier()
+        # A finished run needs no in-memory snapshots: free the tmpfs (durable ones stay).
+        recovery.remove_snapshots(self.cfg.snapshot, self.out_dir, self.run_id, durable=False)
     if self._lock is not None:
       self._lock.close()  # releases the run directory
       self._lock = None
-
-  def _remove_memory_tier(self) -> None:
-    """A finished run needs no in-memory snapshots: free the tmpfs (durable checkpoints stay)."""
-    memory = recovery.snapshot_dirs(self.cfg.snapshot, self.out_dir, self.run_id)[0]
-    shutil.rmtree(memory, ignore_errors=True)
-    with contextlib.suppress(OSError):
-      memory.parent.rmdir()  # the run directory's tmpfs folder, once no run is left in it
 
   def _report(self, steps_done, wall_s, stopped, tensorboard: bool) -> dict:
     """report.json; every key is documented in docs/report.md and checked by report_schema."""

@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mecefo_jax import multihost
 from mecefo_jax.model.train_state import abstract_state
 from mecefo_jax.snapshot import image, parity
-from mecefo_jax.snapshot.store import OFF_DURABLE, Tier, check_capacity
+from mecefo_jax.snapshot.capacity import check_capacity
+from mecefo_jax.snapshot.store import OFF_DURABLE, Tier
 
 log = logging.getLogger('mecefo')
 _MAX_STEPS = 16  # snapshot steps compared across hosts at restore

@@ -1,9 +1,11 @@
 """Snapshots in a run: open the tiers, save each step off the critical path, resume bit-exactly."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import shutil
 import signal
 from pathlib import Path
 
@@ -13,8 +15,8 @@ from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError, SnapshotConfig
 from mecefo_jax.model.train_state import abstract_state, state_shardings
 from mecefo_jax.snapshot.host import HostSnapshots
-from mecefo_jax.snapshot.store import (SnapshotError, SnapshotManager, check_writable,
-                                       default_snapshot_dir)
+from mecefo_jax.snapshot.capacity import SnapshotError, check_writable
+from mecefo_jax.snapshot.store import SnapshotManager, default_snapshot_dir
 
 log = logging.getLogger('mecefo')
 RUN_STATE = 'run_state.json'
@@ -32,6 +34,17 @@ def snapshot_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> tuple[Path,
   memory = (Path(sn.dir) if sn.dir else default_snapshot_dir(run_name(out_dir))) / run_id
   durable = sn.durable_dir or str(Path(out_dir).resolve() / 'checkpoints')
   return memory, f'{durable.rstrip("/")}/{run_id}'
+
+
+def remove_snapshots(sn: SnapshotConfig, out_dir: Path, run_id: str, *, durable: bool) -> None:
+  """Deletes run `run_id`'s in-memory snapshots (the tmpfs folder of `out_dir` too, once no
+  run is left in it) and, with `durable`, its durable checkpoints."""
+  memory, durable_dir = snapshot_dirs(sn, out_dir, run_id)
+  shutil.rmtree(memory, ignore_errors=True)
+  with contextlib.suppress(OSError):
+    memory.parent.rmdir()
+  if durable and '://' not in durable_dir:
+    shutil.rmtree(durable_dir, ignore_errors=True)
 
 
 def _make_parent(tier_dir: Path, *, given: bool) -> None:

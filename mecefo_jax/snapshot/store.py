@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import itertools
 import json
 import logging
 import math
 import os
-import shutil
 import tempfile
 import threading
 import warnings
@@ -22,6 +20,7 @@ from etils import epath
 
 from mecefo_jax import sharding
 from mecefo_jax.snapshot import image
+from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
@@ -33,10 +32,6 @@ OFF = {'enabled': False, 'dir': None, 'every': 0, 'saved': 0, 'skipped': 0, 'ret
        **OFF_DURABLE}
 
 _ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers) break its commit
-
-
-class SnapshotError(ValueError):
-  """A snapshot directory is unusable, or a background save failed."""
 
 
 class SnapshotWarning(UserWarning):
@@ -53,36 +48,6 @@ def default_snapshot_dir(run_name: str) -> Path:
   """/dev/shm/mecefo/<run_name>: tmpfs, so snapshots outlive a crash of the trainer process."""
   base = Path('/dev/shm') if Path('/dev/shm').is_dir() else Path(tempfile.gettempdir())
   return base / 'mecefo' / run_name
-
-
-# ---- capacity -------------------------------------------------------------------------------------
-
-def check_writable(directory: Path) -> Path:
-  """The existing directory that will hold `directory`; raises unless we can create files there."""
-  existing = directory if directory.exists() else directory.parent
-  if not existing.is_dir():
-    raise SnapshotError(f'snapshot directory {directory}: parent {existing} does not exist '
-                        f'or is not a directory')
-  try:  # os.access says yes to root on read-only mounts; only a real write tells
-    with tempfile.NamedTemporaryFile(dir=existing, prefix='.mecefo-probe-'):
-      pass
-  except OSError as e:
-    raise SnapshotError(f'snapshot directory {directory}: {existing} is not writable '
-                        f'({errno.errorcode.get(e.errno, e.errno)})') from None
-  return existing
-
-
-def check_capacity(directory: str | os.PathLike, state_bytes: int, keep: int, *,
-                   factor: float = 1.0) -> None:
-  """Raises SnapshotError unless `directory` is writable and has room for keep+1 snapshots."""
-  directory = Path(directory)
-  existing = check_writable(directory)
-  needed = int(state_bytes * (keep + 1) * factor)  # keep finished + one in flight
-  free = shutil.disk_usage(existing).free
-  if free < needed:
-    raise SnapshotError(f'snapshot directory {directory}: {free / 2**20:.1f} MiB free < '
-                        f'{needed / 2**20:.1f} MiB needed ({keep}+1 snapshots of '
-                        f'{state_bytes / 2**20:.1f} MiB x {factor:g})')
 
 
 # ---- copies that donation cannot touch ------------------------------------------------------------
