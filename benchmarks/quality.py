@@ -5,6 +5,7 @@ Run (§5 presets): python -m benchmarks.quality --presets low,mid,high [--data t
     [--cluster-step-s 1800] [--rate per_device|cluster] [--figure OUT.png] [overrides...]
 Run (seeds): add --seeds 0,1,2,3,4 to the presets run: mean, std and SEM over seeds
     (--figure: each seed's increase and the mean +- SEM per policy).
+Policies: takeover names, or 'budget:T' (budget at faults.time_budget T), as failure_throughput.
 Scripted: slice 1 is down from --fail-at to --repair-at (fractions of the run). Presets: the
 FailureSchedule preset Poisson process (docs/algorithm.md §5), one cluster step = --cluster-step-s
 simulated seconds; --rate per_device (default) scales the mean interval by 32/slices, so the
@@ -65,6 +66,8 @@ def main(argv=None) -> dict:
   benchmarks.fake_cpu_devices(args.slices)  # one per slice; jax is imported only after this
   from benchmarks import common
   info = common.run_info(__spec__.name, argv)
+  for spec in args.policies:  # a typo fails here, not after the fault-free run
+    common.policy_spec(spec)
   result = (run_seeds(args) if args.seeds else run_presets(args) if args.presets
             else run_scripted(args))
   result = {**info, **result, 'config': args.config, 'overrides': args.overrides,
@@ -79,12 +82,14 @@ def main(argv=None) -> dict:
 # --- runs ---------------------------------------------------------------------------------------
 
 def _cfg(args, policy: str):
+  from benchmarks import common
   from mecefo_jax.config import load_config
   data = [f'train.data={args.data}'] if args.data else []
-  takeover = 'neighbor' if policy == 'fault-free' else policy
+  takeover, budget = common.policy_spec('neighbor' if policy == 'fault-free' else policy)
+  budget = [] if budget is None else [f'faults.time_budget={budget}']
   return load_config(args.config, [f'mesh.slice={args.slices}', 'mesh.fsdp=1', 'mesh.tensor=1',
                                    'snapshot.enabled=false', f'faults.takeover={takeover}',
-                                   *data, *args.overrides])
+                                   *data, *args.overrides, *budget])
 
 
 def train(args, policy: str, schedule) -> dict:
@@ -96,7 +101,7 @@ def train(args, policy: str, schedule) -> dict:
     if report.get('stopped'):  # its final loss would not be comparable with the others'
       raise RuntimeError(f'{policy} run stopped early: {report["stopped"]}')
     run = {k: report.get(k) for k in ('final_loss', 'wall_s', 'samples', 'goodput',
-                                      'params_sha256', 'losses', 'compile_s')}
+                                      'params_sha256', 'losses', 'evals', 'compile_s')}
     # Fixed held-out rows of all n slices, whichever are live at the end: comparable runs.
     run['eval_loss'] = trainer.evaluate(args.eval_batches)
   return run

@@ -183,6 +183,31 @@ def test_text_missing_and_empty_file(tmp_path):
     _load(f'text:{tmp_path / "e.txt"}')
 
 
+# --- load_corpus: pydoc ---------------------------------------------------------------------
+
+def test_pydoc_is_the_sorted_help_topics_as_bytes():
+  from pydoc_data.topics import topics
+  c = _load('pydoc?eval_fraction=0.05')
+  expected = bytes([DOC_SEP_BYTE]).join(topics[k].encode() for k in sorted(topics) if topics[k])
+  assert c.vocab_size == 256 and c.tokens_1d.tobytes() == expected
+  assert len(expected) > 300_000  # real text, enough for the frontier study's eval region
+  assert c.regions['eval'][0] == c.train_end == len(expected) - int(np.ceil(0.05 * len(expected)))
+  assert _load('pydoc').train_end > c.train_end  # eval_fraction: the argument's default
+
+
+def test_pydoc_spec_forms_and_errors():
+  assert parse_spec('pydoc') == ('pydoc', '', {})
+  assert parse_spec('pydoc?eval_fraction=0.1') == ('pydoc', '', {'eval_fraction': '0.1'})
+  assert parse_spec('pydoc:?tokenizer=/t') == ('pydoc', '', {'tokenizer': '/t'})
+  for spec, match in [('pydoc:some/path', 'pydoc source takes no path'),
+                      ('pydoc?dtype=uint16', r"unknown option\(s\) \['dtype'\]"),
+                      ('synthetic?eval_fraction=0.1', 'takes no path or options')]:
+    with pytest.raises(DataError, match=match):
+      _load(spec)
+  with pytest.raises(DataError, match=r"'pydoc'"):  # listed among the forms
+    _load('pdoc')
+
+
 # --- spec parsing ---------------------------------------------------------------------------
 
 def test_spec_parsing_and_errors():

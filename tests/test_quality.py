@@ -59,6 +59,18 @@ def test_seed_summary_and_its_figure(tmp_path):
   assert (tmp_path / 's.png').stat().st_size > 0
 
 
+def test_budget_specs_set_the_time_budget():
+  from benchmarks import common
+  assert common.policy_spec('budget:1.05') == ('budget', 1.05)
+  assert common.policy_spec('spread') == ('spread', None)
+  with pytest.raises(ValueError, match='time budget'):
+    common.policy_spec('budget:fast')
+  args = quality._args(['--presets', 'high', '--policies', 'budget:1.05', 'train.steps=5'])
+  cfg = quality._cfg(args, 'budget:1.05')
+  assert (cfg.faults.takeover, cfg.faults.time_budget) == ('budget', 1.05)
+  assert quality._cfg(args, 'fault-free').faults.takeover == 'neighbor'
+
+
 def test_figure_needs_presets():
   with pytest.raises(SystemExit):
     quality.main(['--figure', 'x.png'])

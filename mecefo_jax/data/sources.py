@@ -17,9 +17,11 @@ _SPLITS = ('auto', 'train', 'eval')
 _OPTIONS = {
     'synthetic': set(),
     'text': {'tokenizer', 'eval_fraction'},
+    'pydoc': {'tokenizer', 'eval_fraction'},
     'tokens': {'dtype', 'eval_fraction'},
     'hf': {'column', 'split', 'config', 'tokenizer', 'eval_fraction'},
 }
+_PATHLESS = ('synthetic', 'pydoc')  # schemes whose spec is the bare name (pydoc: options too)
 _EOS_NAMES = ('<|endoftext|>', '</s>', '<eos>', '[SEP]')  # tokenizer's document separator, if any
 
 
@@ -133,9 +135,9 @@ def load_corpus(spec: str, *, seq_len: int, seed: int, vocab_size: int,
                 eval_fraction: float = 0.01):
   """Corpus for `spec`; its vocab_size <= the model's `vocab_size` (DataError otherwise).
 
-  'synthetic' | 'text:PATH[?tokenizer=DIR]' | 'tokens:PATH[?dtype=uint16]' |
-  'hf:NAME[?column=text&split=train&config=C&tokenizer=DIR]'; every non-synthetic scheme also
-  takes eval_fraction=F (overrides the argument).
+  'synthetic' | 'text:PATH[?tokenizer=DIR]' | 'pydoc[?tokenizer=DIR]' |
+  'tokens:PATH[?dtype=uint16]' | 'hf:NAME[?column=text&split=train&config=C&tokenizer=DIR]';
+  every non-synthetic scheme also takes eval_fraction=F (overrides the argument).
   """
   scheme, path, opts = parse_spec(spec)
   if scheme == 'synthetic':
@@ -148,7 +150,8 @@ def load_corpus(spec: str, *, seq_len: int, seed: int, vocab_size: int,
     if data_vocab > vocab_size:
       raise DataError(f'{spec}: max token id {data_vocab - 1} >= model vocab_size {vocab_size}')
   else:
-    docs = _text_docs(spec, path) if scheme == 'text' else _hf_docs(spec, path, opts)
+    docs = (_text_docs(spec, path) if scheme == 'text' else _pydoc_docs() if scheme == 'pydoc'
+            else _hf_docs(spec, path, opts))
     tokens_1d, data_vocab = _tokenize(spec, docs, opts.get('tokenizer'), vocab_size)
   return TokenArrayCorpus(tokens_1d, seq_len, seed, eval_fraction=eval_fraction,
                           vocab_size=data_vocab, source=spec)
@@ -159,16 +162,20 @@ def parse_spec(spec: str) -> tuple[str, str, dict[str, str]]:
   if not isinstance(spec, str) or not spec.strip():
     raise DataError(f'empty data spec {spec!r}; use one of {_spec_forms()}')
   scheme, colon, rest = spec.strip().partition(':')
+  if '?' in scheme:  # a pathless scheme's options need no colon: 'pydoc?eval_fraction=0.05'
+    scheme, q, query = spec.strip().partition('?')
+    colon, rest = '', q + query
   if scheme not in _OPTIONS:
     raise DataError(f'{spec}: unknown data source scheme {scheme!r}; use one of {_spec_forms()}')
   path, query = rest, ''
   if '?' in rest and '=' in rest.rpartition('?')[2]:
     path, _, query = rest.rpartition('?')
+  if scheme in _PATHLESS and (path or (scheme == 'synthetic' and query)):
+    raise DataError(f'{spec}: the {scheme} source takes no path'
+                    f'{" or options" if scheme == "synthetic" else ""}')
   if scheme == 'synthetic':
-    if path or query:
-      raise DataError(f'{spec}: the synthetic source takes no path or options')
     return scheme, '', {}
-  if not colon or not path:
+  if scheme not in _PATHLESS and (not colon or not path):
     raise DataError(f'{spec}: missing path after {scheme}:')
   # Plain split, no URL decoding: a '+' or '%' in a tokenizer path must survive as written.
   pairs = [kv.partition('=') for kv in query.split('&')] if query else []
@@ -183,7 +190,7 @@ def parse_spec(spec: str) -> tuple[str, str, dict[str, str]]:
 
 
 def _spec_forms() -> str:
-  return "'synthetic', 'text:PATH', 'tokens:PATH', 'hf:NAME'"
+  return "'synthetic', 'text:PATH', 'pydoc', 'tokens:PATH', 'hf:NAME'"
 
 
 def _float_opt(spec: str, opts: dict[str, str], key: str) -> float:
@@ -246,6 +253,14 @@ def _text_docs(spec: str, path: str) -> list[bytes] | np.ndarray:
   if not any(docs):
     raise DataError(f'{spec}: all {len(files)} {"/".join(TEXT_SUFFIXES)} files are empty in {p}')
   return [d for d in docs if d]
+
+
+def _pydoc_docs() -> list[bytes]:
+  """The reference topics `help()` shows (pydoc_data.topics, ~0.5 MB of English and code): real
+  text on every machine with CPython, no download. Sorted by topic name so the stream does not
+  depend on dict order; its content follows the Python version."""
+  from pydoc_data.topics import topics
+  return [topics[k].encode('utf-8') for k in sorted(topics) if topics[k]]
 
 
 def _hf_docs(spec: str, name: str, opts: dict[str, str]) -> list[bytes]:
