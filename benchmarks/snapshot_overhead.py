@@ -66,7 +66,7 @@ class Bench:
     self.saves, self.save_block_s = 0, []
 
   def one_replica(self, state):
-    return slice_steps.state_view(self.cfg, state, self.mesh, (0,))
+    return slice_steps.state_view(self.cfg, state, sharding.submesh(self.mesh, (0,)))
 
   def iteration(self, mode: str) -> None:
     state, metrics = self.step(self.states[mode], self.tokens)

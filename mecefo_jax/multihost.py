@@ -7,6 +7,7 @@ devices within a host), so every process that holds a live slice holds a whole r
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -89,17 +90,23 @@ def put_batch(rows_of_slice, shape: tuple[int, ...], batch_sharding: NamedShardi
   return jax.make_array_from_callback(shape, batch_sharding, shard, dtype=np.int32)
 
 
-def fetch(metrics: dict | None, mesh: Mesh, keys=METRIC_KEYS) -> dict[str, float]:
+def fetch(metrics: dict | None, mesh: Mesh, keys=METRIC_KEYS,
+          stop: bool | None = None) -> dict[str, float]:
   """Host floats of replicated scalars computed on `mesh`, on every process (multi-process: a
-  collective from the first process of `mesh`; `metrics` is None where the program was skipped)."""
+  collective; `metrics` is None where the program was skipped). With `stop` (this process was
+  asked to stop), also 'stop': 1.0 if any process was, so that all stop after the same step."""
+  flag = [] if stop is None else [float(stop)]
   if not is_multiprocess():
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return {**values, **dict(zip(['stop'], flag))}
   source = first_process(mesh)
-  mine = np.zeros(len(keys), np.float32)
+  mine = np.zeros(len(keys) + len(flag), np.float32)
   if jax.process_index() == source:
-    mine = np.array([np.asarray(metrics[k].addressable_shards[0].data) for k in keys], np.float32)
-  values = multihost_utils.broadcast_one_to_all(mine, is_source=jax.process_index() == source)
-  return dict(zip(keys, map(float, np.asarray(values))))
+    mine[:len(keys)] = [np.asarray(metrics[k].addressable_shards[0].data) for k in keys]
+  mine[len(keys):] = flag
+  table = np.asarray(multihost_utils.process_allgather(mine))
+  values = dict(zip(keys, map(float, table[source, :len(keys)])))
+  return {**values, **({'stop': float(table[:, -1].max())} if flag else {})}
 
 
 def broadcast_bytes(data: bytes | None, source: int) -> bytes:
@@ -109,6 +116,16 @@ def broadcast_bytes(data: bytes | None, source: int) -> bytes:
   size = int(np.asarray(multihost_utils.broadcast_one_to_all(size, is_source=is_source))[0])
   buf = np.frombuffer(data, np.uint8) if is_source else np.zeros(size, np.uint8)
   return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source)))
+
+
+def allgather_json(value) -> list:
+  """Every process's JSON-able `value`, by process id (all processes call it)."""
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int64))).ravel()
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:len(data)] = data
+  rows = np.asarray(multihost_utils.process_allgather(padded))
+  return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes)]
 
 
 def local_replica_devices(tree) -> set | None:

@@ -62,6 +62,18 @@ def submesh(mesh: Mesh, slices: Sequence[int]) -> Mesh:
               axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
+@dataclasses.dataclass(frozen=True)
+class PresentSlices:
+  """A run's slices that have devices: row i of `mesh` holds logical slice `ids[i]`. Logical ids
+  (data order, failures, snapshots) stay fixed when slices are absent, e.g. a dead host's."""
+  mesh: Mesh
+  ids: tuple[int, ...]
+
+  def sub(self, slices: Sequence[int]) -> Mesh:
+    """The mesh of the given logical slices (all present)."""
+    return submesh(self.mesh, [self.ids.index(s) for s in slices])
+
+
 def logical_to_spec(logical: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh) -> P:
   """PartitionSpec for an array with these logical axes; a dim the mesh does not divide stays whole."""
   if logical is None:

@@ -39,14 +39,14 @@ class Controller:
   """Owns the train state and runs each step on the live slices with the takeover policy."""
 
   def __init__(self, cfg: Config, mesh, graphdef, corpus, schedule: FailureSchedule, state,
-               n_slices: int | None = None):
-    """`n_slices`: the run's logical slice count N, when only the first rows of `mesh` are
-    present (slices mesh.shape['slice'] .. N-1 are absent: failed until a later start)."""
+               n_slices: int | None = None, present: tuple[int, ...] | None = None):
+    """`n_slices`: the run's logical slice count N; `present`: the logical ids of `mesh`'s rows
+    (default 0, 1, ...). The others are absent (no devices): failed until a later start."""
     self.cfg, self.mesh, self.graphdef, self.corpus = cfg, mesh, graphdef, corpus
     self.n_slices, self.micro_batch = n_slices or mesh.shape['slice'], cfg.train.micro_batch
-    # Present slices are the mesh's rows, so a slice id indexes mesh.devices; absent ones (the
-    # highest ids, when a run resumes with fewer devices) are failed until a later start.
-    self.present = tuple(range(mesh.shape['slice']))
+    self.present = tuple(present or range(mesh.shape['slice']))
+    slices = sharding.PresentSlices(mesh, self.present)
+    self.submesh = slices.sub  # logical slice ids -> the mesh of their devices
     self.schedule, self.policy = schedule, cfg.faults.takeover
     self.planner = Planner.from_config(cfg, self.n_slices, granule=mesh.shape['fsdp'])
     self.state, self.state_slices = state, self.present
@@ -55,7 +55,7 @@ class Controller:
     self.events: list[dict] = []
     self.ledger = Goodput()
     self.samples = collections.Counter()  # exact / degraded / dropped sample counts
-    self.programs = ProgramCache(cfg, mesh, graphdef, lambda s: self.ledger.book('compile', s))
+    self.programs = ProgramCache(cfg, slices, graphdef, lambda s: self.ledger.book('compile', s))
     self.precompiler: Precompiler | None = None
     self._bases_step = _host_int(state.bases_step)
     self._refreshed = basis_kind(cfg).refresh is not None  # svd: bases kept, refreshed every tau
@@ -126,11 +126,11 @@ class Controller:
           f'no live slice holds the training state: slices {list(self.state_slices)} held it '
           f'and are all down')
     if keep != self.state_slices:
-      self.state = slice_steps.state_view(self.cfg, self.state, self.mesh, keep)
+      self.state = slice_steps.state_view(self.cfg, self.state, self.submesh(keep))
     if keep != live:
       # Rejoin: the repaired slices receive the current state from live peers.
       t0 = time.perf_counter()
-      target = state_shardings(self.cfg, sharding.submesh(self.mesh, live))
+      target = state_shardings(self.cfg, self.submesh(live))
       if multihost.is_multiprocess():
         copy = self.programs.get(('rejoin', keep, live),
                                  lambda: multihost.compile_rejoin(target, live.index(keep[0])))
@@ -199,14 +199,14 @@ class Controller:
     if programs.fused is None:
       return self._run_groups(live, programs, plan.work, ids_SxB), processed
     metrics = None  # where this process holds no live slice (multi-process): nothing to run
-    if multihost.is_local(sharding.submesh(self.mesh, live)):
+    if multihost.is_local(self.submesh(live)):
       role = plan.roles[live[0]]
       self.state, metrics = programs.fused(self.state, self._batch(ids_SxB, plan.work, live, role))
     return metrics, processed
 
   def _batch(self, ids_SxB, work, slices, role: train_step.Role) -> jax.Array:
     """Tokens of `slices` on their devices; each process makes only the rows it holds."""
-    mesh = sharding.submesh(self.mesh, slices)
+    mesh = self.submesh(slices)
     return multihost.put_batch(lambda i: self._tokens(ids_SxB, work[slices[i]]),
                                train_step.batch_shape(self.cfg, len(slices), role),
                                sharding.batch_sharding(mesh))
@@ -214,14 +214,14 @@ class Controller:
   def _run_groups(self, live, programs, work, ids_SxB) -> dict:
     outputs = []
     for role, slices, program in programs.groups:
-      if not multihost.is_local(sharding.submesh(self.mesh, slices)):
+      if not multihost.is_local(self.submesh(slices)):
         continue  # multi-process: another process runs this group
-      state_view = slice_steps.state_view(self.cfg, self.state, self.mesh, slices)
+      state_view = slice_steps.state_view(self.cfg, self.state, self.submesh(slices))
       outputs.append(program(state_view, self._batch(ids_SxB, work, slices, role)))
     if not outputs:
       return None
     # Each slice's sums stay on its devices; the stack over the live mesh places them by device.
-    sums = slice_steps.stack_groups(outputs, self.cfg, sharding.submesh(self.mesh, live))
+    sums = slice_steps.stack_groups(outputs, self.cfg, self.submesh(live))
     self.state, metrics = programs.update(self.state, sums)
     return metrics
 
@@ -249,7 +249,7 @@ class Controller:
     if self._bases_step < 0 or step - self._bases_step >= mc.tau:
       warm = mc.refresh == 'warm' and self._bases_step >= 0
       refresh = self.programs.program('refresh', live, warm)
-      if multihost.is_local(sharding.submesh(self.mesh, live)):
+      if multihost.is_local(self.submesh(live)):
         self.state = refresh(self.state)
       self._bases_step = step
 
@@ -288,7 +288,7 @@ class Controller:
   # --- checks ------------------------------------------------------------------------------
   def replica_hashes(self) -> dict[int, str]:
     """params_sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
-    return {s: params_sha256(slice_steps.state_view(self.cfg, self.state, self.mesh, (s,)).params)
+    return {s: params_sha256(slice_steps.state_view(self.cfg, self.state, self.submesh((s,))).params)
             for s in self.state_slices}
 
 

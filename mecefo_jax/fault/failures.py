@@ -142,3 +142,11 @@ class FailureSchedule:
       raise ConfigError(f"failure rate must be one of {', '.join(RATES)}, got {rate!r}")
     scale = PAPER_DEVICES / n_slices if rate == 'per_device' else 1.0
     return cls.preset(spec, n_slices, steps, cluster_step_s, seed, scale)
+
+
+def write_trace(path: str | Path, events: list[dict]) -> None:
+  """Failure events (FailureEvent.to_dict() rows) as a trace file that from_trace reads back."""
+  lines = [f"{e['step']} {e['slice']} {e['kind']}  # {e['source']}" for e in events]
+  tmp = Path(path).with_suffix('.tmp')
+  tmp.write_text(''.join(f'{line}\n' for line in lines))
+  tmp.replace(path)

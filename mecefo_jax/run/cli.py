@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='multi-process run: HOST:PORT of process 0 (automatic on TPU pods)')
   p.add_argument('--num-processes', type=int, default=None, help='multi-process run: how many')
   p.add_argument('--process-id', type=int, default=None, help='multi-process run: this one (0..n-1)')
+  p.add_argument('--host-slot', type=_int_at_least(0), default=None,
+                 help='multi-process run restarted with fewer processes: the logical host this '
+                      'process is (default: its process id); see docs/tpu.md')
   p.add_argument('--heartbeat-s', type=_int_at_least(1), default=100,
                  help='multi-process run: seconds of silence after which a process counts as dead '
                       'and the others abort (then restart them with --resume)')
@@ -208,7 +211,8 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     run = trainer.Trainer(cfg, scratch or out_dir, resume=resume,
                           progress='quiet' if args.quiet else 'auto', replace=args.fresh,
                           # runs/latest, not chosen by the user: a new run replaces a finished one
-                          replace_finished=args.out is None and cfg.train.out_dir == DEFAULT_OUT)
+                          replace_finished=args.out is None and cfg.train.out_dir == DEFAULT_OUT,
+                          host_slot=args.host_slot)
   except (ConfigError, DataError, SnapshotError) as e:
     return _error(e)
   handlers = _install_stop_handlers(run.snapshots) if run.snapshots else []

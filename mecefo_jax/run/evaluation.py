@@ -11,7 +11,7 @@ def held_out_loss(controller, n_batches: int) -> float:
   """Mean token loss over `n_batches` global batches of held-out ids (disjoint from training)
   of all the run's slices, computed on the slices that hold the state now."""
   live, b = controller.state_slices, controller.micro_batch
-  mesh = sharding.submesh(controller.mesh, live)
+  mesh = controller.submesh(live)
   program = controller.evaluator(live)
   ids = np.concatenate([order.sample_ids(i, controller.n_slices, b, 'eval').ravel()
                         for i in range(n_batches)])

@@ -11,14 +11,14 @@ from typing import Callable
 import jax
 import numpy as np
 
-from mecefo_jax import multihost, sharding
+from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError, to_dict
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
-from mecefo_jax.fault.failures import FailureSchedule
+from mecefo_jax.fault.failures import FailureSchedule, write_trace
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.run.metrics import MetricsWriter, to_json
-from mecefo_jax.run import evaluation, rundir
+from mecefo_jax.run import evaluation, presence, rundir
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.report_schema import SCHEMA_VERSION
 from mecefo_jax.snapshot import image, recovery, store
@@ -57,13 +57,14 @@ class Trainer:
   def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,
                resume: bool = False, *, progress: str = 'auto',
                on_log: Callable[[dict], None] | None = None, replace: bool = False,
-               replace_finished: bool = False):
+               replace_finished: bool = False, host_slot: int | None = None):
     if cfg.train.eval_every < 0 or cfg.train.eval_batches < 1:
       raise ConfigError(f'train.eval_every must be >= 0 and train.eval_batches >= 1, got '
                         f'{cfg.train.eval_every}, {cfg.train.eval_batches}')
     self.cfg, self.out_dir = cfg, Path(out_dir)
     self.progress_mode, self.on_log = progress, on_log
-    self.mesh, self.n_slices = self._present_mesh(resume)
+    self.presence = presence.find(cfg, self.out_dir, resume, host_slot)
+    self.mesh, self.n_slices = self.presence.mesh, self.presence.n_slices
     if multihost.is_multiprocess():
       multihost.check_slices_within_processes(self.mesh)
     self.is_chief = jax.process_index() == 0  # the one process that writes the run's files
@@ -82,18 +83,19 @@ class Trainer:
     self.run_id = self._start_run(resume, replace, replace_finished)
     self.snapshots = recovery.open_manager(cfg, self.out_dir,
                                            state_nbytes(train_state.abstract_state(cfg)),
-                                           self.run_id)
+                                           self.run_id, self.presence.slots)
     t0 = time.perf_counter()
     state = train_state.create_sharded(cfg, self.mesh)
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state,
-                                 self.n_slices)
+                                 self.n_slices, self.presence.ids)
     self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
     self.evals: list[dict] = []  # {step, loss, perplexity} of every eval, carried over resumes
     self._eval_s = 0.0
     # run_state.json: the run's identity, and entries kept while resuming (all_down_at)
     self._carried_state = {'run_id': self.run_id, 'config': to_dict(cfg),
-                           'n_slices': self.n_slices}
+                           'n_slices': self.n_slices, 'n_hosts': self.presence.n_hosts}
     self.stopped_by_sigterm, self._finished, self.diverged_at = False, False, None
+    self._stop_agreed = False  # multi-process: a stop (SIGTERM) every process agreed on
     if resume:
       self._resume()
       self.controller.apply_presence(self.start_step)
@@ -103,20 +105,6 @@ class Trainer:
     self.compile_s = time.perf_counter() - t0
     if self._precompile():
       self.controller.start_precompile()
-
-  def _present_mesh(self, resume: bool):
-    """(mesh of the slices present, the run's slice count N). N is fixed when the run is made
-    (run_state.json); a resume with devices for fewer slices runs on those, the others absent."""
-    recorded = recovery.read_run_state(self.out_dir).get('n_slices') if resume else None
-    if not recorded or multihost.is_multiprocess():
-      mesh = sharding.make_mesh(self.cfg.mesh)
-      return mesh, mesh.shape['slice']
-    mesh = sharding.present_mesh(self.cfg.mesh, recorded)
-    if mesh.shape['slice'] < recorded:
-      log.warning('%d of the run\'s %d slices present: slices %s are absent from this start on, '
-                  'their micro-batches taken over (faults.takeover=%s)', mesh.shape['slice'],
-                  recorded, list(range(mesh.shape['slice'], recorded)), self.cfg.faults.takeover)
-    return mesh, recorded
 
   def _precompile(self) -> bool:
     """faults.precompile: auto = on where the host CPU is idle during steps (GPU/TPU)."""
@@ -213,8 +201,10 @@ class Trainer:
     return report
 
   def _write_run_state(self, status: str) -> None:
+    """run_state.json, and failures.txt: the failures so far as a trace that replays them."""
     if self.is_chief:
       recovery.write_run_state(self.out_dir, status, **self._carried_state)
+      write_trace(self.out_dir / 'failures.txt', self.controller.events)
 
   def _loop(self, t_start) -> tuple[int, str | None]:
     """Trains until the end, all slices down or SIGTERM; returns (steps done, why it stopped)."""
@@ -235,14 +225,15 @@ class Trainer:
       # Checked before every snapshot (which waits for the step anyway off CPU), so that no
       # snapshot ever holds a diverged state, and at every logged step.
       snapshot_due = self.snapshots and (self.snapshots.due(step + 1) or self.preempted)
+      # Multi-process: every step, so that the processes agree on when to stop (SIGTERM).
       values = (self._fetch(metrics) if snapshot_due or step % cfg.train.log_every == 0 or last
-                else None)
+                or multihost.is_multiprocess() else None)
       if values and not math.isfinite(values['loss']):
         return step, self._diverged(step, values['loss'])
       if step % cfg.train.log_every == 0 or last:
         rows.append(self._train_row(step, values, t_start))
         self.losses.append((step, rows[-1]['loss']))
-      preempted = self.preempted
+      preempted = self._stop_agreed if multihost.is_multiprocess() else self.preempted
       every = cfg.train.eval_every
       if not preempted and every and (step + 1) % every == 0:
         rows.append(self._eval_row(step, t_start))  # before the snapshot: its meta holds it
@@ -272,7 +263,13 @@ class Trainer:
 
   def _fetch(self, metrics) -> dict:
     # Waits for the step. Multi-process: a collective, so every process fetches the same steps.
-    return multihost.fetch(metrics, sharding.submesh(self.mesh, self.controller.state_slices))
+    stop = self.preempted if multihost.is_multiprocess() else None
+    values = multihost.fetch(metrics, self.controller.submesh(self.controller.state_slices),
+                             stop=stop)
+    self._stop_agreed = bool(values.pop('stop', 0.0))
+    if self._stop_agreed and not self.preempted:
+      self.snapshots.preempted = 'SIGTERM (to another process of the job)'
+    return values
 
   def _diverged(self, step: int, loss: float) -> str:
     self.diverged_at = step
@@ -388,7 +385,7 @@ class Trainer:
     """Of the live replicas' params (multi-process: hashed where a replica is, sent to all)."""
     if not multihost.is_multiprocess():
       return train_state.params_sha256(self.state.params)
-    source = multihost.first_process(sharding.submesh(self.mesh, self.controller.state_slices))
+    source = multihost.first_process(self.controller.submesh(self.controller.state_slices))
     digest = None
     if jax.process_index() == source:
       params = self.state.params

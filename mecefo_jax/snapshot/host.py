@@ -5,6 +5,10 @@ state's byte image into n equal parts, keep part p and compute its own XOR parit
 layout) without talking to anyone. Losing any one host's snapshot memory (a dead host, a
 replacement with empty tmpfs) is repaired at restore from the others' parts and blocks. Memory
 per host: (1/n + 1/(n(n-1))) of the state instead of a whole copy.
+
+The n hosts of a snapshot are the logical hosts present when it was saved (its `layout`, kept in
+its meta): a job restarted on the survivors of a death codes its next snapshots over the
+survivors, so a second death is survived as well.
 """
 from __future__ import annotations
 
@@ -24,32 +28,47 @@ from mecefo_jax.snapshot.capacity import check_capacity
 from mecefo_jax.snapshot.store import OFF_DURABLE, Tier
 
 log = logging.getLogger('mecefo')
-_MAX_STEPS = 16  # snapshot steps compared across hosts at restore
+_LAYOUT = 'host_layout'  # meta key: the logical hosts holding the snapshot's parts, in order
+
+
+def part_len(image_len: int, n: int) -> int:
+  """Bytes of each of n parts: n-1 chunks each, together at least the image."""
+  return -(-image_len // (n * (n - 1))) * (n - 1)
 
 
 class HostSnapshots:
   """The in-memory tier of a multi-process run, with SnapshotManager's interface (maybe_save,
-  due, restore_latest, wait_until_finished, close, report, preempted)."""
+  due, restore_latest, wait_until_finished, close, report, preempted).
 
-  def __init__(self, directory: str | Path, cfg, *, every: int = 1, keep: int = 2):
+  `slots`: the logical host of each process (by process id); this process keeps its parts in
+  `directory`/host<slot>, so they stay its own when the job restarts with fewer processes."""
+
+  def __init__(self, directory: str | Path, cfg, *, slots=None, every: int = 1, keep: int = 2):
     self.cfg, self.every, self.preempted = cfg, every, False
-    self.host, self.n_hosts = jax.process_index(), jax.process_count()
-    n = self.n_hosts
+    self.slots = tuple(slots if slots is not None else range(jax.process_count()))
+    self.slot = self.slots[jax.process_index()]
+    self.layout = tuple(sorted(self.slots))  # the hosts of the snapshots saved from now on
+    n = len(self.layout)
     self.image_len = image.nbytes(image.layout(abstract_state(cfg)))
-    self.part_len = -(-self.image_len // (n * (n - 1))) * (n - 1)  # n parts of n-1 chunks each
+    self.part_len = part_len(self.image_len, n)
     check_capacity(directory, self.part_len * n // (n - 1), keep, factor=1.1)
-    self.directory = Path(directory) / f'host{self.host}'
+    self.directory = Path(directory) / f'host{self.slot}'
     self._tier = Tier('memory', self.directory, keep, compress=False, local=True)
     self.saved = 0  # parts saved by this process
     self._image = np.zeros(self.part_len * n, np.uint8)  # packed state + zero padding
-    first_devices = [next(d for d in jax.devices() if d.process_index == p) for p in range(n)]
-    self._sharding = NamedSharding(Mesh(np.array(first_devices), ('host',)), P('host'))
+    # Orbax saves no array that one process holds whole in a multi-process run, so a part is
+    # saved as row 0 of a [processes, len] array of which this process holds only that row
+    # (the others' rows are not its to save); restored by itself, whatever the job is then.
+    me = jax.process_index()
+    others = [next(d for d in jax.devices() if d.process_index == p)
+              for p in range(jax.process_count()) if p != me]
+    self._device = jax.local_devices()[0]
+    self._sharding = NamedSharding(Mesh(np.array([self._device, *others]), ('host',)), P('host'))
 
   def _global(self, row: np.ndarray) -> jax.Array:
-    """[n_hosts, len] array of which this process holds (and saves) only its own row."""
-    device = self._sharding.mesh.devices[self.host]
+    shape = (jax.process_count(), len(row))
     return jax.make_array_from_single_device_arrays(
-        (self.n_hosts, len(row)), self._sharding, [jax.device_put(row[None], device)])
+        shape, self._sharding, [jax.device_put(row[None], self._device)])
 
   def due(self, step: int) -> bool:
     return step % self.every == 0
@@ -68,10 +87,12 @@ class HostSnapshots:
     # The state's bytes, packed into the reused, zero-padded image: a real host copy that
     # donation cannot touch.
     image.pack(state, self._image[:self.image_len], devices=devices)
-    parts = [self._image[p * self.part_len:(p + 1) * self.part_len] for p in range(self.n_hosts)]
-    tree = {'part': self._global(parts[self.host]),
-            'parity': self._global(parity.parity_block(parts, self.host))}
-    self._tier.save(step, tree, json.loads(json.dumps(meta)), background=True)
+    parts = [self._image[p * self.part_len:(p + 1) * self.part_len]
+             for p in range(len(self.layout))]
+    me = self.layout.index(self.slot)
+    tree = {'part': self._global(parts[me]), 'parity': self._global(parity.parity_block(parts, me))}
+    meta = {**json.loads(json.dumps(meta)), _LAYOUT: list(self.layout)}
+    self._tier.save(step, tree, meta, background=True)
     self.saved += 1
     return ('memory',)
 
@@ -80,38 +101,43 @@ class HostSnapshots:
     return {'enabled': True, **self._tier.report('', self.every, self.saved), 'skipped': 0,
             **OFF_DURABLE}
 
+  def _held(self) -> dict[int, tuple[int, ...]]:
+    """{step: layout} of the intact snapshot parts in this host's directory."""
+    return {s: tuple(self._tier.read_meta(s)[_LAYOUT]) for s in self._tier.steps()
+            if self._tier.verified(s)}
+
   def restore_latest(self, target):
-    """(step, state on `target`'s shardings, meta) from the newest step that all hosts but at
-    most one hold intact (the missing part rebuilt from parity), else None. All processes
-    call it."""
+    """(step, state on `target`'s shardings, meta) from the newest snapshot that all hosts of
+    its layout but at most one hold intact (the missing part rebuilt from parity), else None.
+    All processes call it."""
     self.wait_until_finished()
-    mine = [s for s in self._tier.steps() if self._tier.verified(s)][:_MAX_STEPS]
-    table = np.asarray(multihost_utils.process_allgather(
-        np.array(mine + [-1] * (_MAX_STEPS - len(mine)), np.int64)))
-    counts = {s: int((table == s).any(axis=1).sum()) for s in set(table.flat) - {-1}}
-    usable = [s for s, c in counts.items() if c >= self.n_hosts - 1]
-    if not usable:
+    mine = self._held()
+    held = multihost.allgather_json({str(s): list(l) for s, l in mine.items()})
+    choice = newest_usable([{int(s): tuple(l) for s, l in h.items()} for h in held], self.slots)
+    if choice is None:
       return None
-    step = int(max(usable))
-    have = step in mine
-    part = np.zeros(self.part_len, np.uint8)
-    block = np.zeros(self.part_len // (self.n_hosts - 1), np.uint8)
-    meta = None
+    step, layout = choice
+    n, length = len(layout), part_len(self.image_len, len(layout))
+    have = self.slot in layout and mine.get(step) == layout
+    part, block, meta = np.zeros(length, np.uint8), np.zeros(length // (n - 1), np.uint8), None
     if have:
-      rows = {k: jax.ShapeDtypeStruct((self.n_hosts, len(v)), np.uint8, sharding=self._sharding)
-                for k, v in (('part', part), ('parity', block))}
-      tree, meta = self._tier.restore(step, rows)
-      part, block = (np.asarray(tree[k].addressable_shards[0].data)[0] for k in ('part', 'parity'))
+      tree, meta = self._tier.restore_first_rows(
+          step, {'part': len(part), 'parity': len(block)}, self._device)
+      part, block = tree['part'], tree['parity']
     holders = np.asarray(multihost_utils.process_allgather(np.array([have])))[:, 0]
-    parts = list(np.asarray(multihost_utils.process_allgather(part)))
-    blocks = list(np.asarray(multihost_utils.process_allgather(block)))
-    for lost in np.flatnonzero(~holders):  # at most one
-      parts[lost] = parity.rebuild_part([None if i == lost else p for i, p in enumerate(parts)],
-                                        blocks, int(lost))
-      log.warning('snapshot %d: part of host %d rebuilt from the parity of the others', step, lost)
+    parts_by_process = list(np.asarray(multihost_utils.process_allgather(part)))
+    blocks_by_process = list(np.asarray(multihost_utils.process_allgather(block)))
+    where = {self.slots[p]: p for p in np.flatnonzero(holders)}
+    parts = [parts_by_process[where[h]] if h in where else None for h in layout]
+    blocks = [blocks_by_process[where[h]] if h in where else None for h in layout]
+    for lost in [i for i, h in enumerate(layout) if h not in where]:  # at most one
+      parts[lost] = parity.rebuild_part(parts, blocks, lost)
+      log.warning('snapshot %d: part of host %d rebuilt from the parity of the others', step,
+                  layout[lost])
     source = int(np.flatnonzero(holders)[0])
     meta = json.loads(multihost.broadcast_bytes(json.dumps(meta).encode() if have else None,
                                                 source))
+    meta.pop(_LAYOUT)
     return step, image.unpack(np.concatenate(parts)[:self.image_len], target), meta
 
   def wait_until_finished(self) -> None:
@@ -119,3 +145,20 @@ class HostSnapshots:
 
   def close(self) -> None:
     self._tier.close()
+
+
+def newest_usable(held: list[dict[int, tuple[int, ...]]],
+                  slots: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+  """(step, layout) of the newest snapshot whose layout's hosts hold all of its parts but at
+  most one, given what each process (of logical host slots[p]) holds; None if there is none."""
+  holders: dict[tuple[int, tuple[int, ...]], set[int]] = {}
+  for p, steps in enumerate(held):
+    for step, layout in steps.items():
+      if slots[p] in layout:
+        holders.setdefault((step, layout), set()).add(slots[p])
+  usable = [(step, len(hosts), layout) for (step, layout), hosts in holders.items()
+            if len(hosts) >= len(layout) - 1]
+  if not usable:
+    return None
+  step, _, layout = max(usable)
+  return step, layout

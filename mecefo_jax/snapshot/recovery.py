@@ -57,9 +57,10 @@ def _make_parent(tier_dir: Path, *, given: bool) -> None:
     tier_dir.parent.mkdir(exist_ok=True)  # another process of the job may make it first
 
 
-def open_manager(cfg: Config, out_dir: Path, state_bytes: int,
-                 run_id: str) -> SnapshotManager | None:
-  """The snapshot tiers of run `run_id` (capacity checked now), or None with --no-snapshots."""
+def open_manager(cfg: Config, out_dir: Path, state_bytes: int, run_id: str,
+                 slots=None) -> SnapshotManager | HostSnapshots | None:
+  """The snapshot tiers of run `run_id` (capacity checked now), or None with --no-snapshots.
+  `slots`: multi-process, the logical host of each process (HostSnapshots)."""
   sn = cfg.snapshot
   if not sn.enabled:
     return None
@@ -72,7 +73,7 @@ def open_manager(cfg: Config, out_dir: Path, state_bytes: int,
       if sn.durable_every:
         log.warning('multi-process run: durable checkpoints are off (per-host in-memory '
                     'snapshots with parity only; see docs/tpu.md)')
-      return HostSnapshots(directory, cfg, every=sn.every, keep=sn.keep)
+      return HostSnapshots(directory, cfg, slots=slots, every=sn.every, keep=sn.keep)
     return SnapshotManager(directory, every=sn.every, keep=sn.keep, durable_dir=durable,
                            durable_every=sn.durable_every, durable_keep=sn.durable_keep,
                            state_bytes=state_bytes)

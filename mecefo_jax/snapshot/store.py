@@ -182,6 +182,20 @@ class Tier:
     restored = self._orbax.restore(step, args=args)
     return restored.state, restored.meta
 
+  def restore_first_rows(self, step: int, lengths: dict[str, int], device) -> tuple[dict, dict]:
+    """({name: row 0 as numpy}, meta) of a snapshot of [n, length] arrays of which this process
+    saved row 0 (HostSnapshots), read onto `device` alone (rows 1.. are not here)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = {k: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=(1, n), strict=False)
+            for k, n in lengths.items()}
+    restored = self._orbax.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(restore_args=args), meta=ocp.args.JsonRestore()))
+    return {k: np.asarray(v)[0] for k, v in restored.state.items()}, restored.meta
+
+  def read_meta(self, step: int) -> dict:
+    """The meta saved with `step`, without its state."""
+    return self._orbax.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
   def _restore_image(self, step: int, target: Any) -> tuple[Any, dict]:
     saved = self._orbax.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore())).layout
     wanted = image.layout(target)

@@ -7,7 +7,6 @@ import threading
 import time
 from typing import Callable
 
-from mecefo_jax import sharding
 from mecefo_jax.config import Config
 from mecefo_jax.step import slice_steps, train_step
 from mecefo_jax.step.train_step import Role
@@ -32,8 +31,9 @@ class ProgramCache:
   thread that created the cache, the training thread: the time the step could not run.
   """
 
-  def __init__(self, cfg: Config, mesh, graphdef, on_compile: Callable[[float], None]):
-    self.cfg, self.mesh, self.graphdef, self._on_compile = cfg, mesh, graphdef, on_compile
+  def __init__(self, cfg: Config, slices, graphdef, on_compile: Callable[[float], None]):
+    """`slices`: the run's sharding.PresentSlices (a program's slices are logical ids)."""
+    self.cfg, self.slices, self.graphdef, self._on_compile = cfg, slices, graphdef, on_compile
     self._programs: dict = {}
     self._lock = threading.Lock()
     self._owner = threading.get_ident()
@@ -59,7 +59,7 @@ class ProgramCache:
 
   def program(self, kind: str, slices: tuple[int, ...], *args):
     """The `kind` program (see _BUILDERS) on the devices of `slices`."""
-    mesh = sharding.submesh(self.mesh, slices)
+    mesh = self.slices.sub(slices)
     return self.get((kind, slices, *args),
                     lambda: _BUILDERS[kind](self.cfg, mesh, self.graphdef, *args))
 

@@ -21,9 +21,9 @@ from mecefo_jax.sharding import batch_sharding, replicated
 from mecefo_jax.step import train_step
 
 
-def state_view(cfg: Config, state, mesh: Mesh, slices):
-  """View of the (replicated-over-slice) train state on only `slices` of `mesh`."""
-  sub = sharding.submesh(mesh, tuple(slices))
+def state_view(cfg: Config, state, sub: Mesh):
+  """View of the (replicated-over-slice) train state on only the slices of `sub`, a submesh of
+  the state's mesh."""
   return sharding.view(state, sub, state_shardings(cfg, sub))
 
 

@@ -1,0 +1,241 @@
+"""Supervisor: a training job as N local processes that keeps training when one of them dies.
+
+  python -m mecefo_jax.launch -n N [--devices-per-process K] [--rejoin-after S] -- <train.py args>
+
+Starts N train.py processes (logical hosts 0..N-1) with a local coordinator. When one dies
+(SIGKILL, a crash, the OOM killer), the survivors are stopped at once and restarted as a job of
+the survivors that resumes the same run: each keeps its logical host (`--host-slot`) and so its
+in-memory snapshot part, the dead host's part is rebuilt from parity, and its slices are taken
+over by faults.takeover (docs/tpu.md). With --rejoin-after S, a replacement for the dead host is
+ready S seconds after the death (standing in for the repair); the job is then stopped at an
+agreed step (SIGTERM) and restarted with it. Exit code: the job's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# train.py's own stops: bad input, all slices down, diverged. Every process exits with them.
+JOB_EXITS = {2: 'bad input', 3: 'all slices down', 4: 'diverged'}
+STOPPED = 128 + signal.SIGTERM  # a stop at an agreed step, snapshot saved
+_OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
+_POLL_S, _GRACE_S = 0.1, 60.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog='python -m mecefo_jax.launch', description=__doc__.split('\n')[0],
+                              epilog='example: python -m mecefo_jax.launch -n 4 --rejoin-after 60 '
+                                     '-- --out runs/job mesh.slice=4')
+  p.add_argument('-n', '--num-processes', type=int, required=True, help='processes (hosts), >= 2')
+  p.add_argument('--devices-per-process', type=int, default=1,
+                 help='devices of each process: CPU devices (--host-devices), or GPUs with --gpus')
+  p.add_argument('--gpus', action='store_true',
+                 help='give process of host h the GPUs h*K .. h*K+K-1 (CUDA_VISIBLE_DEVICES)')
+  p.add_argument('--rejoin-after', type=float, default=None, metavar='SECONDS',
+                 help='start a replacement for a dead host this long after its death')
+  p.add_argument('--max-restarts', type=int, default=10, help='give up after this many restarts')
+  p.add_argument('--events', default=None, metavar='FILE',
+                 help='also write each event as a JSON line (time, kind, hosts) to FILE')
+  p.add_argument('train_args', nargs=argparse.REMAINDER, help='-- then train.py arguments')
+  args = p.parse_args(argv)
+  args.train_args = args.train_args[1:] if args.train_args[:1] == ['--'] else args.train_args
+  if args.num_processes < 2 or args.devices_per_process < 1:
+    p.error('need -n >= 2 (a lone process has no peer to hold its snapshot parity) and '
+            '--devices-per-process >= 1')
+  own = [a for a in args.train_args if a.split('=')[0] in _OWN_FLAGS]
+  if own:
+    p.error(f'{own[0].split("=")[0]} is set by the supervisor; leave it out of the train.py arguments')
+  return args
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _exit_text(code: int) -> str:
+  if code < 0:
+    return f'killed by {signal.Signals(-code).name}'
+  return f'exit {code}' + (f' ({JOB_EXITS[code]})' if code in JOB_EXITS else '')
+
+
+class Supervisor:
+  """Runs the job, restarts it on the survivors after a death, grows it back on a rejoin."""
+
+  def __init__(self, args):
+    self.args, self.t0 = args, time.monotonic()
+    self.hosts = list(range(args.num_processes))  # the logical hosts in the job
+    self.ready_at: dict[int, float] = {}  # dead host -> when its replacement is ready
+    self.procs: dict[int, subprocess.Popen] = {}
+    self.deaths = self.rejoins = self.restarts = 0
+    self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
+    self.interrupted = False
+    self.resume = False
+
+  def say(self, kind: str, message: str, **fields) -> None:
+    elapsed = time.monotonic() - self.t0
+    print(f'launch [{elapsed:7.1f}s]: {message}', file=sys.stderr, flush=True)
+    if self.args.events:
+      with open(self.args.events, 'a') as f:
+        f.write(json.dumps({'t': time.time(), 'elapsed_s': elapsed, 'kind': kind, **fields}) + '\n')
+
+  def _train_args(self) -> list[str]:
+    if not self.resume:
+      return list(self.args.train_args)
+    # A restart continues the run: never --fresh again (it would delete the run's snapshots).
+    return [a for a in self.args.train_args if a not in ('--fresh', '--resume')] + ['--resume']
+
+  def start(self) -> None:
+    port, k, n = _free_port(), self.args.devices_per_process, len(self.hosts)
+    self.procs, self.stopping, self.settle_since = {}, False, None
+    for pid, host in enumerate(self.hosts):
+      env = dict(os.environ, PYTHONUNBUFFERED='1')
+      cmd = [sys.executable, str(ROOT / 'train.py'), f'--coordinator=127.0.0.1:{port}',
+             f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
+      if self.args.gpus:
+        env['CUDA_VISIBLE_DEVICES'] = ','.join(str(host * k + i) for i in range(k))
+      else:
+        env.setdefault('JAX_PLATFORMS', 'cpu')
+        cmd.append(f'--host-devices={k}')
+      self.procs[host] = subprocess.Popen(cmd + self._train_args(), env=env)
+    pids = {h: p.pid for h, p in self.procs.items()}
+    self.say('start', f'started hosts {self.hosts} as a {n}-process job'
+                      f'{" resuming the run" if self.resume else ""} (pids {pids})',
+             hosts=self.hosts, pids=pids)
+
+  def kill_all(self) -> None:
+    for p in self.procs.values():
+      if p.poll() is None:
+        p.kill()
+    for p in self.procs.values():
+      p.wait()
+
+  def run(self) -> int:
+    self.start()
+    while True:
+      code = self._watch()
+      if code is not None:
+        return code
+
+  def _watch(self) -> int | None:
+    """One look at the job; an exit code when the supervisor is done."""
+    time.sleep(_POLL_S)
+    codes = {h: p.poll() for h, p in self.procs.items()}
+    exited = {h: c for h, c in codes.items() if c is not None}
+    if self.stopping:
+      return self._stopped(exited, codes)
+    dead = [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and c != STOPPED]
+    if dead:
+      return self._death(dead[0], exited[dead[0]])
+    if exited and len(exited) == len(codes):
+      return self._finished(exited)
+    if exited:  # others finish or stop with it: wait for them, within bounds
+      return self._settle(exited)
+    ready = [h for h, t in self.ready_at.items() if time.monotonic() >= t]
+    if ready:
+      self.say('rejoin-ready', f'replacement for host(s) {ready} ready: stopping the job at its '
+                               f'next step to grow back to {len(self.hosts) + len(ready)} hosts',
+               hosts=ready)
+      self._ask_stop()
+    return None
+
+  def _ask_stop(self) -> None:
+    self.stopping, self.stop_asked_at = True, time.monotonic()
+    for p in self.procs.values():
+      if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+
+  def _stopped(self, exited: dict, codes: dict) -> int | None:
+    """The job was asked to stop: wait for every process, then grow it or leave."""
+    if len(exited) < len(codes):
+      if time.monotonic() - self.stop_asked_at > _GRACE_S:
+        self.kill_all()  # a process stuck in a collective with one that already left
+      return None
+    if self.interrupted:
+      return max(exited.values(), key=abs) or 0
+    if all(c == 0 for c in exited.values()):
+      return self._finished(exited)
+    ready = sorted(h for h, t in self.ready_at.items() if time.monotonic() >= t)
+    for h in ready:
+      del self.ready_at[h]
+    self.hosts = sorted(self.hosts + ready)
+    self.rejoins += len(ready)
+    self.say('rejoin', f'host(s) {ready} rejoin', hosts=ready)
+    return self._restart()
+
+  def _death(self, host: int, code: int) -> int | None:
+    self.deaths += 1
+    self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({_exit_text(code)}): '
+                      f'stopping the survivors {[h for h in self.hosts if h != host]}',
+             host=host, code=code)
+    self.kill_all()  # they would wait in the next collective for the dead one
+    self.hosts = [h for h in self.hosts if h != host]
+    if self.args.rejoin_after is not None:
+      self.ready_at[host] = time.monotonic() + self.args.rejoin_after
+    while len(self.hosts) < 2:
+      if not self.ready_at:
+        self.say('give-up', f'{len(self.hosts)} host left and no replacement coming '
+                            '(--rejoin-after): the run stops here; resume it with the same '
+                            'command once hosts are back')
+        return 3
+      host, at = min(self.ready_at.items(), key=lambda kv: kv[1])
+      self.say('wait', f'{len(self.hosts)} host left: waiting {max(0, at - time.monotonic()):.0f}'
+                       f' s for the replacement of host {host}')
+      time.sleep(max(0.0, at - time.monotonic()))
+      del self.ready_at[host]
+      self.hosts, self.rejoins = sorted(self.hosts + [host]), self.rejoins + 1
+    return self._restart()
+
+  def _restart(self) -> int | None:
+    self.restarts += 1
+    if self.restarts > self.args.max_restarts:
+      self.say('give-up', f'more than --max-restarts={self.args.max_restarts} restarts: giving up')
+      return 1
+    self.resume = True
+    self.start()
+    return None
+
+  def _settle(self, exited: dict) -> int | None:
+    """Some processes left on their own (finished, or a job-wide stop): the others follow."""
+    self.settle_since = self.settle_since or time.monotonic()
+    if time.monotonic() - self.settle_since > _GRACE_S:
+      self.say('stuck', f'hosts {sorted(exited)} left ({exited}); the others did not: killing them')
+      self.kill_all()
+      return self._finished({h: p.returncode for h, p in self.procs.items()})
+    return None
+
+  def _finished(self, exited: dict) -> int:
+    code = next((c for c in exited.values() if c != 0), 0)
+    self.say('end', f'job ended ({_exit_text(code)}) after {self.deaths} death(s), '
+                    f'{self.rejoins} rejoin(s), {self.restarts} restart(s); the failure history is '
+                    f'failures.txt in the run directory', code=code)
+    return code
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  sup = Supervisor(args)
+
+  def on_signal(signum, frame):  # pass it on: the job stops at an agreed step, resumable
+    sup.interrupted = True
+    sup.say('signal', f'{signal.Signals(signum).name}: stopping the job at its next step')
+    sup._ask_stop()
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+  try:
+    return sup.run()
+  finally:
+    sup.kill_all()
+
+
+if __name__ == '__main__':
+  sys.exit(main())
