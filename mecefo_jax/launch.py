@@ -30,8 +30,14 @@ _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot',
 _POLL_S, _GRACE_S = 0.1, 60.0
 
 
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, like train.py's errors
+    print(f'error: {message} (see {self.prog} --help)', file=sys.stderr)
+    sys.exit(2)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog='python -m mecefo_jax.launch', description=__doc__.split('\n')[0],
+  p = _Parser(prog='python -m mecefo_jax.launch', description=__doc__.split('\n')[0],
                               epilog='example: python -m mecefo_jax.launch -n 4 --rejoin-after 60 '
                                      '-- --out runs/job mesh.slice=4')
   p.add_argument('-n', '--num-processes', type=int, required=True, help='processes (hosts), >= 2')
@@ -42,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--rejoin-after', type=float, default=None, metavar='SECONDS',
                  help='start a replacement for a dead host this long after its death')
   p.add_argument('--max-restarts', type=int, default=10, help='give up after this many restarts')
+  p.add_argument('--log-dir', default=None,
+                 help='output of the processes other than process 0 (whose output is shown): '
+                      'host<h>.log files (default: <--out>/logs, or runs/launch_logs)')
   p.add_argument('--events', default=None, metavar='FILE',
                  help='also write each event as a JSON line (time, kind, hosts) to FILE')
   p.add_argument('train_args', nargs=argparse.REMAINDER, help='-- then train.py arguments')
@@ -53,7 +62,19 @@ def parse_args(argv=None) -> argparse.Namespace:
   own = [a for a in args.train_args if a.split('=')[0] in _OWN_FLAGS]
   if own:
     p.error(f'{own[0].split("=")[0]} is set by the supervisor; leave it out of the train.py arguments')
+  out = _train_out(args.train_args)
+  args.log_dir = Path(args.log_dir or (out / 'logs' if out else 'runs/launch_logs'))
   return args
+
+
+def _train_out(train_args: list[str]) -> Path | None:
+  """train.py's --out among its arguments, if given."""
+  for i, a in enumerate(train_args):
+    if a.startswith('--out='):
+      return Path(a[len('--out='):])
+    if a == '--out' and i + 1 < len(train_args):
+      return Path(train_args[i + 1])
+  return None
 
 
 def _free_port() -> int:
@@ -96,6 +117,7 @@ class Supervisor:
 
   def start(self) -> None:
     port, k, n = _free_port(), self.args.devices_per_process, len(self.hosts)
+    self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since = {}, False, None
     for pid, host in enumerate(self.hosts):
       env = dict(os.environ, PYTHONUNBUFFERED='1')
@@ -106,7 +128,12 @@ class Supervisor:
       else:
         env.setdefault('JAX_PLATFORMS', 'cpu')
         cmd.append(f'--host-devices={k}')
-      self.procs[host] = subprocess.Popen(cmd + self._train_args(), env=env)
+      # Every process logs the same events: process 0 speaks for the job, the others to files.
+      out = None if pid == 0 else open(self.args.log_dir / f'host{host}.log', 'ab')
+      self.procs[host] = subprocess.Popen(cmd + self._train_args(), env=env, stdout=out,
+                                          stderr=subprocess.STDOUT if out else None)
+      if out:
+        out.close()  # the child holds it
     pids = {h: p.pid for h, p in self.procs.items()}
     self.say('start', f'started hosts {self.hosts} as a {n}-process job'
                       f'{" resuming the run" if self.resume else ""} (pids {pids})',
