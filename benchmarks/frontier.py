@@ -1,9 +1,9 @@
 """Throughput-quality frontier: each policy's throughput drop at scale against its eval-loss cost.
 
-Run: python -m benchmarks.frontier --quality Q.json --throughput T.json [--slices 32]
-     [--preset high] [--recommend POLICY] [--figure F.png] [--json OUT.json]
+Run: python -m benchmarks.frontier --quality Q.json [Q2.json ...] --throughput T.json
+     [--slices 32] [--preset high] [--recommend POLICY] [--figure F.png] [--json OUT.json]
 Q.json: benchmarks.quality with --seeds (eval-loss increase vs fault-free per seed, at its own
---slices); T.json: benchmarks.failure_throughput with several --slices (drop_pct per slice
+--slices); several (e.g. one process per seed) are joined into one seed set. T.json: benchmarks.failure_throughput with several --slices (drop_pct per slice
 count, policy and preset). Reads both, writes no new measurement: x = throughput drop at
 --slices, y = mean eval-loss increase +- SEM over the seeds. checkpoint-restart is not trained:
 it retrains the lost steps exactly (same rows, same order, same programs), so its final state is
@@ -26,7 +26,7 @@ PAPER = {'350M': (1.07, 18.74, 19.04), '1B': (2.98, 15.49, 15.83), '7B': (4.18, 
 
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--quality', required=True, help='benchmarks.quality --seeds JSON')
+  p.add_argument('--quality', required=True, nargs='+', help='benchmarks.quality --seeds JSONs')
   p.add_argument('--throughput', required=True, help='benchmarks.failure_throughput JSON')
   p.add_argument('--slices', type=int, default=32, help='x axis: the drop at this slice count')
   p.add_argument('--preset', default='high')
@@ -38,7 +38,7 @@ def _args(argv):
 
 def main(argv=None) -> dict:
   args = _args(argv)
-  quality = json.loads(Path(args.quality).read_text())
+  quality = join_seeds([json.loads(Path(q).read_text()) for q in args.quality])
   throughput = json.loads(Path(args.throughput).read_text())
   result = frontier(quality, throughput, args.slices, args.preset, args.recommend)
   result['inputs'] = {'quality': args.quality, 'throughput': args.throughput}
@@ -49,6 +49,21 @@ def main(argv=None) -> dict:
   if args.figure:
     plot(result, quality, args.figure)
   return result
+
+
+def join_seeds(parts: list[dict]) -> dict:
+  """One quality --seeds result from several runs of the same study (e.g. one per seed)."""
+  from benchmarks import quality
+  same = ('config', 'overrides', 'slices', 'data', 'mode')
+  for part in parts[1:]:
+    differ = [k for k in same if part.get(k) != parts[0].get(k)]
+    if differ:
+      raise ValueError(f'--quality files differ in {differ}: not one study')
+  per_seed = {str(s): r for part in parts for s, r in part['per_seed'].items()}
+  if len(per_seed) < sum(len(part['per_seed']) for part in parts):
+    raise ValueError('--quality files repeat a seed')
+  return {**parts[0], 'seeds': sorted(int(s) for s in per_seed), 'per_seed': per_seed,
+          'summary': quality.seed_summary(per_seed), 'commits': [p['commit'] for p in parts]}
 
 
 def paper_points() -> dict:
@@ -85,6 +100,7 @@ def frontier(quality: dict, throughput: dict, slices: int, preset: str,
   if chosen not in policies:
     raise ValueError(f'--recommend {chosen!r}: no such policy in both inputs ({list(policies)})')
   return {'slices': slices, 'quality_slices': q_slices, 'preset': preset,
+          'throughput_reading': throughput.get('args', {}).get('stat'),
           'seeds': quality['seeds'], 'targets': {'drop_pct': TARGET_DROP_PCT,
                                                  'loss_increase_pct': TARGET_LOSS_PCT},
           'recommended': chosen, 'recommended_by': 'argument' if recommend else 'target_ratio',
@@ -133,13 +149,15 @@ def plot(result: dict, quality: dict, path: str) -> None:
   ax.set_ylim(min(-0.5, min(lows) - 0.3), max(ys) + 0.5)
   ax.set_xlim(0, max(v[f'drop_pct_at_{n}'] for v in result['policies'].values()) * 1.08)
   ax.axhline(0.0, color='k', lw=0.6)
-  ax.set_xlabel(f'throughput drop at {n} slices, {result["preset"]} (%)')
+  reading = f', {result["throughput_reading"]} reading' if result.get('throughput_reading') else ''
+  ax.set_xlabel(f'throughput drop at {n} slices, {result["preset"]}{reading} (%)')
   ax.set_ylabel(f'eval-loss increase at {q} slices vs fault-free (%, mean ± SEM)')
   ax.set_title(f'{result["preset"]}, per-device rate; seeds {result["seeds"]}', fontsize=9)
   ax.legend(fontsize=7, loc='upper left')
   _fault_free_curves(curves, quality)
-  fig.suptitle(f'throughput: {Path(result["inputs"]["throughput"]).name}; quality: '
-               f'{Path(result["inputs"]["quality"]).name} (data {quality["data"]})', fontsize=8)
+  names = ', '.join(Path(q).name for q in result['inputs']['quality'])
+  fig.suptitle(f'throughput: {Path(result["inputs"]["throughput"]).name}; quality: {names} '
+               f'(data {quality["data"]})', fontsize=8)
   fig.tight_layout()
   Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)

@@ -82,7 +82,7 @@ class TrainConfig:
   seed: int = 0
   log_every: int = 10
   out_dir: str = DEFAULT_OUT  # a new run here replaces a finished one (README: Snapshots)
-  data: str = 'synthetic'  # synthetic | text:PATH | tokens:PATH | hf:NAME (see data/sources.py)
+  data: str = 'synthetic'  # synthetic | text:PATH | pydoc | tokens:PATH | hf:NAME (data/sources.py)
   eval_every: int = 100  # held-out eval every N steps and at the end; 0 = only at the end
   eval_batches: int = 4  # batches per eval (each: live slices x micro_batch sequences)
   plot: bool = True  # write <out>/training.png at the end (python -m mecefo_jax.run.plot)

@@ -41,18 +41,26 @@ def test_frontier_reads_both_and_recommends_the_closest_to_both_targets(tmp_path
   rows = frontier.table_rows({**result})
   assert rows[2]['policy'] == 'budget:1.0 (recommended)'
   assert rows[0]['loss_increase_at_8_pct'] == '+3.00 ± 0.10 (+2.00, +3.00, +4.00)'
-  result['inputs'] = {'quality': 'q.json', 'throughput': 't.json'}
+  result['inputs'] = {'quality': ['q.json'], 'throughput': 't.json'}
   frontier.plot(result, quality, str(tmp_path / 'f.png'))
   assert (tmp_path / 'f.png').stat().st_size > 0
 
 
-def test_main_writes_json_and_the_paper_points(tmp_path):
+def test_main_joins_per_seed_files_and_writes_json_and_the_paper_points(tmp_path):
   quality, throughput = _inputs()
-  (tmp_path / 'q.json').write_text(json.dumps(quality))
+  for s in range(3):  # one quality file per seed, as separate processes write them
+    inc = {p: {'eval_increase_pct': v['per_seed'][s]} for p, v in quality['summary']['high'].items()}
+    one = {**quality, 'seeds': [s], 'commit': 'c', 'per_seed': {
+        str(s): {**quality['per_seed'][str(s)], 'presets': {'high': {'runs': inc}}}}}
+    (tmp_path / f'q{s}.json').write_text(json.dumps(one))
   (tmp_path / 't.json').write_text(json.dumps(throughput))
-  out = frontier.main(['--quality', str(tmp_path / 'q.json'), '--throughput',
-                       str(tmp_path / 't.json'), '--json', str(tmp_path / 'out.json')])
-  assert json.loads((tmp_path / 'out.json').read_text())['recommended'] == out['recommended']
+  out = frontier.main(['--quality', *(str(tmp_path / f'q{s}.json') for s in range(3)),
+                       '--throughput', str(tmp_path / 't.json'), '--json', str(tmp_path / 'o.json')])
+  assert json.loads((tmp_path / 'o.json').read_text())['recommended'] == out['recommended']
+  assert out['seeds'] == [0, 1, 2] and out['policies']['neighbor']['loss_increase_pct'] == 3.0
+  with pytest.raises(ValueError, match='repeat a seed'):
+    frontier.main(['--quality', str(tmp_path / 'q0.json'), str(tmp_path / 'q0.json'),
+                   '--throughput', str(tmp_path / 't.json')])
   paper = out['paper']['350M']
   assert paper['drop_pct'] == 1.07
   assert paper['loss_increase_pct'] == pytest.approx(100 * (math.log(19.04) / math.log(18.74) - 1))
