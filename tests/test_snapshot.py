@@ -218,6 +218,24 @@ def test_parity_rebuilds_any_one_lost_part_and_block(n):
     parity.parity_block([parts[0], parts[1][:-1]] + parts[2:], 0)
 
 
+def test_newest_usable_snapshot_follows_each_snapshots_own_hosts():
+  from mecefo_jax.snapshot.host import newest_usable
+  full, survivors = (0, 1, 2, 3), (0, 2, 3)
+  # Host 1 died after step 8 (its part of 8 is gone too); hosts 0, 2, 3 restarted from 8 and
+  # saved 9 and 10 coded over themselves. Process p below is logical host slots[p].
+  held = [{8: full, 9: survivors, 10: survivors}, {8: full, 9: survivors},
+          {8: full, 9: survivors, 10: survivors}]
+  assert newest_usable(held, (0, 2, 3)) == (10, survivors)  # 10 lacks one part: rebuilt
+  # Then host 3 dies too: 10 has 1 of its 3 parts left, 9 has 2 (host 3's is rebuilt).
+  assert newest_usable(held[:2], (0, 2)) == (9, survivors)
+  # Two parts missing is one too many: the older full-layout step with 3 of 4 parts is taken.
+  assert newest_usable([{8: full, 9: survivors}, {8: full}, {8: full}], (0, 1, 3)) == (8, full)
+  # A replacement's stale part of an old layout never outvotes a newer complete layout.
+  assert newest_usable([{10: survivors}, {12: full}, {10: survivors}, {10: survivors}],
+                       (0, 1, 2, 3)) == (10, survivors)
+  assert newest_usable([{8: full}, {}], (0, 1)) is None
+
+
 def test_manifest_checksums_detect_corruption_and_other_formats_are_unreadable(tmp_path):
   from mecefo_jax.snapshot.manifest import MANIFEST_NAME, verify_manifest, write_manifest
   (tmp_path / 'd').mkdir()

@@ -170,7 +170,8 @@ EVENT_FIELDS = {
     'slice': Field(INT, '', 'data-parallel slice index'),
     'kind': Field(Choice(('fail', 'repair')), '', 'the slice fails, or is repaired and rejoins'),
     'source': Field(STR, '', "where it came from: 'api', 'preset:high', 'trace:FILE', "
-                    "'error: ...' (a real error while dispatching), 'resume'"),
+                    "'error: ...' (a real error while dispatching), 'resume', 'absent' / "
+                    "'present' (a start without / again with the slice's devices or host)"),
 }
 FAILURE_EVENT = Record({
     **EVENT_FIELDS,

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mecefo_jax import multihost
 from mecefo_jax.model.train_state import abstract_state
 from mecefo_jax.snapshot import image, parity
-from mecefo_jax.snapshot.capacity import check_capacity
+from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.store import OFF_DURABLE, Tier
 
 log = logging.getLogger('mecefo')
@@ -113,8 +113,14 @@ class HostSnapshots:
     self.wait_until_finished()
     mine = self._held()
     held = multihost.allgather_json({str(s): list(l) for s, l in mine.items()})
-    choice = newest_usable([{int(s): tuple(l) for s, l in h.items()} for h in held], self.slots)
+    held = [{int(s): tuple(l) for s, l in h.items()} for h in held]
+    choice = newest_usable(held, self.slots)
     if choice is None:
+      if any(held):  # parts exist, just not enough of one snapshot: never start over silently
+        found = {f'host{self.slots[p]}': sorted(h) for p, h in enumerate(held)}
+        raise SnapshotError(f'no snapshot has all parts but one among the hosts present '
+                            f'(parts by host and step: {found}): a wrong --host-slot, or more '
+                            f'than one host\'s snapshot memory lost; --fresh starts over')
       return None
     step, layout = choice
     n, length = len(layout), part_len(self.image_len, len(layout))

@@ -1,0 +1,173 @@
+"""Recovery from real process deaths under the supervisor (python -m mecefo_jax.launch).
+
+Run: python -m benchmarks.recovery [--processes 4] [--devices-per-process 2] [--steps 600]
+    [--kill-at 150,300] [--rejoin-after 60] [--json OUT] [overrides...]
+
+Two supervised runs of the same config: one fault-free (cold start, fault-free wall time) and
+one where host 1 and then host 2 are SIGKILLed once the run has logged steps --kill-at, each
+replaced --rejoin-after seconds after its death. Every supervisor and trainer line is stamped on
+arrival, so each death is cut into: detection (SIGKILL -> the supervisor sees the exit),
+restart (-> the survivors' job is spawned), start-up (-> jax.distributed is up), build
+(-> snapshot restored, fault-free program compiled), first step (-> the first step trained
+again, programs of the new live set compiled). Goodput = fault-free wall / this run's wall.
+Waiting for a replacement instead stalls the job for the repair time plus a restart of the
+whole job (measured here as the rejoin restarts).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks import common
+
+STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')
+RESUMED = re.compile(r'resumed from the snapshot after step (\d+).* so (\d+) step\(s\) are trained')
+
+
+def _args(argv):
+  p = common.parser(__doc__.splitlines()[0])
+  p.add_argument('--processes', type=int, default=4)
+  p.add_argument('--devices-per-process', type=int, default=2)
+  p.add_argument('--steps', type=int, default=600)
+  p.add_argument('--kill-at', default='150,300', help='steps after which hosts 1, 2, ... die')
+  p.add_argument('--rejoin-after', type=float, default=60.0)
+  args = p.parse_intermixed_args(argv)
+  args.kill_at = [int(x) for x in args.kill_at.split(',') if x]
+  return args
+
+
+class Job:
+  """One supervised run; every output line kept with its arrival time."""
+
+  def __init__(self, args, tmp: Path, name: str, rejoin: bool):
+    self.lines: list[tuple[float, str]] = []
+    self.out = tmp / name
+    n, k = args.processes, args.devices_per_process
+    env = {k_: v for k_, v in os.environ.items() if k_ != 'XLA_FLAGS'}
+    cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', str(n), '--devices-per-process',
+           str(k), '--events', str(tmp / f'{name}_events.jsonl'),
+           *(['--rejoin-after', str(args.rejoin_after)] if rejoin else []),
+           '--', '--config', args.config, '--out', str(self.out), f'snapshot.dir={tmp / "shm"}',
+           f'mesh.slice={n * k}', 'mesh.fsdp=1', f'train.steps={args.steps}', 'train.log_every=1',
+           'snapshot.every=1', 'train.eval_every=0', 'train.plot=false', *args.overrides]
+    self.t0 = time.time()
+    self.proc = subprocess.Popen(cmd, cwd=common.REPO, env={**env, 'PYTHONUNBUFFERED': '1'},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.events_path = tmp / f'{name}_events.jsonl'
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self) -> None:
+    for line in self.proc.stdout:
+      self.lines.append((time.time(), line.rstrip()))
+
+  def last_step(self) -> int:
+    steps = [int(m.group(1)) for _, line in self.lines[-50:] if (m := STEP_LINE.search(line))]
+    return max(steps, default=-1)
+
+  def pids(self) -> dict:
+    return [e for e in self.events() if 'pids' in e][-1]['pids']
+
+  def events(self) -> list[dict]:
+    return [json.loads(x) for x in self.events_path.read_text().splitlines()]
+
+  def first_after(self, t: float, pattern) -> tuple[float, re.Match] | None:
+    for when, line in self.lines:
+      m = pattern.search(line) if when > t else None
+      if m:
+        return when, m
+    return None
+
+  def wait(self, timeout: float) -> int:
+    code = self.proc.wait(timeout=timeout)
+    time.sleep(0.5)  # the reader thread takes the last lines
+    return code
+
+
+def cold_start(job: Job) -> dict:
+  first = job.first_after(job.t0, STEP_LINE)
+  return {'first_step_s': first[0] - job.t0, 'wall_s': job.lines[-1][0] - job.t0}
+
+
+def recovery(job: Job, t_kill: float, step_at_kill: int) -> dict:
+  """Where the time from one SIGKILL to the first step trained again went."""
+  death = next(e for e in job.events() if e['kind'] == 'death' and e['t'] >= t_kill)
+  start = next(e for e in job.events() if e['kind'] == 'start' and e['t'] >= death['t'])
+  up = job.first_after(start['t'], re.compile(r'process 0 of \d+:'))
+  resumed = job.first_after(start['t'], RESUMED)
+  built = job.first_after(start['t'], re.compile(r'\| compile [\d.]+s'))
+  first = job.first_after(start['t'], STEP_LINE)
+  marks = {'detect': death['t'], 'restart': start['t'], 'startup': up[0], 'restore': resumed[0],
+           'build': built[0], 'first_step': first[0]}
+  previous, split = t_kill, {}
+  for name, when in marks.items():
+    split[f'{name}_s'] = when - previous
+    previous = when
+  return {'step_at_kill': step_at_kill, 'resumed_after_step': int(resumed[1].group(1)),
+          'steps_trained_again': int(resumed[1].group(2)), 'kill_to_first_step_s':
+          first[0] - t_kill, **split}
+
+
+def rejoin_restarts(job: Job) -> list[float]:
+  """Seconds from each stop asked for a rejoin to the first step trained by the grown job."""
+  out = []
+  for e in job.events():
+    if e['kind'] == 'rejoin-ready':
+      first = job.first_after(next(x['t'] for x in job.events()
+                                   if x['kind'] == 'start' and x['t'] > e['t']), STEP_LINE)
+      out.append(first[0] - e['t'])
+  return out
+
+
+def run(args, tmp: Path) -> dict:
+  free = Job(args, tmp, 'fault_free', rejoin=False)
+  assert free.wait(3600) == 0, '\n'.join(l for _, l in free.lines[-40:])
+  faulty = Job(args, tmp, 'deaths', rejoin=True)
+  kills = []
+  for host, at in enumerate(args.kill_at, start=1):
+    while faulty.last_step() < at:
+      assert faulty.proc.poll() is None, '\n'.join(l for _, l in faulty.lines[-40:])
+      time.sleep(0.05)
+    step, t_kill = faulty.last_step(), time.time()
+    os.kill(faulty.pids()[str(host)], signal.SIGKILL)
+    kills.append((t_kill, step))
+    time.sleep(1.0)
+  assert faulty.wait(3600) == 0, '\n'.join(l for _, l in faulty.lines[-40:])
+  report = json.loads((faulty.out / 'report.json').read_text())
+  cold, wall = cold_start(free), faulty.lines[-1][0] - faulty.t0
+  return {'processes': args.processes, 'devices_per_process': args.devices_per_process,
+          'steps': args.steps, 'rejoin_after_s': args.rejoin_after, 'cold_start': cold,
+          'deaths': [recovery(faulty, t, s) for t, s in kills],
+          'rejoin_restart_s': rejoin_restarts(faulty), 'wall_s': wall,
+          'goodput': cold['wall_s'] / wall, 'samples': report['samples'],
+          'failure_events': report['failure_events']}
+
+
+def main(argv=None) -> dict:
+  args = _args(argv)
+  info = common.run_info(__spec__.name, argv)
+  with tempfile.TemporaryDirectory(prefix='mecefo-recovery-') as tmp:
+    try:
+      result = {**info, **run(args, Path(tmp)), 'config': args.config, 'overrides': args.overrides}
+    finally:
+      subprocess.run(['pkill', '-9', '-f', tmp], check=False)  # no process outlives the run
+  rows = [{'death': i + 1, **{k: round(v, 2) if isinstance(v, float) else v
+                              for k, v in d.items()}} for i, d in enumerate(result['deaths'])]
+  table = common.markdown_table(rows, list(rows[0]))
+  table += (f"\n\ncold start to first step: {result['cold_start']['first_step_s']:.1f} s; "
+            f"rejoin restarts: {[round(x, 1) for x in result['rejoin_restart_s']]} s; "
+            f"goodput {result['goodput']:.3f} (fault-free {result['cold_start']['wall_s']:.1f} s "
+            f"vs {result['wall_s']:.1f} s)")
+  common.emit(result, table, args.json)
+  return result
+
+
+if __name__ == '__main__':
+  main()
