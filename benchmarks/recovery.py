@@ -142,11 +142,16 @@ def run(args, tmp: Path) -> dict:
   assert faulty.wait(3600) == 0, '\n'.join(l for _, l in faulty.lines[-40:])
   report = json.loads((faulty.out / 'report.json').read_text())
   cold, wall = cold_start(free), faulty.lines[-1][0] - faulty.t0
+  rejoins = rejoin_restarts(faulty)
   return {'processes': args.processes, 'devices_per_process': args.devices_per_process,
           'steps': args.steps, 'rejoin_after_s': args.rejoin_after, 'cold_start': cold,
           'deaths': [recovery(faulty, t, s) for t, s in kills],
-          'rejoin_restart_s': rejoin_restarts(faulty), 'wall_s': wall,
-          'goodput': cold['wall_s'] / wall, 'samples': report['samples'],
+          'rejoin_restart_s': rejoins, 'wall_s': wall, 'goodput': cold['wall_s'] / wall,
+          # What each death cost here (restart, degraded steps, the rejoin's restart), against
+          # a job that waits for the replacement: idle for the repair, then a restart.
+          'lost_per_death_s': (wall - cold['wall_s']) / len(kills),
+          'waiting_per_death_s': args.rejoin_after + sum(rejoins) / max(len(rejoins), 1),
+          'samples': report['samples'],
           'failure_events': report['failure_events']}
 
 
@@ -164,7 +169,8 @@ def main(argv=None) -> dict:
   table += (f"\n\ncold start to first step: {result['cold_start']['first_step_s']:.1f} s; "
             f"rejoin restarts: {[round(x, 1) for x in result['rejoin_restart_s']]} s; "
             f"goodput {result['goodput']:.3f} (fault-free {result['cold_start']['wall_s']:.1f} s "
-            f"vs {result['wall_s']:.1f} s)")
+            f"vs {result['wall_s']:.1f} s); lost per death {result['lost_per_death_s']:.1f} s vs "
+            f"{result['waiting_per_death_s']:.1f} s waiting for the replacement")
   common.emit(result, table, args.json)
   return result
 

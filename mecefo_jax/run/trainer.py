@@ -337,7 +337,9 @@ class Trainer:
       self.snapshots.close()
       if self._finished and not self.cfg.snapshot.keep_when_finished:
         # A finished run needs no in-memory snapshots: free the tmpfs (durable ones stay).
-        recovery.remove_snapshots(self.cfg.snapshot, self.out_dir, self.run_id, durable=False)
+        host = self.presence.slots[jax.process_index()] if multihost.is_multiprocess() else None
+        recovery.remove_snapshots(self.cfg.snapshot, self.out_dir, self.run_id, durable=False,
+                                  host=host)
     if self._lock is not None:
       self._lock.close()  # releases the run directory
       self._lock = None

@@ -36,13 +36,16 @@ def snapshot_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> tuple[Path,
   return memory, f'{durable.rstrip("/")}/{run_id}'
 
 
-def remove_snapshots(sn: SnapshotConfig, out_dir: Path, run_id: str, *, durable: bool) -> None:
+def remove_snapshots(sn: SnapshotConfig, out_dir: Path, run_id: str, *, durable: bool,
+                     host: int | None = None) -> None:
   """Deletes run `run_id`'s in-memory snapshots (the tmpfs folder of `out_dir` too, once no
-  run is left in it) and, with `durable`, its durable checkpoints."""
+  run is left in it) and, with `durable`, its durable checkpoints. `host`: a process of a
+  multi-process run deletes only its own part (the others may still read theirs)."""
   memory, durable_dir = snapshot_dirs(sn, out_dir, run_id)
-  shutil.rmtree(memory, ignore_errors=True)
-  with contextlib.suppress(OSError):
-    memory.parent.rmdir()
+  shutil.rmtree(memory if host is None else memory / f'host{host}', ignore_errors=True)
+  for empty in (memory, memory.parent):  # the last process out removes them
+    with contextlib.suppress(OSError):
+      empty.rmdir()
   if durable and '://' not in durable_dir:
     shutil.rmtree(durable_dir, ignore_errors=True)
 
