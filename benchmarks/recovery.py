@@ -6,12 +6,14 @@ Run: python -m benchmarks.recovery [--processes 4] [--devices-per-process 2] [--
 Two supervised runs of the same config: one fault-free (cold start, fault-free wall time) and
 one where host 1 and then host 2 are SIGKILLed once the run has logged steps --kill-at, each
 replaced --rejoin-after seconds after its death. Every supervisor and trainer line is stamped on
-arrival, so each death is cut into: detection (SIGKILL -> the supervisor sees the exit),
-restart (-> the survivors' job is spawned), start-up (-> jax.distributed is up), build
-(-> snapshot restored, fault-free program compiled), first step (-> the first step trained
-again, programs of the new live set compiled). Goodput = fault-free wall / this run's wall.
-Waiting for a replacement instead stalls the job for the repair time plus a restart of the
-whole job (measured here as the rejoin restarts).
+arrival, so each death is cut into: detect (SIGKILL -> the supervisor sees the exit),
+restart (-> the survivors' job is spawned), startup (-> jax.distributed is up), restore
+(-> state built, snapshot restored), build (-> fault-free program compiled), first_step
+(-> the first step trained again, programs of the new live set compiled). Goodput =
+fault-free wall / this run's wall. Waiting for a replacement instead stalls the job for the
+repair time plus a restart of the whole job (measured here as the rejoin restarts). The
+survivors' step rate relative to fault-free is recorded too (on a CPU that the processes
+oversubscribe, fewer processes step faster: not what accelerators do).
 """
 from __future__ import annotations
 
@@ -115,6 +117,22 @@ def recovery(job: Job, t_kill: float, step_at_kill: int) -> dict:
           first[0] - t_kill, **split}
 
 
+def step_rate(job: Job, t_from: float, t_to: float) -> float:
+  """Steps per second logged in (t_from, t_to], first to last step line of that window."""
+  times = [when for when, line in job.lines if t_from < when <= t_to and STEP_LINE.search(line)]
+  return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 else float('nan')
+
+
+def survivor_rates(job: Job, deaths: list[dict], kills) -> list[float]:
+  """Step rate of each survivors' job, from its first step to its stop (a rejoin or a death)."""
+  stops = [e['t'] for e in job.events() if e['kind'] in ('rejoin-ready', 'death')]
+  rates = []
+  for (t, _), d in zip(kills, deaths):
+    start = t + d['kill_to_first_step_s'] - 0.01
+    rates.append(step_rate(job, start, next((x for x in stops if x > start), float('inf'))))
+  return rates
+
+
 def rejoin_restarts(job: Job) -> list[float]:
   """Seconds from each stop asked for a rejoin to the first step trained by the grown job."""
   out = []
@@ -143,9 +161,12 @@ def run(args, tmp: Path) -> dict:
   report = json.loads((faulty.out / 'report.json').read_text())
   cold, wall = cold_start(free), faulty.lines[-1][0] - faulty.t0
   rejoins = rejoin_restarts(faulty)
+  deaths = [recovery(faulty, t, s) for t, s in kills]
+  free_rate = step_rate(free, free.t0, float('inf'))
   return {'processes': args.processes, 'devices_per_process': args.devices_per_process,
           'steps': args.steps, 'rejoin_after_s': args.rejoin_after, 'cold_start': cold,
-          'deaths': [recovery(faulty, t, s) for t, s in kills],
+          'deaths': deaths, 'fault_free_steps_per_s': free_rate,
+          'survivor_rate_ratio': [r / free_rate for r in survivor_rates(faulty, deaths, kills)],
           'rejoin_restart_s': rejoins, 'wall_s': wall, 'goodput': cold['wall_s'] / wall,
           # What each death cost here (restart, degraded steps, the rejoin's restart), against
           # a job that waits for the replacement: idle for the repair, then a restart.

@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             '--devices-per-process >= 1')
   own = [a for a in args.train_args if a.split('=')[0] in _OWN_FLAGS]
   if own:
-    p.error(f'{own[0].split("=")[0]} is set by the supervisor; leave it out of the train.py arguments')
+    p.error(f'{own[0].split("=")[0]} is set by the supervisor; leave it out of the train.py '
+            'arguments')
   out = _train_out(args.train_args)
   args.log_dir = Path(args.log_dir or (out / 'logs' if out else 'runs/launch_logs'))
   return args

@@ -288,8 +288,8 @@ class Controller:
   # --- checks ------------------------------------------------------------------------------
   def replica_hashes(self) -> dict[int, str]:
     """params_sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
-    return {s: params_sha256(slice_steps.state_view(self.cfg, self.state, self.submesh((s,))).params)
-            for s in self.state_slices}
+    view = lambda s: slice_steps.state_view(self.cfg, self.state, self.submesh((s,)))
+    return {s: params_sha256(view(s).params) for s in self.state_slices}
 
 
 def _host_int(x: jax.Array) -> int:
