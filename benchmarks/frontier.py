@@ -127,7 +127,7 @@ def plot(result: dict, quality: dict, path: str) -> None:
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  fig, (ax, curves) = plt.subplots(1, 2, figsize=(12.5, 5.0), width_ratios=[1.3, 1.0])
+  fig, (ax, curves) = plt.subplots(1, 2, figsize=(12.5, 6.2), width_ratios=[1.3, 1.0])
   n, q = result['slices'], result['quality_slices']
   ax.fill_between([0, TARGET_DROP_PCT], -100, TARGET_LOSS_PCT, color='C2', alpha=0.12,
                   label=f'targets: drop ≤ {TARGET_DROP_PCT:g}%, loss ≤ +{TARGET_LOSS_PCT:g}%')
@@ -137,12 +137,14 @@ def plot(result: dict, quality: dict, path: str) -> None:
     ax.errorbar(x, y, yerr=e, fmt='o', color=f'C{k}', capsize=4, ms=7,
                 mfc='white' if hollow else f'C{k}',
                 label=policy + (' (y = 0 by construction, not run)' if hollow else ''))
+    ax.annotate(policy, (x, y), fontsize=7, xytext=(-30, 7) if hollow else (5, -10),
+                textcoords='offset points', color=f'C{k}')
     if policy == result['recommended']:
       ax.plot(x, y, '*', ms=22, mfc='none', mec='k', mew=1.4, label=f'recommended: {policy}')
   for size, v in result['paper'].items():
     ax.plot(v['drop_pct'], v['loss_increase_pct'], 'D', color='0.45', ms=6)
     ax.annotate(f'paper {size}', (v['drop_pct'], v['loss_increase_pct']), fontsize=7,
-                xytext=(4, 4), textcoords='offset points', color='0.35')
+                xytext=(4, -10 if size == '7B' else 4), textcoords='offset points', color='0.35')
   ax.plot([], [], 'D', color='0.45', label='paper, MeCeFO (32 A100s, LLaMA 350M-7B on C4)')
   ys = [v['loss_increase_pct'] + v['loss_increase_sem'] for v in result['policies'].values()]
   lows = [v['loss_increase_pct'] - v['loss_increase_sem'] for v in result['policies'].values()]
@@ -153,7 +155,7 @@ def plot(result: dict, quality: dict, path: str) -> None:
   ax.set_xlabel(f'throughput drop at {n} slices, {result["preset"]}{reading} (%)')
   ax.set_ylabel(f'eval-loss increase at {q} slices vs fault-free (%, mean ± SEM)')
   ax.set_title(f'{result["preset"]}, per-device rate; seeds {result["seeds"]}', fontsize=9)
-  ax.legend(fontsize=7, loc='upper left')
+  ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.13), ncol=2)
   _fault_free_curves(curves, quality)
   names = ', '.join(Path(q).name for q in result['inputs']['quality'])
   fig.suptitle(f'throughput: {Path(result["inputs"]["throughput"]).name}; quality: {names} '
