@@ -3,7 +3,6 @@ at once, a replacement rejoins, and the run equals a one-process replay of its f
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,23 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from test_multiprocess import _env, _free_port  # the same local job set-up
+
 ROOT = Path(__file__).resolve().parents[1]
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
 ARGS = ['mesh.slice=6', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', 'train.steps=400',
         'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=1', 'model.seq_len=32',
         'snapshot.every=1', 'train.eval_every=0', 'train.plot=false']
 REJOIN_AFTER_S = 40  # the survivors' job starts (~20-30 s here), then trains until the rejoin
-
-
-def _env():
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
-  return {**env, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1'}
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 def _events(path: Path) -> list[dict]:
