@@ -15,7 +15,8 @@ fault-free steps it is worth (the increase over the slope of the fault-free held
 over the run's last MAKE_UP_WINDOW steps), and drop and extra steps into the time to reach the
 fault-free loss: slowdown = 1 - (1 - drop) / (1 + extra). Without --recommend, the takeover
 policy (checkpoint-restart needs a spare: not one) with the smallest slowdown among those that
-meet both targets is recommended, or, when none does, among all.
+meet both targets is recommended, or, when none does, among all; a policy that drops samples
+(drop) is never recommended: the product's promise is that nothing is dropped.
 """
 from __future__ import annotations
 
@@ -98,8 +99,10 @@ def frontier(quality: dict, throughput: dict, slices: int, preset: str,
       continue  # no throughput figure for it (e.g. a probe such as naive)
     at = {n: by_slices[str(n)][policy][preset] for n in (slices, q_slices)}
     x, x_q = at[slices]['drop_pct'], at[q_slices]['drop_pct']
-    make_up = ([make_up_steps_pct(run, run['presets'][preset]['runs'][policy]['eval_increase_pct'])
-                for run in quality['per_seed'].values()] if policy != CHECKPOINT else [0.0])
+    runs = [run['presets'][preset]['runs'][policy] for run in quality['per_seed'].values()
+            if policy != CHECKPOINT]
+    make_up = ([make_up_steps_pct(run, r['eval_increase_pct'])
+                for run, r in zip(quality['per_seed'].values(), runs)] or [0.0])
     slowdown = _mean_sem([slowdown_pct(x, m) for m in make_up])
     make_up = _mean_sem(make_up)
     policies[policy] = {
@@ -107,6 +110,7 @@ def frontier(quality: dict, throughput: dict, slices: int, preset: str,
         f'compile_pct_at_{slices}': 100.0 * at[slices].get('compile_time_frac', math.nan),
         'loss_increase_pct': y['mean'], 'loss_increase_sem': y['sem'],
         'loss_increase_per_seed': y['per_seed'], 'by_construction': bool(y.get('by_construction')),
+        'samples_dropped': sum(r['samples']['dropped'] for r in runs),
         'make_up_steps_pct': make_up['mean'], 'make_up_steps_sem': make_up['sem'],
         f'time_to_loss_slowdown_pct_at_{slices}': slowdown['mean'],
         f'time_to_loss_slowdown_sem_at_{slices}': slowdown['sem'],
@@ -155,7 +159,7 @@ def _mean_sem(xs: list[float]) -> dict:
 
 
 def _recommend(policies: dict, slices: int) -> str:
-  takeover = {p: v for p, v in policies.items() if p != CHECKPOINT}
+  takeover = {p: v for p, v in policies.items() if p != CHECKPOINT and not v['samples_dropped']}
   pool = {p: v for p, v in takeover.items() if v['targets_met']} or takeover
   return min(pool, key=lambda p: pool[p][f'time_to_loss_slowdown_pct_at_{slices}'])
 
