@@ -15,18 +15,23 @@ fault-free steps it is worth (the increase over the slope of the fault-free held
 over the run's last MAKE_UP_WINDOW steps), and drop and extra steps into the time to reach the
 fault-free loss: slowdown = 1 - (1 - drop) / (1 + extra). Without --recommend, the takeover
 policy (checkpoint-restart needs a spare: not one) with the smallest slowdown among those that
-meet both targets is recommended, or, when none does, among all; a policy that drops samples
-(drop) is never recommended: the product's promise is that nothing is dropped.
+meet both targets is recommended, or, when none does, among all. Never recommended: a policy
+that drops samples (drop; the product's promise is that nothing is dropped) or one whose exact
+rows per slice grow with the failures (MEMORY_GROWS: a slice's activation memory grows to
+n/(n-d) or 2x a normal step's, what MeCeFO exists to avoid).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import textwrap
 from pathlib import Path
 
 CHECKPOINT = 'checkpoint-restart'
 TARGET_DROP_PCT, TARGET_LOSS_PCT = 2.0, 1.0
+# One pass of all a slice's exact rows: exact takes n/(n-d) micro-batches, naive two.
+MEMORY_GROWS = ('exact', 'naive')
 MAKE_UP_WINDOW = 300  # steps at the end of the fault-free run whose held-out slope converts
 # docs/algorithm.md §6 (32 A100s, C4, `high`): throughput loss %, perplexity no failure -> high.
 PAPER = {'350M': (1.07, 18.74, 19.04), '1B': (2.98, 15.49, 15.83), '7B': (4.18, 14.92, 15.16)}
@@ -159,7 +164,8 @@ def _mean_sem(xs: list[float]) -> dict:
 
 
 def _recommend(policies: dict, slices: int) -> str:
-  takeover = {p: v for p, v in policies.items() if p != CHECKPOINT and not v['samples_dropped']}
+  takeover = {p: v for p, v in policies.items()
+              if p not in (CHECKPOINT, *MEMORY_GROWS) and not v['samples_dropped']}
   pool = {p: v for p, v in takeover.items() if v['targets_met']} or takeover
   return min(pool, key=lambda p: pool[p][f'time_to_loss_slowdown_pct_at_{slices}'])
 
@@ -219,8 +225,9 @@ def plot(result: dict, quality: dict, path: str) -> None:
   ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.13), ncol=2)
   _fault_free_curves(curves, quality)
   names = ', '.join(Path(q).name for q in result['inputs']['quality'])
-  fig.suptitle(f'throughput: {Path(result["inputs"]["throughput"]).name}; quality: {names} '
-               f'(data {quality["data"]})', fontsize=8)
+  title = (f'throughput: {Path(result["inputs"]["throughput"]).name}; quality: {names} '
+           f'(data {quality["data"]})')
+  fig.suptitle(textwrap.fill(title, 160), fontsize=8)
   fig.tight_layout()
   Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)

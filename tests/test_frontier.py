@@ -9,12 +9,12 @@ from benchmarks import frontier
 
 def _inputs():
   drops = {'neighbor': (18.0, 35.0), 'spread': (12.0, 15.0), 'budget:1.0': (1.9, 1.5),
-           'drop': (12.0, 13.0), 'checkpoint-restart': (3.0, 12.0), 'naive': (30.0, 50.0)}  # (8 slices, 32 slices)
+           'drop': (12.0, 13.0), 'exact': (13.0, 14.0), 'checkpoint-restart': (3.0, 12.0), 'naive': (30.0, 50.0)}  # (8 slices, 32 slices)
   throughput = {'results_by_slices': {
       str(n): {p: {'high': {'drop_pct': d[k], 'compile_time_frac': 0.01}} for p, d in drops.items()}
       for k, n in enumerate((8, 32))}}
   increases = {'neighbor': [2.0, 3.0, 4.0], 'spread': [0.5, 0.7, 0.9],
-               'budget:1.0': [0.8, 1.0, 1.2], 'drop': [0.0, 0.1, 0.2]}
+               'budget:1.0': [0.8, 1.0, 1.2], 'drop': [0.0, 0.1, 0.2], 'exact': [0.0] * 3}
   summary = {'high': {p: {'mean': sum(x) / 3, 'sem': 0.1, 'per_seed': x}
                       for p, x in increases.items()}}
   # Held-out loss falls 0.001 per step over the last 300 of 1000 steps, to 2.0: +1% (0.02) of
@@ -33,7 +33,7 @@ def test_frontier_reads_both_and_recommends_the_fastest_to_the_fault_free_loss(t
   quality, throughput = _inputs()
   result = frontier.frontier(quality, throughput, 32, 'high')
   p = result['policies']
-  assert set(p) == {'neighbor', 'spread', 'budget:1.0', 'drop', 'checkpoint-restart'}  # no naive
+  assert set(p) == {'neighbor', 'spread', 'budget:1.0', 'drop', 'exact', 'checkpoint-restart'}
   assert p['spread']['drop_pct_at_32'] == 15.0 and p['spread']['drop_pct_at_8'] == 12.0
   assert p['spread']['compile_pct_at_32'] == pytest.approx(1.0)
   assert p['checkpoint-restart']['loss_increase_pct'] == 0.0
@@ -62,9 +62,10 @@ def test_without_a_policy_meeting_both_targets_the_smallest_slowdown_is_recommen
   throughput['results_by_slices']['32']['budget:1.0']['high']['drop_pct'] = 30.0
   result = frontier.frontier(quality, throughput, 32, 'high')
   assert not any(v['targets_met'] for v in result['policies'].values())
-  # checkpoint-restart (12%, no loss) and drop (13%, +0.1%) would be faster, but one is not a
-  # takeover policy and the other loses samples.
+  # checkpoint-restart (12%, no loss), drop (13%, +0.1%) and exact (14%, 0) would be faster,
+  # but one is not a takeover policy, one loses samples and one grows a slice's memory.
   assert result['policies']['drop']['samples_dropped'] == 3 * 64
+  assert result['policies']['exact']['time_to_loss_slowdown_pct_at_32'] == pytest.approx(14.0)
   assert result['recommended'] == 'spread' and result['recommended_by'] == 'time_to_loss'
 
 
