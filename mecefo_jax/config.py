@@ -98,7 +98,7 @@ class FaultConfig:
   # expected fraction of slices down is the paper's at any slice count; cluster: for the cluster.
   rate: str = 'per_device'  # per_device | cluster
   # spread: the default, measured fastest to the fault-free loss of the policies that keep every
-  # sample (README, "Which takeover policy?"); neighbor is the paper's.
+  # sample and a normal step's memory (README, "Which takeover policy?"); neighbor: the paper's.
   takeover: str = 'spread'  # neighbor (paper) | spread, exact, budget | drop, naive
   # budget: each live slice's step cost stays within this multiple of the fault-free step's
   # (exact row 1, degraded row degraded_cost) with the fewest degraded rows; inf = all exact.

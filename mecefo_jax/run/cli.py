@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
-from mecefo_jax.config import DEFAULT_OUT, POLICIES, ConfigError, load_config, to_dict
+from mecefo_jax.config import (DEFAULT_OUT, POLICIES, ConfigError, FaultConfig, load_config,
+                               to_dict)
 
 
 # configs/ lies next to train.py in the repository: the default must not depend on the cwd.
@@ -57,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--failures', default=None,
                  help='none | low | mid | high (docs/algorithm.md §5 presets) | trace:PATH (= faults.failures)')
   p.add_argument('--takeover', default=None, choices=POLICIES,
-                 help='who processes a failed slice\'s micro-batch (= faults.takeover)')
+                 help='who processes a failed slice\'s micro-batch (= faults.takeover, default '
+                      f'{FaultConfig.takeover}; README: "Which takeover policy?")')
   start = p.add_mutually_exclusive_group()
   start.add_argument('--resume', action='store_true',
                      help='continue from the newest intact snapshot / checkpoint of --out')
