@@ -28,6 +28,8 @@ import math
 import textwrap
 from pathlib import Path
 
+from benchmarks import quality as quality_benchmark
+
 CHECKPOINT = 'checkpoint-restart'
 TARGET_DROP_PCT, TARGET_LOSS_PCT = 2.0, 1.0
 # One pass of all a slice's exact rows: exact takes n/(n-d) micro-batches, naive two.
@@ -67,7 +69,6 @@ def main(argv=None) -> dict:
 
 def join_seeds(parts: list[dict]) -> dict:
   """One quality --seeds result from several runs of the same study (e.g. one per seed)."""
-  from benchmarks import quality
   same = ('config', 'overrides', 'slices', 'data', 'mode')
   for part in parts[1:]:
     differ = [k for k in same if part.get(k) != parts[0].get(k)]
@@ -77,7 +78,7 @@ def join_seeds(parts: list[dict]) -> dict:
   if len(per_seed) < sum(len(part['per_seed']) for part in parts):
     raise ValueError('--quality files repeat a seed')
   return {**parts[0], 'seeds': sorted(int(s) for s in per_seed), 'per_seed': per_seed,
-          'summary': quality.seed_summary(per_seed), 'commits': [p['commit'] for p in parts]}
+          'summary': quality_benchmark.seed_summary(per_seed), 'commits': [p['commit'] for p in parts]}
 
 
 def paper_points() -> dict:
@@ -106,10 +107,10 @@ def frontier(quality: dict, throughput: dict, slices: int, preset: str,
     x, x_q = at[slices]['drop_pct'], at[q_slices]['drop_pct']
     runs = [run['presets'][preset]['runs'][policy] for run in quality['per_seed'].values()
             if policy != CHECKPOINT]
-    make_up = ([make_up_steps_pct(run, r['eval_increase_pct'])
-                for run, r in zip(quality['per_seed'].values(), runs)] or [0.0])
-    slowdown = _mean_sem([slowdown_pct(x, m) for m in make_up])
-    make_up = _mean_sem(make_up)
+    make_up_per_seed = ([make_up_steps_pct(run, r['eval_increase_pct'])
+                         for run, r in zip(quality['per_seed'].values(), runs)] or [0.0])
+    slowdown = quality_benchmark.mean_std_sem([slowdown_pct(x, m) for m in make_up_per_seed])
+    make_up = quality_benchmark.mean_std_sem(make_up_per_seed)
     policies[policy] = {
         f'drop_pct_at_{slices}': x, f'drop_pct_at_{q_slices}': x_q,
         f'compile_pct_at_{slices}': 100.0 * at[slices].get('compile_time_frac', math.nan),
@@ -154,13 +155,6 @@ def make_up_steps_pct(run: dict, increase_pct: float, window: int = MAKE_UP_WIND
 def slowdown_pct(drop_pct: float, make_up_pct: float) -> float:
   """% of the fault-free speed lost on the way to the fault-free loss."""
   return 100.0 * (1.0 - (1.0 - drop_pct / 100.0) / (1.0 + make_up_pct / 100.0))
-
-
-def _mean_sem(xs: list[float]) -> dict:
-  import numpy as np
-  x = np.asarray(xs, dtype=float)
-  sem = float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
-  return {'mean': float(x.mean()), 'sem': sem}
 
 
 def _recommend(policies: dict, slices: int) -> str:

@@ -163,11 +163,17 @@ def seed_summary(per_seed: dict) -> dict:
     for policy in v['runs']:
       x = np.array([r['presets'][preset]['runs'][policy]['eval_increase_pct']
                     for r in per_seed.values()])
-      std = float(x.std(ddof=1)) if len(x) > 1 else 0.0
       summary.setdefault(preset, {})[policy] = {
-          'mean': float(x.mean()), 'std': std, 'sem': std / np.sqrt(len(x)),
-          'min': float(x.min()), 'max': float(x.max()), 'per_seed': x.tolist()}
+          **mean_std_sem(x), 'min': float(x.min()), 'max': float(x.max()), 'per_seed': x.tolist()}
   return summary
+
+
+def mean_std_sem(xs) -> dict:
+  """Mean, sample std and standard error over seeds (std and sem 0 for one seed)."""
+  import numpy as np
+  x = np.asarray(xs, dtype=float)
+  std = float(x.std(ddof=1)) if len(x) > 1 else 0.0
+  return {'mean': float(x.mean()), 'std': std, 'sem': std / float(np.sqrt(len(x)))}
 
 
 def _relative(runs: dict, base: dict) -> None:
