@@ -3,8 +3,9 @@
 Run: python -m benchmarks.frontier --quality Q.json [Q2.json ...] --throughput T.json
      [--slices 32] [--preset high] [--recommend POLICY] [--figure F.png] [--json OUT.json]
 Q.json: benchmarks.quality with --seeds (eval-loss increase vs fault-free per seed, at its own
---slices); several (e.g. one process per seed) are joined into one seed set. T.json: benchmarks.failure_throughput with several --slices (drop_pct per slice
-count, policy and preset). Reads both, writes no new measurement: x = throughput drop at
+--slices); several (e.g. one process per seed) are joined into one seed set. T.json:
+benchmarks.failure_throughput with several --slices (drop_pct per slice count, policy and
+preset). Reads both, writes no new measurement: x = throughput drop at
 --slices, y = mean eval-loss increase +- SEM over the seeds. checkpoint-restart is not trained:
 it retrains the lost steps exactly (same rows, same order, same programs), so its final state is
 the fault-free one and y = 0 by construction. The targets (issue 18): drop <= 2% at --slices and
@@ -78,7 +79,8 @@ def join_seeds(parts: list[dict]) -> dict:
   if len(per_seed) < sum(len(part['per_seed']) for part in parts):
     raise ValueError('--quality files repeat a seed')
   return {**parts[0], 'seeds': sorted(int(s) for s in per_seed), 'per_seed': per_seed,
-          'summary': quality_benchmark.seed_summary(per_seed), 'commits': [p['commit'] for p in parts]}
+          'summary': quality_benchmark.seed_summary(per_seed),
+          'commits': [p['commit'] for p in parts]}
 
 
 def paper_points() -> dict:
