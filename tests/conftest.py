@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 fake CPU devices (set before jax is imported anywhere), the process launcher,
+and the tiers: a test that starts a process (it takes `launcher`) is marked `slow` here."""
 import os
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
@@ -8,14 +9,41 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from procs import Launcher  # noqa: E402
+
 jax.config.update('jax_default_matmul_precision', 'highest')
 
+LAUNCHER = 'launcher'
+# What the collection saw: every test file, and those holding a fast test (tests/test_layout.py).
+COLLECTED_FILES = pytest.StashKey[set]()
+FAST_FILES = pytest.StashKey[set]()
 
-def pytest_configure(config):
-  config.addinivalue_line('markers', 'slow: end-to-end tests (run in CI too)')
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marker must be there by then
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if LAUNCHER in getattr(item, 'fixturenames', ()):
+      item.add_marker(pytest.mark.slow)
+  config.stash[COLLECTED_FILES] = {item.path for item in items}
+  config.stash[FAST_FILES] = {item.path for item in items if not item.get_closest_marker('slow')}
 
 
 @pytest.fixture(scope='session')
 def devices():
   assert jax.device_count() == 8, 'tests need 8 fake CPU devices'
   return jax.devices()
+
+
+@pytest.fixture(scope='session')
+def _session_launcher(tmp_path_factory):
+  launcher = Launcher(tmp_path_factory.mktemp('xla_cache'))
+  yield launcher
+  launcher.kill_all()
+
+
+@pytest.fixture(scope='module')
+def launcher(_session_launcher):
+  """Starts processes for one test file's tests and fixtures; kills what is left after it."""
+  first = len(_session_launcher.started)
+  yield _session_launcher
+  _session_launcher.kill_all(since=first)

@@ -50,7 +50,7 @@ def test_no_failure_and_ample_budget_degrade_nothing():
   assert budget.counts(3, 16, math.inf, 0.65) == [(6, 0), (5, 0), (5, 0)]
 
 
-def test_large_cluster_plans_fast_and_spreads_degraded_rows():
+def test_large_cluster_plan_covers_every_row_and_spreads_degraded_rows():
   got = budget.counts(255, 256 * 8, 8.0, 0.65)  # one of 256 down, budget 1.0
   assert sum(e + g for e, g in got) == 256 * 8
   assert max(g for _, g in got) <= 3  # spread thin, not piled on a neighbour

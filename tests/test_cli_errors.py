@@ -14,27 +14,25 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import _FLOAT_RANGES, Config, ConfigError, load_config
-from mecefo_jax.run import plot, report_schema
+from mecefo_jax.run import cli, plot, report_schema
 from mecefo_jax.run.metrics import MetricsWriter, to_json
+from procs import ROOT, TINY, error_lines, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ('model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
-        'model.n_layers=1', 'train.micro_batch=4', 'mesh.slice=1', 'train.plot=false')
-ENV = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device
+RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=')
 
 
-def _run(*args, cwd=ROOT, timeout=120):
-  return subprocess.run([sys.executable, *args], cwd=cwd, env=ENV, capture_output=True,
-                        text=True, timeout=timeout)
-
-
-def _train(*args, cwd=ROOT, timeout=120):
-  return _run(str(ROOT / 'train.py'), *args, cwd=cwd, timeout=timeout)
+def _main(capsys, *argv, main=cli.main):
+  """(exit code, stderr) of a command line run in this process (argparse exits included)."""
+  try:
+    code = main([str(a) for a in argv])
+  except SystemExit as stop:
+    code = stop.code
+  return types.SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
 
 def _one_error(proc, needle: str, code: int = 2) -> None:
   """Exit `code`, exactly one `error:` line holding `needle`, and no traceback."""
-  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  lines = error_lines(proc.stderr)
   assert proc.returncode == code, proc.stderr[-2000:]
   assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
   assert 'Traceback' not in proc.stderr, proc.stderr[-2000:]
@@ -48,27 +46,27 @@ def _one_error(proc, needle: str, code: int = 2) -> None:
     pytest.param(lambda tmp: Path('/proc/mecefo-x'), "cannot create run directory '/proc/mecefo-x'",
                  marks=pytest.mark.skipif(not os.path.isdir('/proc'), reason='no /proc')),
 ])
-def test_unusable_out_fails_in_one_line(tmp_path, make_out, needle):
+def test_unusable_out_fails_in_one_line(tmp_path, capsys, make_out, needle):
   (tmp_path / 'file.txt').write_text('not a directory')
-  proc = _train('--out', str(make_out(tmp_path)), '--no-snapshots', 'train.steps=2', *TINY)
+  proc = _main(capsys, '--out', make_out(tmp_path), '--no-snapshots', 'train.steps=2', *RUN)
   _one_error(proc, needle)
 
 
-def test_yaml_syntax_errors_fail_in_one_line(tmp_path):
+def test_yaml_syntax_errors_fail_in_one_line(tmp_path, capsys):
   bad = tmp_path / 'bad.yaml'
   bad.write_text('model: {d_model: 32\ntrain: [\n')
-  _one_error(_train('--config', str(bad), '--print-config'),
+  _one_error(_main(capsys, '--config', bad, '--print-config'),
              f"config file '{bad}' is not valid YAML (line ")
-  _one_error(_train('train.steps=[1,', '--print-config'),
+  _one_error(_main(capsys, 'train.steps=[1,', '--print-config'),
              "override 'train.steps=[1,' is not valid YAML")
 
 
-def test_binary_config_and_trace_fail_in_one_line(tmp_path):
+def test_binary_config_and_trace_fail_in_one_line(tmp_path, capsys):
   blob = tmp_path / 'blob.bin'
   blob.write_bytes(bytes(range(256)) * 4)
-  _one_error(_train('--config', str(blob), '--print-config'), 'is not UTF-8 text')
-  proc = _train('--failures', f'trace:{blob}', '--no-snapshots', '--out', str(tmp_path / 'run'),
-                'train.steps=2', *TINY)
+  _one_error(_main(capsys, '--config', blob, '--print-config'), 'is not UTF-8 text')
+  proc = _main(capsys, '--failures', f'trace:{blob}', '--no-snapshots', '--out', tmp_path / 'run',
+               'train.steps=2', *RUN)
   _one_error(proc, f"failure trace '{blob}' is not UTF-8 text")
 
 
@@ -82,8 +80,8 @@ def test_binary_config_and_trace_fail_in_one_line(tmp_path):
     ('optimizer.grad_clip=-1', "'optimizer.grad_clip' must be in [0, inf) (0 disables"),
     ('faults.cluster_step_s=.inf', "'faults.cluster_step_s' must be in (0, inf), got inf"),
 ])
-def test_bad_values_fail_at_validation_in_one_line(override, needle):
-  _one_error(_train(override, '--print-config'), needle)
+def test_bad_values_fail_at_validation_in_one_line(capsys, override, needle):
+  _one_error(_main(capsys, override, '--print-config'), needle)
 
 
 def test_every_float_key_refuses_nan_and_inf_except_time_budget_inf():
@@ -100,38 +98,39 @@ def test_every_float_key_refuses_nan_and_inf_except_time_budget_inf():
 
 
 @pytest.mark.parametrize('value', ['-2', '0'])
-def test_host_devices_must_be_positive(value):
-  _one_error(_train('--host-devices', value, '--print-config'),
+def test_host_devices_must_be_positive(capsys, value):
+  _one_error(_main(capsys, '--host-devices', value, '--print-config'),
              f'argument --host-devices: must be >= 1, got {value}')
 
 
-def test_one_slice_with_a_failure_preset_warns_at_start(tmp_path):
-  proc = _train('--out', str(tmp_path / 'run'), '--no-snapshots', '--failures', 'high',
-                'train.steps=2', *TINY)
+def test_one_slice_with_a_failure_preset_warns_at_start(tmp_path, capsys, caplog):
+  proc = _main(capsys, '--out', tmp_path / 'run', '--no-snapshots', '--failures', 'high',
+               'train.steps=2', *RUN)
   assert proc.returncode in (0, 3), proc.stderr[-2000:]
-  assert 'one slice: a failure leaves no live slice to take over' in proc.stderr
+  assert 'one slice: a failure leaves no live slice to take over' in caplog.text
 
 
-def test_resume_and_fresh_together_are_refused():
-  _one_error(_train('--resume', '--fresh', '--print-config'),
+def test_resume_and_fresh_together_are_refused(capsys):
+  _one_error(_main(capsys, '--resume', '--fresh', '--print-config'),
              'argument --fresh: not allowed with argument --resume')
 
 
-def test_default_config_does_not_depend_on_the_cwd(tmp_path):
-  elsewhere = _train('--print-config', cwd=tmp_path)
-  explicit = _train('--config', str(ROOT / 'configs' / 'tiny.yaml'), '--print-config')
-  assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
-  assert elsewhere.stdout == explicit.stdout and 'steps: 300' in elsewhere.stdout
+def test_default_config_does_not_depend_on_the_cwd(tmp_path, capsys, monkeypatch):
+  assert cli.main(['--config', str(ROOT / 'configs' / 'tiny.yaml'), '--print-config']) == 0
+  explicit = capsys.readouterr().out
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(['--print-config']) == 0
+  assert capsys.readouterr().out == explicit and 'steps: 300' in explicit
 
 
 # ---- report_schema and strict JSON -----------------------------------------------------------
 
-def test_report_schema_cli_missing_or_bad_input_in_one_line(tmp_path):
-  module = ('-m', 'mecefo_jax.run.report_schema')
-  _one_error(_run(*module, str(tmp_path / 'missing')), 'missing: not found')
-  _one_error(_run(*module, str(tmp_path)), f'{tmp_path}/report.json: not found')
+def test_report_schema_cli_missing_or_bad_input_in_one_line(tmp_path, capsys):
+  check = lambda path: _main(capsys, path, main=report_schema.main)
+  _one_error(check(tmp_path / 'missing'), 'missing: not found')
+  _one_error(check(tmp_path), f'{tmp_path}/report.json: not found')
   (tmp_path / 'report.json').write_text('{"steps": NaN}')
-  _one_error(_run(*module, str(tmp_path)), 'bare NaN is not JSON')
+  _one_error(check(tmp_path), 'bare NaN is not JSON')
 
 
 def test_to_json_writes_null_for_non_finite_floats():
@@ -144,12 +143,13 @@ def test_to_json_writes_null_for_non_finite_floats():
   assert to_json({'a': 1}, indent=2) == json.dumps({'a': 1}, indent=2)
 
 
-def test_a_diverged_run_stops_with_one_line_and_keeps_only_finite_snapshots(tmp_path):
+def test_a_diverged_run_stops_with_one_line_and_keeps_only_finite_snapshots(tmp_path, capsys,
+                                                                             caplog):
   out, shm = tmp_path / 'run', tmp_path / 'shm'
-  proc = _train('--out', str(out), 'optimizer.lr=1e9', 'optimizer.warmup_steps=0',
-                'train.steps=20', 'snapshot.every=1', f'snapshot.dir={shm}', *TINY)
-  lines = [l for l in proc.stderr.splitlines() if 'the training loss is not finite' in l]
-  assert proc.returncode == 4 and len(lines) == 1 and 'Traceback' not in proc.stderr, proc.stderr
+  proc = _main(capsys, '--out', out, 'optimizer.lr=1e9', 'optimizer.warmup_steps=0',
+               'train.steps=20', 'snapshot.every=1', f'snapshot.dir={shm}', *RUN)
+  lines = [r for r in caplog.messages if 'the training loss is not finite' in r]
+  assert proc.returncode == 4 and len(lines) == 1, caplog.text[-2000:]
   report = json.loads((out / 'report.json').read_text())  # strict JSON (json.loads allows NaN)
   step = report['diverged_at_step']
   assert step is not None and report['stopped'] and report['final_loss'] is not None
@@ -188,13 +188,13 @@ def _fake_run(directory: Path, losses) -> Path:
   return directory
 
 
-def test_plot_compares_several_runs_on_one_figure(tmp_path):
+def test_plot_compares_several_runs_on_one_figure(tmp_path, capsys):
   a = _fake_run(tmp_path / 'runs' / 'neighbor', [5.0, 4.0, 3.2, 2.9])
   b = _fake_run(tmp_path / 'runs' / 'spread', [5.1, 3.9, None, 2.8])  # null: a NaN loss
   png = tmp_path / 'compare.png'
-  proc = _run('-m', 'mecefo_jax.run.plot', str(a), str(b), '--out', str(png))
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert proc.stdout.strip() == str(png) and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert plot.main([str(a), str(b), '--out', str(png)]) == 0
+  assert capsys.readouterr().out.strip() == str(png)
+  assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert plot._labels([a, b]) == ['neighbor', 'spread']
   assert plot._labels([a, tmp_path / 'other' / 'neighbor'])[0] == str(a)  # same name: the path
 
@@ -207,71 +207,36 @@ def test_plot_several_runs_need_out(tmp_path, capsys):
   assert 'has no training rows' in capsys.readouterr().err
 
 
-# ---- Ctrl-C ----------------------------------------------------------------------------------
+# ---- Ctrl-C (train.py's SIGTERM and Ctrl-C stops share one handler: tests/test_recovery.py) --
 
 def _default_sigint():
   # A test runner started in the background may ignore SIGINT, and children inherit that.
   signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start(out: Path, *args: str) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, 'train.py', '--out', str(out), *TINY, *args],
-                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, preexec_fn=_default_sigint)
-
-
-def _interrupt_at(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180):
-  """Sends SIGINT once metrics.jsonl holds `step`; (exit code, stderr)."""
-  deadline, path = time.monotonic() + timeout, out / 'metrics.jsonl'
-  try:
-    while not (path.is_file() and f'"step": {step},' in path.read_text()):
-      assert proc.poll() is None, f'train.py exited early: {proc.communicate()[1][-2000:]}'
-      assert time.monotonic() < deadline, f'step {step} not logged in {timeout} s'
-      time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.communicate()
-  return proc.returncode, err
-
-
-def test_ctrl_c_checkpoints_stops_and_resumes(tmp_path):
+def test_ctrl_c_without_snapshots_is_one_line(launcher, tmp_path):
   out = tmp_path / 'run'
-  args = ('train.steps=400', 'train.log_every=1', 'train.eval_every=0', 'train.eval_batches=1',
-          f'snapshot.dir={tmp_path / "shm"}', 'snapshot.every=50')
-  code, err = _interrupt_at(_start(out, *args), out, 3)
-  assert code == 128 + signal.SIGTERM, err[-2000:]  # as a SIGTERM preemption
-  assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-2000:]
-  assert len([l for l in err.splitlines() if 'SIGINT (Ctrl-C): stopping after this step' in l]) == 1
-  stopped = json.loads((out / 'report.json').read_text())
-  assert stopped['preempted'] and 3 < stopped['steps'] < 400
-  proc = _start(out, *args)  # an unfinished run in --out resumes
-  _, err = proc.communicate(timeout=240)
-  assert proc.returncode == 0, err[-2000:]
-  result = json.loads((out / 'report.json').read_text())
-  assert (result['resumed_from_step'], result['steps']) == (stopped['steps'], 400)
-
-
-def test_ctrl_c_without_snapshots_is_one_line(tmp_path):
-  out = tmp_path / 'run'
-  code, err = _interrupt_at(_start(out, '--no-snapshots', 'train.steps=100000',
-                                   'train.log_every=1'), out, 2)
-  _one_error(types.SimpleNamespace(returncode=code, stderr=err), 'interrupted (Ctrl-C)',
+  proc = launcher.start([sys.executable, 'train.py', '--out', out, *TINY, 'mesh.slice=1',
+                         '--no-snapshots', 'train.steps=100000', 'train.log_every=1'],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        preexec_fn=_default_sigint)
+  metrics = out / 'metrics.jsonl'
+  wait_for(lambda: metrics.is_file() and '"step": 2,' in metrics.read_text(), 180, 'step 2', proc)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  _one_error(types.SimpleNamespace(returncode=proc.returncode, stderr=err), 'interrupted (Ctrl-C)',
              code=128 + signal.SIGINT)
 
 
-def test_second_ctrl_c_interrupts_at_once():
+def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplog):
   from mecefo_jax.snapshot.recovery import install_sigterm_handler
   manager = types.SimpleNamespace(preempted=False)
   previous = install_sigterm_handler(manager, defer=True, signum=signal.SIGINT)
   try:
     os.kill(os.getpid(), signal.SIGINT)  # the handler runs in this thread, here
-    deadline = time.monotonic() + 5
-    while not manager.preempted and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert manager.preempted
+    wait_for(lambda: manager.preempted, 5, 'the first SIGINT handled')
+    assert manager.preempted == 'SIGINT (Ctrl-C)'
+    assert caplog.messages == ['SIGINT (Ctrl-C): stopping after this step, with a final checkpoint']
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(5)

@@ -11,9 +11,11 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.data import order, synthetic
 from mecefo_jax.fault.controller import AllSlicesDown, Controller, SliceFailure
+from mecefo_jax.fault import goodput
 from mecefo_jax.fault.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.step import train_step
+from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.precompile import next_live_sets
 
 pytestmark = pytest.mark.usefixtures('devices')
@@ -88,7 +90,6 @@ def _fail_and_rejoin(name):
   return c, [float(c.step(t)['loss']) for t in range(4)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize('name', RUNS)
 def test_fail_and_rejoin_replicas_bit_identical(name):
   c, losses = _fail_and_rejoin(name)
@@ -102,7 +103,6 @@ def test_fail_and_rejoin_replicas_bit_identical(name):
                        'dropped': 0} and c.samples['degraded'] > 0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize('name', ['8x1', '2x4'])  # meshes whose programs no other test compiles
 def test_goodput_after_failures(name):
   c, _ = _fail_and_rejoin(name)
@@ -179,7 +179,6 @@ def test_drop_loss_is_mean_over_live_samples():
 
 # --- several slices down -----------------------------------------------------------------
 
-@pytest.mark.slow
 def test_neighbor_of_neighbor_then_last_slice_carries_all_then_all_down():
   sched = FailureSchedule(4).fail_at(1, 0).fail_at(2, 0).fail_at(3, 1).fail_at(0, 2)
   c = _controller('4x2', f'faults.max_degraded_rows={2 * B}', schedule=sched)
@@ -280,3 +279,35 @@ def test_precompile_compiles_the_next_live_sets_in_the_background():
   c.precompiler.wait()  # the repair set (0, 1) was queued: its fused step exists already
   assert c.precompiler.compiled == 3 and set(c.programs.keys()) == programs | {('eval', (0, 1))}
   c.precompiler.stop()
+
+
+# --- the program cache ---------------------------------------------------------------------
+
+def test_program_cache_builds_a_key_once_and_books_the_wait_of_the_training_thread():
+  mesh, _, graphdef, _ = _mesh('4x2')
+  booked, built = [], []
+  cache = ProgramCache(load_config(None, [*TINY, *MESHES['4x2']]),
+                       sharding.PresentSlices(mesh, ALL4), graphdef, booked.append)
+  build = lambda: built.append(1) or 'program'
+  assert cache.get(('eval', (0,)), build) == cache.get(('eval', (0,)), build) == 'program'
+  assert built == [1] and len(booked) == 1 and cache.keys() == {('eval', (0,))}
+
+
+# --- the goodput ledger --------------------------------------------------------------------
+
+def test_goodput_books_compiles_apart_and_splits_a_failed_step_by_its_rows(monkeypatch):
+  clock = iter([0.0, 10.0, 16.0, 16.0, 19.0])
+  monkeypatch.setattr(goodput.time, 'perf_counter', lambda: next(clock))
+  g = goodput.Goodput()
+  g.start_step()  # t=0
+  g.book('compile', 3.0)
+  g.end_step(8, 8, failed=False)  # t=10: 10 s less the 3 s compile
+  g.exclude(2.0)  # an eval between the steps: the next step starts at 12
+  g.start_step()
+  g.end_step(6, 8, failed=True)  # t=16: 4 s, 6 of 8 rows processed
+  g.restart_clock()  # a resume: the next step starts when it starts (t=16)
+  g.start_step()
+  g.end_step(8, 8, failed=False)  # t=19
+  assert g.seconds == {'normal_productive': 7.0 + 3.0, 'degraded_productive': 3.0,
+                       'compile': 3.0, 'rejoin': 0.0, 'lost': 1.0}
+  assert goodput.Goodput(g.seconds).seconds == g.seconds  # restored from a snapshot's meta

@@ -103,17 +103,19 @@ def test_log_probs_of_impossible_transition_is_minus_inf(corpus):
   assert corpus.log_probs(tokens_NxL1)[0, 0] == -np.inf and nxt != tokens_NxL1[0, 1]
 
 
-def test_generation_is_fast():
+def test_generation_is_vectorised_over_rows():
+  """64 rows of 256 tokens: ~4 ms of this process's CPU time here, bounded at 25x that. CPU
+  time, not wall time, so that other work on a shared machine cannot fail it."""
   corpus = SyntheticCorpus(vocab_size=256, seq_len=256, seed=0)
   ids = np.arange(64)
-  best = min(_timed(corpus.sequences, ids + 64 * i) for i in range(5))
-  assert best < 0.05, best
+  best = min(_cpu_seconds(corpus.sequences, ids + 64 * i) for i in range(3))
+  assert best < 0.1, best
 
 
-def _timed(fn, *args):
-  start = time.perf_counter()
+def _cpu_seconds(fn, *args):
+  start = time.process_time()
   fn(*args)
-  return time.perf_counter() - start
+  return time.process_time() - start
 
 
 @pytest.mark.parametrize('kwargs, name', [

@@ -4,7 +4,6 @@ import math
 
 import pytest
 
-import benchmark_run
 
 SMALL = ['model.n_layers=1', 'model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=96',
          'model.seq_len=32', 'model.vocab_size=64', 'train.micro_batch=4']
@@ -12,11 +11,10 @@ QUICK = ['--slices', '2,4', '--measure', 'anchors', '--presets', 'high', '--hour
          '--seeds', '1', '--repeats', '1', '--warmup', '0']
 
 
-@pytest.mark.slow
-def test_measure_then_replay_every_policy_and_reread_as_flops(tmp_path):
+def test_measure_then_replay_every_policy_and_reread_as_flops(launcher, tmp_path):
   out = tmp_path / 'ft.json'
-  result = benchmark_run.run('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
-                             *SMALL, json_path=out)
+  result = launcher.benchmark('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
+                              *SMALL, json_path=out)
   policies = {'neighbor', 'spread', 'exact', 'budget:1.0', 'budget:1.05', 'drop', 'naive',
               'checkpoint-restart'}
   assert set(result['results_by_slices']) == {'2', '4'}
@@ -26,9 +24,9 @@ def test_measure_then_replay_every_policy_and_reread_as_flops(tmp_path):
   assert {'refresh', 'refresh_full', 'fused_normal', 'update'} <= set(m['times'])  # warm refresh
   assert m['flops']['fused_normal'] > 0 and m['flops']['refresh'] < m['flops']['fused_normal']
   # The same costs read as FLOPs: the normal step keeps its measured time, no new timing.
-  again = benchmark_run.run('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
-                            '--costs', out, '--stat', 'flops', *SMALL,
-                            json_path=tmp_path / 'ft_flops.json')
+  again = launcher.benchmark('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
+                             '--costs', out, '--stat', 'flops', *SMALL,
+                             json_path=tmp_path / 'ft_flops.json')
   assert again['costs']['normal_s'] == pytest.approx(result['costs']['normal_s'])
   assert again['measurement'] == json.loads(out.read_text())['measurement']
   assert set(again['results']) == policies

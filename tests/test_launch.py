@@ -5,14 +5,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from test_multiprocess import _env, _free_port  # the same local job set-up
+from mecefo_jax import launch
+from mecefo_jax.launch import _free_port
+from procs import kill, report, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
 ARGS = ['mesh.slice=6', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', 'train.steps=400',
         'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=1', 'model.seq_len=32',
@@ -29,81 +29,74 @@ def _metrics_rows(run: Path) -> int:
   return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _wait_for(condition, timeout: float, what: str, proc) -> None:
-  deadline = time.monotonic() + timeout
-  while not condition():
-    assert proc.poll() is None, f'the supervisor exited ({proc.returncode}) before {what}'
-    assert time.monotonic() < deadline, f'no {what} within {timeout} s'
-    time.sleep(0.2)
-
-
-def _supervise(tmp: Path, *launch_args) -> tuple[subprocess.Popen, Path]:
+def _supervise(launcher, tmp: Path, *launch_args):
   events = tmp / 'events.jsonl'
   cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--devices-per-process', '2',
          '--events', str(events), *launch_args, '--', '--out', str(tmp / 'run'),
          f'snapshot.dir={tmp / "shm"}', *ARGS]
   log = open(tmp / 'launch.log', 'wb')
-  return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=log), events
+  return launcher.start(cmd, env=launcher.env(compile_cache=False), stdout=log, stderr=log), events
 
 
-@pytest.mark.slow
-def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(tmp_path):
-  proc, events = _supervise(tmp_path, '--rejoin-after', str(REJOIN_AFTER_S))
+def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(launcher, tmp_path):
+  proc, events = _supervise(launcher, tmp_path, '--rejoin-after', str(REJOIN_AFTER_S))
   run = tmp_path / 'run'
   try:
-    _wait_for(lambda: _metrics_rows(run) >= 5, 300, 'training', proc)
+    wait_for(lambda: _metrics_rows(run) >= 5, 300, 'training', proc)
     victim = _events(events)[0]['pids']['1']
     os.kill(victim, signal.SIGKILL)  # host 1: slices 2 and 3
     code = proc.wait(timeout=600)
   finally:
-    proc.kill()
-    subprocess.run(['pkill', '-9', '-f', str(tmp_path)], check=False)  # any child left
+    kill(proc)  # and any process of its session left (its train.py children)
   log = (tmp_path / 'launch.log').read_text(errors='replace')
   assert code == 0, log[-4000:]
   kinds = [e['kind'] for e in _events(events)]
   assert kinds[:3] == ['start', 'death', 'start'] and 'rejoin' in kinds, kinds
   assert 'rebuilt from the parity of the others' in log  # host 1's snapshot part
   assert 'slice 2 FAILED (absent)' in log and 'slice 2 repaired, rejoining (present)' in log
-  report = json.loads((run / 'report.json').read_text())
-  failures = [(e['slice'], e['kind'], e['source']) for e in report['failure_events']]
+  result = report(run)
+  failures = [(e['slice'], e['kind'], e['source']) for e in result['failure_events']]
   assert failures == [(2, 'fail', 'absent'), (3, 'fail', 'absent'),
                       (2, 'repair', 'present'), (3, 'repair', 'present')], failures
-  fail_step, repair_step = (report['failure_events'][i]['step'] for i in (0, 2))
+  fail_step, repair_step = (result['failure_events'][i]['step'] for i in (0, 2))
   assert repair_step > fail_step, 'the survivors trained no step before the rejoin'
-  assert report['samples']['dropped'] == 0 and report['samples']['degraded'] > 0
-  assert report['steps'] == 400 and report['live_slices_at_end'] == list(range(6))
+  assert result['samples']['dropped'] == 0 and result['samples']['degraded'] > 0
+  assert result['steps'] == 400 and result['live_slices_at_end'] == list(range(6))
 
   # One process with every device, replaying the run's failures: the same parameters.
-  replay = subprocess.run(
-      [sys.executable, 'train.py', '-q', '--host-devices=6', '--out', str(tmp_path / 'replay'),
-       f'--failures=trace:{run / "failures.txt"}', '--no-snapshots', *ARGS],
-      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+  replay = launcher.train('-q', '--host-devices=6', '--out', tmp_path / 'replay',
+                          f'--failures=trace:{run / "failures.txt"}', '--no-snapshots', *ARGS,
+                          timeout=600)
   assert replay.returncode == 0, replay.stderr[-3000:]
-  reference = json.loads((tmp_path / 'replay' / 'report.json').read_text())
-  assert report['params_sha256'] == reference['params_sha256']
-  assert report['samples'] == reference['samples']
+  reference = report(tmp_path / 'replay')
+  assert result['params_sha256'] == reference['params_sha256']
+  assert result['samples'] == reference['samples']
 
   # A restart that does not say which hosts its processes are: one line, nothing touched.
   port = _free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, 'train.py', '--host-devices=2', f'--coordinator=127.0.0.1:{port}',
-       '--num-processes=2', f'--process-id={i}', '--resume', '--out', str(run),
-       f'snapshot.dir={tmp_path / "shm"}', *ARGS, 'train.steps=500'],
-      cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
+  env, procs = launcher.env(compile_cache=False), []
+  for i in range(2):
+    procs.append(launcher.start(
+        [sys.executable, 'train.py', '--host-devices=2', f'--coordinator=127.0.0.1:{port}',
+         '--num-processes=2', f'--process-id={i}', '--resume', '--out', run,
+         f'snapshot.dir={tmp_path / "shm"}', *ARGS, 'train.steps=500'],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   try:
     outs = [p.communicate(timeout=120) for p in procs]
   finally:
     for p in procs:
-      p.kill()
+      kill(p)
   assert [p.returncode for p in procs] == [2, 2], outs
   assert 'this run has 3 hosts and this job 2 processes: give each process' in outs[0][1]
-  assert json.loads((run / 'report.json').read_text())['steps'] == 400
+  assert report(run)['steps'] == 400
 
 
-def test_supervisor_input_errors_are_one_line():
-  for argv, expected in ((['-n', '3', '--', '--host-devices=2'], '--host-devices is set by'),
-                         (['-n', '1'], 'need -n >= 2')):
-    proc = subprocess.run([sys.executable, '-m', 'mecefo_jax.launch', *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+@pytest.mark.parametrize('argv, expected', [
+    (['-n', '3', '--', '--host-devices=2'], '--host-devices is set by'),
+    (['-n', '1'], 'need -n >= 2')])
+def test_supervisor_input_errors_are_one_line(capsys, argv, expected):
+  with pytest.raises(SystemExit) as stop:
+    launch.parse_args(argv)
+  assert stop.value.code == 2
+  [line] = capsys.readouterr().err.splitlines()
+  assert line.startswith('error: ') and expected in line, line

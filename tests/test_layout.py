@@ -60,3 +60,28 @@ def test_public_api_importable_from_its_documented_place(module, name):
 def test_every_folder_says_what_lives_there():
   for init in PACKAGE.glob('*/__init__.py'):
     assert ast.get_docstring(ast.parse(init.read_text())), f'{init} has no docstring'
+
+
+def _modules() -> set[str]:
+  return {'.'.join(p.relative_to(PACKAGE.parent).with_suffix('').parts).removesuffix('.__init__')
+          for p in PACKAGE.rglob('*.py')}
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+  """The package modules a test file imports by name (`from pkg import module` included)."""
+  names = set(_imports(path))
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      names |= {f'{node.module}.{a.name}' for a in node.names}
+  return names & modules
+
+
+def test_every_module_is_imported_by_a_fast_test(request):
+  from conftest import COLLECTED_FILES, FAST_FILES
+  tests = set(Path(__file__).parent.glob('test_*.py'))
+  if not tests <= request.config.stash[COLLECTED_FILES]:
+    pytest.skip('needs the whole tests/ collection (either tier), not a selection of files')
+  modules = _modules()
+  imported = set().union(*(_imported_modules(p, modules) for p in request.config.stash[FAST_FILES]))
+  missing = sorted(m for m in modules if m not in imported and m != 'mecefo_jax')
+  assert not missing, f'no fast test imports {missing}'

@@ -1,7 +1,6 @@
 """MFU benchmark: the analytic FLOP count agrees with XLA's, the peak table, MFU arithmetic."""
 import pytest
 
-import benchmark_run
 from benchmarks import mfu
 from mecefo_jax.config import load_config
 
@@ -25,10 +24,10 @@ def test_model_flops_formula():
   assert f['total'] == 6 * f['matmul_params'] + 12 * 8 * 256 * 512
 
 
-def test_mfu_run_agrees_with_xla(tmp_path):
-  result = benchmark_run.run('mfu', '--config', 'configs/tiny.yaml', '--micro-batches', '2,4',
-                             '--repeats', '1', '--peak-tflops', '0.5', *SMALL,
-                             json_path=tmp_path / 'm.json')
+def test_mfu_run_agrees_with_xla(launcher, tmp_path):
+  result = launcher.benchmark('mfu', '--config', 'configs/tiny.yaml', '--micro-batches', '2,4',
+                              '--repeats', '1', '--peak-tflops', '0.5', *SMALL,
+                              json_path=tmp_path / 'm.json')
   assert [r['micro_batch'] for r in result['rows']] == [2, 4]
   for row in result['rows']:
     assert row['mfu'] == pytest.approx(row['model_tflops_per_s'] / 0.5)
@@ -38,10 +37,18 @@ def test_mfu_run_agrees_with_xla(tmp_path):
   assert result['peak_source'] == 'argument'
 
 
-def test_mfu_without_peak_is_null_and_bad_batches_fail(tmp_path):
-  result = benchmark_run.run('mfu', '--config', 'configs/tiny.yaml', '--repeats', '1', *SMALL,
-                             json_path=tmp_path / 'm.json')
-  assert result['best_mfu'] is None and result['rows'][0]['mfu'] is None
-  for bad in ('0', '4,x', '-2'):
-    with pytest.raises(SystemExit):
-      mfu.main(['--config', 'configs/tiny.yaml', '--micro-batches', bad, *SMALL])
+def test_rows_without_a_peak_have_no_mfu():
+  cfg = load_config('configs/tiny.yaml', SMALL)
+  measured = {4: {'time': {'median_s': 0.5}, 'memory': {}, 'xla_flops': None}}
+  [row] = mfu.rows(cfg, measured, peak=None)
+  assert row['mfu'] is None and row['xla_tflops_per_s'] is None
+  assert row['model_tflops_per_s'] == pytest.approx(
+      mfu.model_flops_per_token(cfg.model)['total'] * 4 * 32 / 0.5 / 1e12)
+
+
+@pytest.mark.parametrize('bad', ['0', '4,x', '-2'])
+def test_mfu_refuses_bad_micro_batches(capsys, bad):
+  with pytest.raises(SystemExit) as stop:
+    mfu.main(['--config', 'configs/tiny.yaml', '--micro-batches', bad, *SMALL])
+  assert stop.value.code == 2
+  assert f'--micro-batches must be positive integers, got {bad!r}' in capsys.readouterr().err

@@ -1,20 +1,23 @@
 """Real multi-process runs on localhost (CPU, gloo): same params as one process, failures across
 processes, and the death of a process survived through per-host snapshots rebuilt from parity."""
-import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
-from mecefo_jax.snapshot import recovery
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-ROOT = Path(__file__).resolve().parents[1]
+from mecefo_jax import multihost, sharding
+from mecefo_jax.config import load_config
+from mecefo_jax.launch import _free_port
+from mecefo_jax.snapshot import recovery
+from procs import report, wait_all
+
 STEPS = 8
 # Slice 3 fails at step 1 and is repaired at step 3: with 4 processes x 2 devices that leaves
 # process 3 with no live slice (it skips every program), and its rejoin crosses processes.
@@ -22,19 +25,6 @@ TRACE = '1 3 fail\n3 3 repair\n'
 ARGS = ['mesh.slice=4', 'mesh.fsdp=2', 'mesh.ordered_reduce=true', f'train.steps={STEPS}',
         'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=1', 'model.seq_len=32',
         'snapshot.every=1', 'train.eval_every=0', 'train.plot=false']
-
-pytestmark = pytest.mark.slow
-
-
-def _env():
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
-  return {**env, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1'}
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
 
 
 def _args(tmp: Path, out: str, *extra) -> list[str]:
@@ -44,7 +34,8 @@ def _args(tmp: Path, out: str, *extra) -> list[str]:
           f'snapshot.dir={tmp / (out + "_shm")}', *extra]
 
 
-def _spawn(tmp: Path, out: str, n: int, *extra, heartbeat=100) -> list[subprocess.Popen]:
+def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
+  """n local processes of one job (gloo on CPU), output in <out>_<i>.log."""
   port = _free_port()
   procs = []
   for i in range(n):
@@ -52,21 +43,9 @@ def _spawn(tmp: Path, out: str, n: int, *extra, heartbeat=100) -> list[subproces
     cmd = [sys.executable, 'train.py', f'--host-devices={8 // n}', f'--coordinator=localhost:{port}',
            f'--num-processes={n}', f'--process-id={i}', f'--heartbeat-s={heartbeat}',
            *_args(tmp, out, *extra)]
-    procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=log))
+    procs.append(launcher.start(cmd, env=launcher.env(compile_cache=False), stdout=log,
+                                stderr=log))
   return procs
-
-
-def _wait(procs, timeout=420) -> list[int]:
-  deadline = time.monotonic() + timeout
-  codes = []
-  for p in procs:
-    try:
-      codes.append(p.wait(timeout=max(1, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-  return codes
 
 
 def _memory_tier(tmp: Path) -> Path:
@@ -74,39 +53,35 @@ def _memory_tier(tmp: Path) -> Path:
   return tmp / 'run_shm' / recovery.read_run_state(tmp / 'run')['run_id']
 
 
-def _report(tmp: Path, out: str) -> dict:
-  return json.loads((tmp / out / 'report.json').read_text())
-
-
 def _logs(tmp: Path, out: str, tail: int = 3000) -> str:  # tail=0: all
   return '\n'.join(p.read_text(errors='replace')[-tail:] for p in sorted(tmp.glob(f'{out}_*.log')))
 
 
 @pytest.fixture(scope='module')
-def reference(tmp_path_factory):
+def reference(launcher, tmp_path_factory):
   """params_sha256 of the same run in one process with all 8 devices."""
   tmp = tmp_path_factory.mktemp('single')
-  proc = subprocess.run([sys.executable, 'train.py', '--host-devices=8', *_args(tmp, 'run')],
-                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=420)
+  proc = launcher.train('--host-devices=8', *_args(tmp, 'run'), timeout=420)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  return _report(tmp, 'run')
+  return report(tmp / 'run')
 
 
 @pytest.mark.parametrize('n_processes', [4])  # 2 processes: test_process_death_resumes_from_parity
-def test_processes_match_one_process(n_processes, reference, tmp_path):
-  codes = _wait(_spawn(tmp_path, 'run', n_processes, 'snapshot.keep_when_finished=true'))
+def test_processes_match_one_process(launcher, n_processes, reference, tmp_path):
+  procs = _spawn(launcher, tmp_path, 'run', n_processes, 'snapshot.keep_when_finished=true')
+  codes = wait_all(procs, 420)
   assert codes == [0] * n_processes, _logs(tmp_path, 'run')
-  report = _report(tmp_path, 'run')
-  assert report['params_sha256'] == reference['params_sha256']
-  assert report['samples'] == reference['samples'] and report['samples']['degraded'] > 0
-  assert [e['kind'] for e in report['failure_events']] == ['fail', 'repair']
+  result = report(tmp_path / 'run')
+  assert result['params_sha256'] == reference['params_sha256']
+  assert result['samples'] == reference['samples'] and result['samples']['degraded'] > 0
+  assert [e['kind'] for e in result['failure_events']] == ['fail', 'repair']
   # Each host keeps its own part of every snapshot.
   shm = _memory_tier(tmp_path)
   assert all((shm / f'host{i}' / str(STEPS)).is_dir() for i in range(n_processes))
 
 
-def test_process_death_resumes_from_parity(reference, tmp_path):
-  procs = _spawn(tmp_path, 'run', 2, heartbeat=5)
+def test_process_death_resumes_from_parity(launcher, reference, tmp_path):
+  procs = _spawn(launcher, tmp_path, 'run', 2, heartbeat=5)
   metrics = tmp_path / 'run' / 'metrics.jsonl'
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and procs[0].poll() is None:
@@ -118,18 +93,57 @@ def test_process_death_resumes_from_parity(reference, tmp_path):
   assert killed_after < STEPS, 'the run finished before it could be killed'
   procs[1].send_signal(signal.SIGKILL)
   t0 = time.monotonic()
-  survivor = _wait(procs[:1], timeout=120)[0]
+  survivor = wait_all(procs[:1], 120)[0]
   # JAX's coordination service notices the silent process after the heartbeat timeout and
   # terminates the survivor (it would otherwise wait forever in the next collective).
   assert survivor != 0 and time.monotonic() - t0 < 90, _logs(tmp_path, 'run')
   assert 'heartbeat timeout' in _logs(tmp_path, 'run', tail=0)
   # The dead host's snapshot memory is gone with it: its part is rebuilt from parity.
   shutil.rmtree(_memory_tier(tmp_path) / 'host1')
-  codes = _wait(_spawn(tmp_path, 'run', 2, '--resume'))
+  codes = wait_all(_spawn(launcher, tmp_path, 'run', 2, '--resume'), 420)
   assert codes == [0, 0], _logs(tmp_path, 'run')
   text = _logs(tmp_path, 'run', tail=0)
   assert 'part of host 1 rebuilt from the parity of the others' in text
-  report = _report(tmp_path, 'run')
-  assert report['params_sha256'] == reference['params_sha256']
-  assert report['resumed_from_step'] is not None and report['steps_lost'] <= 1, report
+  result = report(tmp_path / 'run')
+  assert result['params_sha256'] == reference['params_sha256']
+  assert result['resumed_from_step'] is not None and result['steps_lost'] <= 1, result
 
+
+
+# --- the same helpers in one process (fast): what a multi-process run builds on ---------------
+
+@pytest.fixture(scope='module')
+def slices(devices):
+  """Logical slices 0..3 of 2 devices each."""
+  cfg = load_config(None, ['mesh.slice=4', 'mesh.fsdp=2'])
+  return sharding.PresentSlices(sharding.make_mesh(cfg.mesh), (0, 1, 2, 3))
+
+
+def test_put_batch_makes_each_slices_rows_on_its_devices(slices):
+  mesh = slices.sub((0, 2, 3))
+  rows = np.arange(3 * 4 * 5, dtype=np.int32).reshape(3, 4, 5)
+  batch = multihost.put_batch(rows.__getitem__, rows.shape, sharding.batch_sharding(mesh))
+  np.testing.assert_array_equal(np.asarray(batch), rows)
+  assert batch.sharding == sharding.batch_sharding(mesh) and multihost.is_local(mesh)
+  assert not multihost.is_multiprocess() and multihost.first_process(mesh) == 0
+  multihost.check_slices_within_processes(mesh)  # one process holds every slice
+
+
+def test_rejoin_program_copies_a_live_slices_state_bit_exactly(slices):
+  keep, live = (1, 3), (1, 2, 3)  # slice 2 rejoins
+  x = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
+  state = {'w': jax.device_put(x, NamedSharding(slices.sub(keep), P('fsdp')))}
+  target = {'w': NamedSharding(slices.sub(live), P('fsdp'))}
+  copy = multihost.compile_rejoin(target, live.index(keep[0]))
+  out = copy(multihost.stack_for_rejoin(state, target))['w']
+  assert out.sharding == target['w'] and len(out.addressable_shards) == 6
+  for shard in out.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index])
+
+
+def test_fetch_and_gathers_in_one_process(slices):
+  metrics = {'loss': jax.numpy.float32(2.5), 'grad_norm': jax.numpy.float32(1.0)}
+  assert multihost.fetch(metrics, slices.mesh, keys=('loss', 'grad_norm'), stop=True) == {
+      'loss': 2.5, 'grad_norm': 1.0, 'stop': 1.0}
+  assert multihost.allgather_json({'a': [1]}) == [{'a': [1]}]
+  assert multihost.broadcast_bytes(b'run', 0) == b'run'

@@ -4,14 +4,12 @@ The run uses the notebook's tiny setting (MECEFO_NOTEBOOK_STEPS), a kernel of th
 (a kernelspec written into a temp JUPYTER_PATH), 4 simulated CPU devices, and an in-memory
 copy of the notebook: the committed file is never written.
 """
-import inspect
 import json
 import sys
 import time
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,22 +56,19 @@ def _text(nb) -> str:
   return ''.join(parts)
 
 
-@pytest.mark.slow
-def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
+def test_notebook_runs_on_cpu(launcher, tmp_path, monkeypatch):
   monkeypatch.setenv('JUPYTER_PATH', str(_kernelspec(tmp_path)))
-  monkeypatch.delenv('XLA_FLAGS', raising=False)  # conftest's 8 devices; the notebook picks 4
-  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
-  monkeypatch.setenv('MECEFO_NOTEBOOK_STEPS', str(STEPS))
-  monkeypatch.setenv('MECEFO_NOTEBOOK_DIR', str(tmp_path))
-  monkeypatch.setenv('PYTHONPATH', str(ROOT))
-  monkeypatch.delenv('MECEFO_REPO_URL', raising=False)
+  # The kernel's environment: no conftest's 8 devices (the notebook picks 4), no repo URL.
+  env = launcher.env(MECEFO_NOTEBOOK_STEPS=str(STEPS), MECEFO_NOTEBOOK_DIR=str(tmp_path),
+                     PYTHONPATH=str(ROOT))
+  env.pop('MECEFO_REPO_URL', None)
   committed = NOTEBOOK.read_bytes()
   nb = read_notebook()
   client = NotebookClient(nb, kernel_name='python3', timeout=CELL_TIMEOUT_S,
                           resources={'metadata': {'path': str(ROOT / 'colab')}})
   t0 = time.perf_counter()
   try:
-    client.execute()
+    client.execute(env=env)
   finally:
     nbformat.write(nb, tmp_path / 'executed.ipynb')  # to look at when it fails
   elapsed = time.perf_counter() - t0
@@ -91,9 +86,7 @@ def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
   assert 'crash: the trainer process died at the start of step 14' in text
   assert 'resumed from the snapshot taken after 10 steps' in text
   assert 'resume check: final params_sha256 matches the uninterrupted run' in text
-  from mecefo_jax.run.trainer import Trainer
-  if 'on_log' in inspect.signature(Trainer.__init__).parameters:
-    assert 'live plot through on_log' in text
+  assert 'live plot through on_log' in text
   images = sum('image/png' in out.get('data', {}) for cell in nb.cells
                for out in cell.get('outputs', []))
   assert images >= 5, f'{images} plots'  # the loss plots of the 4 runs and the toy model's

@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mecefo_jax.ops import gaussian_basis, lowrank_matmul, refine_basis, svd_basis
+from mecefo_jax.ops import transformer
+from mecefo_jax.ops.basis import gaussian_basis, refine_basis, svd_basis
+from mecefo_jax.ops.lowrank import lowrank_matmul
 
 # All distinct, so every residual shape says which array it is.
 T, D_IN, D_OUT, R = 5, 6, 7, 3
@@ -238,3 +240,24 @@ def test_gaussian_basis_projector_has_identity_mean():
   vvt = jax.vmap(lambda k: (lambda v: v @ v.T)(gaussian_basis(k, D_IN, 2)))(keys)
   assert np.max(np.abs(vvt.mean(0) - np.eye(D_IN))) < 0.1
   assert np.max(np.abs(vvt[0] - np.eye(D_IN))) > 0.3  # one sample is far from I
+
+
+# --- transformer math ------------------------------------------------------------------------
+
+def test_rms_norm_and_cross_entropy_match_their_definitions():
+  x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+  scale = jnp.linspace(0.5, 1.5, 8)
+  want = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+  np.testing.assert_allclose(transformer.rms_norm(x, scale), want, rtol=1e-5, atol=1e-6)
+  logits, targets = x[..., :5], jnp.array([[0, 1, 4], [3, 2, 0]])
+  want = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+  np.testing.assert_allclose(transformer.token_cross_entropy(logits, targets), want, rtol=1e-5)
+
+
+def test_rope_rotates_pairs_by_position_so_scores_depend_on_the_offset_only():
+  q, k = jax.random.normal(jax.random.key(1), (2, 1, 1, 1, 8))
+  at = lambda x, pos: transformer.rope(jnp.tile(x, (1, pos + 1, 1, 1)))[0, pos, 0]
+  np.testing.assert_allclose(jnp.linalg.norm(at(q, 5)), jnp.linalg.norm(q), rtol=1e-5)
+  score = lambda i, j: jnp.dot(at(q, i), at(k, j))
+  np.testing.assert_allclose(score(7, 4), score(3, 0), rtol=1e-4)
+  assert abs(score(7, 4) - score(4, 4)) > 1e-3

@@ -3,24 +3,38 @@ import signal
 
 import pytest
 
+from mecefo_jax.config import ConfigError, load_config
+from mecefo_jax.run import presence
 from mecefo_jax.snapshot import recovery
-from test_recovery import STEPS, kill_after, report, train
+from procs import error_lines, report
+from test_recovery import STEPS, kill_after, train
 
-pytestmark = pytest.mark.slow
+
+def test_a_resume_with_devices_for_fewer_slices_keeps_the_runs_slices(devices, tmp_path, caplog):
+  cfg = load_config(None, ['mesh.slice=4', 'mesh.fsdp=4'])  # 16 devices: 2 of 4 slices here
+  with pytest.raises(ConfigError, match='exceeds the 8 available'):  # a new run: it must fit
+    presence.find(cfg, tmp_path, resume=True)
+  recovery.write_run_state(tmp_path, 'stopped', n_slices=4)
+  found = presence.find(cfg, tmp_path, resume=True)
+  assert (found.n_slices, found.ids, dict(found.mesh.shape)) == (4, (0, 1), {
+      'slice': 2, 'fsdp': 4, 'tensor': 1})
+  assert "2 of the run's 4 slices present: slices [2, 3] are absent" in caplog.text
+  with pytest.raises(ConfigError, match='needs a multi-process run'):
+    presence.find(cfg, tmp_path, resume=True, host_slot=1)
 
 
-def test_absent_slices_are_taken_over_and_rejoin_when_present_again(tmp_path):
+def test_absent_slices_are_taken_over_and_rejoin_when_present_again(launcher, tmp_path):
   out, shm = tmp_path / 'run', tmp_path / 'shm'
   on = lambda devices: ('--host-devices', str(devices), 'mesh.slice=4', f'snapshot.dir={shm}')
-  code, log = kill_after(out, 3, *on(4))  # SIGKILL after step 3
+  code, log = kill_after(launcher, out, 3, *on(4))  # SIGKILL after step 3
   assert code == -signal.SIGKILL, log[-3000:]
   # The machine comes back with devices for 3 slices only: slice 3 is absent, not waited for.
-  code, log = kill_after(out, 8, *on(3))
+  code, log = kill_after(launcher, out, 8, *on(3))
   assert code == -signal.SIGKILL and '3 of the run\'s 4 slices present' in log, log[-3000:]
   assert 'slice 3 FAILED (absent)' in log, log[-3000:]
   assert recovery.read_run_state(out)['n_slices'] == 4
   # All 4 present again: slice 3 rejoins, the run ends with nothing dropped.
-  code, log = train(out, *on(4))
+  code, log = train(launcher, out, *on(4))
   assert code == 0 and 'slice 3 repaired, rejoining (present)' in log, log[-3000:]
   result = report(out)
   events = [(e['slice'], e['kind'], e['source']) for e in result['failure_events']]
@@ -31,19 +45,19 @@ def test_absent_slices_are_taken_over_and_rejoin_when_present_again(tmp_path):
   fail, repair = (e['step'] for e in result['failure_events'])
   trace = tmp_path / 'failures.txt'
   trace.write_text(f'{fail} 3 fail\n{repair} 3 repair\n')
-  code, log = train(tmp_path / 'replay', '--host-devices', '4', 'mesh.slice=4', '--no-snapshots',
+  code, log = train(launcher, tmp_path / 'replay', '--host-devices', '4', 'mesh.slice=4', '--no-snapshots',
                     '--failures', f'trace:{trace}')
   assert code == 0, log[-3000:]
   assert report(tmp_path / 'replay')['params_sha256'] == result['params_sha256']
   assert report(tmp_path / 'replay')['steps'] == STEPS
 
 
-def test_no_slice_present_is_one_line(tmp_path):
+def test_no_slice_present_is_one_line(launcher, tmp_path):
   out = tmp_path / 'run'
-  code, log = train(out, '--host-devices', '4', 'mesh.slice=2', 'mesh.fsdp=2', '--no-snapshots',
+  code, log = train(launcher, out, '--host-devices', '4', 'mesh.slice=2', 'mesh.fsdp=2', '--no-snapshots',
                     'train.steps=2')
   assert code == 0, log[-3000:]
-  code, log = train(out, '--host-devices', '1', 'mesh.slice=2', 'mesh.fsdp=2', '--no-snapshots',
+  code, log = train(launcher, out, '--host-devices', '1', 'mesh.slice=2', 'mesh.fsdp=2', '--no-snapshots',
                     'train.steps=3', '--resume')
-  errors = [l for l in log.splitlines() if l.startswith('error:')]
+  errors = error_lines(log)
   assert code == 2 and len(errors) == 1 and 'not one slice' in errors[0], log[-3000:]

@@ -1,15 +1,13 @@
 """Quality under failures: MeCeFO's final eval loss stays within 3% of the fault-free run."""
 import pytest
 
-import benchmark_run
 from benchmarks import quality
 
 
-@pytest.mark.slow
-def test_neighbor_takeover_loss_within_3pct_of_fault_free(tmp_path):
+def test_neighbor_takeover_loss_within_3pct_of_fault_free(launcher, tmp_path):
   # Slice 1 of 4 is down for half of the run (>= a third, as the issue asks).
-  result = benchmark_run.run('quality', '--policies', 'neighbor', '--fail-at', '0.2',
-                             '--repair-at', '0.7', json_path=tmp_path / 'q.json')
+  result = launcher.benchmark('quality', '--policies', 'neighbor', '--fail-at', '0.2',
+                              '--repair-at', '0.7', json_path=tmp_path / 'q.json')
   assert result['device']['device_count'] == 4  # one fake CPU device per slice
   runs = result['runs']
   assert runs['neighbor']['samples']['degraded'] > 0
@@ -28,13 +26,13 @@ def test_live_counts_apply_a_steps_events_first():
   assert stats['mean_down_slices'] == pytest.approx(5 / 7)
 
 
-@pytest.mark.slow
-def test_presets_mode_runs_the_preset_schedule_and_reports_the_floor(tmp_path):
+def test_presets_mode_runs_the_preset_schedule_and_reports_the_floor(launcher, tmp_path):
   small = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=64', 'model.seq_len=32',
            'train.steps=30', 'train.log_every=2']
-  result = benchmark_run.run('quality', '--presets', 'high', '--policies', 'neighbor',
-                             '--cluster-step-s', '7200', '--eval-batches', '2',
-                             '--figure', tmp_path / 'q.png', *small, json_path=tmp_path / 'q.json')
+  result = launcher.benchmark('quality', '--presets', 'high', '--policies', 'neighbor',
+                              '--cluster-step-s', '7200', '--eval-batches', '2',
+                              '--figure', tmp_path / 'q.png', *small,
+                              json_path=tmp_path / 'q.json')
   high = result['presets']['high']
   assert high['schedule']['failures'] > 0 and result['simulated_hours'] == 60.0
   run = high['runs']['neighbor']
@@ -71,6 +69,7 @@ def test_budget_specs_set_the_time_budget():
   assert quality._cfg(args, 'fault-free').faults.takeover == 'neighbor'
 
 
-def test_figure_needs_presets():
-  with pytest.raises(SystemExit):
+def test_figure_needs_presets(capsys):
+  with pytest.raises(SystemExit) as stop:
     quality.main(['--figure', 'x.png'])
+  assert stop.value.code == 2 and '--figure needs --presets' in capsys.readouterr().err

@@ -5,14 +5,12 @@ import json
 import logging
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mecefo_jax.config import load_config
-from mecefo_jax.run import plot, progress, report_schema
+from mecefo_jax.run import evaluation, plot, progress, report_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVAL_EVERY, LOG_EVERY = 20, 5, 4
@@ -66,6 +64,7 @@ def test_eval_rows_do_not_depend_on_the_live_slices(tmp_path):
   try:
     all_live = trainer.evaluate(3)
     c = trainer.controller
+    assert evaluation.held_out_loss(c, 3) == all_live
     c.failed = {1}  # as after a failure of slice 1: the state moves onto slices 0, 2, 3
     c._place_state(c.live())
     assert c.state_slices == (0, 2, 3)
@@ -155,7 +154,7 @@ def test_tensorboard_scalars(run):
     assert tag in data
 
 
-def test_plot_written_by_the_run_and_by_the_cli(run, tmp_path):
+def test_plot_written_by_the_run_and_by_the_cli(run, tmp_path, capsys):
   out, _, _ = run
   assert (out / 'training.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   # The CLI on a copy whose report has failure windows (one still open at the end).
@@ -168,14 +167,14 @@ def test_plot_written_by_the_run_and_by_the_cli(run, tmp_path):
       {'step': 15, 'slice': 0, 'kind': 'fail', 'source': 'api', 'wall_s': 1.5, 'live': 1}]
   (tmp_path / 'report.json').write_text(json.dumps(report))
   png = tmp_path / 'plot.png'
-  proc = subprocess.run([sys.executable, '-m', 'mecefo_jax.run.plot', str(tmp_path), '--out', str(png)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr
+  assert plot.main([str(tmp_path), '--out', str(png)]) == 0, capsys.readouterr().err
   assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20_000
 
 
-def test_plot_cli_one_line_error_without_metrics(tmp_path):
+def test_plot_cli_one_line_error_without_metrics(tmp_path, capsys):
   assert plot.main([str(tmp_path)]) == 2
+  assert capsys.readouterr().err.splitlines() == [
+      f'error: {tmp_path / "metrics.jsonl"} has no training rows to plot']
 
 
 def test_failure_windows_per_slice():

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax.model.train_state import TrainState
-from mecefo_jax.snapshot import manifest, parity, recovery, store
+from mecefo_jax.snapshot import capacity, manifest, parity, recovery, store
 from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager, SnapshotWarning
 
 META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
@@ -174,10 +174,10 @@ def test_bad_directories_are_rejected_before_training(tmp_path):
     SnapshotManager(tmp_path / 'missing' / 'snap')
   if os.path.isdir('/proc'):  # Linux: not writable even for root, unlike a chmod-ed dir
     with pytest.raises(SnapshotError, match=r'/proc/mecefo: /proc is not writable'):
-      store.check_capacity('/proc/mecefo', 1, keep=2)
+      capacity.check_capacity('/proc/mecefo', 1, keep=2)
   with pytest.raises(SnapshotError, match=r'MiB free < .* MiB needed \(2\+1 snapshots of'):
     SnapshotManager(tmp_path / 'snap', keep=2, state_bytes=2**60)
-  store.check_capacity(tmp_path / 'snap', 2**20, keep=2)
+  capacity.check_capacity(tmp_path / 'snap', 2**20, keep=2)
 
 
 def test_state_nbytes_counts_concrete_and_abstract_leaves(mesh):

@@ -9,7 +9,8 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.bases import svd_bases
-from mecefo_jax.step import train_step
+from mecefo_jax.step import slice_steps, train_step
+from test_update_reference import _loss_sum as reference_loss_sum
 
 TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
         'model.vocab_size=64', 'train.micro_batch=4']
@@ -28,40 +29,6 @@ def _state(cfg, mesh):
                  out_shardings=train_state.state_shardings(cfg, mesh))()
 
 
-# --- an independent dense reference of the degraded backward (plain jnp, no project code) ---
-
-def _ref_norm(x, s):
-  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s
-
-
-def _ref_rope(x):
-  l, k = x.shape[1], x.shape[-1] // 2
-  ang = jnp.arange(l)[:, None] * 10000.0 ** (-jnp.arange(k) / k)
-  c, s = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
-  return jnp.concatenate([x[..., :k] * c - x[..., k:] * s, x[..., k:] * c + x[..., :k] * s], -1)
-
-
-def _ref_loss(params, tokens, n_layers, n_heads, cut_attention):
-  x_in, tgt = tokens[:, :-1], tokens[:, 1:]
-  h = params['embed'][x_in]
-  b, l, d = h.shape
-  mask = jnp.tril(jnp.ones((l, l), bool))
-  for i in range(n_layers):
-    p = params[f'block{i}']
-    a_in = _ref_norm(h, p['attn_norm']['scale'])
-    q, k, v = (_ref_rope((a_in @ p['attn'][n]['kernel']).reshape(b, l, n_heads, -1)) if n != 'v'
-               else (a_in @ p['attn'][n]['kernel']).reshape(b, l, n_heads, -1) for n in 'qkv')
-    s = jnp.einsum('blhk,bmhk->bhlm', q, k) / jnp.sqrt(q.shape[-1])
-    att = jnp.einsum('bhlm,bmhk->blhk', jax.nn.softmax(jnp.where(mask, s, -1e30), -1), v)
-    a = att.reshape(b, l, d) @ p['attn']['o']['kernel']
-    h = h + (jax.lax.stop_gradient(a) if cut_attention else a)
-    f_in = _ref_norm(h, p['ffn_norm']['scale'])
-    f = p['ffn']
-    h = h + (jax.nn.silu(f_in @ f['gate']['kernel']) * (f_in @ f['up']['kernel'])) @ f['down']['kernel']
-  logits = _ref_norm(h, params['final_norm']['scale']) @ params['head']['kernel']
-  return (jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tgt[..., None], -1)[..., 0]).sum()
-
-
 def _contribution(cfg, params, bases, tokens, role):
   graphdef, _, _ = llama.abstract(cfg.model)
   return train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1), role=role,
@@ -75,7 +42,7 @@ def test_degraded_grads_match_dense_projected_reference(remat):
   bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (6, cfg.model.seq_len + 1))
   grads, loss, exact_tok, deg_tok = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=6))
-  ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, True)
+  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, True)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert (float(exact_tok), float(deg_tok)) == (0.0, 6.0 * cfg.model.seq_len)
   for i in range(cfg.model.n_layers):
@@ -100,7 +67,7 @@ def test_normal_grads_and_losses_match_reference():
   _, params = llama.create(cfg.model, 0)
   tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
   grads, loss, exact_tok, _ = _contribution(cfg, params, {}, tokens, train_step.Role(exact=4))
-  ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
+  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
@@ -141,27 +108,6 @@ def test_combine_rule_attention_over_exact_only():
   np.testing.assert_allclose(out['head'], 1.0)
 
 
-def test_degraded_only_step_freezes_attention(devices):
-  cfg = _cfg('mesh.slice=2', 'mesh.fsdp=2', 'mesh.tensor=2')
-  mesh = sharding.make_mesh(cfg.mesh)
-  graphdef, _, _ = llama.abstract(cfg.model)
-  state = train_step.compile_refresh(cfg, mesh)(_state(cfg, mesh))
-  before = jax.device_get(state)
-  step = train_step.compile_step(cfg, mesh, train_step.Role(degraded=8), graphdef)
-  after, metrics = step(state, _tokens(cfg, (2, 8, cfg.model.seq_len + 1)))
-  after = jax.device_get(after)
-  assert float(metrics['exact_tokens']) == 0.0
-  p0, p1 = before.params['block0'], after.params['block0']
-  np.testing.assert_array_equal(p0['attn']['q']['kernel'], p1['attn']['q']['kernel'])
-  np.testing.assert_array_equal(p0['attn_norm']['scale'], p1['attn_norm']['scale'])
-  assert not np.array_equal(p0['ffn']['up']['kernel'], p1['ffn']['up']['kernel'])
-  adam0, adam1 = (s.opt_state[1].inner_states[train_state.ATTENTION].inner_state[0]
-                  for s in (before, after))
-  np.testing.assert_array_equal(adam0.mu['block0']['attn']['q']['kernel'],
-                                adam1.mu['block0']['attn']['q']['kernel'])
-  assert int(adam1.count) == int(adam0.count) == 0  # attention's own count did not move
-
-
 def _run(cfg, mesh, n_steps):
   graphdef, _, _ = llama.abstract(cfg.model)
   normal = train_step.compile_step(cfg, mesh, train_step.Role(exact=8 // mesh.shape['slice']), graphdef)
@@ -181,6 +127,24 @@ def test_sharded_and_unsharded_runs_agree(devices):
     got = _run(cfg, sharding.make_mesh(cfg.mesh), 3)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(shape))
+
+
+def test_group_programs_and_the_update_equal_the_fused_step(devices):
+  """One role on both slices: the per-slice group program, its sums stacked by device and the
+  cross-slice update give the fused SPMD step's loss and params (up to summation order)."""
+  cfg = _cfg('mesh.slice=2', 'mesh.fsdp=2')
+  mesh = sharding.make_mesh(cfg.mesh, devices[:4])
+  graphdef, _, _ = llama.abstract(cfg.model)
+  role = train_step.Role(exact=4)
+  tokens = _tokens(cfg, (2, 4, cfg.model.seq_len + 1))
+  fused_state, fused = train_step.compile_step(cfg, mesh, role, graphdef)(_state(cfg, mesh), tokens)
+  state = _state(cfg, mesh)
+  sums = slice_steps.compile_group(cfg, mesh, role, graphdef)(state, tokens)
+  stacked = slice_steps.stack_groups([sums], cfg, mesh)
+  state, metrics = slice_steps.compile_update(cfg, mesh)(state, stacked)
+  np.testing.assert_allclose(metrics['loss'], fused['loss'], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_steps_share_state_shardings_and_degraded_memory_fits(devices):
@@ -243,14 +207,14 @@ def _ffn_kernel(path):
 
 def test_degrade_skip_attention_only_is_the_cut_graph_with_exact_ffn_grads():
   cfg, params, _, tokens, grads, loss = _ablated(llama.Degrade(skip_attention=True))
-  ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, True)
+  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, True)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the forward is exact
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
     if llama.is_attention_branch(path):
       assert not np.any(np.asarray(g)), path  # no gradient from this pass at all
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6, err_msg=str(path))
   # The last block's FFN sees no attention downstream: its grads equal the uncut ones.
-  _, exact = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
+  _, exact = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
   last = f'block{cfg.model.n_layers - 1}'
   for a, b in zip(jax.tree.leaves(grads[last]['ffn']), jax.tree.leaves(exact[last]['ffn'])):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
@@ -259,7 +223,7 @@ def test_degrade_skip_attention_only_is_the_cut_graph_with_exact_ffn_grads():
 @pytest.mark.parametrize('remat', ['dots', 'full'])
 def test_degrade_remat_only_changes_no_gradient(remat):
   cfg, params, _, tokens, grads, loss = _ablated(llama.Degrade(remat_ffn=True), remat)
-  ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
+  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
@@ -267,7 +231,7 @@ def test_degrade_remat_only_changes_no_gradient(remat):
 
 def test_degrade_lowrank_only_projects_ffn_kernels_and_keeps_the_rest_exact():
   cfg, params, bases, tokens, grads, loss = _ablated(llama.Degrade(lowrank=True))
-  ref_loss, ref = jax.value_and_grad(_ref_loss)(params, tokens, cfg.model.n_layers, cfg.model.n_heads, False)
+  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # loss identical: only Wgrad changes
   flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref))
   for path, g in jax.tree_util.tree_leaves_with_path(grads):

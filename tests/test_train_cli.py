@@ -1,30 +1,23 @@
-"""train.py end to end (subprocess) and its one-line errors for bad configuration."""
+"""train.py end to end (processes: how users run it) and its one-line errors (in-process)."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from mecefo_jax.run import cli
+from mecefo_jax.snapshot.recovery import run_name
+from mecefo_jax.snapshot.store import default_snapshot_dir
+from procs import ROOT, error_lines, report
 
 
-def _train(*args, timeout=300, env=None):
-  return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout, env=env)
-
-
-@pytest.mark.slow
-def test_train_py_loss_goes_down(tmp_path):
-  proc = _train('train.steps=120', '--out', str(tmp_path), f'snapshot.dir={tmp_path}/shm')
+def test_train_py_loss_goes_down(launcher, tmp_path):
+  proc = launcher.train('train.steps=120', '--out', tmp_path, f'snapshot.dir={tmp_path}/shm')
   assert proc.returncode == 0, proc.stderr[-2000:]
-  report = json.loads((tmp_path / 'report.json').read_text())
+  result = report(tmp_path)
   for key in ('steps', 'first_loss', 'final_loss', 'tokens', 'wall_s', 'params_sha256'):
-    assert key in report
-  assert report['steps'] == 120 and len(report['params_sha256']) == 64
-  assert report['final_loss'] < report['first_loss'] - 1.0, report['losses']
-  assert report['final_loss'] > report['entropy_floor']
+    assert key in result
+  assert result['steps'] == 120 and len(result['params_sha256']) == 64
+  assert result['final_loss'] < result['first_loss'] - 1.0, result['losses']
+  assert result['final_loss'] > result['entropy_floor']
 
 
 @pytest.mark.parametrize('override, needle', [
@@ -34,21 +27,20 @@ def test_train_py_loss_goes_down(tmp_path):
     ('mesh.slice=64', 'mesh.slice*mesh.fsdp*mesh.tensor = 64 exceeds the'),
     ('mecefo.basis=qr', "mecefo.basis must be one of svd, gaussian, got 'qr'"),  # bases.py
 ])
-def test_bad_config_fails_with_one_clear_line(override, needle):
-  proc = _train(override, 'train.steps=1', timeout=120)
-  assert proc.returncode == 2
-  lines = [l for l in proc.stderr.strip().splitlines() if l.startswith('error:')]
-  assert len(lines) == 1 and needle in lines[0], proc.stderr[-1500:]
+def test_bad_config_fails_with_one_clear_line(tmp_path, capsys, override, needle):
+  code = cli.main([override, 'train.steps=1', '--out', str(tmp_path), 'train.compile_cache='])
+  lines = error_lines(capsys.readouterr().err)
+  assert code == 2 and len(lines) == 1 and needle in lines[0], lines
 
 
-def test_train_py_on_a_text_folder(tmp_path):
+def test_train_py_on_a_text_folder(launcher, tmp_path):
   (tmp_path / 'docs').mkdir()
   (tmp_path / 'docs' / 'a.txt').write_text((ROOT / 'README.md').read_text() * 4)
-  proc = _train('--data', f'text:{tmp_path / "docs"}', '--no-snapshots', 'train.steps=20',
-                '--out', str(tmp_path / 'run'))
+  proc = launcher.train('--data', f'text:{tmp_path / "docs"}', '--no-snapshots', 'train.steps=20',
+                        '--out', tmp_path / 'run')
   assert proc.returncode == 0, proc.stderr[-2000:]
-  report = json.loads((tmp_path / 'run' / 'report.json').read_text())
-  assert report['entropy_floor'] is None and report['final_loss'] < report['first_loss']
+  result = report(tmp_path / 'run')
+  assert result['entropy_floor'] is None and result['final_loss'] < result['first_loss']
   # stderr is a pipe here, not a terminal: plain log lines, no progress bar.
   assert '\r' not in proc.stderr and '%|' not in proc.stderr
   for needle in (' step 0/20 loss ', ' step 19/20 loss ',
@@ -56,9 +48,10 @@ def test_train_py_on_a_text_folder(tmp_path):
     assert needle in proc.stderr, proc.stderr[-2000:]
 
 
-def test_quiet_prints_only_warnings_and_the_summary(tmp_path):
-  proc = _train('--quiet', '--resume', 'train.steps=3', 'train.plot=false', '--out', str(tmp_path),
-                f'snapshot.dir={tmp_path}/shm', 'mesh.slice=1', 'model.n_layers=1', timeout=120)
+def test_quiet_prints_only_warnings_and_the_summary(launcher, tmp_path):
+  proc = launcher.train('--quiet', '--resume', 'train.steps=3', 'train.plot=false', '--out',
+                        tmp_path, f'snapshot.dir={tmp_path}/shm', 'mesh.slice=1',
+                        'model.n_layers=1')
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = proc.stderr.strip().splitlines()
   assert any('resume: no intact snapshot' in l for l in lines), lines  # a warning still shows
@@ -67,20 +60,17 @@ def test_quiet_prints_only_warnings_and_the_summary(tmp_path):
   assert not any('compiled step' in l or ' data: ' in l or 'goodput' in l for l in lines), lines
 
 
-def test_bad_data_path_fails_with_one_clear_line(tmp_path):
-  proc = _train('--data', f'text:{tmp_path}/missing', 'train.steps=1', timeout=120)
-  lines = [l for l in proc.stderr.strip().splitlines() if l.startswith('error:')]
-  assert proc.returncode == 2 and len(lines) == 1 and 'path not found' in lines[0], proc.stderr
+def test_bad_data_path_fails_with_one_clear_line(tmp_path, capsys):
+  code = cli.main(['--data', f'text:{tmp_path}/missing', 'train.steps=1', '--out', str(tmp_path),
+                   'train.compile_cache='])
+  lines = error_lines(capsys.readouterr().err)
+  assert code == 2 and len(lines) == 1 and 'path not found' in lines[0], lines
 
 
-def test_dry_run_compiles_and_reports_without_training(tmp_path):
-  from mecefo_jax.snapshot.recovery import run_name
-  from mecefo_jax.snapshot.store import default_snapshot_dir
-
+def test_dry_run_compiles_and_reports_without_training(launcher, tmp_path):
   out, scratch = tmp_path / 'new' / 'run', tmp_path / 'tmp'
   scratch.mkdir()
-  env = {**os.environ, 'TMPDIR': str(scratch)}
-  proc = _train('--dry-run', '--out', str(out), timeout=120, env=env)
+  proc = launcher.train('--dry-run', '--out', out, env=launcher.env(TMPDIR=str(scratch)))
   assert proc.returncode == 0, proc.stderr[-2000:]
   info = json.loads(proc.stdout[proc.stdout.index('{'):])
   assert info['param_count'] > 0 and info['step_memory_bytes']['temp_bytes'] > 0
@@ -89,17 +79,14 @@ def test_dry_run_compiles_and_reports_without_training(tmp_path):
   assert not default_snapshot_dir(run_name(out)).exists()
 
 
-def test_persistent_compile_cache_is_filled_and_reused_bit_exactly(tmp_path):
-  cache, env = tmp_path / 'xla', {k: v for k, v in os.environ.items()
-                                  if k not in ('JAX_COMPILATION_CACHE_DIR', 'XLA_FLAGS')}
+def test_persistent_compile_cache_is_filled_and_reused_bit_exactly(launcher, tmp_path):
+  cache, env = tmp_path / 'xla', launcher.env(compile_cache=False)
   reports = []
   for run in ('a', 'b'):
-    proc = subprocess.run([sys.executable, 'train.py', '-q', '--out', str(tmp_path / run),
-                           'train.steps=3', '--no-snapshots', 'train.plot=false',
-                           f'train.compile_cache={cache}'],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = launcher.train('-q', '--out', tmp_path / run, 'train.steps=3', '--no-snapshots',
+                          'train.plot=false', f'train.compile_cache={cache}', env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    reports.append(json.loads((tmp_path / run / 'report.json').read_text()))
+    reports.append(report(tmp_path / run))
     if run == 'a':
       entries = {p.name for p in cache.iterdir()}
       assert any(name.startswith('jit_step') for name in entries), entries

@@ -1,0 +1,118 @@
+"""The one way tests start processes (train.py, benchmarks, tools): tracked, killed by pid.
+
+A test that starts a process takes the `launcher` fixture (tests/conftest.py), and that alone
+marks it `slow`. Single-process runs share one compilation cache directory per test session
+(never the user's home); multi-process runs keep it off, as train.py does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The model every process-starting test trains: one layer, 16-token rows, seconds per run.
+TINY = ('model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
+        'model.n_layers=1', 'train.micro_batch=4')
+
+
+class Launcher:
+  """Starts processes in sessions of their own, so that each is killed with its children."""
+
+  def __init__(self, compile_cache: Path):
+    self.compile_cache = compile_cache
+    self.started: list[subprocess.Popen] = []
+
+  def env(self, compile_cache: bool = True, **extra: str) -> dict:
+    """This environment without conftest's 8 fake devices (train.py's --host-devices sets
+    them); the suite's compilation cache unless `compile_cache=False` (multi-process)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
+    env.update(JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+    if compile_cache:
+      env['JAX_COMPILATION_CACHE_DIR'] = str(self.compile_cache)
+    return {**env, **extra}
+
+  def start(self, args, *, cwd=ROOT, env=None, **popen) -> subprocess.Popen:
+    proc = subprocess.Popen([str(a) for a in args], cwd=cwd, env=env or self.env(),
+                            start_new_session=True, **popen)
+    self.started.append(proc)
+    return proc
+
+  def run(self, args, *, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """Runs to the end within `timeout` seconds (killed past it): code, stdout, stderr."""
+    proc = self.start(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    try:
+      out, err = proc.communicate(timeout=timeout)
+    finally:
+      kill(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+  def python(self, *args, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
+    return self.run([sys.executable, *args], timeout=timeout, **popen)
+
+  def train(self, *args, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` from the repository root (or `cwd`)."""
+    return self.python(ROOT / 'train.py', *args, timeout=timeout, **popen)
+
+  def benchmark(self, name: str, *args, json_path: Path) -> dict:
+    """The result JSON of `python -m benchmarks.NAME ARGS --json json_path`, as users run it
+    from the repository root (it must exit 0), with the run metadata every result carries."""
+    args = [*map(str, args), '--json', str(json_path)]
+    proc = self.python('-m', f'benchmarks.{name}', *args, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(Path(json_path).read_text())
+    assert result['command'] == shlex.join(['python', '-m', f'benchmarks.{name}', *args])
+    assert result['commit'] is None or re.fullmatch(r'[0-9a-f]{40}(-dirty)?', result['commit'])
+    device = result['device']
+    assert device['platform'] == 'cpu' and device['device_kind'] and device['device_count'] >= 1
+    assert device['host_cpu_count'] >= 1
+    assert re.fullmatch(r'\d{4}-\d\d-\d\dT.*\+00:00', result['date'])
+    return result
+
+  def kill_all(self, since: int = 0) -> None:
+    for proc in self.started[since:]:
+      kill(proc)
+
+
+def kill(proc: subprocess.Popen) -> None:
+  """SIGKILL to the process and everything in its session (its children), then reaps it."""
+  if proc.poll() is None:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+  proc.wait()
+
+
+def wait_all(procs, timeout: float) -> list[int]:
+  """Exit codes of `procs`, all within `timeout` seconds (all killed past it)."""
+  deadline = time.monotonic() + timeout
+  try:
+    return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+  finally:
+    for p in procs:
+      kill(p)
+
+
+def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+  """Polls `condition` until true; fails if `proc` exits first or after `timeout` seconds."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert proc is None or proc.poll() is None, f'the process exited ({proc.returncode}) before {what}'
+    assert time.monotonic() < deadline, f'no {what} within {timeout} s'
+    time.sleep(0.01)
+
+
+def report(out: Path) -> dict:
+  return json.loads((Path(out) / 'report.json').read_text())
+
+
+def error_lines(text: str) -> list[str]:
+  return [line for line in text.splitlines() if line.startswith('error:')]
