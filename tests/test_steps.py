@@ -7,6 +7,7 @@ import pytest
 
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
+from mecefo_jax.layers import MeCeFOLinear
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.bases import svd_bases
 from mecefo_jax.step import slice_steps, train_step
@@ -260,3 +261,25 @@ def test_degrade_true_is_all_techniques_and_static_under_jit():
   out = fwd(graphdef, params, tokens[:, :-1], llama.Degrade(skip_attention=True))
   np.testing.assert_allclose(out, llama.forward(graphdef, params, tokens[:, :-1]), rtol=1e-5,
                              atol=1e-6)
+
+
+@pytest.mark.parametrize('degrade', [llama.FULL, llama.Degrade(lowrank=True),
+                                     llama.Degrade(remat_ffn=True), llama.NONE])
+def test_ffn_trains_through_the_published_layer_with_its_bases(degrade, monkeypatch):
+  # The FFN must call its MeCeFOLinear layers (what users import), given the bases exactly when
+  # the low-rank technique is on, not run a private copy of their math.
+  calls, layer_call = [], MeCeFOLinear.__call__
+
+  def spy(self, inputs, basis=None, **kwargs):
+    calls.append(((self.in_features, self.out_features), None if basis is None else basis.shape))
+    return layer_call(self, inputs, basis, **kwargs)
+
+  monkeypatch.setattr(MeCeFOLinear, '__call__', spy)
+  cfg, _, bases, *_ = _ablated(degrade)
+  d, f = cfg.model.d_model, cfg.model.ffn_dim
+  basis = lambda name: bases['block0'][name].shape if degrade.lowrank else None
+  per_block = [((d, f), basis('gate')), ((d, f), basis('up')), ((f, d), basis('down'))]
+  ffn_calls = [c for c in calls if c[0] in ((d, f), (f, d))]
+  assert ffn_calls == per_block * cfg.model.n_layers  # one forward: each layer once per block
+  # Attention and the head are MeCeFOLinear too, always exact.
+  assert {b for c, b in calls if c not in ((d, f), (f, d))} == {None}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +79,19 @@ class FeedForward(nnx.Module):
     self.gate = _linear(cfg.d_model, cfg.ffn_dim, ('embed', 'mlp'), cfg, rngs)
     self.up = _linear(cfg.d_model, cfg.ffn_dim, ('embed', 'mlp'), cfg, rngs)
     self.down = _linear(cfg.ffn_dim, cfg.d_model, ('mlp', 'embed'), cfg, rngs)
-    self.dtype = jnp.dtype(cfg.compute_dtype)
 
-  def kernels(self):
-    return tuple(m.kernel[...].astype(self.dtype) for m in (self.gate, self.up, self.down))
+  def __call__(self, x_BxLxD, bases=None):
+    """SwiGLU through the layers' own calls; `bases` ({'gate','up','down'}) makes their weight
+    gradients low-rank."""
+    b = bases or {}
+    linear = lambda name: functools.partial(getattr(self, name), basis=b.get(name))
+    return ops.swiglu_ffn(x_BxLxD, linear('gate'), linear('up'), linear('down'))
+
+
+def ffn_branch(norm: RMSNorm, ffn: FeedForward, h_BxLxD, bases):
+  """Pre-FFN norm + FFN as one function, so a checkpoint of it keeps only its input h (and the
+  parameters, which stay live anyway)."""
+  return ffn(norm(h_BxLxD), bases)
 
 
 class Block(nnx.Module):
@@ -101,15 +111,10 @@ class Block(nnx.Module):
     h_BxLxD = h_BxLxD + (jax.lax.stop_gradient(a) if d.skip_attention else a)
     branch = ffn_branch
     if d.remat_ffn:
-      branch = jax.checkpoint(ffn_branch, policy=ops.remat_policy(remat), static_argnums=(6,))
-    f = branch(h_BxLxD, self.ffn_norm.scale[...], *self.ffn.kernels(),
-               bases if d.lowrank else None, self.ffn_norm.eps)
-    return h_BxLxD + f
-
-
-def ffn_branch(h, norm_scale, w_gate, w_up, w_down, bases, eps):
-  """norm + SwiGLU FFN as one pure function, so jax.checkpoint keeps only its input h."""
-  return ops.swiglu_ffn(ops.rms_norm(h, norm_scale, eps), w_gate, w_up, w_down, bases)
+      # nnx.remat is jax.checkpoint over the modules' params: the layers' own calls (dtype casts
+      # included) run inside the boundary and are recomputed in the backward pass.
+      branch = nnx.remat(ffn_branch, policy=ops.remat_policy(remat))
+    return h_BxLxD + branch(self.ffn_norm, self.ffn, h_BxLxD, bases if d.lowrank else None)
 
 
 class LLaMA(nnx.Module):

@@ -5,8 +5,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mecefo_jax.ops.lowrank import lowrank_matmul
-
 # Names that the 'dots' remat policy keeps: the two big FFN matmul outputs.
 FFN_SAVED_NAMES = ('ffn_gate', 'ffn_up')
 
@@ -36,15 +34,16 @@ def causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK):
   return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
 
 
-def swiglu_ffn(x_BxLxD, w_gate_DxF, w_up_DxF, w_down_FxD, bases=None):
-  """SwiGLU FFN, down(silu(x@gate) * (x@up)); with `bases` the weight grads are low-rank.
+def swiglu_ffn(x_BxLxD, gate, up, down):
+  """SwiGLU FFN, down(silu(gate(x)) * up(x)), over three linear maps (callables).
 
-  bases: None (exact) or a dict with 'gate' [D, r], 'up' [D, r], 'down' [F, r].
+  The maps are the caller's layers (in the model, `MeCeFOLinear`s with their bases bound), so
+  the published layer is what trains; the gate and up outputs carry the names that
+  remat_policy('dots') keeps.
   """
-  b = bases or {}
-  gate = checkpoint_name(lowrank_matmul(x_BxLxD, w_gate_DxF, b.get('gate')), 'ffn_gate')
-  up = checkpoint_name(lowrank_matmul(x_BxLxD, w_up_DxF, b.get('up')), 'ffn_up')
-  return lowrank_matmul(jax.nn.silu(gate) * up, w_down_FxD, b.get('down'))
+  g = checkpoint_name(gate(x_BxLxD), 'ffn_gate')
+  u = checkpoint_name(up(x_BxLxD), 'ffn_up')
+  return down(jax.nn.silu(g) * u)
 
 
 def remat_policy(name: str):
