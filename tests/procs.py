@@ -35,8 +35,9 @@ class Launcher:
     env = {k: v for k, v in os.environ.items()
            if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
     env.update(JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-    if compile_cache:
-      env['JAX_COMPILATION_CACHE_DIR'] = str(self.compile_cache)
+    if compile_cache:  # every program, however fast it compiled: runs repeat the tiny model's
+      env.update(JAX_COMPILATION_CACHE_DIR=str(self.compile_cache),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
     return {**env, **extra}
 
   def start(self, args, *, cwd=ROOT, env=None, **popen) -> subprocess.Popen:
