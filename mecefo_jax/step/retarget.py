@@ -1,0 +1,110 @@
+"""Compiled programs moved onto other devices of the same mesh shape, without an XLA compile.
+
+A program's HLO depends on the shape of its mesh, not on which devices make it up; only the
+executable's device assignment and the shardings' device ids do. A move serializes the
+executable and loads it back with a device assignment of the new devices, every recorded
+device id mapped old -> new (in mesh order). This uses private and experimental JAX APIs
+(jax._src.compiler, the unpickler of jax.experimental.serialize_executable): it is tested with
+jax 0.10 to 0.11 (requirements.txt), checked once per process by `probe()` on a tiny program
+(output compared with a direct compile), and never used where the probe fails or on TPU
+(jax issue #38004: a cached program loaded on a device subset without device 0 can halt the
+runtime, and a probe on one subset does not vouch for another).
+"""
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import serialize_executable
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+log = logging.getLogger('mecefo')
+MODES = ('auto', 'on', 'off')  # train.move_programs
+
+
+class _Remapped(serialize_executable._JaxPjrtUnpickler):  # noqa: SLF001 -- see module docstring
+  """Unpickles a serialized program with device ids mapped old -> new and the executable loaded
+  under a device assignment of the new devices (else it keeps the old assignment)."""
+
+  def __init__(self, payload: bytes, old: Sequence, new: Sequence):
+    super().__init__(io.BytesIO(payload), new[0].client, list(new))
+    self.new_id = {o.id: n.id for o, n in zip(old, new)}
+    self.new_ids = [d.id for d in new]
+
+  def persistent_load(self, pid):
+    if pid[0] == 'device':
+      return self.devices_by_id[self.new_id[pid[1]]]
+    if pid[0] == 'exec':
+      from jax._src import compiler
+      options = compiler.get_compile_options(
+          num_replicas=1, num_partitions=len(self.new_ids),
+          device_assignment=np.asarray([self.new_ids]), backend=self.backend)
+      return self.backend.deserialize_executable(pid[1], executable_devices=self.execution_devices,
+                                                 compile_options=options)
+    return super().persistent_load(pid)
+
+
+class Serialized:
+  """A compiled program as bytes, with the devices it was compiled for (in mesh order)."""
+
+  def __init__(self, compiled: jax.stages.Compiled, devices: Sequence):
+    self.payload, self.in_tree, self.out_tree = serialize_executable.serialize(compiled)
+    self.devices = list(devices)
+
+  def load_onto(self, devices: Sequence) -> jax.stages.Compiled:
+    if len(devices) != len(self.devices):
+      raise ValueError(f'a program of {len(self.devices)} devices cannot run on {len(devices)}')
+    unloaded, args_flat, no_kwargs = _Remapped(self.payload, self.devices, devices).load()
+    return jax.stages.Compiled(unloaded.load(), [], self.in_tree.unflatten(args_flat),
+                               self.out_tree, no_kwargs=no_kwargs)
+
+
+def _tiny_program(mesh: Mesh):
+  """A sum over devices (a cross-device collective): wrong device ids give a wrong answer."""
+  sh = NamedSharding(mesh, P('d'))
+  x = jax.ShapeDtypeStruct((len(mesh.devices), 4), jnp.float32, sharding=sh)
+  return jax.jit(lambda x: (x * jnp.arange(1.0, 5.0)).sum(0), in_shardings=sh,
+                 out_shardings=NamedSharding(mesh, P())).lower(x).compile()
+
+
+@functools.lru_cache(maxsize=None)
+def probe(platform: str) -> str | None:
+  """None if moving works on this backend here (a tiny program compiled on two devices, moved
+  onto two others, gives the direct compile's output bit for bit), else why not."""
+  devices = jax.devices(platform)
+  if len(devices) < 3:
+    return f'{len(devices)} device(s): nothing to move between'
+  old, new = devices[:2], [devices[0], devices[2]]
+  try:
+    moved = Serialized(_tiny_program(Mesh(np.asarray(old), ('d',))), old).load_onto(new)
+    mesh = Mesh(np.asarray(new), ('d',))
+    x = jax.device_put(np.arange(8.0, dtype=np.float32).reshape(2, 4), NamedSharding(mesh, P('d')))
+    same = np.array_equal(np.asarray(moved(x)), np.asarray(_tiny_program(mesh)(x)))
+    return None if same else 'a moved program gave another output than a direct compile'
+  except Exception as err:  # noqa: BLE001 -- private APIs: any failure means "compile instead"
+    return f'{type(err).__name__}: {err}'
+
+
+def enabled(mode: str, platform: str | None = None) -> bool:
+  """Whether programs are moved between device sets: `mode` on/off, or auto (every backend but
+  TPU, where it is not measured yet), and only where the probe passes (logged once if not)."""
+  if mode not in MODES:
+    raise ValueError(f'move_programs must be one of {MODES}, got {mode!r}')
+  platform = platform or jax.default_backend()
+  if mode == 'off' or (mode == 'auto' and platform == 'tpu'):
+    return False
+  t0 = time.perf_counter()
+  why_not = probe(platform)
+  if why_not is not None:
+    log.warning('programs are compiled for each set of devices (moving them failed its probe '
+                'on %s: %s)', platform, why_not)
+    return False
+  log.info('compiled programs move between device sets of one shape (probe %.2f s)',
+           time.perf_counter() - t0)
+  return True
