@@ -28,9 +28,10 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.fault import simulate
 from mecefo_jax.fault.failures import PAPER_DEVICES, PRESETS, poisson_events
-from mecefo_jax.fault.simulate import CHECKPOINT, ClusterCosts, Role
-from mecefo_jax.fault.takeover import Planner
+from mecefo_jax.fault.simulate import CHECKPOINT, ClusterCosts
 from mecefo_jax.model import bases, llama, train_state
+from mecefo_jax.plan.roles import Role, split_passes
+from mecefo_jax.plan.takeover import Planner
 from mecefo_jax.snapshot import recovery, store
 from mecefo_jax.step import slice_steps, train_step
 
@@ -89,7 +90,7 @@ def anchor_roles(b: int, planners: list[Planner]) -> set[Role]:
   """Roles timed in --measure anchors: shapes that pin the affine cost model (normal, exact
   and degraded multiples, multi-pass, mixed), and every role of the commonest failure state,
   one slice down, under each policy at each slice count."""
-  split = lambda rows: train_step.split_passes(rows, planners[0].max_rows)
+  split = lambda rows: split_passes(rows, planners[0].max_rows)
   anchors = {Role(b), Role(2 * b), Role(0, 2 * b, split(2 * b)), Role(0, 3 * b, split(3 * b)),
              Role(b // 2, b // 2), Role(b, b // 2)}
   for p in planners:

@@ -38,6 +38,7 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.train_state import params_sha256
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.snapshot import image, manifest, parity, recovery, store
 from mecefo_jax.step import slice_steps, train_step
 
@@ -55,7 +56,7 @@ class Bench:
     self.cfg, self.root = cfg, root
     self.mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     graphdef, _, _ = llama.abstract(cfg.model)
-    role = train_step.Role(exact=cfg.train.micro_batch)
+    role = Role(exact=cfg.train.micro_batch)
     self.step = train_step.compile_step(cfg, self.mesh, role, graphdef)
     self.states = {mode: train_state.create_sharded(cfg, self.mesh)
                    for mode in ('no_snapshot', 'snapshot')}

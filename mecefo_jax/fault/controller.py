@@ -14,9 +14,10 @@ from mecefo_jax.config import Config
 from mecefo_jax.data import order
 from mecefo_jax.fault.failures import FailureEvent, FailureSchedule
 from mecefo_jax.fault.goodput import Goodput
-from mecefo_jax.fault.takeover import Planner, SliceWork
 from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.model.train_state import params_sha256, state_shardings
+from mecefo_jax.plan.roles import Role
+from mecefo_jax.plan.takeover import Planner, SliceWork
 from mecefo_jax.step import slice_steps, train_step
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.precompile import Precompiler, next_live_sets
@@ -204,7 +205,7 @@ class Controller:
       self.state, metrics = programs.fused(self.state, self._batch(ids_SxB, plan.work, live, role))
     return metrics, processed
 
-  def _batch(self, ids_SxB, work, slices, role: train_step.Role) -> jax.Array:
+  def _batch(self, ids_SxB, work, slices, role: Role) -> jax.Array:
     """Tokens of `slices` on their devices; each process makes only the rows it holds."""
     mesh = self.submesh(slices)
     return multihost.put_batch(lambda i: self._tokens(ids_SxB, work[slices[i]]),

@@ -9,8 +9,8 @@ from typing import Sequence
 import numpy as np
 
 from mecefo_jax.fault.failures import PAPER_DEVICES, FailureSchedule, TimedEvent as Event
-from mecefo_jax.fault.takeover import Planner
-from mecefo_jax.step.train_step import Role
+from mecefo_jax.plan.roles import Role
+from mecefo_jax.plan.takeover import Planner
 
 CHECKPOINT = 'checkpoint-restart'
 

@@ -17,6 +17,7 @@ from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule, write_trace
 from mecefo_jax.model import llama, train_state
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.run import evaluation, presence, rundir
 from mecefo_jax.run.progress import Progress
@@ -101,7 +102,7 @@ class Trainer:
       self.controller.apply_presence(self.start_step)
     # Compile the fault-free step now, so that the first step runs at full speed.
     self.memory = train_step.memory_summary(self.controller.fused(
-        self.controller.present, train_step.Role(exact=cfg.train.micro_batch)))
+        self.controller.present, Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
     if self._precompile():
       self.controller.start_precompile()

@@ -6,8 +6,8 @@ import math
 from typing import Sequence
 
 from mecefo_jax.config import DEGRADED_COST, POLICIES, Config
-from mecefo_jax.fault import budget
-from mecefo_jax.step.train_step import Role, split_passes
+from mecefo_jax.plan import budget
+from mecefo_jax.plan.roles import Role, split_passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
   exact: every row processed exactly, the orphans split evenly over the live slices (no
     approximation; the step costs n/(n-d) of a normal one): the quality reference.
   budget: every live slice stays within `time_budget` times the fault-free step's cost (exact
-    row 1, degraded row `degraded_cost`) with the fewest degraded rows (fault/budget.py).
+    row 1, degraded row `degraded_cost`) with the fewest degraded rows (plan/budget.py).
   `granule` (dividing micro_batch) keeps spread shares shardable over a slice's fsdp devices.
   """
   if not 0.0 < degraded_cost < 1.0:
