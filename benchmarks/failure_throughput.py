@@ -23,12 +23,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, simulate
+from benchmarks.simulate import CHECKPOINT, ClusterCosts
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.fault import simulate
 from mecefo_jax.fault.failures import PAPER_DEVICES, PRESETS, poisson_events
-from mecefo_jax.fault.simulate import CHECKPOINT, ClusterCosts
 from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.plan.roles import Role, split_passes
 from mecefo_jax.plan.takeover import Planner

@@ -121,7 +121,7 @@ def run_scripted(args) -> dict:
 
 
 def run_presets(args) -> dict:
-  from mecefo_jax.fault import simulate
+  from benchmarks import simulate
   from mecefo_jax.fault.failures import PAPER_DEVICES, FailureSchedule
   cfg = _cfg(args, 'fault-free')
   n, steps = args.slices, cfg.train.steps

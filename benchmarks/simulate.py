@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mecefo_jax.fault.failures import PAPER_DEVICES, FailureSchedule, TimedEvent as Event
+from mecefo_jax.fault.failures import FailureSchedule, TimedEvent as Event
 from mecefo_jax.plan.roles import Role
 from mecefo_jax.plan.takeover import Planner
 
