@@ -44,6 +44,18 @@ def poisson_events(mean_s: float, repair_s: float, n_slices: int, horizon_s: flo
       events.append(TimedEvent(repaired_at[victim], victim, 'repair'))
 
 
+def apply_event(failed: set[int], kind: str, slice_: int) -> bool:
+  """Applies a 'fail' or 'repair' of `slice_` to the set of failed slices; whether it changed
+  (failing a failed slice or repairing a live one changes nothing)."""
+  if kind == 'fail' and slice_ not in failed:
+    failed.add(slice_)
+    return True
+  if kind == 'repair' and slice_ in failed:
+    failed.discard(slice_)
+    return True
+  return False
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class FailureEvent:
   step: int
@@ -89,7 +101,7 @@ class FailureSchedule:
     failed = set()
     for step in range(steps):
       for e in self.events_at(step):
-        (failed.add if e.kind == 'fail' else failed.discard)(e.slice)
+        apply_event(failed, e.kind, e.slice)
       yield frozenset(failed)
 
   @classmethod

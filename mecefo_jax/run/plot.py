@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mecefo_jax.fault.failures import apply_event
+
 PLOT_FILE = 'training.png'
 DOWN_COLOR = 'tab:red'
 
@@ -34,11 +36,13 @@ def read_rows(run_dir: str | Path) -> list[dict]:
 def failure_windows(events: list[dict], last_step: int) -> list[dict]:
   """{slice, start, end (steps), start_s, end_s (wall, None if unknown)} per failure, from
   report['failure_events']; a slice still down at the end is back at last_step + 1."""
-  down, windows = {}, []
+  failed, down, windows = set(), {}, []  # down: the failure event of each failed slice
   for e in events:
+    if not apply_event(failed, e['kind'], e['slice']):
+      continue
     if e['kind'] == 'fail':
-      down.setdefault(e['slice'], e)
-    elif e['slice'] in down:
+      down[e['slice']] = e
+    else:
       fail = down.pop(e['slice'])
       windows.append({'slice': e['slice'], 'start': fail['step'], 'end': e['step'],
                       'start_s': fail.get('wall_s'), 'end_s': e.get('wall_s')})
