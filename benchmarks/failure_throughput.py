@@ -27,7 +27,7 @@ from benchmarks import common, simulate
 from benchmarks.simulate import CHECKPOINT, ClusterCosts
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.fault.failures import PAPER_DEVICES, PRESETS, poisson_events
+from mecefo_jax.fault.failures import PRESETS, poisson_events, rate_scale
 from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.plan.roles import Role, split_passes
 from mecefo_jax.plan.takeover import Planner
@@ -246,7 +246,7 @@ def model_check(costs: ClusterCosts) -> dict:
 
 def failure_model(args, n: int) -> dict:
   """Mean hours between failures in the n-slice cluster, and repair hours, of each preset."""
-  scale = PAPER_DEVICES / n if args.rate == 'per_device' else 1.0
+  scale = rate_scale(args.rate, n)
   return {p: {'mean_interval_h': PRESETS[p][0] * scale, 'repair_h': PRESETS[p][1]}
           for p in args.presets}
 

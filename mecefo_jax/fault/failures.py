@@ -16,6 +16,14 @@ RATES = ('per_device', 'cluster')
 KINDS = ('fail', 'repair')
 
 
+def rate_scale(rate: str, n_slices: int) -> float:
+  """The factor on a preset's mean interval: per_device keeps the paper's down fraction at any
+  size (PAPER_DEVICES / n_slices), cluster takes the preset's interval as it is."""
+  if rate not in RATES:
+    raise ConfigError(f"failure rate must be one of {', '.join(RATES)}, got {rate!r}")
+  return PAPER_DEVICES / n_slices if rate == 'per_device' else 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class TimedEvent:
   """A failure or repair at a time in seconds (the simulator's continuous clock)."""
@@ -144,16 +152,13 @@ class FailureSchedule:
   @classmethod
   def from_spec(cls, spec: str, n_slices: int, steps: int, cluster_step_s: float,
                 seed: int, rate: str = 'per_device') -> 'FailureSchedule':
-    """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'; a preset's `rate` per_device scales its
-    interval by PAPER_DEVICES / n_slices (the paper's down fraction at any size), cluster not."""
+    """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'; a preset's interval is scaled by
+    rate_scale(rate, n_slices)."""
     if spec == 'none':
       return cls(n_slices)
     if spec.startswith('trace:'):
       return cls.from_trace(spec[len('trace:'):], n_slices)
-    if rate not in RATES:
-      raise ConfigError(f"failure rate must be one of {', '.join(RATES)}, got {rate!r}")
-    scale = PAPER_DEVICES / n_slices if rate == 'per_device' else 1.0
-    return cls.preset(spec, n_slices, steps, cluster_step_s, seed, scale)
+    return cls.preset(spec, n_slices, steps, cluster_step_s, seed, rate_scale(rate, n_slices))
 
 
 def write_trace(path: str | Path, events: list[dict]) -> None:
