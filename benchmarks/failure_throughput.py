@@ -80,9 +80,7 @@ def planner(spec: str, n: int, granule: int, cfg) -> Planner:
   """The planner of policy `spec` on n slices: a policy name, 'budget:T' (faults.time_budget
   T) or CHECKPOINT (a spare replaces the failed slice, nothing to plan)."""
   policy, budget = common.policy_spec(spec)
-  f = cfg.faults
-  return Planner(n, cfg.train.micro_batch, policy, granule, f.max_degraded_rows, f.degraded_cost,
-                 f.time_budget if budget is None else budget)
+  return Planner.from_config(cfg, n, granule, policy, budget)
 
 
 def anchor_roles(b: int, planners: list[Planner]) -> set[Role]:

@@ -125,11 +125,14 @@ class Planner:
       object.__setattr__(self, 'max_rows', 2 * self.micro_batch)
 
   @classmethod
-  def from_config(cls, cfg: Config, n_slices: int, granule: int = 1,
-                  policy: str | None = None) -> 'Planner':
+  def from_config(cls, cfg: Config, n_slices: int, granule: int = 1, policy: str | None = None,
+                  time_budget: float | None = None) -> 'Planner':
+    """The run's planner; `policy` and `time_budget` replace faults.takeover and
+    faults.time_budget unless None."""
     f = cfg.faults
-    return cls(n_slices, cfg.train.micro_batch, policy or f.takeover, granule,
-               f.max_degraded_rows, f.degraded_cost, f.time_budget)
+    return cls(n_slices, cfg.train.micro_batch, f.takeover if policy is None else policy, granule,
+               f.max_degraded_rows, f.degraded_cost,
+               f.time_budget if time_budget is None else time_budget)
 
   def plan(self, live: Sequence[int]) -> StepPlan:
     work, dropped = plan(live, self.n_slices, self.micro_batch, self.policy, self.granule,
