@@ -41,8 +41,7 @@ def ring_next(live: Sequence[int], failed_slice: int, n_slices: int) -> int:
 
 def _split(n_rows: int, parts: int, granule: int) -> list[int]:
   """n_rows split over parts as evenly as possible in multiples of granule rows."""
-  units = n_rows // granule
-  return [granule * (units // parts + (1 if i < units % parts else 0)) for i in range(parts)]
+  return [granule * units for units in budget.balanced(n_rows // granule, parts)]
 
 
 def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
