@@ -78,7 +78,8 @@ def _train_out(train_args: list[str]) -> Path | None:
   return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+  """A TCP port free on this machine now (for a local job's coordinator)."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
@@ -117,7 +118,7 @@ class Supervisor:
     return [a for a in self.args.train_args if a not in ('--fresh', '--resume')] + ['--resume']
 
   def start(self) -> None:
-    port, k, n = _free_port(), self.args.devices_per_process, len(self.hosts)
+    port, k, n = free_port(), self.args.devices_per_process, len(self.hosts)
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since = {}, False, None
     for pid, host in enumerate(self.hosts):

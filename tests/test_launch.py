@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from test_multiprocess import _env, _free_port  # the same local job set-up
+from mecefo_jax.launch import free_port
+from test_multiprocess import _env  # the same local job set-up
 
 ROOT = Path(__file__).resolve().parents[1]
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
@@ -84,7 +85,7 @@ def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(tmp_path):
   assert report['samples'] == reference['samples']
 
   # A restart that does not say which hosts its processes are: one line, nothing touched.
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen(
       [sys.executable, 'train.py', '--host-devices=2', f'--coordinator=127.0.0.1:{port}',
        '--num-processes=2', f'--process-id={i}', '--resume', '--out', str(run),

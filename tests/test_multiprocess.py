@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mecefo_jax.launch import free_port
 from mecefo_jax.snapshot import recovery
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +31,6 @@ def _env():
   return {**env, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1'}
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
-
-
 def _args(tmp: Path, out: str, *extra) -> list[str]:
   trace = tmp / 'trace.txt'
   trace.write_text(TRACE)
@@ -45,7 +39,7 @@ def _args(tmp: Path, out: str, *extra) -> list[str]:
 
 
 def _spawn(tmp: Path, out: str, n: int, *extra, heartbeat=100) -> list[subprocess.Popen]:
-  port = _free_port()
+  port = free_port()
   procs = []
   for i in range(n):
     log = open(tmp / f'{out}_{i}.log', 'ab')
