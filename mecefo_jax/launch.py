@@ -22,24 +22,18 @@ import sys
 import time
 from pathlib import Path
 
+from mecefo_jax.run.cli import OneLineParser
+from mecefo_jax.run.exits import ALL_DOWN, JOB_EXITS, STOPPED
+
 ROOT = Path(__file__).resolve().parents[1]
-# train.py's own stops: bad input, all slices down, diverged. Every process exits with them.
-JOB_EXITS = {2: 'bad input', 3: 'all slices down', 4: 'diverged'}
-STOPPED = 128 + signal.SIGTERM  # a stop at an agreed step, snapshot saved
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
 _POLL_S, _GRACE_S = 0.1, 60.0
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # one line, like train.py's errors
-    print(f'error: {message} (see {self.prog} --help)', file=sys.stderr)
-    sys.exit(2)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-  p = _Parser(prog='python -m mecefo_jax.launch', description=__doc__.split('\n')[0],
-                              epilog='example: python -m mecefo_jax.launch -n 4 --rejoin-after 60 '
-                                     '-- --out runs/job mesh.slice=4')
+  p = OneLineParser(prog='python -m mecefo_jax.launch', description=__doc__.split('\n')[0],
+                    epilog='example: python -m mecefo_jax.launch -n 4 --rejoin-after 60 '
+                           '-- --out runs/job mesh.slice=4')
   p.add_argument('-n', '--num-processes', type=int, required=True, help='processes (hosts), >= 2')
   p.add_argument('--devices-per-process', type=int, default=1,
                  help='devices of each process: CPU devices (--host-devices), or GPUs with --gpus')
@@ -215,7 +209,7 @@ class Supervisor:
         self.say('give-up', f'{len(self.hosts)} host left and no replacement coming '
                             '(--rejoin-after): the run stops here; resume it with the same '
                             'command once hosts are back')
-        return 3
+        return ALL_DOWN
       host, at = min(self.ready_at.items(), key=lambda kv: kv[1])
       self.say('wait', f'{len(self.hosts)} host left: waiting {max(0, at - time.monotonic()):.0f}'
                        f' s for the replacement of host {host}')

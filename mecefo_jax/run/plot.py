@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from mecefo_jax.fault.failures import apply_event
+from mecefo_jax.run.exits import BAD_INPUT
 
 PLOT_FILE = 'training.png'
 DOWN_COLOR = 'tab:red'
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
       out = plot_compare(args.run_dirs, args.out)
   except (OSError, ValueError) as err:
     print(f'error: {err}', file=sys.stderr)
-    return 2
+    return BAD_INPUT
   print(out)
   return 0
 
