@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax.run import cli
+from mecefo_jax.run import cli, metrics
 from mecefo_jax.snapshot import manifest, recovery
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def train(out: Path, *args: str) -> tuple[int, str]:
 
 def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
   deadline = time.monotonic() + timeout
-  while (last := recovery.last_logged_step(out)) is None or last < step:
+  while (last := metrics.last_logged_step(out)) is None or last < step:
     assert proc.poll() is None, f'train.py exited ({proc.returncode}) before step {step}'
     assert time.monotonic() < deadline, f'step {step} not logged in {timeout} s'
     time.sleep(0.005)

@@ -18,7 +18,7 @@ from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule, write_trace
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.plan.roles import Role
-from mecefo_jax.run.metrics import MetricsWriter, to_json
+from mecefo_jax.run.metrics import MetricsWriter, last_logged_step, to_json
 from mecefo_jax.run import evaluation, presence, rundir
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.report_schema import SCHEMA_VERSION
@@ -138,7 +138,7 @@ class Trainer:
         self.controller.devices_back_at = all_down_at
 
   def _restored(self, step: int, state, meta: dict) -> None:
-    reached = recovery.last_logged_step(self.out_dir)
+    reached = last_logged_step(self.out_dir)
     self.steps_lost = max(0, reached + 1 - step) if reached is not None else None
     self.controller.state = state
     self.controller.load_meta(meta['controller'])
