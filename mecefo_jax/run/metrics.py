@@ -1,4 +1,4 @@
-"""Metrics sinks of a run: metrics.jsonl always, TensorBoard scalars in <out>/tb when possible."""
+"""Metrics of a run: metrics.jsonl (written and read back), TensorBoard scalars when possible."""
 from __future__ import annotations
 
 import json
