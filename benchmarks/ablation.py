@@ -23,6 +23,7 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.model.llama import Degrade
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.step import train_step
 
 # name -> (label, role in units of micro-batches: (exact, degraded), techniques)
@@ -44,7 +45,7 @@ def compile_variants(cfg, mesh, graphdef) -> tuple[dict, dict]:
   """(compiled program, role) of every variant."""
   b, programs, roles = cfg.train.micro_batch, {}, {}
   for name, (_, (e, d), degrade) in VARIANTS.items():
-    roles[name] = train_step.Role(exact=e * b, degraded=d * b)
+    roles[name] = Role(exact=e * b, degraded=d * b)
     programs[name] = train_step.compile_step(cfg, mesh, roles[name], graphdef, degrade)
   return programs, roles
 

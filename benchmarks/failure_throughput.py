@@ -23,14 +23,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, simulate
+from benchmarks.simulate import CHECKPOINT, ClusterCosts
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.fault import simulate
-from mecefo_jax.fault.failures import PAPER_DEVICES, PRESETS, poisson_events
-from mecefo_jax.fault.simulate import CHECKPOINT, ClusterCosts, Role
-from mecefo_jax.fault.takeover import Planner
+from mecefo_jax.fault.failures import PRESETS, poisson_events, rate_scale
 from mecefo_jax.model import bases, llama, train_state
+from mecefo_jax.plan.roles import Role, split_passes
+from mecefo_jax.plan.takeover import Planner
 from mecefo_jax.snapshot import recovery, store
 from mecefo_jax.step import slice_steps, train_step
 
@@ -80,16 +80,14 @@ def planner(spec: str, n: int, granule: int, cfg) -> Planner:
   """The planner of policy `spec` on n slices: a policy name, 'budget:T' (faults.time_budget
   T) or CHECKPOINT (a spare replaces the failed slice, nothing to plan)."""
   policy, budget = common.policy_spec(spec)
-  f = cfg.faults
-  return Planner(n, cfg.train.micro_batch, policy, granule, f.max_degraded_rows, f.degraded_cost,
-                 f.time_budget if budget is None else budget)
+  return Planner.from_config(cfg, n, granule, policy, budget)
 
 
 def anchor_roles(b: int, planners: list[Planner]) -> set[Role]:
   """Roles timed in --measure anchors: shapes that pin the affine cost model (normal, exact
   and degraded multiples, multi-pass, mixed), and every role of the commonest failure state,
   one slice down, under each policy at each slice count."""
-  split = lambda rows: train_step.split_passes(rows, planners[0].max_rows)
+  split = lambda rows: split_passes(rows, planners[0].max_rows)
   anchors = {Role(b), Role(2 * b), Role(0, 2 * b, split(2 * b)), Role(0, 3 * b, split(3 * b)),
              Role(b // 2, b // 2), Role(b, b // 2)}
   for p in planners:
@@ -246,7 +244,7 @@ def model_check(costs: ClusterCosts) -> dict:
 
 def failure_model(args, n: int) -> dict:
   """Mean hours between failures in the n-slice cluster, and repair hours, of each preset."""
-  scale = PAPER_DEVICES / n if args.rate == 'per_device' else 1.0
+  scale = rate_scale(args.rate, n)
   return {p: {'mean_interval_h': PRESETS[p][0] * scale, 'repair_h': PRESETS[p][1]}
           for p in args.presets}
 

@@ -22,6 +22,7 @@ from mecefo_jax.data.order import sample_ids
 from mecefo_jax.data.synthetic import SyntheticCorpus
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.bases import svd_bases
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.step import train_step
 
 
@@ -58,7 +59,7 @@ def main(argv=None) -> dict:
   graphdef, _, _ = llama.abstract(cfg.model)
   b = cfg.train.micro_batch
   corpus = SyntheticCorpus(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
-  normal = train_step.compile_step(cfg, mesh, train_step.Role(exact=b), graphdef)
+  normal = train_step.compile_step(cfg, mesh, Role(exact=b), graphdef)
   state = train_state.create_sharded(cfg, mesh)
   fractions = [float(f) for f in args.fractions.split(',')]
   kinds = [k.strip() for k in args.bases.split(',')]
@@ -66,7 +67,7 @@ def main(argv=None) -> dict:
   grad_fns = {v: _grad_fn(cfg, graphdef, *v) for v in variants}
   refreshers = {v: _refresh_fn(cfg, *v) for v in variants if v[0] != 'gaussian'}
   exact_fn = jax.jit(lambda params, tokens: train_step.contribution(
-      params, {}, tokens, jax.random.PRNGKey(0), role=train_step.Role(exact=b), graphdef=graphdef,
+      params, {}, tokens, jax.random.PRNGKey(0), role=Role(exact=b), graphdef=graphdef,
       cfg=cfg)[0])
   cut_fn = _grad_fn(cfg, graphdef, 'none', 1.0)
   bases, rows = dict.fromkeys(variants), []
@@ -110,7 +111,7 @@ def _grad_fn(cfg, graphdef, basis, fraction):
     if basis == 'none':  # attention cut, exact FFN weight gradients
       return jax.grad(train_step._loss_sum)(params, tokens, graphdef, True, None,
                                         vcfg.mecefo.ffn_remat)
-    return train_step.contribution(params, bases or {}, tokens, key, role=train_step.Role(degraded=n),
+    return train_step.contribution(params, bases or {}, tokens, key, role=Role(degraded=n),
                               graphdef=graphdef, cfg=vcfg)[0]
   return jax.jit(fn)
 

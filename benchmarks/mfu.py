@@ -17,6 +17,7 @@ from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import Config, ModelConfig, load_config
 from mecefo_jax.model import llama, train_state
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.step import train_step
 
 # Dense bf16 peak, TFLOP/s, from the vendors' data sheets (no sparsity), by device_kind substring.
@@ -48,7 +49,7 @@ def measure(cfg: Config, micro_batches: list[int], repeats: int) -> dict:
   """Times the normal step at each micro-batch size, all programs interleaved on one state."""
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   graphdef, _, _ = llama.abstract(cfg.model)
-  roles = {b: train_step.Role(exact=b) for b in micro_batches}
+  roles = {b: Role(exact=b) for b in micro_batches}
   compiled = {b: train_step.compile_step(cfg, mesh, r, graphdef) for b, r in roles.items()}
   states = {'shared': train_state.create_sharded(cfg, mesh)}
   runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles),

@@ -121,12 +121,12 @@ def run_scripted(args) -> dict:
 
 
 def run_presets(args) -> dict:
-  from mecefo_jax.fault import simulate
-  from mecefo_jax.fault.failures import PAPER_DEVICES, FailureSchedule
+  from benchmarks import simulate
+  from mecefo_jax.fault.failures import FailureSchedule, rate_scale
   cfg = _cfg(args, 'fault-free')
   n, steps = args.slices, cfg.train.steps
   seed = cfg.train.seed if args.schedule_seed is None else args.schedule_seed
-  scale = PAPER_DEVICES / n if args.rate == 'per_device' else 1.0
+  scale = rate_scale(args.rate, n)
   fault_free = train(args, 'fault-free', FailureSchedule(n))
   presets = {}
   for preset in args.presets:

@@ -38,7 +38,8 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.train_state import params_sha256
-from mecefo_jax.snapshot import image, manifest, parity, recovery, store
+from mecefo_jax.plan.roles import Role
+from mecefo_jax.snapshot import host, image, manifest, parity, recovery, store
 from mecefo_jax.step import slice_steps, train_step
 
 N_HOSTS = 4
@@ -55,7 +56,7 @@ class Bench:
     self.cfg, self.root = cfg, root
     self.mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     graphdef, _, _ = llama.abstract(cfg.model)
-    role = train_step.Role(exact=cfg.train.micro_batch)
+    role = Role(exact=cfg.train.micro_batch)
     self.step = train_step.compile_step(cfg, self.mesh, role, graphdef)
     self.states = {mode: train_state.create_sharded(cfg, self.mesh)
                    for mode in ('no_snapshot', 'snapshot')}
@@ -131,7 +132,7 @@ def time_parity(state, n: int = N_HOSTS, lost: int = 2, repeats: int = 3) -> dic
   """HostSnapshots' parity over n hosts (see the module doc): the median seconds of one host's
   parity block and of rebuilding part `lost` from the others' parts and blocks."""
   image_len = image.nbytes(image.layout(state))
-  part_len = -(-image_len // (n * (n - 1))) * (n - 1)  # as HostSnapshots: n parts of n-1 chunks
+  part_len = host.part_len(image_len, n)  # as HostSnapshots: n parts of n-1 chunks
   packed = np.zeros(part_len * n, np.uint8)  # the packed state + zero padding
   image.pack(state, packed[:image_len])
   parts = [packed[p * part_len:(p + 1) * part_len] for p in range(n)]

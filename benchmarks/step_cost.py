@@ -12,6 +12,7 @@ from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import bases, llama, train_state
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.step import train_step
 
 
@@ -23,8 +24,8 @@ def main(argv=None):
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   graphdef, _, _ = llama.abstract(cfg.model)
   b = cfg.train.micro_batch
-  roles = {'normal_1': train_step.Role(exact=b), 'degraded_2': train_step.Role(degraded=2 * b),
-           'naive_2': train_step.Role(exact=2 * b)}
+  roles = {'normal_1': Role(exact=b), 'degraded_2': Role(degraded=2 * b),
+           'naive_2': Role(exact=2 * b)}
   compiled = {n: train_step.compile_step(cfg, mesh, r, graphdef) for n, r in roles.items()}
   states = {n: train_state.create_sharded(cfg, mesh) for n in roles}
   if bases.kind(cfg).refresh is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-# Takeover policies (mecefo_jax/fault/takeover.py plans each).
+# Takeover policies (mecefo_jax/plan/takeover.py plans each).
 POLICIES = ('neighbor', 'spread', 'exact', 'budget', 'drop', 'naive')
 # Cost of a degraded row relative to an exact one (policy budget): the FLOP ratio on llama_60m
 # (two degraded micro-batches = 1.32 normal ones, benchmarks/ablation.py), what a compute-bound

@@ -22,24 +22,18 @@ import sys
 import time
 from pathlib import Path
 
+from mecefo_jax.run.cli import OneLineParser
+from mecefo_jax.run.exits import ALL_DOWN, JOB_EXITS, STOPPED
+
 ROOT = Path(__file__).resolve().parents[1]
-# train.py's own stops: bad input, all slices down, diverged. Every process exits with them.
-JOB_EXITS = {2: 'bad input', 3: 'all slices down', 4: 'diverged'}
-STOPPED = 128 + signal.SIGTERM  # a stop at an agreed step, snapshot saved
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
 _POLL_S, _GRACE_S = 0.1, 60.0
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # one line, like train.py's errors
-    print(f'error: {message} (see {self.prog} --help)', file=sys.stderr)
-    sys.exit(2)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-  p = _Parser(prog='python -m mecefo_jax.launch', description=__doc__.split('\n')[0],
-                              epilog='example: python -m mecefo_jax.launch -n 4 --rejoin-after 60 '
-                                     '-- --out runs/job mesh.slice=4')
+  p = OneLineParser(prog='python -m mecefo_jax.launch', description=__doc__.split('\n')[0],
+                    epilog='example: python -m mecefo_jax.launch -n 4 --rejoin-after 60 '
+                           '-- --out runs/job mesh.slice=4')
   p.add_argument('-n', '--num-processes', type=int, required=True, help='processes (hosts), >= 2')
   p.add_argument('--devices-per-process', type=int, default=1,
                  help='devices of each process: CPU devices (--host-devices), or GPUs with --gpus')
@@ -78,7 +72,8 @@ def _train_out(train_args: list[str]) -> Path | None:
   return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+  """A TCP port free on this machine now (for a local job's coordinator)."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
@@ -117,7 +112,7 @@ class Supervisor:
     return [a for a in self.args.train_args if a not in ('--fresh', '--resume')] + ['--resume']
 
   def start(self) -> None:
-    port, k, n = _free_port(), self.args.devices_per_process, len(self.hosts)
+    port, k, n = free_port(), self.args.devices_per_process, len(self.hosts)
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since = {}, False, None
     for pid, host in enumerate(self.hosts):
@@ -214,7 +209,7 @@ class Supervisor:
         self.say('give-up', f'{len(self.hosts)} host left and no replacement coming '
                             '(--rejoin-after): the run stops here; resume it with the same '
                             'command once hosts are back')
-        return 3
+        return ALL_DOWN
       host, at = min(self.ready_at.items(), key=lambda kv: kv[1])
       self.say('wait', f'{len(self.hosts)} host left: waiting {max(0, at - time.monotonic()):.0f}'
                        f' s for the replacement of host {host}')

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from mecefo_jax.model import llama, train_state
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.step import train_step
 from test_update_reference import (CORPUS, L, TOL, RefOptimizer, _assert_close, _cfg, _grad_sum,
                                    _max_diff)  # the independent reference of the update
@@ -36,7 +37,7 @@ def _adam_counts(opt_state):
 
 def _sums(state, tokens, graphdef, cfg, exact, degrade):
   """The project's per-slice sums: `exact` rows exact, the rest degraded with `degrade`."""
-  role = train_step.Role(exact, len(tokens) - exact)
+  role = Role(exact, len(tokens) - exact)
   run = functools.partial(train_step.contribution, role=role, graphdef=graphdef, cfg=cfg,
                           degrade=degrade)
   return jax.jit(run)(state.params, state.bases, jnp.asarray(tokens), jax.random.PRNGKey(0))
@@ -63,7 +64,7 @@ def test_attention_averages_over_every_row_that_gave_it_a_gradient(exact):
 
 def test_fused_step_with_attention_backward_on_averages_over_every_row():
   cfg, state, graphdef, tokens = _one_slice()
-  step = train_step.make_step_fn(cfg, train_step.Role(2, 2), graphdef, ATTENTION_ON)
+  step = train_step.make_step_fn(cfg, Role(2, 2), graphdef, ATTENTION_ON)
   _, metrics = jax.jit(step)(state, jnp.asarray(tokens)[None])
   want = _grad_sum(state.params, tokens, cfg.model, False)
   np.testing.assert_allclose(metrics['grad_norm'], optax.tree.norm(want) / (4 * L), rtol=1e-5)

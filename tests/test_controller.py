@@ -10,11 +10,11 @@ import pytest
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.data import order, synthetic
-from mecefo_jax.fault.controller import AllSlicesDown, Controller, SliceFailure
 from mecefo_jax.fault import goodput
+from mecefo_jax.fault.controller import AllSlicesDown, Controller, SliceFailure
 from mecefo_jax.fault.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.step import train_step
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.precompile import next_live_sets
 
@@ -117,7 +117,7 @@ def test_no_fault_runs_only_the_fused_program():
   c = _controller()
   for t in range(2):
     c.step(t)
-  assert set(c.programs.keys()) == {('fused', ALL4, train_step.Role(exact=B))}
+  assert set(c.programs.keys()) == {('fused', ALL4, Role(exact=B))}
   assert c.samples == {'exact': 2 * 4 * B, 'degraded': 0, 'dropped': 0}
   assert c.goodput['degraded_productive'] == c.goodput['lost'] == 0.0
 
@@ -126,7 +126,7 @@ def test_naive_takeover_equals_fault_free_step():
   params0, loss, params = _fault_free_step0()
   c = _controller('4x2', 'faults.takeover=naive', schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  assert c.live() == (0, 1, 3) and ('group', (3,), train_step.Role(exact=2 * B)) in c.programs.keys()
+  assert c.live() == (0, 1, 3) and ('group', (3,), Role(exact=2 * B)) in c.programs.keys()
   assert c.samples == {'exact': 4 * B, 'degraded': 0, 'dropped': 0}
   assert float(metrics['exact_tokens']) == 4 * B * L and float(metrics['degraded_tokens']) == 0
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
@@ -139,7 +139,7 @@ def test_neighbor_takeover_loss_equals_fault_free_loss():
   _, loss, _ = _fault_free_step0()
   c = _controller(schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  assert ('group', (3,), train_step.Role(degraded=2 * B)) in c.programs.keys()
+  assert ('group', (3,), Role(degraded=2 * B)) in c.programs.keys()
   assert c.samples == {'exact': 2 * B, 'degraded': 2 * B, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
@@ -152,7 +152,7 @@ def test_budget_takeover_degrades_fewest_rows_and_keeps_the_loss():
   # Slice 2's 4 rows over 3 live slices in granules of fsdp=2, each slice within a normal
   # step's cost (4): one slice degrading 6 rows (2 exact + 0.3 * 6 <= 4) beats two degrading 4.
   groups = {k[1]: k[2] for k in c.programs.keys() if k[0] == 'group'}
-  assert groups == {(3,): train_step.Role(2, 6), (0, 1): train_step.Role(exact=B)}, groups
+  assert groups == {(3,): Role(2, 6), (0, 1): Role(exact=B)}, groups
   assert c.samples == {'exact': 2 + 2 * B, 'degraded': 6, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
@@ -173,7 +173,7 @@ def test_drop_loss_is_mean_over_live_samples():
   np.testing.assert_allclose(float(metrics['loss']), live_only, rtol=1e-5)
   assert abs(live_only - full) > 1e-4
   assert c.samples == {'exact': 3 * B, 'degraded': 0, 'dropped': B}
-  assert set(c.programs.keys()) == {('fused', (0, 1, 3), train_step.Role(exact=B))}
+  assert set(c.programs.keys()) == {('fused', (0, 1, 3), Role(exact=B))}
   assert c.goodput['lost'] > 0
 
 
@@ -184,10 +184,10 @@ def test_neighbor_of_neighbor_then_last_slice_carries_all_then_all_down():
   c = _controller('4x2', f'faults.max_degraded_rows={2 * B}', schedule=sched)
   # Step 0: slice 1's neighbour (2) is down too, so slice 3 carries 1, 2 and its own.
   m0 = c.step(0)
-  assert ('group', (3,), train_step.Role(degraded=3 * B, passes=2)) in c.programs.keys()
+  assert ('group', (3,), Role(degraded=3 * B, passes=2)) in c.programs.keys()
   # Step 1: slice 0 alone carries all four micro-batches, in passes of at most 2B rows.
   m1 = c.step(1)
-  assert ('group', (0,), train_step.Role(degraded=4 * B, passes=2)) in c.programs.keys()
+  assert ('group', (0,), Role(degraded=4 * B, passes=2)) in c.programs.keys()
   assert float(m1['exact_tokens']) == 0 and float(m1['degraded_tokens']) == 4 * B * L
   assert math.isfinite(float(m0['loss'])) and math.isfinite(float(m1['loss']))
   assert c.samples == {'exact': B, 'degraded': 7 * B, 'dropped': 0}
@@ -266,7 +266,7 @@ def test_precompile_compiles_the_next_live_sets_in_the_background():
   compile_before = c.goodput['compile']
   c.start_precompile()
   c.precompiler.wait()
-  carrier = train_step.Role(degraded=2 * B)
+  carrier = Role(degraded=2 * B)
   for live in ((0,), (1,)):  # a lone slice carries both micro-batches: fused, plus the refreshes
     assert {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True),
             ('eval', live)} <= set(c.programs.keys()), sorted(map(str, c.programs.keys()))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax import launch
-from mecefo_jax.launch import _free_port
+from mecefo_jax.launch import free_port
 from procs import kill, report, wait_for
 
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
@@ -73,7 +73,7 @@ def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(launcher, tm
   assert result['samples'] == reference['samples']
 
   # A restart that does not say which hosts its processes are: one line, nothing touched.
-  port = _free_port()
+  port = free_port()
   env, procs = launcher.env(compile_cache=False), []
   for i in range(2):
     procs.append(launcher.start(

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.launch import _free_port
+from mecefo_jax.launch import free_port
 from mecefo_jax.snapshot import recovery
 from procs import report, wait_all
 
@@ -36,7 +36,7 @@ def _args(tmp: Path, out: str, *extra) -> list[str]:
 
 def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
   """n local processes of one job (gloo on CPU), output in <out>_<i>.log."""
-  port = _free_port()
+  port = free_port()
   procs = []
   for i in range(n):
     log = open(tmp / f'{out}_{i}.log', 'ab')

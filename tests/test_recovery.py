@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax.run import cli
+from mecefo_jax.run import cli, metrics
 from mecefo_jax.snapshot import manifest, recovery
 from procs import TINY, error_lines, kill, report, wait_for
 
@@ -51,7 +51,7 @@ def kill_after(launcher, out: Path, step: int, *args: str, sig=signal.SIGKILL) -
   """Starts train.py and sends `sig` once `step` is in metrics.jsonl."""
   proc = start(launcher, out, *args)
   try:
-    wait_for(lambda: (recovery.last_logged_step(out) or -1) >= step, 180, f'step {step}', proc)
+    wait_for(lambda: (metrics.last_logged_step(out) or -1) >= step, 180, f'step {step}', proc)
     os.kill(proc.pid, sig)
   finally:
     code, log = finish(proc)

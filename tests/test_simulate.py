@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from benchmarks import quality
-from mecefo_jax.fault import simulate
-from mecefo_jax.fault.failures import PRESETS, FailureSchedule
-from mecefo_jax.fault.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, Role, replay
-from mecefo_jax.fault.takeover import Planner
+from benchmarks import quality, simulate
+from benchmarks.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, replay
+from mecefo_jax.fault.failures import FailureSchedule
+from mecefo_jax.plan.roles import Role
+from mecefo_jax.plan.takeover import Planner
 
 N, B = 4, 8
 

@@ -10,6 +10,7 @@ from mecefo_jax.config import load_config
 from mecefo_jax.layers import MeCeFOLinear
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.bases import svd_bases
+from mecefo_jax.plan.roles import Role, split_passes
 from mecefo_jax.step import slice_steps, train_step
 from test_update_reference import _loss_sum as reference_loss_sum
 
@@ -42,7 +43,7 @@ def test_degraded_grads_match_dense_projected_reference(remat):
   _, params = llama.create(cfg.model, 0)
   bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (6, cfg.model.seq_len + 1))
-  grads, loss, exact_tok, deg_tok = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=6))
+  grads, loss, exact_tok, deg_tok = _contribution(cfg, params, bases, tokens, Role(degraded=6))
   ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, True)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert (float(exact_tok), float(deg_tok)) == (0.0, 6.0 * cfg.model.seq_len)
@@ -67,13 +68,13 @@ def test_normal_grads_and_losses_match_reference():
   cfg = _cfg()
   _, params = llama.create(cfg.model, 0)
   tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
-  grads, loss, exact_tok, _ = _contribution(cfg, params, {}, tokens, train_step.Role(exact=4))
+  grads, loss, exact_tok, _ = _contribution(cfg, params, {}, tokens, Role(exact=4))
   ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
   bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
-  _, d_loss, _, _ = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=4))
+  _, d_loss, _, _ = _contribution(cfg, params, bases, tokens, Role(degraded=4))
   np.testing.assert_allclose(d_loss, loss, rtol=1e-6)  # the degraded forward is exact
 
 
@@ -81,7 +82,7 @@ def test_normal_step_equals_jax_grad_and_optax(devices):
   cfg = _cfg('mesh.slice=4', 'mesh.fsdp=2')
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, _, _ = llama.abstract(cfg.model)
-  step = train_step.compile_step(cfg, mesh, train_step.Role(exact=4), graphdef)
+  step = train_step.compile_step(cfg, mesh, Role(exact=4), graphdef)
   state = _state(cfg, mesh)
   params0 = jax.device_get(state.params)
   tokens = _tokens(cfg, (4, 4, cfg.model.seq_len + 1))
@@ -111,7 +112,7 @@ def test_combine_rule_attention_over_exact_only():
 
 def _run(cfg, mesh, n_steps):
   graphdef, _, _ = llama.abstract(cfg.model)
-  normal = train_step.compile_step(cfg, mesh, train_step.Role(exact=8 // mesh.shape['slice']), graphdef)
+  normal = train_step.compile_step(cfg, mesh, Role(exact=8 // mesh.shape['slice']), graphdef)
   state = _state(cfg, mesh)
   for t in range(n_steps):
     tokens = _tokens(cfg, (8, cfg.model.seq_len + 1), seed=t).reshape(mesh.shape['slice'], -1,
@@ -136,7 +137,7 @@ def test_group_programs_and_the_update_equal_the_fused_step(devices):
   cfg = _cfg('mesh.slice=2', 'mesh.fsdp=2')
   mesh = sharding.make_mesh(cfg.mesh, devices[:4])
   graphdef, _, _ = llama.abstract(cfg.model)
-  role = train_step.Role(exact=4)
+  role = Role(exact=4)
   tokens = _tokens(cfg, (2, 4, cfg.model.seq_len + 1))
   fused_state, fused = train_step.compile_step(cfg, mesh, role, graphdef)(_state(cfg, mesh), tokens)
   state = _state(cfg, mesh)
@@ -152,8 +153,8 @@ def test_steps_share_state_shardings_and_degraded_memory_fits(devices):
   cfg = _cfg('mesh.slice=2', 'mesh.fsdp=2', 'mesh.tensor=2')
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, _, _ = llama.abstract(cfg.model)
-  normal = train_step.compile_step(cfg, mesh, train_step.Role(exact=4), graphdef)
-  degraded = train_step.compile_step(cfg, mesh, train_step.Role(degraded=8), graphdef)
+  normal = train_step.compile_step(cfg, mesh, Role(exact=4), graphdef)
+  degraded = train_step.compile_step(cfg, mesh, Role(degraded=8), graphdef)
   expected = jax.tree.leaves(train_state.state_shardings(cfg, mesh))
   for compiled in (normal, degraded):
     (state_in, _), _ = compiled.input_shardings
@@ -169,8 +170,8 @@ def test_compiled_memory_degraded_two_fits_in_normal_one(devices):
   graphdef, _, _ = llama.abstract(cfg.model)
   b = cfg.train.micro_batch
   temp = {name: train_step.memory_summary(train_step.compile_step(cfg, mesh, role, graphdef))['temp_bytes']
-          for name, role in [('normal', train_step.Role(exact=b)), ('degraded', train_step.Role(degraded=2 * b)),
-                             ('naive', train_step.Role(exact=2 * b))]}
+          for name, role in [('normal', Role(exact=b)), ('degraded', Role(degraded=2 * b)),
+                             ('naive', Role(exact=2 * b))]}
   assert temp['degraded'] <= temp['normal'] < temp['naive'], temp
 
 
@@ -179,9 +180,9 @@ def test_degraded_passes_with_remainder_equal_one_pass():
   _, params = llama.create(cfg.model, 0)
   bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (7, cfg.model.seq_len + 1))
-  assert train_step.split_passes(7, 3) == 3  # chunks of 3, 3 and a remainder of 1
-  one = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=7))
-  three = _contribution(cfg, params, bases, tokens, train_step.Role(degraded=7, passes=3))
+  assert split_passes(7, 3) == 3  # chunks of 3, 3 and a remainder of 1
+  one = _contribution(cfg, params, bases, tokens, Role(degraded=7))
+  three = _contribution(cfg, params, bases, tokens, Role(degraded=7, passes=3))
   np.testing.assert_allclose(three[1], one[1], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(three[0]), jax.tree.leaves(one[0])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -196,7 +197,7 @@ def _ablated(degrade, remat='dots'):
   tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
   graphdef, _, _ = llama.abstract(cfg.model)
   grads, loss, _, _ = train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1),
-                                         role=train_step.Role(degraded=4), graphdef=graphdef, cfg=cfg,
+                                         role=Role(degraded=4), graphdef=graphdef, cfg=cfg,
                                          degrade=degrade)
   return cfg, params, bases, tokens, grads, loss
 
@@ -252,7 +253,7 @@ def test_degrade_true_is_all_techniques_and_static_under_jit():
   cfg, params, bases, tokens, _, _ = _ablated(llama.NONE)
   graphdef, _, _ = llama.abstract(cfg.model)
   default = train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1),
-                               role=train_step.Role(degraded=4), graphdef=graphdef, cfg=cfg)
+                               role=Role(degraded=4), graphdef=graphdef, cfg=cfg)
   assert float(default[1]) == float(loss)
   for a, b in zip(jax.tree.leaves(default[0]), jax.tree.leaves(grads)):
     np.testing.assert_array_equal(a, b)

@@ -11,10 +11,10 @@ import pytest
 from mecefo_jax import sharding
 from mecefo_jax.config import FaultConfig, load_config
 from mecefo_jax.data import order, synthetic
-from mecefo_jax.fault import takeover
 from mecefo_jax.fault.controller import Controller
 from mecefo_jax.fault.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
+from mecefo_jax.plan import takeover
 
 pytestmark = pytest.mark.usefixtures('devices')
 

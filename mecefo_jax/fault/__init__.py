@@ -1,1 +1,1 @@
-"""Failure handling: failure schedules, the takeover planner, the host controller, the simulator."""
+"""Failure handling: failure schedules, the host controller, the goodput ledger."""

@@ -12,11 +12,12 @@ import numpy as np
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config
 from mecefo_jax.data import order
-from mecefo_jax.fault.failures import FailureEvent, FailureSchedule
+from mecefo_jax.fault.failures import FailureEvent, FailureSchedule, apply_event
 from mecefo_jax.fault.goodput import Goodput
-from mecefo_jax.fault.takeover import Planner, SliceWork
 from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.model.train_state import params_sha256, state_shardings
+from mecefo_jax.plan.roles import Role
+from mecefo_jax.plan.takeover import Planner, SliceWork
 from mecefo_jax.step import slice_steps, train_step
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.precompile import Precompiler, next_live_sets
@@ -66,16 +67,11 @@ class Controller:
     return tuple(s for s in range(self.n_slices) if s not in self.failed)
 
   def _apply(self, event: FailureEvent, wall_s: float) -> None:
-    if event.kind == 'fail' and event.slice not in self.failed:
-      self.failed.add(event.slice)
-    elif event.kind == 'repair' and event.slice in self.failed:
-      if event.slice not in self.present:
-        log.warning('step %d: slice %d cannot be repaired here (%s): its devices are absent; '
-                    'it rejoins at a start with them present', event.step, event.slice,
-                    event.source)
-        return
-      self.failed.discard(event.slice)
-    else:
+    if event.kind == 'repair' and event.slice in self.failed and event.slice not in self.present:
+      log.warning('step %d: slice %d cannot be repaired here (%s): its devices are absent; '
+                  'it rejoins at a start with them present', event.step, event.slice, event.source)
+      return
+    if not apply_event(self.failed, event.kind, event.slice):
       return  # no change (already failed / not failed)
     self.events.append({**event.to_dict(), 'wall_s': wall_s, 'live': len(self.live())})
     log.warning('step %d: slice %d %s (%s); live slices %s', event.step, event.slice,
@@ -204,7 +200,7 @@ class Controller:
       self.state, metrics = programs.fused(self.state, self._batch(ids_SxB, plan.work, live, role))
     return metrics, processed
 
-  def _batch(self, ids_SxB, work, slices, role: train_step.Role) -> jax.Array:
+  def _batch(self, ids_SxB, work, slices, role: Role) -> jax.Array:
     """Tokens of `slices` on their devices; each process makes only the rows it holds."""
     mesh = self.submesh(slices)
     return multihost.put_batch(lambda i: self._tokens(ids_SxB, work[slices[i]]),

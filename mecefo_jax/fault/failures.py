@@ -16,6 +16,14 @@ RATES = ('per_device', 'cluster')
 KINDS = ('fail', 'repair')
 
 
+def rate_scale(rate: str, n_slices: int) -> float:
+  """The factor on a preset's mean interval: per_device keeps the paper's down fraction at any
+  size (PAPER_DEVICES / n_slices), cluster takes the preset's interval as it is."""
+  if rate not in RATES:
+    raise ConfigError(f"failure rate must be one of {', '.join(RATES)}, got {rate!r}")
+  return PAPER_DEVICES / n_slices if rate == 'per_device' else 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class TimedEvent:
   """A failure or repair at a time in seconds (the simulator's continuous clock)."""
@@ -42,6 +50,18 @@ def poisson_events(mean_s: float, repair_s: float, n_slices: int, horizon_s: flo
     events.append(TimedEvent(t, victim, 'fail'))
     if repaired_at[victim] < horizon_s:
       events.append(TimedEvent(repaired_at[victim], victim, 'repair'))
+
+
+def apply_event(failed: set[int], kind: str, slice_: int) -> bool:
+  """Applies a 'fail' or 'repair' of `slice_` to the set of failed slices; whether it changed
+  (failing a failed slice or repairing a live one changes nothing)."""
+  if kind == 'fail' and slice_ not in failed:
+    failed.add(slice_)
+    return True
+  if kind == 'repair' and slice_ in failed:
+    failed.discard(slice_)
+    return True
+  return False
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -89,7 +109,7 @@ class FailureSchedule:
     failed = set()
     for step in range(steps):
       for e in self.events_at(step):
-        (failed.add if e.kind == 'fail' else failed.discard)(e.slice)
+        apply_event(failed, e.kind, e.slice)
       yield frozenset(failed)
 
   @classmethod
@@ -132,16 +152,13 @@ class FailureSchedule:
   @classmethod
   def from_spec(cls, spec: str, n_slices: int, steps: int, cluster_step_s: float,
                 seed: int, rate: str = 'per_device') -> 'FailureSchedule':
-    """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'; a preset's `rate` per_device scales its
-    interval by PAPER_DEVICES / n_slices (the paper's down fraction at any size), cluster not."""
+    """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'; a preset's interval is scaled by
+    rate_scale(rate, n_slices)."""
     if spec == 'none':
       return cls(n_slices)
     if spec.startswith('trace:'):
       return cls.from_trace(spec[len('trace:'):], n_slices)
-    if rate not in RATES:
-      raise ConfigError(f"failure rate must be one of {', '.join(RATES)}, got {rate!r}")
-    scale = PAPER_DEVICES / n_slices if rate == 'per_device' else 1.0
-    return cls.preset(spec, n_slices, steps, cluster_step_s, seed, scale)
+    return cls.preset(spec, n_slices, steps, cluster_step_s, seed, rate_scale(rate, n_slices))
 
 
 def write_trace(path: str | Path, events: list[dict]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (DEFAULT_OUT, POLICIES, ConfigError, FaultConfig, load_config,
                                to_dict)
+from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, DIVERGED, INTERRUPTED, STOPPED
 
 
 # configs/ lies next to train.py in the repository: the default must not depend on the cwd.
@@ -21,12 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / 'configs' / 'tiny.yaml'
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse whose usage errors are one `error: ...` line (exit 2), like every other error."""
+class OneLineParser(argparse.ArgumentParser):
+  """argparse whose usage errors are one `error: ...` line (exit BAD_INPUT), like every other
+  error (train.py's and the supervisor's)."""
 
   def error(self, message):
     print(f'error: {message} (see {self.prog} --help)', file=sys.stderr)
-    sys.exit(2)
+    sys.exit(BAD_INPUT)
 
 
 def _int_at_least(low: int):
@@ -42,7 +44,7 @@ def _int_at_least(low: int):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = _Parser(
+  p = OneLineParser(
       prog='train.py', description='MeCeFO fault-tolerant LLM training (JAX/Flax).',
       epilog='example: python train.py --config configs/tiny.yaml train.steps=50 model.n_layers=4')
   p.add_argument('--config', default=None,
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
   except KeyboardInterrupt:  # before the handlers are in place, without snapshots, or twice
     print('error: interrupted (Ctrl-C) without a final checkpoint; `python train.py --resume` '
           'continues from the last snapshot, if any', file=sys.stderr)
-    return 128 + signal.SIGINT
+    return INTERRUPTED
   finally:
     if scratch is not None:
       shutil.rmtree(scratch, ignore_errors=True)
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
 
 def _error(err: Exception) -> int:
   print(f'error: {err}', file=sys.stderr)
-  return 2
+  return BAD_INPUT
 
 
 def _main(args, scratch: Path | None) -> int:
@@ -251,10 +253,10 @@ def _train(args, run, out_dir: Path) -> int:
     log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
              report['samples'])
   if report['preempted']:  # SIGTERM or Ctrl-C: checkpointed, resumable
-    return 128 + signal.SIGTERM
+    return STOPPED
   if report['diverged_at_step'] is not None:
-    return 4
-  return 3 if report['stopped'] else 0
+    return DIVERGED
+  return ALL_DOWN if report['stopped'] else 0
 
 
 def _num(x) -> str:

@@ -1,4 +1,4 @@
-"""Metrics sinks of a run: metrics.jsonl always, TensorBoard scalars in <out>/tb when possible."""
+"""Metrics of a run: metrics.jsonl (written and read back), TensorBoard scalars when possible."""
 from __future__ import annotations
 
 import json
@@ -33,6 +33,27 @@ def to_json(obj, **kwargs) -> str:
   NaN / Infinity that json.dumps writes by default and other JSON readers reject. kwargs go
   to json.dumps (e.g. indent=2)."""
   return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+  """The rows of out_dir's metrics.jsonl in file order ([] without one); a line cut by a crash,
+  or one without a step, is skipped."""
+  path = Path(out_dir) / METRICS_FILE
+  rows = []
+  for line in path.read_text().splitlines() if path.is_file() else ():
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue  # a line cut by a crash
+    if isinstance(row, dict) and 'step' in row:
+      rows.append(row)
+  return rows
+
+
+def last_logged_step(out_dir: str | Path) -> int | None:
+  """The last step a previous process logged to metrics.jsonl (to count steps lost in a crash)."""
+  rows = read_metrics(out_dir)
+  return rows[-1]['step'] if rows else None
 
 
 def _tb_writer(directory: Path):
@@ -74,7 +95,7 @@ class MetricsWriter:
     if self._file is None:
       return
     self._file.write(to_json(row) + '\n')
-    self._file.flush()  # recovery.last_logged_step reads it while (or after) we crash
+    self._file.flush()  # last_logged_step reads it while (or after) we crash
     if self._tb is not None:
       kind = row.get('kind', 'train')
       for key in TB_KEYS.get(kind, ()):

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mecefo_jax.fault.failures import apply_event
+from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.run.metrics import METRICS_FILE, read_metrics
+
 PLOT_FILE = 'training.png'
 DOWN_COLOR = 'tab:red'
 
@@ -15,14 +19,12 @@ DOWN_COLOR = 'tab:red'
 def read_rows(run_dir: str | Path) -> list[dict]:
   """metrics.jsonl rows with a run-long wall time 't' (resumed processes restart wall_s at 0);
   a step trained again after a resume keeps its last row."""
-  path = Path(run_dir) / 'metrics.jsonl'
   rows, offset, last_wall = {}, 0.0, 0.0
-  for line in path.read_text().splitlines() if path.is_file() else ():
+  for row in read_metrics(run_dir):
     try:
-      row = json.loads(line)
       step, wall = int(row['step']), float(row.get('wall_s', 0.0))
-    except (ValueError, KeyError, TypeError):
-      continue  # a line cut by a crash
+    except (ValueError, TypeError):
+      continue  # a step or wall time that is not a number
     if wall < last_wall:
       offset += last_wall  # a new process (resume): its clock starts again
     last_wall = wall
@@ -34,11 +36,13 @@ def read_rows(run_dir: str | Path) -> list[dict]:
 def failure_windows(events: list[dict], last_step: int) -> list[dict]:
   """{slice, start, end (steps), start_s, end_s (wall, None if unknown)} per failure, from
   report['failure_events']; a slice still down at the end is back at last_step + 1."""
-  down, windows = {}, []
+  failed, down, windows = set(), {}, []  # down: the failure event of each failed slice
   for e in events:
+    if not apply_event(failed, e['kind'], e['slice']):
+      continue
     if e['kind'] == 'fail':
-      down.setdefault(e['slice'], e)
-    elif e['slice'] in down:
+      down[e['slice']] = e
+    else:
       fail = down.pop(e['slice'])
       windows.append({'slice': e['slice'], 'start': fail['step'], 'end': e['step'],
                       'start_s': fail.get('wall_s'), 'end_s': e.get('wall_s')})
@@ -127,7 +131,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
   train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
   evals = [r for r in rows if r['kind'] == 'eval']
   if not train:
-    raise ValueError(f'{run_dir / "metrics.jsonl"} has no training rows to plot')
+    raise ValueError(f'{run_dir / METRICS_FILE} has no training rows to plot')
   steps, times = [r['step'] for r in train], [r['t'] for r in train]
   windows = failure_windows(report.get('failure_events', []), steps[-1])
   step_spans = [(w['start'], w['end']) for w in windows]
@@ -183,7 +187,7 @@ def plot_compare(run_dirs, out: str | Path) -> Path:
     rows = read_rows(run_dir)
     train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
     if not train:
-      raise ValueError(f'{run_dir / "metrics.jsonl"} has no training rows to plot')
+      raise ValueError(f'{run_dir / METRICS_FILE} has no training rows to plot')
     line, = ax.plot([r['step'] for r in train], _losses(train), lw=1.2, label=label)
     evals = [r for r in rows if r['kind'] == 'eval']
     ax.plot([r['step'] for r in evals], _losses(evals), 'o', ms=5, color=line.get_color())
@@ -215,7 +219,7 @@ def main(argv=None) -> int:
       out = plot_compare(args.run_dirs, args.out)
   except (OSError, ValueError) as err:
     print(f'error: {err}', file=sys.stderr)
-    return 2
+    return BAD_INPUT
   print(out)
   return 0
 

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mecefo_jax.run.exits import BAD_INPUT
+
 SCHEMA_VERSION = 2  # 2: precompile section
 
 
@@ -322,7 +324,7 @@ def main(argv=None) -> int:
     report = load(path)
   except (OSError, ValueError) as err:
     print(f'error: {err}', file=sys.stderr)
-    return 2
+    return BAD_INPUT
   found = errors(report)
   for line in found:
     print(f'{path}: {line}', file=sys.stderr)

@@ -10,12 +10,13 @@ import uuid
 from pathlib import Path
 
 from mecefo_jax.config import Config, ConfigError, SnapshotConfig, to_dict
+from mecefo_jax.run.metrics import METRICS_FILE
 from mecefo_jax.snapshot import recovery
 
 log = logging.getLogger('mecefo')
 LOCK = '.lock'
 SNAPSHOT_KEYS = {f.name for f in dataclasses.fields(SnapshotConfig)}
-OUTPUTS = ('metrics.jsonl', 'report.json', 'training.png', 'tb', recovery.RUN_STATE)
+OUTPUTS = (METRICS_FILE, 'report.json', 'training.png', 'tb', recovery.RUN_STATE)
 # Keys a resumed run may change, as none changes what is trained (README: Snapshots and
 # resume); train.steps only upward (the learning-rate schedule then follows the new length).
 SAFE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
@@ -52,7 +53,7 @@ def start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
   if resume and previous.get('run_id'):
     _check_same_config(previous.get('config', {}), to_dict(cfg))
     return previous['run_id']
-  if not resume and (previous or (Path(out_dir) / 'metrics.jsonl').exists()):
+  if not resume and (previous or (Path(out_dir) / METRICS_FILE).exists()):
     if not (replace or replace_finished and previous.get('status') == 'finished'):
       status = previous.get('status', 'unknown')
       raise ConfigError(f'run directory {str(out_dir)!r} holds another run ({status}); resume '

@@ -1,7 +1,6 @@
 """The training loop: mesh, sharded state, failure-aware controller, snapshots, evals, outputs."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -17,7 +16,8 @@ from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule, write_trace
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.run.metrics import MetricsWriter, to_json
+from mecefo_jax.plan.roles import Role
+from mecefo_jax.run.metrics import MetricsWriter, last_logged_step, to_json
 from mecefo_jax.run import evaluation, presence, rundir
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.report_schema import SCHEMA_VERSION
@@ -101,7 +101,7 @@ class Trainer:
       self.controller.apply_presence(self.start_step)
     # Compile the fault-free step now, so that the first step runs at full speed.
     self.memory = train_step.memory_summary(self.controller.fused(
-        self.controller.present, train_step.Role(exact=cfg.train.micro_batch)))
+        self.controller.present, Role(exact=cfg.train.micro_batch)))
     self.compile_s = time.perf_counter() - t0
     if self._precompile():
       self.controller.start_precompile()
@@ -137,7 +137,7 @@ class Trainer:
         self.controller.devices_back_at = all_down_at
 
   def _restored(self, step: int, state, meta: dict) -> None:
-    reached = recovery.last_logged_step(self.out_dir)
+    reached = last_logged_step(self.out_dir)
     self.steps_lost = max(0, reached + 1 - step) if reached is not None else None
     self.controller.state = state
     self.controller.load_meta(meta['controller'])

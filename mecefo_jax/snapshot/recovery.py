@@ -108,20 +108,6 @@ def unfinished(out_dir: Path) -> bool:
   return read_run_state(out_dir).get('status') in ('running', 'stopped')
 
 
-def last_logged_step(out_dir: Path) -> int | None:
-  """The last step a previous process logged to metrics.jsonl (to count steps lost in a crash)."""
-  path = Path(out_dir) / 'metrics.jsonl'
-  if not path.is_file():
-    return None
-  last = None
-  for line in path.read_text().splitlines():
-    try:
-      last = json.loads(line)['step']
-    except (ValueError, KeyError):
-      continue  # a line cut by the crash
-  return last
-
-
 def install_sigterm_handler(manager: SnapshotManager | HostSnapshots, *,
                             exit_code: int = 128 + signal.SIGTERM,
                             defer: bool = False, signum: int = signal.SIGTERM):

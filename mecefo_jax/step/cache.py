@@ -8,8 +8,8 @@ import time
 from typing import Callable
 
 from mecefo_jax.config import Config
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.step import slice_steps, train_step
-from mecefo_jax.step.train_step import Role
 
 log = logging.getLogger('mecefo')
 

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mecefo_jax import sharding
 from mecefo_jax.config import Config
 from mecefo_jax.model.train_state import TrainState, abstract_state, make_optimizer, state_shardings
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
 from mecefo_jax.step import train_step
 
@@ -52,7 +53,7 @@ def stack_groups(outputs, cfg: Config, mesh: Mesh):
   return jax.tree.map(one, target, *outputs)
 
 
-def compile_group(cfg: Config, mesh: Mesh, role: train_step.Role, graphdef):
+def compile_group(cfg: Config, mesh: Mesh, role: Role, graphdef):
   """`(state, tokens_GxRxL1) -> per-slice (grads, loss, exact_tokens, degraded_tokens)` on `mesh`."""
   def group(state: TrainState, tokens_GxRxL1):
     key = jax.random.fold_in(state.rng, state.step)

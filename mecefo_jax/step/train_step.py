@@ -1,7 +1,6 @@
 """Normal and degraded train steps as pure functions, compiled ahead of time per slice plan."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import jax
@@ -15,25 +14,10 @@ from mecefo_jax.model import llama
 from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.model.train_state import (ATTENTION, TrainState, abstract_state, make_optimizer,
                                           state_shardings)
+from mecefo_jax.plan.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
 
 log = logging.getLogger('mecefo')
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Role:
-  """One slice's work in a step: sequences run with the exact step, then with the degraded step.
-
-  `passes` > 1 runs the degraded rows in that many sequential chunks (lax.scan), so that a
-  slice carrying many orphaned micro-batches keeps the memory of one chunk.
-  """
-  exact: int = 0
-  degraded: int = 0
-  passes: int = 1
-
-  @property
-  def rows(self) -> int:
-    return self.exact + self.degraded
 
 
 def _loss_sum(params, tokens_NxL1, graphdef, degraded, bases, remat):
@@ -82,13 +66,6 @@ def _degraded_passes(grad_fn, params, rows_DxL1, bases, passes, graphdef, cfg, d
   if n_full * chunk < rows:
     acc = jax.tree.map(jnp.add, acc, run(rows_DxL1[n_full * chunk:]))
   return acc
-
-
-def split_passes(degraded_rows: int, max_rows: int) -> int:
-  """Fewest passes of at most max_rows rows each (0 = no limit)."""
-  if max_rows <= 0 or degraded_rows <= max_rows:
-    return 1
-  return -(-degraded_rows // max_rows)
 
 
 def count_attention_tokens(exact_tokens, degraded_tokens, degrade: llama.Degrade = llama.FULL):

@@ -6,8 +6,8 @@ import math
 from typing import Sequence
 
 from mecefo_jax.config import DEGRADED_COST, POLICIES, Config
-from mecefo_jax.fault import budget
-from mecefo_jax.step.train_step import Role, split_passes
+from mecefo_jax.plan import budget
+from mecefo_jax.plan.roles import Role, split_passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,7 @@ def ring_next(live: Sequence[int], failed_slice: int, n_slices: int) -> int:
 
 def _split(n_rows: int, parts: int, granule: int) -> list[int]:
   """n_rows split over parts as evenly as possible in multiples of granule rows."""
-  units = n_rows // granule
-  return [granule * (units // parts + (1 if i < units % parts else 0)) for i in range(parts)]
+  return [granule * units for units in budget.balanced(n_rows // granule, parts)]
 
 
 def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
@@ -58,7 +57,7 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
   exact: every row processed exactly, the orphans split evenly over the live slices (no
     approximation; the step costs n/(n-d) of a normal one): the quality reference.
   budget: every live slice stays within `time_budget` times the fault-free step's cost (exact
-    row 1, degraded row `degraded_cost`) with the fewest degraded rows (fault/budget.py).
+    row 1, degraded row `degraded_cost`) with the fewest degraded rows (plan/budget.py).
   `granule` (dividing micro_batch) keeps spread shares shardable over a slice's fsdp devices.
   """
   if not 0.0 < degraded_cost < 1.0:
@@ -125,11 +124,14 @@ class Planner:
       object.__setattr__(self, 'max_rows', 2 * self.micro_batch)
 
   @classmethod
-  def from_config(cls, cfg: Config, n_slices: int, granule: int = 1,
-                  policy: str | None = None) -> 'Planner':
+  def from_config(cls, cfg: Config, n_slices: int, granule: int = 1, policy: str | None = None,
+                  time_budget: float | None = None) -> 'Planner':
+    """The run's planner; `policy` and `time_budget` replace faults.takeover and
+    faults.time_budget unless None."""
     f = cfg.faults
-    return cls(n_slices, cfg.train.micro_batch, policy or f.takeover, granule,
-               f.max_degraded_rows, f.degraded_cost, f.time_budget)
+    return cls(n_slices, cfg.train.micro_batch, f.takeover if policy is None else policy, granule,
+               f.max_degraded_rows, f.degraded_cost,
+               f.time_budget if time_budget is None else time_budget)
 
   def plan(self, live: Sequence[int]) -> StepPlan:
     work, dropped = plan(live, self.n_slices, self.micro_batch, self.policy, self.granule,

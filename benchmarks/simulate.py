@@ -8,9 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from mecefo_jax.fault.failures import PAPER_DEVICES, FailureSchedule, TimedEvent as Event
-from mecefo_jax.fault.takeover import Planner
-from mecefo_jax.step.train_step import Role
+from mecefo_jax.fault.failures import FailureSchedule, TimedEvent as Event, apply_event
+from mecefo_jax.plan.roles import Role
+from mecefo_jax.plan.takeover import Planner
 
 CHECKPOINT = 'checkpoint-restart'
 
@@ -197,12 +197,9 @@ def _apply_due(events, i, now, failed):
   fails = repairs = False
   while i < len(events) and events[i].time_s <= now:
     e = events[i]
-    if e.kind == 'fail' and e.slice not in failed:
-      failed.add(e.slice)
-      fails = True
-    elif e.kind == 'repair' and e.slice in failed:
-      failed.discard(e.slice)
-      repairs = True
+    changed = apply_event(failed, e.kind, e.slice)
+    fails |= changed and e.kind == 'fail'
+    repairs |= changed and e.kind == 'repair'
     i += 1
   return i, fails, repairs
 
