@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import _FLOAT_RANGES, Config, ConfigError, load_config
-from mecefo_jax.run import cli, plot, report_schema
+from mecefo_jax.run import cli, exits, plot, report_schema
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from procs import ROOT, TINY, error_lines, wait_for
 
@@ -242,6 +242,15 @@ def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplo
       time.sleep(5)
   finally:
     signal.signal(signal.SIGINT, previous)
+
+
+def test_exit_codes_are_the_documented_numbers():
+  codes = {exits.BAD_INPUT: 2, exits.ALL_DOWN: 3, exits.DIVERGED: 4, exits.STOPPED: 143,
+           exits.INTERRUPTED: 130}
+  assert all(named == number for named, number in codes.items()), codes
+  table = (ROOT / 'docs' / 'errors.md').read_text()
+  assert all(f'| {number} |' in table for number in codes.values())
+  assert set(exits.JOB_EXITS) == {exits.BAD_INPUT, exits.ALL_DOWN, exits.DIVERGED}
 
 
 # ---- packaging -------------------------------------------------------------------------------
