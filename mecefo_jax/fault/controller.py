@@ -18,7 +18,7 @@ from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.model.train_state import params_sha256, state_shardings
 from mecefo_jax.plan.roles import Role
 from mecefo_jax.plan.takeover import Planner, SliceWork
-from mecefo_jax.step import slice_steps, train_step
+from mecefo_jax.step import retarget, slice_steps, train_step
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.precompile import Precompiler, next_live_sets
 
@@ -56,7 +56,8 @@ class Controller:
     self.events: list[dict] = []
     self.ledger = Goodput()
     self.samples = collections.Counter()  # exact / degraded / dropped sample counts
-    self.programs = ProgramCache(cfg, slices, graphdef, lambda s: self.ledger.book('compile', s))
+    self.programs = ProgramCache(cfg, slices, graphdef, lambda s: self.ledger.book('compile', s),
+                                 move=retarget.enabled(cfg.train.move_programs))
     self.precompiler: Precompiler | None = None
     self._bases_step = _host_int(state.bases_step)
     self._refreshed = basis_kind(cfg).refresh is not None  # svd: bases kept, refreshed every tau

@@ -11,7 +11,7 @@ from typing import Any
 
 from mecefo_jax.run.exits import BAD_INPUT
 
-SCHEMA_VERSION = 2  # 2: precompile section
+SCHEMA_VERSION = 3  # 2: precompile section; 3: programs section
 
 
 class ReportError(ValueError):
@@ -206,6 +206,15 @@ PRECOMPILE = Record({
     'seconds': Field(FLOAT, 's', 'background compile time, off the critical path'),
 })
 
+PROGRAMS = Record({
+    'move': Field(BOOL, '', 'train.move_programs resolved: programs moved between sets of slices '
+                  'of one shape (step/retarget.py)'),
+    'compiled': Field(INT, '', 'programs compiled by this process (background compiles included)'),
+    'compiled_s': Field(FLOAT, 's', 'their compile time'),
+    'moved': Field(INT, '', 'programs moved onto another set of slices instead of compiled'),
+    'moved_s': Field(FLOAT, 's', 'time spent moving them'),
+})
+
 SCHEMA = Record({
     'schema_version': Field(INT, '', f'version of this schema ({SCHEMA_VERSION})'),
     'steps': Field(INT, 'steps', 'steps done (train.steps unless the run stopped early)'),
@@ -256,6 +265,7 @@ SCHEMA = Record({
     'snapshots': Field(SNAPSHOTS, '', 'snapshot tiers of this run'),
     'precompile': Field(PRECOMPILE, '', 'programs of live sets one failure or repair away, '
                         'compiled ahead in a background thread'),
+    'programs': Field(PROGRAMS, '', 'the step, eval and refresh programs this process built'),
     'tensorboard_dir': Field(Nullable(STR), '', 'TensorBoard event files; null without '
                              'tensorboardX'),
     'config': Field(MapOf(None), '', 'the resolved config (sections and keys of config.py)'),

@@ -370,6 +370,7 @@ class Trainer:
         'live_slices_at_end': list(c.live()), 'snapshots': self._snapshot_report(),
         'precompile': (c.precompiler.summary() if c.precompiler else
                        {'enabled': False, 'live_sets': 0, 'seconds': 0.0}),
+        'programs': {'move': c.programs.move, **c.programs.stats},
         'tensorboard_dir': str(self.out_dir / 'tb') if tensorboard else None,
         'config': to_dict(cfg),
     }

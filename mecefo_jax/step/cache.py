@@ -1,4 +1,5 @@
-"""The run's compiled programs, each built once, keyed by kind, slices and shape."""
+"""The run's compiled programs, each built once: compiled for its first set of slices, then
+moved onto any other set of the same shape (step/retarget.py) instead of compiled again."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,9 +8,11 @@ import threading
 import time
 from typing import Callable
 
+import jax
+
 from mecefo_jax.config import Config
 from mecefo_jax.plan.roles import Role
-from mecefo_jax.step import slice_steps, train_step
+from mecefo_jax.step import retarget, slice_steps, train_step
 
 log = logging.getLogger('mecefo')
 
@@ -31,10 +34,18 @@ class ProgramCache:
   thread that created the cache, the training thread: the time the step could not run.
   """
 
-  def __init__(self, cfg: Config, slices, graphdef, on_compile: Callable[[float], None]):
-    """`slices`: the run's sharding.PresentSlices (a program's slices are logical ids)."""
+  def __init__(self, cfg: Config, slices, graphdef, on_compile: Callable[[float], None],
+               move: bool = False):
+    """`slices`: the run's sharding.PresentSlices (a program's slices are logical ids); `move`:
+    programs move between sets of slices of one shape (retarget.enabled)."""
     self.cfg, self.slices, self.graphdef, self._on_compile = cfg, slices, graphdef, on_compile
+    self.move = move
     self._programs: dict = {}
+    # (kind, number of slices, *args) -> (program, its devices): what HLO depends on, as the
+    # in-slice mesh, the config and the graph are the run's.
+    self._by_shape: dict = {}
+    self._serialized: dict = {}
+    self.stats = {'compiled': 0, 'compiled_s': 0.0, 'moved': 0, 'moved_s': 0.0}
     self._lock = threading.Lock()
     self._owner = threading.get_ident()
 
@@ -42,9 +53,9 @@ class ProgramCache:
     """The program cached under `key`, built once (the loser of a race reuses the result)."""
     program = self._programs.get(key)
     if program is None:
-      if threading.get_ident() == self._owner:  # the step waits: say why (seconds on CPU)
-        log.info('compiling the %s program for slices %s (%s)', key[0], list(key[1]),
-                 'waiting for the background compile' if self._lock.locked() else 'first use')
+      if threading.get_ident() == self._owner and self._lock.locked():
+        log.info('waiting for the background compile of the %s program for slices %s', key[0],
+                 list(key[1]))
       t0 = time.perf_counter()
       with self._lock:  # one compile at a time
         program = self._programs.get(key)
@@ -59,22 +70,61 @@ class ProgramCache:
 
   def program(self, kind: str, slices: tuple[int, ...], *args):
     """The `kind` program (see _BUILDERS) on the devices of `slices`."""
-    mesh = self.slices.sub(slices)
-    return self.get((kind, slices, *args),
-                    lambda: _BUILDERS[kind](self.cfg, mesh, self.graphdef, *args))
+    return self.get((kind, slices, *args), lambda: self._build(kind, slices, args))
+
+  def _build(self, kind: str, slices: tuple[int, ...], args: tuple):
+    """Moved from a program of the same shape where there is one (and moving is on), else
+    compiled. Runs under the lock."""
+    mesh, shape = self.slices.sub(slices), (kind, len(slices), *args)
+    devices = list(mesh.devices.flat)
+    background = '' if threading.get_ident() == self._owner else ' (background)'
+    if self.move and shape in self._by_shape and _local(devices):
+      t0 = time.perf_counter()
+      try:
+        program = self._source(shape).load_onto(devices)
+      except Exception as err:  # noqa: BLE001 -- private APIs: compile instead, from now on
+        log.warning('moving the %s program failed (%s: %s): programs are compiled for each set '
+                    'of slices from now on', kind, type(err).__name__, err)
+        self.move = False
+      else:
+        self._book('moved', time.perf_counter() - t0)
+        log.info('moved the %s program onto slices %s%s', kind, list(slices), background)
+        return program
+    log.info('compiling the %s program for slices %s%s', kind, list(slices), background)
+    t0 = time.perf_counter()
+    program = _BUILDERS[kind](self.cfg, mesh, self.graphdef, *args)
+    self._book('compiled', time.perf_counter() - t0)
+    if self.move and _local(devices):
+      self._by_shape.setdefault(shape, (program, devices))
+    return program
+
+  def _source(self, shape) -> retarget.Serialized:
+    """The serialized first program of `shape` (serialized once, at its first move)."""
+    if shape not in self._serialized:
+      self._serialized[shape] = retarget.Serialized(*self._by_shape[shape])
+    return self._serialized[shape]
+
+  def _book(self, what: str, seconds: float) -> None:
+    self.stats[what] += 1
+    self.stats[f'{what}_s'] += seconds
 
   def step_programs(self, live: tuple[int, ...], roles: dict[int, Role]) -> 'StepPrograms':
     """The programs one step on `live` runs: one fused SPMD program when every slice plays one
-    single-pass role (mesh.ordered_reduce aside), else one per role group and the update."""
+    single-pass role (mesh.ordered_reduce aside), else each slice's group program for its role
+    (a program of one slice: a role costs one compile however many slices play it) and the
+    update."""
     first = roles[live[0]]
     if len(set(roles.values())) == 1 and first.passes == 1 and not self.cfg.mesh.ordered_reduce:
       return StepPrograms(fused=self.program('fused', live, first))
-    groups = {}
-    for s in live:
-      groups.setdefault(roles[s], []).append(s)
-    return StepPrograms(groups=[(role, tuple(slices), self.program('group', tuple(slices), role))
-                                for role, slices in groups.items()],
+    return StepPrograms(groups=[(roles[s], (s,), self.program('group', (s,), roles[s]))
+                                for s in live],
                         update=self.program('update', live))
+
+
+def _local(devices) -> bool:
+  """Only programs of this process's own devices move (a multi-process program's compile is
+  agreed by every process: they compile it alike)."""
+  return all(d.process_index == jax.process_index() for d in devices)
 
 
 @dataclasses.dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import io
 import logging
-import time
 from typing import Sequence
 
 import jax
@@ -66,7 +65,7 @@ class Serialized:
 
 
 def _tiny_program(mesh: Mesh):
-  """A sum over devices (a cross-device collective): wrong device ids give a wrong answer."""
+  """A sum over the mesh's devices (a collective on two): wrong device ids, a wrong answer."""
   sh = NamedSharding(mesh, P('d'))
   x = jax.ShapeDtypeStruct((len(mesh.devices), 4), jnp.float32, sharding=sh)
   return jax.jit(lambda x: (x * jnp.arange(1.0, 5.0)).sum(0), in_shardings=sh,
@@ -75,16 +74,17 @@ def _tiny_program(mesh: Mesh):
 
 @functools.lru_cache(maxsize=None)
 def probe(platform: str) -> str | None:
-  """None if moving works on this backend here (a tiny program compiled on two devices, moved
-  onto two others, gives the direct compile's output bit for bit), else why not."""
-  devices = jax.devices(platform)
-  if len(devices) < 3:
-    return f'{len(devices)} device(s): nothing to move between'
-  old, new = devices[:2], [devices[0], devices[2]]
+  """None if moving works on this backend here (a tiny program moved onto other devices gives
+  a direct compile's output bit for bit: two devices and a collective where there are three),
+  else why not."""
+  devices = jax.local_devices(backend=platform)  # a probe of this process's own devices
+  k = 2 if len(devices) > 2 else 1
+  old, new = devices[:k], [*devices[:k - 1], devices[k]]
   try:
     moved = Serialized(_tiny_program(Mesh(np.asarray(old), ('d',))), old).load_onto(new)
     mesh = Mesh(np.asarray(new), ('d',))
-    x = jax.device_put(np.arange(8.0, dtype=np.float32).reshape(2, 4), NamedSharding(mesh, P('d')))
+    x = jax.device_put(np.arange(4.0 * k, dtype=np.float32).reshape(k, 4),
+                       NamedSharding(mesh, P('d')))
     same = np.array_equal(np.asarray(moved(x)), np.asarray(_tiny_program(mesh)(x)))
     return None if same else 'a moved program gave another output than a direct compile'
   except Exception as err:  # noqa: BLE001 -- private APIs: any failure means "compile instead"
@@ -99,12 +99,11 @@ def enabled(mode: str, platform: str | None = None) -> bool:
   platform = platform or jax.default_backend()
   if mode == 'off' or (mode == 'auto' and platform == 'tpu'):
     return False
-  t0 = time.perf_counter()
+  if len(jax.local_devices(backend=platform)) < 2:
+    return False  # one device: one set of devices, nothing to move between
   why_not = probe(platform)
   if why_not is not None:
-    log.warning('programs are compiled for each set of devices (moving them failed its probe '
-                'on %s: %s)', platform, why_not)
+    log.warning('programs are compiled for each set of devices (moving them between sets '
+                'failed its probe on %s: %s)', platform, why_not)
     return False
-  log.info('compiled programs move between device sets of one shape (probe %.2f s)',
-           time.perf_counter() - t0)
   return True
