@@ -1,5 +1,6 @@
 """The supervisor with real deaths: a SIGKILLed process's slices are taken over by the survivors
-at once, a replacement rejoins, and the run equals a one-process replay of its failures.txt."""
+at once, a replacement rejoins, a process whose slices all fail skips every program until they
+rejoin from another process, and the run equals a one-process replay of its failures.txt."""
 import json
 import os
 import signal
@@ -14,10 +15,14 @@ from mecefo_jax.launch import free_port
 from procs import kill, report, wait_for
 
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
-ARGS = ['mesh.slice=6', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', 'train.steps=400',
+STEPS = 250
+ARGS = ['mesh.slice=6', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', f'train.steps={STEPS}',
         'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=1', 'model.seq_len=32',
         'snapshot.every=1', 'train.eval_every=0', 'train.plot=false']
-REJOIN_AFTER_S = 40  # the survivors' job starts (~20-30 s here), then trains until the rejoin
+# The survivors' job starts (~12 s here), then trains ~100 steps until the rejoin; the job of
+# all hosts then trains the rest, host 2 with no live slice for steps 200-209 (this trace).
+REJOIN_AFTER_S = 25
+TRACE = '200 4 fail\n200 5 fail\n210 4 repair\n210 5 repair\n'
 
 
 def _events(path: Path) -> list[dict]:
@@ -30,10 +35,11 @@ def _metrics_rows(run: Path) -> int:
 
 
 def _supervise(launcher, tmp: Path, *launch_args):
-  events = tmp / 'events.jsonl'
+  events, trace = tmp / 'events.jsonl', tmp / 'trace.txt'
+  trace.write_text(TRACE)
   cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--devices-per-process', '2',
          '--events', str(events), *launch_args, '--', '--out', str(tmp / 'run'),
-         f'snapshot.dir={tmp / "shm"}', *ARGS]
+         f'snapshot.dir={tmp / "shm"}', f'--failures=trace:{trace}', *ARGS]
   log = open(tmp / 'launch.log', 'wb')
   return launcher.start(cmd, env=launcher.env(compile_cache=False), stdout=log, stderr=log), events
 
@@ -55,13 +61,16 @@ def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(launcher, tm
   assert 'rebuilt from the parity of the others' in log  # host 1's snapshot part
   assert 'slice 2 FAILED (absent)' in log and 'slice 2 repaired, rejoining (present)' in log
   result = report(run)
-  failures = [(e['slice'], e['kind'], e['source']) for e in result['failure_events']]
-  assert failures == [(2, 'fail', 'absent'), (3, 'fail', 'absent'),
-                      (2, 'repair', 'present'), (3, 'repair', 'present')], failures
-  fail_step, repair_step = (result['failure_events'][i]['step'] for i in (0, 2))
-  assert repair_step > fail_step, 'the survivors trained no step before the rejoin'
+  steps = {(e['slice'], e['kind'], e['source']): e['step'] for e in result['failure_events']}
+  assert len(steps) == len(result['failure_events']) == 8, result['failure_events']
+  assert {(s, kind): steps[s, kind, 'trace:trace.txt'] for s in (4, 5)
+          for kind in ('fail', 'repair')} == {(4, 'fail'): 200, (5, 'fail'): 200,
+                                              (4, 'repair'): 210, (5, 'repair'): 210}
+  for s in (2, 3):
+    assert steps[s, 'repair', 'present'] > steps[s, 'fail', 'absent'], \
+        'the survivors trained no step before the rejoin'
   assert result['samples']['dropped'] == 0 and result['samples']['degraded'] > 0
-  assert result['steps'] == 400 and result['live_slices_at_end'] == list(range(6))
+  assert result['steps'] == STEPS and result['live_slices_at_end'] == list(range(6))
 
   # One process with every device, replaying the run's failures: the same parameters.
   replay = launcher.train('-q', '--host-devices=6', '--out', tmp_path / 'replay',
@@ -79,7 +88,7 @@ def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(launcher, tm
     procs.append(launcher.start(
         [sys.executable, 'train.py', '--host-devices=2', f'--coordinator=127.0.0.1:{port}',
          '--num-processes=2', f'--process-id={i}', '--resume', '--out', run,
-         f'snapshot.dir={tmp_path / "shm"}', *ARGS, 'train.steps=500'],
+         f'snapshot.dir={tmp_path / "shm"}', *ARGS, f'train.steps={STEPS + 100}'],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   try:
     outs = [p.communicate(timeout=120) for p in procs]
@@ -88,7 +97,7 @@ def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(launcher, tm
       kill(p)
   assert [p.returncode for p in procs] == [2, 2], outs
   assert 'this run has 3 hosts and this job 2 processes: give each process' in outs[0][1]
-  assert report(run)['steps'] == 400
+  assert report(run)['steps'] == STEPS
 
 
 @pytest.mark.parametrize('argv, expected', [

@@ -116,12 +116,12 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(launcher, reference, t
 # ---- all slices down, SIGTERM ----------------------------------------------------------------
 
 def test_all_slices_down_stops_cleanly_and_the_printed_hint_resumes(launcher, tmp_path):
-  """Every slice down before the first snapshot (every 10 steps): the stop saves one, and the
-  command it prints, run as printed, continues as if nothing had failed."""
+  """Every slice down at step 5: the run stops (exit 3) and prints the resume command; run
+  with the devices back, it continues from step 5 as if nothing had failed."""
   out, trace = tmp_path / 'run', tmp_path / 'trace.txt'
   trace.write_text('5 0 fail\n5 1 fail\n11 0 repair\n')
   args = ('--host-devices', '2', 'mesh.slice=2', f'snapshot.dir={tmp_path / "shm"}',
-          'snapshot.every=10', '--failures', f'trace:{trace}')
+          '--failures', f'trace:{trace}')
   code, log = train(launcher, out, *args)
   assert code == 3 and 'all 2 slices are down at step 5' in log, log[-3000:]
   hint = f'python train.py --out {out} --resume'
