@@ -91,7 +91,7 @@ class TrainConfig:
   compile_cache: str = '~/.cache/mecefo-jax/xla'
   # A program compiled for one set of slices is moved onto other sets of the same shape instead
   # of compiled again (step/retarget.py): auto = on where its start-up probe passes, off on TPU.
-  move_programs: str = 'auto'  # auto | on | off
+  move_programs: str = 'auto'  # auto | always | never
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ _CHOICES = {
     'faults.takeover': POLICIES,
     'faults.rate': ('per_device', 'cluster'),
     'faults.precompile': ('auto', 'always', 'never'),
-    'train.move_programs': ('auto', 'on', 'off'),
+    'train.move_programs': ('auto', 'always', 'never'),
 }
 
 

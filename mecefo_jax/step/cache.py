@@ -110,14 +110,20 @@ class ProgramCache:
 
   def step_programs(self, live: tuple[int, ...], roles: dict[int, Role]) -> 'StepPrograms':
     """The programs one step on `live` runs: one fused SPMD program when every slice plays one
-    single-pass role (mesh.ordered_reduce aside), else each slice's group program for its role
-    (a program of one slice: a role costs one compile however many slices play it) and the
-    update."""
+    single-pass role (mesh.ordered_reduce aside), else one per role group and the update.
+
+    A group of one role is one program over its slices, not a program of one slice run on each:
+    where a slice is one device, XLA compiles a one-device program differently from a program
+    partitioned over several (sums differ in the last bits), and results must not depend on
+    how many slices share a role."""
     first = roles[live[0]]
     if len(set(roles.values())) == 1 and first.passes == 1 and not self.cfg.mesh.ordered_reduce:
       return StepPrograms(fused=self.program('fused', live, first))
-    return StepPrograms(groups=[(roles[s], (s,), self.program('group', (s,), roles[s]))
-                                for s in live],
+    groups = {}
+    for s in live:
+      groups.setdefault(roles[s], []).append(s)
+    return StepPrograms(groups=[(role, tuple(slices), self.program('group', tuple(slices), role))
+                                for role, slices in groups.items()],
                         update=self.program('update', live))
 
 

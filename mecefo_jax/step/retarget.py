@@ -24,7 +24,7 @@ from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 log = logging.getLogger('mecefo')
-MODES = ('auto', 'on', 'off')  # train.move_programs
+MODES = ('auto', 'always', 'never')  # train.move_programs
 
 
 class _Remapped(serialize_executable._JaxPjrtUnpickler):  # noqa: SLF001 -- see module docstring
@@ -92,12 +92,12 @@ def probe(platform: str) -> str | None:
 
 
 def enabled(mode: str, platform: str | None = None) -> bool:
-  """Whether programs are moved between device sets: `mode` on/off, or auto (every backend but
-  TPU, where it is not measured yet), and only where the probe passes (logged once if not)."""
+  """Whether programs are moved between device sets: `mode` always/never, or auto (every backend
+  but TPU, where it is not measured yet), and only where the probe passes (logged if not)."""
   if mode not in MODES:
     raise ValueError(f'move_programs must be one of {MODES}, got {mode!r}')
   platform = platform or jax.default_backend()
-  if mode == 'off' or (mode == 'auto' and platform == 'tpu'):
+  if mode == 'never' or (mode == 'auto' and platform == 'tpu'):
     return False
   if len(jax.local_devices(backend=platform)) < 2:
     return False  # one device: one set of devices, nothing to move between
