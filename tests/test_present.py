@@ -23,6 +23,17 @@ def test_a_resume_with_devices_for_fewer_slices_keeps_the_runs_slices(devices, t
     presence.find(cfg, tmp_path, resume=True, host_slot=1)
 
 
+def test_a_restart_with_fewer_processes_must_name_their_hosts(devices):
+  """A run of 3 hosts restarted as a job of fewer processes without --host-slot: one line
+  (docs/errors.md); each process names its host, and no host twice or out of range."""
+  with pytest.raises(ConfigError, match=r'this run has 3 hosts and this job 1 processes: give '
+                                        r'each process the logical host it is \(--host-slot'):
+    presence.host_slots(None, 3)
+  assert presence.host_slots(2, 3) == (2,)
+  with pytest.raises(ConfigError, match=r'the processes claim hosts \[3\]'):
+    presence.host_slots(3, 3)
+
+
 def test_absent_slices_are_taken_over_and_rejoin_when_present_again(launcher, tmp_path):
   out, shm = tmp_path / 'run', tmp_path / 'shm'
   on = lambda devices: ('--host-devices', str(devices), 'mesh.slice=4', f'snapshot.dir={shm}')

@@ -124,7 +124,7 @@ def _run(cfg, mesh, n_steps):
 def test_sharded_and_unsharded_runs_agree(devices):
   base = _cfg('mesh.slice=1')
   ref = _run(base, sharding.make_mesh(base.mesh, devices[:1]), 3)
-  for shape in [(4, 2, 1), (2, 2, 2), (8, 1, 1), (1, 2, 4)]:
+  for shape in [(2, 2, 2), (8, 1, 1)]:  # every axis at once; data parallel only
     cfg = _cfg(*(f'mesh.{a}={n}' for a, n in zip(sharding.MESH_AXES, shape)))
     got = _run(cfg, sharding.make_mesh(cfg.mesh), 3)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):

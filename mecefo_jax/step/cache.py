@@ -8,8 +8,6 @@ import threading
 import time
 from typing import Callable
 
-import jax
-
 from mecefo_jax.config import Config
 from mecefo_jax.plan.roles import Role
 from mecefo_jax.step import retarget, slice_steps, train_step
@@ -78,7 +76,7 @@ class ProgramCache:
     mesh, shape = self.slices.sub(slices), (kind, len(slices), *args)
     devices = list(mesh.devices.flat)
     background = '' if threading.get_ident() == self._owner else ' (background)'
-    if self.move and shape in self._by_shape and _local(devices):
+    if self.move and shape in self._by_shape:
       t0 = time.perf_counter()
       try:
         program = self._source(shape).load_onto(devices)
@@ -94,7 +92,7 @@ class ProgramCache:
     t0 = time.perf_counter()
     program = _BUILDERS[kind](self.cfg, mesh, self.graphdef, *args)
     self._book('compiled', time.perf_counter() - t0)
-    if self.move and _local(devices):
+    if self.move:
       self._by_shape.setdefault(shape, (program, devices))
     return program
 
@@ -125,12 +123,6 @@ class ProgramCache:
     return StepPrograms(groups=[(role, tuple(slices), self.program('group', tuple(slices), role))
                                 for role, slices in groups.items()],
                         update=self.program('update', live))
-
-
-def _local(devices) -> bool:
-  """Only programs of this process's own devices move (a multi-process program's compile is
-  agreed by every process: they compile it alike)."""
-  return all(d.process_index == jax.process_index() for d in devices)
 
 
 @dataclasses.dataclass

@@ -99,8 +99,11 @@ def enabled(mode: str, platform: str | None = None) -> bool:
   platform = platform or jax.default_backend()
   if mode == 'never' or (mode == 'auto' and platform == 'tpu'):
     return False
-  if len(jax.local_devices(backend=platform)) < 2:
-    return False  # one device: one set of devices, nothing to move between
+  if len(jax.local_devices(backend=platform)) < 2 or jax.process_count() > 1:
+    # One device: nothing to move between. Several processes: a process that moves a program
+    # would reach the next collective long before one that compiles it (gloo gives up after
+    # 30 s), so every process compiles alike until they agree on moves.
+    return False
   why_not = probe(platform)
   if why_not is not None:
     log.warning('programs are compiled for each set of devices (moving them between sets '
