@@ -106,7 +106,8 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
   """Polls `condition` until true; fails if `proc` exits first or after `timeout` seconds."""
   deadline = time.monotonic() + timeout
   while not condition():
-    assert proc is None or proc.poll() is None, f'the process exited ({proc.returncode}) before {what}'
+    assert proc is None or proc.poll() is None, \
+        f'the process exited ({proc.returncode}) before {what}'
     assert time.monotonic() < deadline, f'no {what} within {timeout} s'
     time.sleep(0.01)
 

@@ -56,8 +56,8 @@ def test_absent_slices_are_taken_over_and_rejoin_when_present_again(launcher, tm
   fail, repair = (e['step'] for e in result['failure_events'])
   trace = tmp_path / 'failures.txt'
   trace.write_text(f'{fail} 3 fail\n{repair} 3 repair\n')
-  code, log = train(launcher, tmp_path / 'replay', '--host-devices', '4', 'mesh.slice=4', '--no-snapshots',
-                    '--failures', f'trace:{trace}')
+  code, log = train(launcher, tmp_path / 'replay', '--host-devices', '4', 'mesh.slice=4',
+                    '--no-snapshots', '--failures', f'trace:{trace}')
   assert code == 0, log[-3000:]
   assert report(tmp_path / 'replay')['params_sha256'] == result['params_sha256']
   assert report(tmp_path / 'replay')['steps'] == STEPS
@@ -65,10 +65,10 @@ def test_absent_slices_are_taken_over_and_rejoin_when_present_again(launcher, tm
 
 def test_no_slice_present_is_one_line(launcher, tmp_path):
   out = tmp_path / 'run'
-  code, log = train(launcher, out, '--host-devices', '4', 'mesh.slice=2', 'mesh.fsdp=2', '--no-snapshots',
-                    'train.steps=2')
+  code, log = train(launcher, out, '--host-devices', '4', 'mesh.slice=2', 'mesh.fsdp=2',
+                    '--no-snapshots', 'train.steps=2')
   assert code == 0, log[-3000:]
-  code, log = train(launcher, out, '--host-devices', '1', 'mesh.slice=2', 'mesh.fsdp=2', '--no-snapshots',
-                    'train.steps=3', '--resume')
+  code, log = train(launcher, out, '--host-devices', '1', 'mesh.slice=2', 'mesh.fsdp=2',
+                    '--no-snapshots', 'train.steps=3', '--resume')
   errors = error_lines(log)
   assert code == 2 and len(errors) == 1 and 'not one slice' in errors[0], log[-3000:]

@@ -24,7 +24,8 @@ def train(launcher, out: Path, *args: str, cwd=ROOT, preexec=None) -> tuple[int,
 
 def test_a_fresh_run_never_continues_another(launcher, tmp_path):
   out, shm = tmp_path / 'run', tmp_path / 'shm'
-  code, log = train(launcher, out, 'train.steps=6', f'snapshot.dir={shm}', 'snapshot.durable_every=3')
+  code, log = train(launcher, out, 'train.steps=6', f'snapshot.dir={shm}',
+                    'snapshot.durable_every=3')
   assert code == 0, log
   first = recovery.read_run_state(out)['run_id']
   assert not (shm / first).exists()  # a finished run frees its in-memory tier
@@ -36,7 +37,8 @@ def test_a_fresh_run_never_continues_another(launcher, tmp_path):
   assert 'holds another run (finished)' in log and '--fresh' in log
   assert recovery.read_run_state(out)['run_id'] == first
   # --fresh: that run's outputs and checkpoints go, the user's file stays.
-  code, log = train(launcher, out, '--fresh', 'train.steps=4', 'optimizer.lr=0.001', f'snapshot.dir={shm}',
+  code, log = train(launcher, out, '--fresh', 'train.steps=4', 'optimizer.lr=0.001',
+                    f'snapshot.dir={shm}',
                     'snapshot.durable_every=2')
   assert code == 0, log
   second = recovery.read_run_state(out)['run_id']
@@ -99,7 +101,8 @@ def test_in_memory_snapshot_errors_skip_the_snapshot_and_training_goes_on(launch
   assert 'Traceback' not in log and report(out)['steps'] == 4
 
 
-def test_default_run_directory_replaces_a_finished_run_and_resumes_an_unfinished_one(launcher, tmp_path):
+def test_the_default_run_directory_replaces_a_finished_run_not_an_unfinished_one(launcher,
+                                                                                  tmp_path):
   def default_out(*args):  # no --out: runs/latest under the working directory
     return train(launcher, None, *args, cwd=tmp_path)
   latest, shm = tmp_path / 'runs' / 'latest', tmp_path / 'shm'
