@@ -19,13 +19,13 @@ def _group(module: str) -> str | None:
 
 
 def _imports(path: Path):
+  """Every module a file imports; `from pkg import name` gives pkg and pkg.name (a module or
+  not: callers intersect with what exists)."""
   tree = ast.parse(path.read_text())
   for node in ast.walk(tree):
     if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-      if node.module == 'mecefo_jax':
-        yield from (f'mecefo_jax.{a.name}' for a in node.names)
-      else:
-        yield node.module
+      yield node.module
+      yield from (f'{node.module}.{a.name}' for a in node.names)
     elif isinstance(node, ast.Import):
       yield from (a.name for a in node.names)
 
@@ -67,21 +67,12 @@ def _modules() -> set[str]:
           for p in PACKAGE.rglob('*.py')}
 
 
-def _imported_modules(path: Path, modules: set[str]) -> set[str]:
-  """The package modules a test file imports by name (`from pkg import module` included)."""
-  names = set(_imports(path))
-  for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-      names |= {f'{node.module}.{a.name}' for a in node.names}
-  return names & modules
-
-
 def test_every_module_is_imported_by_a_fast_test(request):
   from conftest import COLLECTED_FILES, FAST_FILES
   tests = set(Path(__file__).parent.glob('test_*.py'))
   if not tests <= request.config.stash[COLLECTED_FILES]:
     pytest.skip('needs the whole tests/ collection (either tier), not a selection of files')
   modules = _modules()
-  imported = set().union(*(_imported_modules(p, modules) for p in request.config.stash[FAST_FILES]))
+  imported = set().union(*(_imports(p) for p in request.config.stash[FAST_FILES])) & modules
   missing = sorted(m for m in modules if m not in imported and m != 'mecefo_jax')
   assert not missing, f'no fast test imports {missing}'
