@@ -46,7 +46,7 @@ def compile_variants(cfg, mesh, graphdef) -> tuple[dict, dict]:
   b, programs, roles = cfg.train.micro_batch, {}, {}
   for name, (_, (e, d), degrade) in VARIANTS.items():
     roles[name] = Role(exact=e * b, degraded=d * b)
-    programs[name] = train_step.compile_step(cfg, mesh, roles[name], graphdef, degrade)
+    programs[name] = train_step.lower_step(cfg, mesh, roles[name], graphdef, degrade).compile()
   return programs, roles
 
 
@@ -57,7 +57,7 @@ def measure(cfg, repeats: int, warmup: int) -> dict:
   # Each donating program needs its own copy of the state; real svd bases for the low-rank one.
   state = train_state.create_sharded(cfg, mesh)
   if bases.kind(cfg).refresh is not None:
-    state = train_step.compile_refresh(cfg, mesh)(state)
+    state = train_step.lower_refresh(cfg, mesh).compile()(state)
   states = {n: jax.tree.map(lambda x: x.copy(), state) for n in VARIANTS}
   runners = common.donating_runners(programs, states, common.random_tokens(cfg, roles))
   times = common.interleaved_times(runners, repeats, warmup)

@@ -109,19 +109,19 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   graphdef, _, _ = llama.abstract(cfg.model)
   b, svd, compile_s = cfg.train.micro_batch, bases.kind(cfg).refresh is not None, {}
   groups = {r: _timed_compile(compile_s, role_name(r),
-                              lambda r=r: slice_steps.compile_group(cfg, mesh, r, graphdef))
+                              lambda r=r: slice_steps.lower_group(cfg, mesh, r, graphdef).compile())
             for r in sorted(roles)}
   fused = _timed_compile(compile_s, 'fused_normal',
-                         lambda: train_step.compile_step(cfg, mesh, Role(b), graphdef))
-  update = _timed_compile(compile_s, 'update', lambda: slice_steps.compile_update(cfg, mesh))
+                         lambda: train_step.lower_step(cfg, mesh, Role(b), graphdef).compile())
+  update = _timed_compile(compile_s, 'update', lambda: slice_steps.lower_update(cfg, mesh).compile())
   # 'refresh' is the one a run repeats every tau steps: warm (mecefo.refresh) after the first.
   warm = svd and cfg.mecefo.refresh == 'warm'
   full = svd and _timed_compile(compile_s, 'refresh_full' if warm else 'refresh',
-                                lambda: train_step.compile_refresh(cfg, mesh))
+                                lambda: train_step.lower_refresh(cfg, mesh).compile())
   refresh = full
   if warm:
     refresh = _timed_compile(compile_s, 'refresh',
-                             lambda: train_step.compile_refresh(cfg, mesh, warm=True))
+                             lambda: train_step.lower_refresh(cfg, mesh, warm=True).compile())
   # Donating programs each need their own state; group programs only read theirs.
   states = {k: train_state.create_sharded(cfg, mesh)
             for k in ('group', 'fused', 'update', 'refresh', *(['refresh_full'] if warm else []))}

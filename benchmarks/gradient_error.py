@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
   graphdef, _, _ = llama.abstract(cfg.model)
   b = cfg.train.micro_batch
   corpus = SyntheticCorpus(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
-  normal = train_step.compile_step(cfg, mesh, Role(exact=b), graphdef)
+  normal = train_step.lower_step(cfg, mesh, Role(exact=b), graphdef).compile()
   state = train_state.create_sharded(cfg, mesh)
   fractions = [float(f) for f in args.fractions.split(',')]
   kinds = [k.strip() for k in args.bases.split(',')]

@@ -50,7 +50,7 @@ def measure(cfg: Config, micro_batches: list[int], repeats: int) -> dict:
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   graphdef, _, _ = llama.abstract(cfg.model)
   roles = {b: Role(exact=b) for b in micro_batches}
-  compiled = {b: train_step.compile_step(cfg, mesh, r, graphdef) for b, r in roles.items()}
+  compiled = {b: train_step.lower_step(cfg, mesh, r, graphdef).compile() for b, r in roles.items()}
   states = {'shared': train_state.create_sharded(cfg, mesh)}
   runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles),
                                     state_of=lambda b: 'shared')

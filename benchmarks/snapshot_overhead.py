@@ -57,7 +57,7 @@ class Bench:
     self.mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     graphdef, _, _ = llama.abstract(cfg.model)
     role = Role(exact=cfg.train.micro_batch)
-    self.step = train_step.compile_step(cfg, self.mesh, role, graphdef)
+    self.step = train_step.lower_step(cfg, self.mesh, role, graphdef).compile()
     self.states = {mode: train_state.create_sharded(cfg, self.mesh)
                    for mode in ('no_snapshot', 'snapshot')}
     rng = np.random.default_rng(0)

@@ -26,10 +26,10 @@ def main(argv=None):
   b = cfg.train.micro_batch
   roles = {'normal_1': Role(exact=b), 'degraded_2': Role(degraded=2 * b),
            'naive_2': Role(exact=2 * b)}
-  compiled = {n: train_step.compile_step(cfg, mesh, r, graphdef) for n, r in roles.items()}
+  compiled = {n: train_step.lower_step(cfg, mesh, r, graphdef).compile() for n, r in roles.items()}
   states = {n: train_state.create_sharded(cfg, mesh) for n in roles}
   if bases.kind(cfg).refresh is not None:
-    states['degraded_2'] = train_step.compile_refresh(cfg, mesh)(states['degraded_2'])
+    states['degraded_2'] = train_step.lower_refresh(cfg, mesh).compile()(states['degraded_2'])
   runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles))
   times = common.interleaved_times(runners, args.repeats)
   mem = {n: train_step.memory_summary(c) for n, c in compiled.items()}

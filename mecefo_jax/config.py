@@ -89,6 +89,9 @@ class TrainConfig:
   # train.py: JAX's persistent compilation cache, so restarts and new runs of the same shapes
   # load their programs instead of compiling them ('' = off; JAX_COMPILATION_CACHE_DIR wins).
   compile_cache: str = '~/.cache/mecefo-jax/xla'
+  # train.py: the program store (step/store.py) in <compile_cache>/programs, this size at most
+  # (least recently used programs evicted first).
+  program_store_mb: int = 4096
   # A program compiled for one set of slices is moved onto other sets of the same shape instead
   # of compiled again (step/retarget.py): auto = on where its start-up probe passes, off on TPU.
   move_programs: str = 'auto'  # auto | always | never

@@ -1,8 +1,9 @@
 """The one way tests start processes (train.py, benchmarks, tools): tracked, killed by pid.
 
 A test that starts a process takes the `launcher` fixture (tests/conftest.py), and that alone
-marks it `slow`. Single-process runs share one compilation cache directory per test session
-(never the user's home); multi-process runs keep it off, as train.py does.
+marks it `slow`. Single-process runs share one compilation cache directory per test session;
+`env(compile_cache=False)` gives a run an empty one of its own (multi-process runs: they use
+only its program store, as train.py does). Never the user's home.
 """
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ class Launcher:
   def __init__(self, compile_cache: Path):
     self.compile_cache = compile_cache
     self.started: list[subprocess.Popen] = []
+    self._cold = 0
 
   def env(self, compile_cache: bool = True, **extra: str) -> dict:
     """This environment without conftest's 8 fake devices (train.py's --host-devices sets
-    them); the suite's compilation cache unless `compile_cache=False` (multi-process)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
+    them); the suite's compilation cache, or with `compile_cache=False` an empty one."""
+    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
     env.update(JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
     if compile_cache:  # every program, however fast it compiled: runs repeat the tiny model's
       env.update(JAX_COMPILATION_CACHE_DIR=str(self.compile_cache),
                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+    else:
+      self._cold += 1
+      env['JAX_COMPILATION_CACHE_DIR'] = str(self.compile_cache.with_name(f'cold-{self._cold}'))
     return {**env, **extra}
 
   def start(self, args, *, cwd=ROOT, env=None, **popen) -> subprocess.Popen:

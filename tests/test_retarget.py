@@ -29,9 +29,9 @@ def test_a_moved_group_program_gives_the_direct_compiles_output_bit_for_bit():
   graphdef = llama.abstract(cfg.model)[0]
   role = Role(exact=2, degraded=4)
   a, b = slices.sub((0, 2)), slices.sub((1, 3))
-  compiled = slice_steps.compile_group(cfg, a, role, graphdef)
-  moved = retarget.Serialized(compiled, a.devices.flat).load_onto(list(b.devices.flat))
-  direct = slice_steps.compile_group(cfg, b, role, graphdef)
+  compiled = slice_steps.lower_group(cfg, a, role, graphdef).compile()
+  moved = retarget.Serialized.of(compiled, a.devices.flat).load_onto(list(b.devices.flat))
+  direct = slice_steps.lower_group(cfg, b, role, graphdef).compile()
   state = jax.jit(lambda: train_state.init_state(cfg),
                   out_shardings=train_state.state_shardings(cfg, slices.mesh))()
   view = slice_steps.state_view(cfg, state, b)
@@ -41,5 +41,5 @@ def test_a_moved_group_program_gives_the_direct_compiles_output_bit_for_bit():
     assert got.sharding == want.sharding
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match='a program of 4 devices cannot run on 2'):
-    retarget.Serialized(compiled, a.devices.flat).load_onto(list(b.devices.flat)[:2])
+    retarget.Serialized.of(compiled, a.devices.flat).load_onto(list(b.devices.flat)[:2])
 

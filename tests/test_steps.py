@@ -82,7 +82,7 @@ def test_normal_step_equals_jax_grad_and_optax(devices):
   cfg = _cfg('mesh.slice=4', 'mesh.fsdp=2')
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, _, _ = llama.abstract(cfg.model)
-  step = train_step.compile_step(cfg, mesh, Role(exact=4), graphdef)
+  step = train_step.lower_step(cfg, mesh, Role(exact=4), graphdef).compile()
   state = _state(cfg, mesh)
   params0 = jax.device_get(state.params)
   tokens = _tokens(cfg, (4, 4, cfg.model.seq_len + 1))
@@ -112,7 +112,7 @@ def test_combine_rule_attention_over_exact_only():
 
 def _run(cfg, mesh, n_steps):
   graphdef, _, _ = llama.abstract(cfg.model)
-  normal = train_step.compile_step(cfg, mesh, Role(exact=8 // mesh.shape['slice']), graphdef)
+  normal = train_step.lower_step(cfg, mesh, Role(exact=8 // mesh.shape['slice']), graphdef).compile()
   state = _state(cfg, mesh)
   for t in range(n_steps):
     tokens = _tokens(cfg, (8, cfg.model.seq_len + 1), seed=t).reshape(mesh.shape['slice'], -1,
@@ -139,11 +139,11 @@ def test_group_programs_and_the_update_equal_the_fused_step(devices):
   graphdef, _, _ = llama.abstract(cfg.model)
   role = Role(exact=4)
   tokens = _tokens(cfg, (2, 4, cfg.model.seq_len + 1))
-  fused_state, fused = train_step.compile_step(cfg, mesh, role, graphdef)(_state(cfg, mesh), tokens)
+  fused_state, fused = train_step.lower_step(cfg, mesh, role, graphdef).compile()(_state(cfg, mesh), tokens)
   state = _state(cfg, mesh)
-  sums = slice_steps.compile_group(cfg, mesh, role, graphdef)(state, tokens)
+  sums = slice_steps.lower_group(cfg, mesh, role, graphdef).compile()(state, tokens)
   stacked = slice_steps.stack_groups([sums], cfg, mesh)
-  state, metrics = slice_steps.compile_update(cfg, mesh)(state, stacked)
+  state, metrics = slice_steps.lower_update(cfg, mesh).compile()(state, stacked)
   np.testing.assert_allclose(metrics['loss'], fused['loss'], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -153,8 +153,8 @@ def test_steps_share_state_shardings_and_degraded_memory_fits(devices):
   cfg = _cfg('mesh.slice=2', 'mesh.fsdp=2', 'mesh.tensor=2')
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, _, _ = llama.abstract(cfg.model)
-  normal = train_step.compile_step(cfg, mesh, Role(exact=4), graphdef)
-  degraded = train_step.compile_step(cfg, mesh, Role(degraded=8), graphdef)
+  normal = train_step.lower_step(cfg, mesh, Role(exact=4), graphdef).compile()
+  degraded = train_step.lower_step(cfg, mesh, Role(degraded=8), graphdef).compile()
   expected = jax.tree.leaves(train_state.state_shardings(cfg, mesh))
   for compiled in (normal, degraded):
     (state_in, _), _ = compiled.input_shardings
@@ -169,7 +169,7 @@ def test_compiled_memory_degraded_two_fits_in_normal_one(devices):
   mesh = sharding.make_mesh(cfg.mesh, devices[:1])
   graphdef, _, _ = llama.abstract(cfg.model)
   b = cfg.train.micro_batch
-  temp = {name: train_step.memory_summary(train_step.compile_step(cfg, mesh, role, graphdef))['temp_bytes']
+  temp = {name: train_step.memory_summary(train_step.lower_step(cfg, mesh, role, graphdef).compile())['temp_bytes']
           for name, role in [('normal', Role(exact=b)), ('degraded', Role(degraded=2 * b)),
                              ('naive', Role(exact=2 * b))]}
   assert temp['degraded'] <= temp['normal'] < temp['naive'], temp

@@ -79,8 +79,9 @@ def test_dry_run_compiles_and_reports_without_training(launcher, tmp_path):
   assert not default_snapshot_dir(run_name(out)).exists()
 
 
-def test_persistent_compile_cache_is_filled_and_reused_bit_exactly(launcher, tmp_path):
-  cache, env = tmp_path / 'xla', launcher.env(compile_cache=False)
+def test_the_compile_cache_and_program_store_are_filled_then_loaded_bit_exactly(launcher, tmp_path):
+  cache = tmp_path / 'xla'
+  env = {k: v for k, v in launcher.env().items() if k != 'JAX_COMPILATION_CACHE_DIR'}
   reports = []
   for run in ('a', 'b'):
     proc = launcher.train('-q', '--out', tmp_path / run, 'train.steps=3', '--no-snapshots',
@@ -88,7 +89,11 @@ def test_persistent_compile_cache_is_filled_and_reused_bit_exactly(launcher, tmp
     assert proc.returncode == 0, proc.stderr[-2000:]
     reports.append(report(tmp_path / run))
     if run == 'a':
-      entries = {p.name for p in cache.iterdir()}
+      entries = {p.name for p in cache.iterdir()} | {p.name for p in (cache / 'programs').iterdir()}
       assert any(name.startswith('jit_step') for name in entries), entries
-  assert {p.name for p in cache.iterdir()} == entries  # the second run compiled nothing new
+  # The second run compiled nothing new: the step and the eval came from the program store.
+  assert {p.name for p in cache.iterdir()} | {p.name for p in (cache / 'programs').iterdir()} == entries
+  assert reports[0]['programs']['compiled'] == reports[1]['programs']['loaded'] == 2
+  assert reports[1]['programs']['compiled'] == 0
+  assert reports[1]['programs']['store'] == str(cache / 'programs')
   assert reports[0]['params_sha256'] == reports[1]['params_sha256']

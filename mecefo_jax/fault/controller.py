@@ -21,6 +21,7 @@ from mecefo_jax.plan.takeover import Planner, SliceWork
 from mecefo_jax.step import retarget, slice_steps, train_step
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.precompile import Precompiler, next_live_sets
+from mecefo_jax.step.store import ProgramStore
 
 log = logging.getLogger('mecefo')
 
@@ -40,9 +41,11 @@ class Controller:
   """Owns the train state and runs each step on the live slices with the takeover policy."""
 
   def __init__(self, cfg: Config, mesh, graphdef, corpus, schedule: FailureSchedule, state,
-               n_slices: int | None = None, present: tuple[int, ...] | None = None):
+               n_slices: int | None = None, present: tuple[int, ...] | None = None,
+               program_store: ProgramStore | None = None):
     """`n_slices`: the run's logical slice count N; `present`: the logical ids of `mesh`'s rows
-    (default 0, 1, ...). The others are absent (no devices): failed until a later start."""
+    (default 0, 1, ...). The others are absent (no devices): failed until a later start.
+    `program_store`: compiled programs kept across processes (step/store.py)."""
     self.cfg, self.mesh, self.graphdef, self.corpus = cfg, mesh, graphdef, corpus
     self.n_slices, self.micro_batch = n_slices or mesh.shape['slice'], cfg.train.micro_batch
     self.present = tuple(present or range(mesh.shape['slice']))
@@ -57,7 +60,8 @@ class Controller:
     self.ledger = Goodput()
     self.samples = collections.Counter()  # exact / degraded / dropped sample counts
     self.programs = ProgramCache(cfg, slices, graphdef, lambda s: self.ledger.book('compile', s),
-                                 move=retarget.enabled(cfg.train.move_programs))
+                                 move=retarget.enabled(cfg.train.move_programs),
+                                 program_store=program_store)
     self.precompiler: Precompiler | None = None
     self._bases_step = _host_int(state.bases_step)
     self._refreshed = basis_kind(cfg).refresh is not None  # svd: bases kept, refreshed every tau

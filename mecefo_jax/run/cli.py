@@ -203,20 +203,20 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.capacity import SnapshotError
   try:
-    if (args.num_processes or 1) == 1:
-      # Not with several processes: a process that loads a program from the cache reaches the
-      # next collective long before one that compiles it, and gloo gives up after 30 s.
-      _use_compile_cache(cfg.train.compile_cache)
+    _use_compile_cache(cfg.train.compile_cache, (args.num_processes or 1) > 1)
     from mecefo_jax import multihost
     multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
     from mecefo_jax.run import trainer
+    from mecefo_jax.step import store as program_store
     from mecefo_jax.snapshot import recovery
     resume = scratch is None and (args.resume or (not args.fresh and recovery.unfinished(out_dir)))
     run = trainer.Trainer(cfg, scratch or out_dir, resume=resume,
                           progress='quiet' if args.quiet else 'auto', replace=args.fresh,
                           # runs/latest, not chosen by the user: a new run replaces a finished one
                           replace_finished=args.out is None and cfg.train.out_dir == DEFAULT_OUT,
-                          host_slot=args.host_slot)
+                          host_slot=args.host_slot,
+                          program_store=program_store.open_store(cfg.train.compile_cache,
+                                                                 cfg.train.program_store_mb))
   except (ConfigError, DataError, SnapshotError) as e:
     return _error(e)
   handlers = _install_stop_handlers(run.snapshots) if run.snapshots else []
@@ -226,11 +226,16 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     _restore_handlers(handlers)
 
 
-def _use_compile_cache(directory: str) -> None:
-  """JAX's persistent compilation cache in `directory`, unless the user set one for JAX."""
-  if directory and not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
-    import jax
-    jax.config.update('jax_compilation_cache_dir', str(Path(directory).expanduser()))
+def _use_compile_cache(compile_cache: str, multiprocess: bool) -> None:
+  """JAX's persistent compilation cache in train.compile_cache, unless the user set one for JAX;
+  never with several processes: a process that loads a program from it reaches the next
+  collective long before one that compiles it, and gloo gives up after 30 s. (The program
+  store, agreed on by all processes, serves them: step/cache.py.)"""
+  import jax
+  if multiprocess:
+    jax.config.update('jax_enable_compilation_cache', False)
+  elif compile_cache and not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+    jax.config.update('jax_compilation_cache_dir', str(Path(compile_cache).expanduser()))
 
 
 def _train(args, run, out_dir: Path) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 from mecefo_jax.run.exits import BAD_INPUT
 
-SCHEMA_VERSION = 3  # 2: precompile section; 3: programs section
+SCHEMA_VERSION = 4  # 2: precompile section; 3: programs section; 4: programs.store, loaded
 
 
 class ReportError(ValueError):
@@ -209,8 +209,12 @@ PRECOMPILE = Record({
 PROGRAMS = Record({
     'move': Field(BOOL, '', 'train.move_programs resolved: programs moved between sets of slices '
                   'of one shape (step/retarget.py)'),
+    'store': Field(Nullable(STR), '', 'the program store directory (step/store.py), null if none'),
     'compiled': Field(INT, '', 'programs compiled by this process (background compiles included)'),
-    'compiled_s': Field(FLOAT, 's', 'their compile time'),
+    'compiled_s': Field(FLOAT, 's', 'their lowering and compile time'),
+    'loaded': Field(INT, '', "programs loaded instead of compiled: from the program store, or hits "
+                    "of JAX's persistent compilation cache"),
+    'loaded_s': Field(FLOAT, 's', 'their lowering and load time'),
     'moved': Field(INT, '', 'programs moved onto another set of slices instead of compiled'),
     'moved_s': Field(FLOAT, 's', 'time spent moving them'),
 })

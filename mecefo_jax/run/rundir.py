@@ -21,7 +21,7 @@ OUTPUTS = (METRICS_FILE, 'report.json', 'training.png', 'tb', recovery.RUN_STATE
 # resume); train.steps only upward (the learning-rate schedule then follows the new length).
 SAFE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
                   'train.plot', 'train.out_dir', 'train.compile_cache', 'train.move_programs',
-                  'snapshot.enabled', 'snapshot.dir',
+                  'train.program_store_mb', 'snapshot.enabled', 'snapshot.dir',
                   'snapshot.every', 'snapshot.keep', 'snapshot.durable_dir',
                   'snapshot.durable_every', 'snapshot.durable_keep', 'snapshot.keep_when_finished',
                   'faults.precompile')

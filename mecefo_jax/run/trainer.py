@@ -24,6 +24,7 @@ from mecefo_jax.run.report_schema import SCHEMA_VERSION
 from mecefo_jax.snapshot import image, recovery, store
 from mecefo_jax.snapshot.store import state_nbytes
 from mecefo_jax.step import train_step
+from mecefo_jax.step.store import ProgramStore
 
 log = logging.getLogger('mecefo')
 
@@ -52,12 +53,16 @@ class Trainer:
   train.eval_every steps and at the end: {'kind': 'eval', 'step', 'loss', 'perplexity', 'eval_s',
   'wall_s', 'live_slices'} ('step' is the last step trained before the eval). An exception it
   raises stops the run. E.g. a notebook's live loss plot.
+
+  `program_store`: compiled programs loaded instead of compiled, and kept for later starts
+  (train.py opens one in train.compile_cache: step/store.py).
   """
 
   def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,
                resume: bool = False, *, progress: str = 'auto',
                on_log: Callable[[dict], None] | None = None, replace: bool = False,
-               replace_finished: bool = False, host_slot: int | None = None):
+               replace_finished: bool = False, host_slot: int | None = None,
+               program_store: ProgramStore | None = None):
     if cfg.train.eval_every < 0 or cfg.train.eval_batches < 1:
       raise ConfigError(f'train.eval_every must be >= 0 and train.eval_batches >= 1, got '
                         f'{cfg.train.eval_every}, {cfg.train.eval_batches}')
@@ -87,7 +92,7 @@ class Trainer:
     t0 = time.perf_counter()
     state = train_state.create_sharded(cfg, self.mesh)
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state,
-                                 self.n_slices, self.presence.ids)
+                                 self.n_slices, self.presence.ids, program_store)
     self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
     self.evals: list[dict] = []  # {step, loss, perplexity} of every eval, carried over resumes
     self._eval_s = 0.0
@@ -109,8 +114,14 @@ class Trainer:
   def _precompile(self) -> bool:
     """faults.precompile: auto = on where the host CPU is idle during steps (GPU/TPU)."""
     mode = self.cfg.faults.precompile
+    if multihost.is_multiprocess():
+      # Processes vote on every program they build (step/cache.py), so they must build the
+      # same programs in the same order: none in a background thread of its own.
+      if mode == 'always':
+        log.warning('faults.precompile=always is ignored with several processes')
+      return False
     if mode == 'auto':
-      return jax.devices()[0].platform != 'cpu' and not multihost.is_multiprocess()
+      return jax.devices()[0].platform != 'cpu'
     return mode == 'always'
 
   def _start_run(self, resume: bool, replace: bool, replace_finished: bool) -> str:
@@ -370,7 +381,8 @@ class Trainer:
         'live_slices_at_end': list(c.live()), 'snapshots': self._snapshot_report(),
         'precompile': (c.precompiler.summary() if c.precompiler else
                        {'enabled': False, 'live_sets': 0, 'seconds': 0.0}),
-        'programs': {'move': c.programs.move, **c.programs.stats},
+        'programs': {'move': c.programs.move, **c.programs.stats,
+                     'store': c.programs.store and str(c.programs.store.dir)},
         'tensorboard_dir': str(self.out_dir / 'tb') if tensorboard else None,
         'config': to_dict(cfg),
     }

@@ -1,5 +1,5 @@
-"""The run's compiled programs, each built once: compiled for its first set of slices, then
-moved onto any other set of the same shape (step/retarget.py) instead of compiled again."""
+"""The run's compiled programs, each built once: moved from a program of the same shape
+(step/retarget.py), else loaded from the program store (step/store.py), else compiled."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,20 +8,21 @@ import threading
 import time
 from typing import Callable
 
+from mecefo_jax import multihost
 from mecefo_jax.config import Config
 from mecefo_jax.plan.roles import Role
-from mecefo_jax.step import retarget, slice_steps, train_step
+from mecefo_jax.step import retarget, slice_steps, store, train_step
 
 log = logging.getLogger('mecefo')
 
-# kind -> build(cfg, mesh of the program's slices, graphdef, *args)
-_BUILDERS = {
-    'fused': lambda cfg, mesh, graphdef, role: train_step.compile_step(cfg, mesh, role, graphdef),
-    'group': lambda cfg, mesh, graphdef, role: slice_steps.compile_group(cfg, mesh, role, graphdef),
-    'update': lambda cfg, mesh, graphdef: slice_steps.compile_update(cfg, mesh),
-    'refresh': lambda cfg, mesh, graphdef, warm: train_step.compile_refresh(cfg, mesh, warm),
-    'eval': lambda cfg, mesh, graphdef: train_step.compile_eval(cfg, mesh, cfg.train.micro_batch,
-                                                                 graphdef),
+# kind -> lower(cfg, mesh of the program's slices, graphdef, *args)
+_LOWER = {
+    'fused': lambda cfg, mesh, graphdef, role: train_step.lower_step(cfg, mesh, role, graphdef),
+    'group': lambda cfg, mesh, graphdef, role: slice_steps.lower_group(cfg, mesh, role, graphdef),
+    'update': lambda cfg, mesh, graphdef: slice_steps.lower_update(cfg, mesh),
+    'refresh': lambda cfg, mesh, graphdef, warm: train_step.lower_refresh(cfg, mesh, warm),
+    'eval': lambda cfg, mesh, graphdef: train_step.lower_eval(cfg, mesh, cfg.train.micro_batch,
+                                                               graphdef),
 }
 
 
@@ -33,17 +34,18 @@ class ProgramCache:
   """
 
   def __init__(self, cfg: Config, slices, graphdef, on_compile: Callable[[float], None],
-               move: bool = False):
+               move: bool = False, program_store: store.ProgramStore | None = None):
     """`slices`: the run's sharding.PresentSlices (a program's slices are logical ids); `move`:
-    programs move between sets of slices of one shape (retarget.enabled)."""
+    programs move between sets of slices of one shape (retarget.enabled); `program_store`:
+    where compiled programs are loaded from and written to (None: nowhere)."""
     self.cfg, self.slices, self.graphdef, self._on_compile = cfg, slices, graphdef, on_compile
-    self.move = move
+    self.move, self.store = move, program_store
     self._programs: dict = {}
-    # (kind, number of slices, *args) -> (program, its devices): what HLO depends on, as the
+    # (kind, number of slices, *args) -> the serialized program: what HLO depends on, as the
     # in-slice mesh, the config and the graph are the run's.
-    self._by_shape: dict = {}
-    self._serialized: dict = {}
-    self.stats = {'compiled': 0, 'compiled_s': 0.0, 'moved': 0, 'moved_s': 0.0}
+    self._by_shape: dict[tuple, retarget.Serialized] = {}
+    self.stats = {'compiled': 0, 'compiled_s': 0.0, 'loaded': 0, 'loaded_s': 0.0, 'moved': 0,
+                  'moved_s': 0.0}
     self._lock = threading.Lock()
     self._owner = threading.get_ident()
 
@@ -51,7 +53,7 @@ class ProgramCache:
     """The program cached under `key`, built once (the loser of a race reuses the result)."""
     program = self._programs.get(key)
     if program is None:
-      if threading.get_ident() == self._owner and self._lock.locked():
+      if self._in_owner() and self._lock.locked():
         log.info('waiting for the background compile of the %s program for slices %s', key[0],
                  list(key[1]))
       t0 = time.perf_counter()
@@ -59,7 +61,7 @@ class ProgramCache:
         program = self._programs.get(key)
         if program is None:
           program = self._programs[key] = build()
-      if threading.get_ident() == self._owner:
+      if self._in_owner():
         self._on_compile(time.perf_counter() - t0)
     return program
 
@@ -67,40 +69,70 @@ class ProgramCache:
     return set(self._programs)
 
   def program(self, kind: str, slices: tuple[int, ...], *args):
-    """The `kind` program (see _BUILDERS) on the devices of `slices`."""
+    """The `kind` program (see _LOWER) on the devices of `slices`."""
     return self.get((kind, slices, *args), lambda: self._build(kind, slices, args))
 
   def _build(self, kind: str, slices: tuple[int, ...], args: tuple):
     """Moved from a program of the same shape where there is one (and moving is on), else
-    compiled. Runs under the lock."""
+    loaded from the store, else compiled. Runs under the lock."""
     mesh, shape = self.slices.sub(slices), (kind, len(slices), *args)
     devices = list(mesh.devices.flat)
-    background = '' if threading.get_ident() == self._owner else ' (background)'
+    where = f'{kind} program {"onto" if self.move else "for"} slices {list(slices)}' + (
+        '' if self._in_owner() else ' (background)')
     if self.move and shape in self._by_shape:
-      t0 = time.perf_counter()
-      try:
-        program = self._source(shape).load_onto(devices)
-      except Exception as err:  # noqa: BLE001 -- private APIs: compile instead, from now on
-        log.warning('moving the %s program failed (%s: %s): programs are compiled for each set '
-                    'of slices from now on', kind, type(err).__name__, err)
-        self.move = False
-      else:
-        self._book('moved', time.perf_counter() - t0)
-        log.info('moved the %s program onto slices %s%s', kind, list(slices), background)
+      program = self._moved(self._by_shape[shape], devices, where)
+      if program is not None:
         return program
-    log.info('compiling the %s program for slices %s%s', kind, list(slices), background)
     t0 = time.perf_counter()
-    program = _BUILDERS[kind](self.cfg, mesh, self.graphdef, *args)
-    self._book('compiled', time.perf_counter() - t0)
-    if self.move:
-      self._by_shape.setdefault(shape, (program, devices))
+    lowered = _LOWER[kind](self.cfg, mesh, self.graphdef, *args)
+    key = self.store and store.fingerprint(lowered, None if self.move else devices)
+    serialized = self._agreed_entry(key)
+    if serialized is not None:
+      program = self._moved(serialized, devices, where, loading=t0)
+      if program is not None:
+        if self.move:
+          self._by_shape.setdefault(shape, serialized)
+        return program
+    log.info('compiling the %s', where)
+    hits = store.cache_hits()
+    program = lowered.compile()
+    self._book('loaded' if store.cache_hits() > hits else 'compiled', time.perf_counter() - t0)
+    if self.move or self.store:
+      serialized = retarget.Serialized.of(program, devices)
+      if self.move:
+        self._by_shape.setdefault(shape, serialized)
+      if self.store:
+        self.store.write(key, serialized)
     return program
 
-  def _source(self, shape) -> retarget.Serialized:
-    """The serialized first program of `shape` (serialized once, at its first move)."""
-    if shape not in self._serialized:
-      self._serialized[shape] = retarget.Serialized(*self._by_shape[shape])
-    return self._serialized[shape]
+  def _moved(self, serialized, devices, where: str, loading: float | None = None):
+    """`serialized` loaded onto `devices` (booked as a move, or as a load from the store when
+    `loading` is its start time); None where that fails (then moving is off from now on)."""
+    t0 = time.perf_counter() if loading is None else loading
+    try:
+      program = serialized.load_onto(devices)
+    except Exception as err:  # noqa: BLE001 -- private APIs: compile instead, from now on
+      log.warning('loading the %s failed (%s: %s): programs are compiled for each set of slices '
+                  'from now on', where, type(err).__name__, err)
+      self.move = False
+      return None
+    self._book('moved' if loading is None else 'loaded', time.perf_counter() - t0)
+    log.info('%s the %s', 'moved' if loading is None else 'loaded from the store', where)
+    return program
+
+  def _agreed_entry(self, key: str | None) -> retarget.Serialized | None:
+    """The store's entry for `key`, where every process has one (multi-process: all load or
+    none does, so that no process reaches a collective a compile ahead of the others)."""
+    entry = self.store.read(key) if key else None
+    if multihost.is_multiprocess() and key:
+      if not self._in_owner():
+        return None  # no votes off the training thread (processes vote in step)
+      if not all(multihost.allgather_json(entry is not None)):
+        return None
+    return entry
+
+  def _in_owner(self) -> bool:
+    return threading.get_ident() == self._owner
 
   def _book(self, what: str, seconds: float) -> None:
     self.stats[what] += 1

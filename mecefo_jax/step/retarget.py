@@ -12,10 +12,11 @@ runtime, and a probe on one subset does not vouch for another).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +50,17 @@ class _Remapped(serialize_executable._JaxPjrtUnpickler):  # noqa: SLF001 -- see 
     return super().persistent_load(pid)
 
 
+@dataclasses.dataclass
 class Serialized:
   """A compiled program as bytes, with the devices it was compiled for (in mesh order)."""
+  payload: bytes
+  in_tree: Any  # jax.tree_util.PyTreeDef of the arguments
+  out_tree: Any
+  devices: list
 
-  def __init__(self, compiled: jax.stages.Compiled, devices: Sequence):
-    self.payload, self.in_tree, self.out_tree = serialize_executable.serialize(compiled)
-    self.devices = list(devices)
+  @classmethod
+  def of(cls, compiled: jax.stages.Compiled, devices: Sequence) -> 'Serialized':
+    return cls(*serialize_executable.serialize(compiled), list(devices))
 
   def load_onto(self, devices: Sequence) -> jax.stages.Compiled:
     if len(devices) != len(self.devices):
@@ -81,7 +87,7 @@ def probe(platform: str) -> str | None:
   k = 2 if len(devices) > 2 else 1
   old, new = devices[:k], [*devices[:k - 1], devices[k]]
   try:
-    moved = Serialized(_tiny_program(Mesh(np.asarray(old), ('d',))), old).load_onto(new)
+    moved = Serialized.of(_tiny_program(Mesh(np.asarray(old), ('d',))), old).load_onto(new)
     mesh = Mesh(np.asarray(new), ('d',))
     x = jax.device_put(np.arange(4.0 * k, dtype=np.float32).reshape(k, 4),
                        NamedSharding(mesh, P('d')))

@@ -53,7 +53,7 @@ def stack_groups(outputs, cfg: Config, mesh: Mesh):
   return jax.tree.map(one, target, *outputs)
 
 
-def compile_group(cfg: Config, mesh: Mesh, role: Role, graphdef):
+def lower_group(cfg: Config, mesh: Mesh, role: Role, graphdef) -> jax.stages.Lowered:
   """`(state, tokens_GxRxL1) -> per-slice (grads, loss, exact_tokens, degraded_tokens)` on `mesh`."""
   def group(state: TrainState, tokens_GxRxL1):
     key = jax.random.fold_in(state.rng, state.step)
@@ -66,10 +66,10 @@ def compile_group(cfg: Config, mesh: Mesh, role: Role, graphdef):
   jitted = jax.jit(group, in_shardings=(state_sh, batch_sharding(mesh)),
                    out_shardings=sums_shardings(cfg, mesh))
   tokens = jax.ShapeDtypeStruct(train_step.batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
-  return jitted.lower(abstract_state(cfg), tokens).compile()
+  return jitted.lower(abstract_state(cfg), tokens)
 
 
-def compile_update(cfg: Config, mesh: Mesh):
+def lower_update(cfg: Config, mesh: Mesh) -> jax.stages.Lowered:
   """`(state, stacked sums) -> (state, metrics)`: reduce across slices, §3 rule, optimizer."""
   tx = make_optimizer(cfg)
   sums_sh = sums_shardings(cfg, mesh)
@@ -82,7 +82,7 @@ def compile_update(cfg: Config, mesh: Mesh):
 
   jitted = jax.jit(update, donate_argnums=0, in_shardings=(state_shardings(cfg, mesh), sums_sh),
                    out_shardings=(state_shardings(cfg, mesh), replicated(mesh)))
-  return jitted.lower(abstract_state(cfg), _abstract_sums(cfg, mesh.shape['slice'])).compile()
+  return jitted.lower(abstract_state(cfg), _abstract_sums(cfg, mesh.shape['slice']))
 
 
 def _abstract_sums(cfg: Config, n_slices: int):

@@ -1,8 +1,6 @@
 """Normal and degraded train steps as pure functions, compiled ahead of time per slice plan."""
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -16,9 +14,6 @@ from mecefo_jax.model.train_state import (ATTENTION, TrainState, abstract_state,
                                           state_shardings)
 from mecefo_jax.plan.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
-
-log = logging.getLogger('mecefo')
-
 
 def _loss_sum(params, tokens_NxL1, graphdef, degraded, bases, remat):
   logits = llama.forward(graphdef, params, tokens_NxL1[:, :-1], degraded, bases, remat)
@@ -158,21 +153,19 @@ def batch_shape(cfg: Config, n_slices: int, role: Role) -> tuple[int, int, int]:
   return n_slices, role.rows, cfg.model.seq_len + 1
 
 
-def compile_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
-                 degrade: llama.Degrade = llama.FULL):
-  """AOT-compiled step for `role` on `mesh`: state donated, identical state in/out shardings."""
+def lower_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
+               degrade: llama.Degrade = llama.FULL) -> jax.stages.Lowered:
+  """The step for `role` on `mesh`, lowered: state donated, identical state in/out shardings."""
   state_sh = state_shardings(cfg, mesh)
   jitted = jax.jit(make_step_fn(cfg, role, graphdef, degrade), donate_argnums=0,
                    in_shardings=(state_sh, batch_sharding(mesh)),
                    out_shardings=(state_sh, replicated(mesh)))
   tokens = jax.ShapeDtypeStruct(batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
-  compiled = jitted.lower(abstract_state(cfg), tokens).compile()
-  log.info('compiled step %s on mesh %s: %s', role, dict(mesh.shape), memory_summary(compiled))
-  return compiled
+  return jitted.lower(abstract_state(cfg), tokens)
 
 
-def compile_eval(cfg: Config, mesh: Mesh, rows: int, graphdef):
-  """AOT-compiled `(params, tokens_SxRxL1) -> {'loss_sum', 'tokens'}` (forward only); rows whose
+def lower_eval(cfg: Config, mesh: Mesh, rows: int, graphdef) -> jax.stages.Lowered:
+  """`(params, tokens_SxRxL1) -> {'loss_sum', 'tokens'}` (forward only); rows whose
   first token is negative are padding and count for nothing."""
   def evaluate(params, tokens_SxRxL1):
     flat_NxL1 = tokens_SxRxL1.reshape(-1, tokens_SxRxL1.shape[-1])
@@ -186,11 +179,11 @@ def compile_eval(cfg: Config, mesh: Mesh, rows: int, graphdef):
   jitted = jax.jit(evaluate, in_shardings=(params_sh, batch_sharding(mesh)),
                    out_shardings=replicated(mesh))
   tokens = jax.ShapeDtypeStruct((mesh.shape['slice'], rows, cfg.model.seq_len + 1), jnp.int32)
-  return jitted.lower(abstract_state(cfg).params, tokens).compile()
+  return jitted.lower(abstract_state(cfg).params, tokens)
 
 
-def compile_refresh(cfg: Config, mesh: Mesh, warm: bool = False):
-  """AOT-compiled `state -> state` recomputing the svd bases; run every tau degraded steps.
+def lower_refresh(cfg: Config, mesh: Mesh, warm: bool = False) -> jax.stages.Lowered:
+  """`state -> state` recomputing the svd bases; run every tau degraded steps.
   `warm`: one subspace iteration from the state's bases instead of a randomized SVD."""
   state_sh = state_shardings(cfg, mesh)
 
@@ -200,7 +193,7 @@ def compile_refresh(cfg: Config, mesh: Mesh, warm: bool = False):
     return state._replace(bases=bases, bases_step=state.step)
 
   jitted = jax.jit(refresh, donate_argnums=0, in_shardings=(state_sh,), out_shardings=state_sh)
-  return jitted.lower(abstract_state(cfg)).compile()
+  return jitted.lower(abstract_state(cfg))
 
 
 def memory_summary(compiled) -> dict:

@@ -1,0 +1,151 @@
+"""Compiled programs kept on disk across processes, keyed by what their compile depends on."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jaxlib
+
+from mecefo_jax.step import retarget
+
+log = logging.getLogger('mecefo')
+FORMAT = 1  # bump when an entry's layout changes: older entries are then misses
+SUFFIX = '.jaxprog'
+
+
+_hits = threading.local()  # this thread's hits of JAX's persistent compilation cache
+
+
+def _count_hit(event: str, **_) -> None:
+  if event == '/jax/compilation_cache/cache_hits':
+    _hits.n = cache_hits() + 1
+
+
+jax.monitoring.register_event_listener(_count_hit)
+
+
+def cache_hits() -> int:
+  """Programs this thread loaded from JAX's persistent compilation cache so far."""
+  return getattr(_hits, 'n', 0)
+
+
+def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None) -> str:
+  """The key of a compiled program: its lowered module (the model, config, shapes, dtypes,
+  shardings and jax config that shape it), the jax/jaxlib versions, the backend and the XLA
+  flags; `devices` (their ids) where the program cannot be moved between device sets."""
+  backend = jax.extend.backend.get_backend()
+  h = hashlib.sha256()
+  for part in (lowered.as_text(), str(FORMAT), jax.__version__, jaxlib.__version__,
+               backend.platform, backend.platform_version, os.environ.get('XLA_FLAGS', ''),
+               os.environ.get('LIBTPU_INIT_ARGS', ''),
+               'any' if devices is None else ','.join(str(d.id) for d in devices)):
+    h.update(part.encode())
+    h.update(b'\0')
+  return h.hexdigest()
+
+
+def cache_dir(compile_cache: str) -> Path | None:
+  """The compilation cache directory of train.py: $JAX_COMPILATION_CACHE_DIR where set, else
+  train.compile_cache ('' = none)."""
+  directory = os.environ.get('JAX_COMPILATION_CACHE_DIR') or compile_cache
+  return Path(directory).expanduser() if directory else None
+
+
+def open_store(compile_cache: str, max_mb: int) -> 'ProgramStore | None':
+  """train.py's program store: `programs/` in the compilation cache directory, if any."""
+  directory = cache_dir(compile_cache)
+  return ProgramStore(directory / 'programs', max_mb << 20) if directory else None
+
+
+class ProgramStore:
+  """One directory of programs `<fingerprint>.jaxprog`, shared by any number of processes and
+  runs: written by atomic rename, checked before use (a bad entry is a warning and a miss,
+  and is removed), the least recently used evicted above `max_bytes`."""
+
+  def __init__(self, directory: str | Path, max_bytes: int):
+    self.dir, self.max_bytes = Path(directory).expanduser(), max_bytes
+    self.dir.mkdir(parents=True, exist_ok=True)
+
+  def path(self, key: str) -> Path:
+    return self.dir / f'{key}{SUFFIX}'
+
+  def read(self, key: str) -> retarget.Serialized | None:
+    """The entry under `key`, checked; None if there is none or it is unusable (warned)."""
+    path = self.path(key)
+    try:
+      blob = path.read_bytes()
+    except FileNotFoundError:
+      return None
+    try:
+      entry = pickle.loads(blob)
+      why = _mismatch(entry, key)
+    except Exception as err:  # noqa: BLE001 -- truncated or corrupt: any error is a miss
+      why = f'unreadable ({type(err).__name__}: {err})'
+    if why:
+      log.warning('program store: entry %s is %s; compiling instead', path.name, why)
+      path.unlink(missing_ok=True)
+      return None
+    os.utime(path)  # recently used: evicted last
+    return retarget.Serialized(entry['payload'], entry['in_tree'], entry['out_tree'],
+                               _devices(entry['devices']))
+
+  def write(self, key: str, program: retarget.Serialized) -> None:
+    """Stores `program` under `key` (atomically: readers see the whole entry or none)."""
+    entry = {'format': FORMAT, 'fingerprint': key, 'devices': [d.id for d in program.devices],
+             'payload': program.payload, 'payload_sha256': _sha(program.payload),
+             'in_tree': program.in_tree, 'out_tree': program.out_tree}
+    path = self.path(key)
+    tmp = path.with_name(f'.{path.name}.{os.getpid()}.{threading.get_ident()}.tmp')
+    try:
+      tmp.write_bytes(pickle.dumps(entry))
+      os.replace(tmp, path)
+    except OSError as err:  # a full or read-only disk costs later compiles, not the run
+      tmp.unlink(missing_ok=True)
+      log.warning('program store: could not write %s (%s)', path.name, err)
+      return
+    self.evict(keep=path)
+
+  def evict(self, keep: Path | None = None) -> None:
+    """Removes the least recently used entries until the store fits in max_bytes."""
+    entries = []
+    for p in self.dir.glob(f'*{SUFFIX}'):
+      try:
+        st = p.stat()
+      except FileNotFoundError:  # another process evicted it
+        continue
+      entries.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in entries)
+    for _, size, p in sorted(entries, key=lambda e: e[0]):
+      if total <= self.max_bytes:
+        break
+      if p != keep:
+        p.unlink(missing_ok=True)
+        total -= size
+
+
+def _mismatch(entry, key: str) -> str | None:
+  """Why `entry` cannot be used as the program `key`, or None."""
+  if not isinstance(entry, dict) or entry.get('format') != FORMAT:
+    return 'of another format'
+  if entry['fingerprint'] != key:
+    return 'of another program (fingerprint mismatch)'
+  if _sha(entry['payload']) != entry['payload_sha256']:
+    return 'corrupt (payload checksum mismatch)'
+  if not set(entry['devices']) <= {d.id for d in jax.devices()}:
+    return 'for devices this job does not have'
+  return None
+
+
+def _devices(ids: Sequence[int]) -> list:
+  by_id = {d.id: d for d in jax.devices()}
+  return [by_id[i] for i in ids]
+
+
+def _sha(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()

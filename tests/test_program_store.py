@@ -1,0 +1,183 @@
+"""The program store: programs loaded by later processes onto any slices, bad entries refused."""
+import functools
+import logging
+import os
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from mecefo_jax import sharding
+from mecefo_jax.config import load_config
+from mecefo_jax.model import llama, train_state
+from mecefo_jax.step import retarget, store
+from mecefo_jax.step.cache import _LOWER, ProgramCache
+
+pytestmark = pytest.mark.usefixtures('devices')
+TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
+        'model.n_layers=1', 'model.vocab_size=64', 'train.micro_batch=4', 'mesh.slice=4',
+        'mesh.fsdp=2']
+CFG = load_config(None, TINY)
+SLICES = sharding.PresentSlices(sharding.make_mesh(CFG.mesh), (0, 1, 2, 3))
+GRAPHDEF = llama.abstract(CFG.model)[0]
+
+
+def _cache(program_store, move=True) -> ProgramCache:
+  """A fresh cache (as in a new process) over the store."""
+  return ProgramCache(CFG, SLICES, GRAPHDEF, lambda s: None, move=move,
+                      program_store=program_store)
+
+
+def _loss(program, slices):
+  """The eval program's output on `slices` for fixed params and tokens."""
+  mesh = SLICES.sub(slices)
+  params = jax.jit(lambda: train_state.init_state(CFG).params,
+                   out_shardings=train_state.state_shardings(CFG, mesh).params)()
+  tokens = np.random.default_rng(0).integers(0, 64, (len(slices), 4, 17)).astype(np.int32)
+  out = program(params, jax.device_put(tokens, sharding.batch_sharding(mesh)))
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _direct(slices):
+  """The eval program compiled for `slices` (no store, no move)."""
+  return _LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF).compile()
+
+
+def _counts(cache):
+  return {k: cache.stats[k] for k in ('compiled', 'loaded', 'moved')}
+
+
+def test_a_later_process_loads_a_stored_program_onto_any_slices_of_its_shape(tmp_path):
+  programs = store.ProgramStore(tmp_path, 1 << 30)
+  _cache(programs).program('eval', (0, 1))
+  later = _cache(programs)
+  loaded = later.program('eval', (2, 3))
+  assert _counts(later) == {'compiled': 0, 'loaded': 1, 'moved': 0}
+  got, want = _loss(loaded, (2, 3)), _loss(_direct((2, 3)), (2, 3))
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k])
+  # Where programs are not moved, an entry serves its own devices only (the key holds them).
+  fixed = _cache(programs, move=False)
+  fixed.program('eval', (2, 3))
+  assert _counts(fixed) == {'compiled': 1, 'loaded': 0, 'moved': 0}
+  again = _cache(programs, move=False)
+  again.program('eval', (2, 3))
+  assert _counts(again) == {'compiled': 0, 'loaded': 1, 'moved': 0}
+
+
+def _truncate(path):
+  path.write_bytes(path.read_bytes()[:1000])
+
+
+def _flip_payload(path):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0xFF  # inside the executable's bytes: the checksum catches it
+  path.write_bytes(bytes(data))
+
+
+def _another_programs_entry(path):
+  other = next(p for p in path.parent.glob(f'*{store.SUFFIX}') if p != path)
+  path.write_bytes(other.read_bytes())
+
+
+@pytest.mark.parametrize('damage', [_truncate, _flip_payload, _another_programs_entry,
+                                    lambda p: p.write_bytes(b'not a program')])
+def test_a_bad_entry_is_a_warning_and_a_compile_then_is_replaced(tmp_path, damage, caplog):
+  programs = store.ProgramStore(tmp_path, 1 << 30)
+  first = _cache(programs)
+  first.program('eval', (0, 1))
+  first.program('eval', (0,))  # a second entry
+  damage(programs.path(_key((0, 1))))
+  later = _cache(programs)
+  with caplog.at_level(logging.WARNING, 'mecefo'):
+    program = later.program('eval', (2, 3))
+  assert _counts(later) == {'compiled': 1, 'loaded': 0, 'moved': 0}
+  assert 'program store: entry' in caplog.text and 'compiling instead' in caplog.text
+  np.testing.assert_array_equal(_loss(program, (2, 3))['loss_sum'],
+                                _loss(_direct((2, 3)), (2, 3))['loss_sum'])
+  healed = _cache(programs)
+  healed.program('eval', (1, 2))
+  assert _counts(healed) == {'compiled': 0, 'loaded': 1, 'moved': 0}
+
+
+def _key(slices):
+  return store.fingerprint(_LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF), None)
+
+
+def test_the_key_covers_xla_flags_and_where_programs_do_not_move_their_devices(monkeypatch):
+  a, b = SLICES.sub((0, 1)), SLICES.sub((2, 3))
+  low_a, low_b = (_LOWER['eval'](CFG, m, GRAPHDEF) for m in (a, b))
+  assert store.fingerprint(low_a, None) == store.fingerprint(low_b, None)
+  assert store.fingerprint(low_a, list(a.devices.flat)) != store.fingerprint(low_b, list(b.devices.flat))
+  before = store.fingerprint(low_a, None)
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
+  assert store.fingerprint(low_a, None) != before
+
+
+def _entry(n_bytes: int) -> retarget.Serialized:
+  return retarget.Serialized(bytes(n_bytes), jax.tree.structure(0), jax.tree.structure(0),
+                             jax.devices()[:1])
+
+
+def test_the_least_recently_used_entries_are_evicted_above_the_size_limit(tmp_path):
+  programs = store.ProgramStore(tmp_path, 25_000)
+  programs.write('a', _entry(10_000))
+  programs.write('b', _entry(10_000))
+  for age, key in ((300, 'a'), (200, 'b')):
+    t = programs.path(key).stat().st_mtime - age
+    os.utime(programs.path(key), (t, t))
+  assert programs.read('a') is not None  # used: now the newest
+  programs.write('c', _entry(10_000))
+  assert {p.stem for p in tmp_path.glob(f'*{store.SUFFIX}')} == {'a', 'c'}
+  programs.write('huge', _entry(40_000))  # larger than the limit: kept alone
+  assert {p.stem for p in tmp_path.glob(f'*{store.SUFFIX}')} == {'huge'}
+
+
+def test_concurrent_writers_never_show_a_reader_a_partial_entry(tmp_path, caplog):
+  programs = store.ProgramStore(tmp_path, 1 << 30)
+  seen, stop = [], threading.Event()
+
+  def write(n):
+    for i in range(20):
+      programs.write('k', _entry(1000 * (n + 1) + i))
+
+  def read():
+    while not stop.is_set():
+      entry = programs.read('k')
+      if entry is not None:
+        seen.append(len(entry.payload))
+
+  writers = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+  reader = threading.Thread(target=read)
+  with caplog.at_level(logging.WARNING, 'mecefo'):
+    reader.start()
+    for t in writers:
+      t.start()
+    for t in writers:
+      t.join()
+    stop.set()
+    reader.join()
+  assert seen and 'program store' not in caplog.text
+  assert [p.name for p in tmp_path.iterdir()] == [f'k{store.SUFFIX}']  # no temporary left
+
+
+def test_a_hit_of_jaxs_persistent_cache_is_counted_as_a_load(tmp_path):
+  from jax._src import compilation_cache
+  saved = {k: jax.config.values[k] for k in ('jax_compilation_cache_dir',
+                                             'jax_persistent_cache_min_compile_time_secs')}
+  try:
+    compilation_cache.reset_cache()
+    jax.config.update('jax_compilation_cache_dir', str(tmp_path))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+    first, second = _cache(None, move=False), _cache(None, move=False)
+    first.program('eval', (0,))
+    second.program('eval', (0,))
+  finally:
+    for k, v in saved.items():
+      jax.config.update(k, v)
+    compilation_cache.reset_cache()
+  assert _counts(first) == {'compiled': 1, 'loaded': 0, 'moved': 0}
+  assert _counts(second) == {'compiled': 0, 'loaded': 1, 'moved': 0}
