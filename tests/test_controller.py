@@ -255,29 +255,34 @@ def test_next_live_sets_one_failure_or_repair_away():
   assert next_live_sets((2,), 3) == [(0, 2), (1, 2)]  # the last live slice: repairs only
 
 
-def test_precompile_compiles_the_next_live_sets_in_the_background():
+@pytest.mark.parametrize('move', ['never', 'always'])
+def test_precompile_builds_the_next_live_sets_programs_in_the_background(move):
   """A fresh controller (no programs shared with other tests): after the background thread
-  has compiled the one-failure live sets, a failure step compiles nothing on the training
-  thread, and the failure queues the sets one event away from the new live set."""
+  has built the one-failure live sets' programs (with moves: one set per shape; the other
+  set's are moved when met), a failure step compiles nothing on the training thread, and the
+  failure queues the sets one event away from the new live set."""
   mesh, init, graphdef, _ = _mesh('2x4')
-  cfg = load_config(None, [*TINY, *MESHES['2x4']])
+  cfg = load_config(None, [*TINY, *MESHES['2x4'], f'train.move_programs={move}'])
   c = Controller(cfg, mesh, graphdef, CORPUS, FailureSchedule(2).fail_at(1, 1), init())
   c.step(0)
-  compile_before = c.goodput['compile']
   c.start_precompile()
   c.precompiler.wait()
   carrier = Role(degraded=2 * B)
+  built = [(1,), (0,)] if move == 'never' else [(1,)]  # next_live_sets' order
   for live in ((0,), (1,)):  # a lone slice carries both micro-batches: fused, plus the refreshes
-    assert {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True),
-            ('eval', live)} <= set(c.programs.keys()), sorted(map(str, c.programs.keys()))
+    keys = {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True),
+            ('eval', live)}
+    assert (keys <= c.programs.keys()) == (live in built), sorted(map(str, c.programs.keys()))
   assert c.precompiler.compiled == 2 and c.precompiler.seconds > 0
-  programs = set(c.programs.keys())
-  loss = float(c.step(1)['loss'])  # slice 1 fails: its programs are ready
+  compiled = c.programs.stats['compiled']
+  assert compiled == 1 + 4 * len(built)
+  loss = float(c.step(1)['loss'])  # slice 1 fails: its programs are ready, or moved
   assert math.isfinite(loss) and c.live() == (0,)
   c.evaluator((0,))
-  assert c.goodput['compile'] == compile_before
   c.precompiler.wait()  # the repair set (0, 1) was queued: its fused step exists already
-  assert c.precompiler.compiled == 3 and set(c.programs.keys()) == programs | {('eval', (0, 1))}
+  assert c.precompiler.compiled == 3 and ('eval', (0, 1)) in c.programs.keys()
+  assert c.programs.stats['compiled'] == compiled + 1  # that eval, in the background
+  assert c.programs.stats['moved'] == (0 if move == 'never' else 3)  # fused, cold refresh, eval
   c.precompiler.stop()
 
 

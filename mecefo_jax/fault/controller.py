@@ -97,16 +97,22 @@ class Controller:
     return [s for s in next_live_sets(self.live(), self.n_slices) if set(s) <= set(self.present)]
 
   def compile_live_set(self, live: tuple[int, ...]) -> None:
-    """Compiles (and caches) every program a step on `live` runs, and the eval program when
-    evals run between steps (train.eval_every)."""
-    if self.cfg.train.eval_every:
-      self.evaluator(live)
+    """Builds (and caches) every program a step on `live` runs, and the eval program when evals
+    run between steps (train.eval_every); where programs move, only those of shapes not built
+    yet: the others are moved in a tenth of a second when `live` is met."""
+    for key in self._program_keys(live):
+      if not self.programs.has_shape(key):
+        self.programs.program(*key)
+
+  def _program_keys(self, live: tuple[int, ...]) -> list[tuple]:
+    """In the order a failure needs them: the step's, the basis refreshes, the eval."""
     roles = self.planner.plan(live).roles
+    keys = self.programs.step_keys(live, roles)
     if self._refreshed and any(r.degraded for r in roles.values()):
-      self.programs.program('refresh', live, False)  # the first refresh, or mecefo.refresh=full
+      keys.append(('refresh', live, False))  # the first refresh, or mecefo.refresh=full
       if self.cfg.mecefo.refresh == 'warm':
-        self.programs.program('refresh', live, True)
-    self.programs.step_programs(live, roles)
+        keys.append(('refresh', live, True))
+    return keys + ([('eval', live)] if self.cfg.train.eval_every else [])
 
   def fused(self, live, role):
     """The one-program SPMD step for slices that all play `role` (the fault-free path)."""

@@ -138,7 +138,13 @@ class ProgramCache:
     self.stats[what] += 1
     self.stats[f'{what}_s'] += seconds
 
-  def step_programs(self, live: tuple[int, ...], roles: dict[int, Role]) -> 'StepPrograms':
+  def has_shape(self, key) -> bool:
+    """Whether the program `key` = (kind, slices, *args) would be moved, not compiled: one of
+    its shape is built already (and moving is on)."""
+    kind, slices, *args = key
+    return self.move and (kind, len(slices), *args) in self._by_shape
+
+  def step_keys(self, live: tuple[int, ...], roles: dict[int, Role]) -> list[tuple]:
     """The programs one step on `live` runs: one fused SPMD program when every slice plays one
     single-pass role (mesh.ordered_reduce aside), else one per role group and the update.
 
@@ -148,13 +154,20 @@ class ProgramCache:
     how many slices share a role."""
     first = roles[live[0]]
     if len(set(roles.values())) == 1 and first.passes == 1 and not self.cfg.mesh.ordered_reduce:
-      return StepPrograms(fused=self.program('fused', live, first))
+      return [('fused', live, first)]
     groups = {}
     for s in live:
       groups.setdefault(roles[s], []).append(s)
-    return StepPrograms(groups=[(role, tuple(slices), self.program('group', tuple(slices), role))
-                                for role, slices in groups.items()],
-                        update=self.program('update', live))
+    return [*(('group', tuple(slices), role) for role, slices in groups.items()), ('update', live)]
+
+  def step_programs(self, live: tuple[int, ...], roles: dict[int, Role]) -> 'StepPrograms':
+    """The programs of step_keys, built."""
+    keys = self.step_keys(live, roles)
+    if keys[0][0] == 'fused':
+      return StepPrograms(fused=self.program(*keys[0]))
+    return StepPrograms(groups=[(role, slices, self.program(kind, slices, role))
+                                for kind, slices, role in keys[:-1]],
+                        update=self.program(*keys[-1]))
 
 
 @dataclasses.dataclass
