@@ -61,13 +61,15 @@ def test_yaml_syntax_errors_fail_in_one_line(tmp_path, capsys):
              "override 'train.steps=[1,' is not valid YAML")
 
 
-def test_binary_config_and_trace_fail_in_one_line(tmp_path, capsys):
+def test_binary_config_trace_and_text_data_fail_in_one_line(tmp_path, capsys):
   blob = tmp_path / 'blob.bin'
   blob.write_bytes(bytes(range(256)) * 4)
   _one_error(_main(capsys, '--config', blob, '--print-config'), 'is not UTF-8 text')
-  proc = _main(capsys, '--failures', f'trace:{blob}', '--no-snapshots', '--out', tmp_path / 'run',
-               'train.steps=2', *RUN)
-  _one_error(proc, f"failure trace '{blob}' is not UTF-8 text")
+  run = ('--no-snapshots', '--out', tmp_path / 'run', 'train.steps=2', *RUN)
+  _one_error(_main(capsys, '--failures', f'trace:{blob}', *run),
+             f"failure trace '{blob}' is not UTF-8 text")
+  _one_error(_main(capsys, '--data', f'text:{blob}', *run),
+             f"text:{blob}: file '{blob}' is not UTF-8 text (byte 0); is it a binary file?")
 
 
 @pytest.mark.parametrize('override, needle', [
