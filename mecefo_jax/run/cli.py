@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -31,14 +32,16 @@ class OneLineParser(argparse.ArgumentParser):
     sys.exit(BAD_INPUT)
 
 
-def _int_at_least(low: int):
-  def parse(text: str) -> int:
+def at_least(low: int, kind: type = int):
+  """An argparse type: a finite `kind` (int or float) >= `low`."""
+  def parse(text: str):
     try:
-      value = int(text)
+      value = kind(text)
     except ValueError:
-      raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
-    if value < low:
-      raise argparse.ArgumentTypeError(f'must be >= {low}, got {value}')
+      raise argparse.ArgumentTypeError(
+          f'expected {"an integer" if kind is int else "a number"}, got {text!r}') from None
+    if not (math.isfinite(value) and value >= low):  # NaN fails both
+      raise argparse.ArgumentTypeError(f'must be >= {low}, got {text}')
     return value
   return parse
 
@@ -70,16 +73,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--no-snapshots', action='store_true', help='no in-memory snapshots (= snapshot.enabled=false)')
   p.add_argument('--quiet', '-q', action='store_true',
                  help='only warnings, errors (failures, repairs) and the final summary line')
-  p.add_argument('--host-devices', type=_int_at_least(1), default=None,
+  p.add_argument('--host-devices', type=at_least(1), default=None,
                  help='CPU only: simulate this many devices (XLA host platform), e.g. 8 slices')
   p.add_argument('--coordinator', default=None,
                  help='multi-process run: HOST:PORT of process 0 (automatic on TPU pods)')
   p.add_argument('--num-processes', type=int, default=None, help='multi-process run: how many')
   p.add_argument('--process-id', type=int, default=None, help='multi-process run: this one (0..n-1)')
-  p.add_argument('--host-slot', type=_int_at_least(0), default=None,
+  p.add_argument('--host-slot', type=at_least(0), default=None,
                  help='multi-process run restarted with fewer processes: the logical host this '
                       'process is (default: its process id); see docs/tpu.md')
-  p.add_argument('--heartbeat-s', type=_int_at_least(1), default=100,
+  p.add_argument('--heartbeat-s', type=at_least(1), default=100,
                  help='multi-process run: seconds of silence after which a process counts as dead '
                       'and the others abort (then restart them with --resume)')
   p.add_argument('overrides', nargs='*', help='dotted overrides: section.key=value')
