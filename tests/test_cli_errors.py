@@ -3,6 +3,7 @@ import json
 import math
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -207,6 +208,18 @@ def test_plot_several_runs_need_out(tmp_path, capsys):
   assert capsys.readouterr().err.strip() == 'error: comparing 2 runs needs --out PNG'
   assert plot.main([str(a), str(tmp_path / 'missing'), '--out', str(tmp_path / 'x.png')]) == 2
   assert 'has no training rows' in capsys.readouterr().err
+
+
+def test_a_benchmark_run_as_a_file_says_in_one_line_to_run_it_as_a_module(monkeypatch):
+  scripts = [p for p in sorted((ROOT / 'benchmarks').glob('*.py'))
+             if "if __name__ == '__main__':" in p.read_text()]
+  assert len(scripts) >= 9, scripts
+  for script in scripts:  # as `python benchmarks/NAME.py --help` runs it (__package__ unset)
+    monkeypatch.setattr(sys, 'argv', [str(script), '--help'])
+    with pytest.raises(SystemExit) as stop:
+      runpy.run_path(str(script), run_name='__main__')
+    assert stop.value.code == ('error: run it from the repository root as python -m '
+                               f'benchmarks.{script.stem}'), script
 
 
 # ---- Ctrl-C (train.py's SIGTERM and Ctrl-C stops share one handler: tests/test_recovery.py) --
