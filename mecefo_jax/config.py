@@ -311,7 +311,8 @@ def validate(cfg: Config) -> Config:
                       f'snapshot.durable_every >= 0; got {sn.every}, {sn.keep}, {sn.durable_keep}, '
                       f'{sn.durable_every}')
   f = cfg.faults
-  if f.failures not in ('none', 'low', 'mid', 'high') and not f.failures.startswith('trace:'):
+  trace = f.failures.startswith('trace:') and f.failures != 'trace:'
+  if f.failures not in ('none', 'low', 'mid', 'high') and not trace:
     raise ConfigError(f"faults.failures must be none, low, mid, high or trace:PATH, got {f.failures!r}")
   if f.max_degraded_rows < 0:
     raise ConfigError(f"config key 'faults.max_degraded_rows' must be >= 0, got "

@@ -67,6 +67,17 @@ def test_bad_data_path_fails_with_one_clear_line(tmp_path, capsys):
   assert code == 2 and len(lines) == 1 and 'path not found' in lines[0], lines
 
 
+@pytest.mark.parametrize('flag, value, needle', [
+    ('--data', 'text:', 'text:: missing path after text:'),
+    ('--failures', 'trace:', "faults.failures must be none, low, mid, high or trace:PATH, got "
+                             "'trace:'")])
+def test_a_flag_spec_without_its_path_says_the_path_is_missing(tmp_path, capsys, flag, value,
+                                                               needle):
+  code = cli.main([flag, value, 'train.steps=1', '--out', str(tmp_path), 'train.compile_cache='])
+  lines = error_lines(capsys.readouterr().err)
+  assert code == 2 and lines == [f'error: {needle}'], lines
+
+
 def test_dry_run_compiles_and_reports_without_training(launcher, tmp_path):
   out, scratch = tmp_path / 'new' / 'run', tmp_path / 'tmp'
   scratch.mkdir()

@@ -105,10 +105,12 @@ def _setup_process(args) -> None:
 
 
 def _overrides(args) -> list[str]:
+  flags = {'train.data': args.data, 'faults.failures': args.failures,
+           'faults.takeover': args.takeover}
   overrides = list(args.overrides)
-  overrides += [f'train.data={args.data}'] if args.data else []
-  overrides += [f'faults.failures={args.failures}'] if args.failures else []
-  overrides += [f'faults.takeover={args.takeover}'] if args.takeover else []
+  # Quoted: a flag's value is the string as written, never YAML ('text:' reads as a mapping).
+  overrides += [f'{key}={json.dumps(value, ensure_ascii=False)}'
+                for key, value in flags.items() if value]
   # A dry run writes no snapshots (nothing left in /dev/shm) and trains in a scratch dir.
   overrides += ['snapshot.enabled=false'] if args.no_snapshots or args.dry_run else []
   return overrides
