@@ -341,7 +341,7 @@ class Trainer:
         recovery.remove_snapshots(self.cfg.snapshot, self.out_dir, self.run_id, durable=False,
                                   host=host)
     if self._lock is not None:
-      self._lock.close()  # releases the run directory
+      rundir.unlock(self._lock)  # releases the run directory
       self._lock = None
 
   def _report(self, steps_done, wall_s, stopped, tensorboard: bool) -> dict:
