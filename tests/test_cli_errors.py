@@ -17,6 +17,7 @@ import pytest
 from mecefo_jax.config import _FLOAT_RANGES, Config, ConfigError, load_config
 from mecefo_jax.run import cli, exits, plot, report_schema
 from mecefo_jax.run.metrics import MetricsWriter, to_json
+from mecefo_jax.snapshot import recovery
 from procs import ROOT, TINY, error_lines, wait_for
 
 RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=')
@@ -111,6 +112,27 @@ def test_one_slice_with_a_failure_preset_warns_at_start(tmp_path, capsys, caplog
                'train.steps=2', *RUN)
   assert proc.returncode in (0, 3), proc.stderr[-2000:]
   assert 'one slice: a failure leaves no live slice to take over' in caplog.text
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
+  run = ('--out', tmp_path / 'run', f'snapshot.dir={tmp_path / "shm"}', 'train.steps=2', *RUN)
+  assert _main(capsys, *run).returncode == 0
+  report = (tmp_path / 'run' / 'report.json').read_bytes()
+  proc = _main(capsys, '--resume', '--quiet', *run)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stderr.splitlines()[-1] == (
+      f"nothing to do: the run in {tmp_path / 'run'} has trained its train.steps=2 steps; pass a "
+      'larger train.steps to train on')
+  assert not any(line.startswith('done:') for line in proc.stderr.splitlines()), proc.stderr
+  assert (tmp_path / 'run' / 'report.json').read_bytes() == report  # not overwritten
+  assert not (tmp_path / 'shm').exists()  # no in-memory tier left behind
+  # Stopped (SIGTERM) in its last step: resumed, it finishes (final eval, report).
+  state = recovery.read_run_state(tmp_path / 'run')
+  recovery.write_run_state(tmp_path / 'run', 'stopped',
+                           **{k: v for k, v in state.items() if k != 'status'})
+  proc = _main(capsys, '--resume', '--quiet', *run)
+  assert proc.returncode == 0 and proc.stderr.splitlines()[-1].startswith('done: 2 steps, ')
+  assert recovery.read_run_state(tmp_path / 'run')['status'] == 'finished'
 
 
 def test_resume_and_fresh_together_are_refused(capsys):

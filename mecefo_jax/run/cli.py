@@ -250,6 +250,11 @@ def _train(args, run, out_dir: Path) -> int:
     print(json.dumps(run.dry_run_info(), indent=2))
     run.close()
     return 0
+  if run.finished:  # a finished run resumed: its report stands
+    run.close()
+    print(f'nothing to do: the run in {out_dir} has trained its train.steps='
+          f'{run.cfg.train.steps} steps; pass a larger train.steps to train on', file=sys.stderr)
+    return 0
   try:
     report = run.run()
   finally:
