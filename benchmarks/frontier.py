@@ -23,6 +23,10 @@ n/(n-d) or 2x a normal step's, what MeCeFO exists to avoid).
 """
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
 import argparse
 import json
 import math

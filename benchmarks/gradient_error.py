@@ -9,6 +9,10 @@ the part due to the projection only (vs the exact gradient of the attention-cut 
 """
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
 import dataclasses
 
 import jax

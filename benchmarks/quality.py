@@ -18,6 +18,10 @@ vs fault-free (the paper's table reports perplexity), plus wall time.
 """
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
 import argparse
 import tempfile
 from pathlib import Path

@@ -22,6 +22,10 @@ parity.rebuild_part (as restore_latest does: parity_rebuild_s), checked bit-exac
 """
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
 import os
 import shutil
 import statistics

@@ -1,6 +1,7 @@
 """Frozen typed run configuration; YAML files and dotted CLI overrides only override the defaults."""
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
 import typing
@@ -199,15 +200,29 @@ def _yaml_load(text: str, where: str):
     raise ConfigError(f'{where} is not valid YAML{at}: {problem}') from None
 
 
+def check_text(data: bytes, path: Path, what: str, *, final: bool = True,
+               error: type[ValueError] = ConfigError) -> None:
+  """Raises `error` (one line) where `data`, the bytes of `path`, are not text: a NUL byte or
+  bytes that are not UTF-8. `final=False`: `data` is only the file's start (it may end inside a
+  character)."""
+  nul = data.find(b'\0')
+  try:
+    codecs.getincrementaldecoder('utf-8')().decode(data[:nul] if nul >= 0 else data,
+                                                   final or nul >= 0)
+  except UnicodeDecodeError as err:
+    nul = err.start
+  if nul >= 0:
+    raise error(f'{what} {str(path)!r} is not UTF-8 text (byte {nul}); is it a binary file?')
+
+
 def read_text(path: Path, what: str) -> str:
   """The UTF-8 text of `path`; unreadable or binary files as one ConfigError line."""
   try:
-    return path.read_bytes().decode('utf-8')
-  except UnicodeDecodeError as err:
-    raise ConfigError(f'{what} {str(path)!r} is not UTF-8 text (byte {err.start}); '
-                      'is it a binary file?') from None
+    data = path.read_bytes()
   except OSError as err:
     raise ConfigError(f'cannot read {what} {str(path)!r}: {err.strerror or err}') from None
+  check_text(data, path, what)
+  return data.decode('utf-8')
 
 
 def parse_override(text: str) -> dict:
@@ -299,7 +314,8 @@ def validate(cfg: Config) -> Config:
                       f'snapshot.durable_every >= 0; got {sn.every}, {sn.keep}, {sn.durable_keep}, '
                       f'{sn.durable_every}')
   f = cfg.faults
-  if f.failures not in ('none', 'low', 'mid', 'high') and not f.failures.startswith('trace:'):
+  trace = f.failures.startswith('trace:') and f.failures != 'trace:'
+  if f.failures not in ('none', 'low', 'mid', 'high') and not trace:
     raise ConfigError(f"faults.failures must be none, low, mid, high or trace:PATH, got {f.failures!r}")
   if f.max_degraded_rows < 0:
     raise ConfigError(f"config key 'faults.max_degraded_rows' must be >= 0, got "

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from mecefo_jax.run.cli import OneLineParser
+from mecefo_jax.run.cli import OneLineParser, at_least
 from mecefo_jax.run.exits import ALL_DOWN, JOB_EXITS, STOPPED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='devices of each process: CPU devices (--host-devices), or GPUs with --gpus')
   p.add_argument('--gpus', action='store_true',
                  help='give process of host h the GPUs h*K .. h*K+K-1 (CUDA_VISIBLE_DEVICES)')
-  p.add_argument('--rejoin-after', type=float, default=None, metavar='SECONDS',
+  p.add_argument('--rejoin-after', type=at_least(0, float), default=None, metavar='SECONDS',
                  help='start a replacement for a dead host this long after its death')
   p.add_argument('--max-restarts', type=int, default=10, help='give up after this many restarts')
   p.add_argument('--log-dir', default=None,

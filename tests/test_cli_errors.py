@@ -3,6 +3,7 @@ import json
 import math
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from mecefo_jax.config import _FLOAT_RANGES, Config, ConfigError, load_config
 from mecefo_jax.run import cli, exits, plot, report_schema
 from mecefo_jax.run.metrics import MetricsWriter, to_json
+from mecefo_jax.snapshot import recovery
 from procs import ROOT, TINY, error_lines, wait_for
 
 RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=')
@@ -61,13 +63,15 @@ def test_yaml_syntax_errors_fail_in_one_line(tmp_path, capsys):
              "override 'train.steps=[1,' is not valid YAML")
 
 
-def test_binary_config_and_trace_fail_in_one_line(tmp_path, capsys):
+def test_binary_config_trace_and_text_data_fail_in_one_line(tmp_path, capsys):
   blob = tmp_path / 'blob.bin'
   blob.write_bytes(bytes(range(256)) * 4)
   _one_error(_main(capsys, '--config', blob, '--print-config'), 'is not UTF-8 text')
-  proc = _main(capsys, '--failures', f'trace:{blob}', '--no-snapshots', '--out', tmp_path / 'run',
-               'train.steps=2', *RUN)
-  _one_error(proc, f"failure trace '{blob}' is not UTF-8 text")
+  run = ('--no-snapshots', '--out', tmp_path / 'run', 'train.steps=2', *RUN)
+  _one_error(_main(capsys, '--failures', f'trace:{blob}', *run),
+             f"failure trace '{blob}' is not UTF-8 text")
+  _one_error(_main(capsys, '--data', f'text:{blob}', *run),
+             f"text:{blob}: file '{blob}' is not UTF-8 text (byte 0); is it a binary file?")
 
 
 @pytest.mark.parametrize('override, needle', [
@@ -108,6 +112,27 @@ def test_one_slice_with_a_failure_preset_warns_at_start(tmp_path, capsys, caplog
                'train.steps=2', *RUN)
   assert proc.returncode in (0, 3), proc.stderr[-2000:]
   assert 'one slice: a failure leaves no live slice to take over' in caplog.text
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
+  run = ('--out', tmp_path / 'run', f'snapshot.dir={tmp_path / "shm"}', 'train.steps=2', *RUN)
+  assert _main(capsys, *run).returncode == 0
+  report = (tmp_path / 'run' / 'report.json').read_bytes()
+  proc = _main(capsys, '--resume', '--quiet', *run)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stderr.splitlines()[-1] == (
+      f"nothing to do: the run in {tmp_path / 'run'} has trained its train.steps=2 steps; pass a "
+      'larger train.steps to train on')
+  assert not any(line.startswith('done:') for line in proc.stderr.splitlines()), proc.stderr
+  assert (tmp_path / 'run' / 'report.json').read_bytes() == report  # not overwritten
+  assert not (tmp_path / 'shm').exists()  # no in-memory tier left behind
+  # Stopped (SIGTERM) in its last step: resumed, it finishes (final eval, report).
+  state = recovery.read_run_state(tmp_path / 'run')
+  recovery.write_run_state(tmp_path / 'run', 'stopped',
+                           **{k: v for k, v in state.items() if k != 'status'})
+  proc = _main(capsys, '--resume', '--quiet', *run)
+  assert proc.returncode == 0 and proc.stderr.splitlines()[-1].startswith('done: 2 steps, ')
+  assert recovery.read_run_state(tmp_path / 'run')['status'] == 'finished'
 
 
 def test_resume_and_fresh_together_are_refused(capsys):
@@ -205,6 +230,18 @@ def test_plot_several_runs_need_out(tmp_path, capsys):
   assert capsys.readouterr().err.strip() == 'error: comparing 2 runs needs --out PNG'
   assert plot.main([str(a), str(tmp_path / 'missing'), '--out', str(tmp_path / 'x.png')]) == 2
   assert 'has no training rows' in capsys.readouterr().err
+
+
+def test_a_benchmark_run_as_a_file_says_in_one_line_to_run_it_as_a_module(monkeypatch):
+  scripts = [p for p in sorted((ROOT / 'benchmarks').glob('*.py'))
+             if "if __name__ == '__main__':" in p.read_text()]
+  assert len(scripts) >= 9, scripts
+  for script in scripts:  # as `python benchmarks/NAME.py --help` runs it (__package__ unset)
+    monkeypatch.setattr(sys, 'argv', [str(script), '--help'])
+    with pytest.raises(SystemExit) as stop:
+      runpy.run_path(str(script), run_name='__main__')
+    assert stop.value.code == ('error: run it from the repository root as python -m '
+                               f'benchmarks.{script.stem}'), script
 
 
 # ---- Ctrl-C (train.py's SIGTERM and Ctrl-C stops share one handler: tests/test_recovery.py) --

@@ -183,6 +183,24 @@ def test_text_missing_and_empty_file(tmp_path):
     _load(f'text:{tmp_path / "e.txt"}')
 
 
+def test_binary_text_files_are_refused_in_one_line(tmp_path):
+  cases = {'blob.bin': bytes(range(256)), 'latin1.txt': 'café'.encode('latin-1'),
+           'ids.bin': np.arange(1, 100, dtype=np.uint16).tobytes()}  # ASCII, but NULs
+  for (name, data), at in zip(cases.items(), (0, 3, 1)):
+    (tmp_path / name).write_bytes(data * 64)
+    with pytest.raises(DataError, match=rf"^text:\S+: file '\S+{name}' is not UTF-8 text "
+                                        rf'\(byte {at}\); is it a binary file\?$'):
+      _load(f'text:{tmp_path / name}')
+  (tmp_path / 'docs').mkdir()
+  (tmp_path / 'docs' / 'a.txt').write_text('fine ' * 20)
+  (tmp_path / 'docs' / 'b.txt').write_bytes(bytes(range(256)))
+  with pytest.raises(DataError, match=r"file '\S+b\.txt' is not UTF-8 text \(byte 0\)"):
+    _load(f'text:{tmp_path / "docs"}')
+  # A large file is probed at its start, whose end may cut a character: still text.
+  (tmp_path / 'big.txt').write_bytes(b'a' + 'é'.encode() * (1 << 19))
+  assert _load(f'text:{tmp_path / "big.txt"}').tokens_1d.size == 1 + (1 << 20)
+
+
 # --- load_corpus: pydoc ---------------------------------------------------------------------
 
 def test_pydoc_is_the_sorted_help_topics_as_bytes():

@@ -82,7 +82,9 @@ def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(launcher, tm
 
 @pytest.mark.parametrize('argv, expected', [
     (['-n', '3', '--', '--host-devices=2'], '--host-devices is set by'),
-    (['-n', '1'], 'need -n >= 2')])
+    (['-n', '1'], 'need -n >= 2'),
+    (['-n', '2', '--rejoin-after', '-5'], 'argument --rejoin-after: must be >= 0, got -5'),
+    (['-n', '2', '--rejoin-after', 'nan'], 'argument --rejoin-after: must be >= 0, got nan')])
 def test_supervisor_input_errors_are_one_line(capsys, argv, expected):
   with pytest.raises(SystemExit) as stop:
     launch.parse_args(argv)

@@ -1,16 +1,20 @@
-"""colab/mecefo_quickstart.ipynb: committed without outputs, and runs top to bottom on CPU.
+"""colab/mecefo_quickstart.ipynb: committed without outputs, its §5 text true to its code, and runs
+top to bottom on CPU.
 
 The run uses the notebook's tiny setting (MECEFO_NOTEBOOK_STEPS), a kernel of this interpreter
 (a kernelspec written into a temp JUPYTER_PATH), 4 simulated CPU devices, and an in-memory
 copy of the notebook: the committed file is never written.
 """
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+
+from mecefo_jax.config import FaultConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / 'colab' / 'mecefo_quickstart.ipynb'
@@ -32,6 +36,14 @@ def test_notebook_is_committed_without_outputs():
            if c.cell_type == 'code' and (c.outputs or c.execution_count is not None)]
   assert not dirty, (f'cells {dirty} of {NOTEBOOK.name} have outputs or execution counts: clear '
                      'them before committing (see colab/README.md)')
+
+
+def test_section_5_names_the_takeover_policy_its_code_runs():
+  cells = read_notebook().cells
+  i = next(i for i, c in enumerate(cells) if c.source.startswith('## 5.'))
+  override = re.search(r'faults\.takeover=(\w+)', cells[i + 1].source)
+  policy = override.group(1) if override else FaultConfig.takeover
+  assert f'default takeover policy, `{policy}`' in ' '.join(cells[i].source.split())
 
 
 def _kernelspec(tmp_path: Path) -> Path:

@@ -184,6 +184,26 @@ def test_failure_windows_per_slice():
   assert windows == [(1, 5, 18), (2, 12, 30)]
 
 
+def test_live_slices_follow_the_failure_events_not_the_logged_steps():
+  events = [{'step': 0, 'slice': 3, 'kind': 'fail', 'source': 'absent', 'live': 3},
+            {'step': 7, 'slice': 1, 'kind': 'fail', 'source': 'trace:t', 'live': 2},
+            {'step': 7, 'slice': 3, 'kind': 'repair', 'source': 'present', 'live': 3},
+            {'step': 13, 'slice': 2, 'kind': 'fail', 'source': 'absent', 'live': 2}]
+  assert plot.live_slices(events, 4, 29) == ([0, 7, 13, 29], [3, 3, 2, 2])
+  assert plot.live_slices([], 4, 29) == ([0, 29], [4, 4])
+
+
+def test_the_plot_title_names_the_deaths_of_a_supervised_run():
+  death = lambda step, s: {'step': step, 'slice': s, 'kind': 'fail', 'source': 'absent'}
+  events = [death(12, 2), death(12, 3), {'step': 20, 'slice': 2, 'kind': 'repair',
+                                         'source': 'present'}, death(40, 1),
+            {'step': 41, 'slice': 0, 'kind': 'fail', 'source': 'trace:t.txt'}]
+  title = plot._title({'steps': 50, 'failure_events': events})
+  assert title.splitlines()[1] == ('deaths (absent at a restart): slices 2, 3 at step 12; '
+                                   'slice 1 at step 40')
+  assert len(plot._title({'steps': 50, 'failure_events': events[-1:]}).splitlines()) == 1
+
+
 def test_read_rows_stitches_a_resumed_run(tmp_path):
   rows = [{'step': 0, 'loss': 5.0, 'wall_s': 1.0}, {'step': 4, 'loss': 4.0, 'wall_s': 2.0},
           {'kind': 'train', 'step': 4, 'loss': 3.9, 'wall_s': 0.5},  # resumed: clock restarts

@@ -1,4 +1,5 @@
 """Run directories: one run per directory, a lock, config checks on resume, tmpfs errors."""
+import logging
 import re
 import resource
 import signal
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import ConfigError, load_config, to_dict
-from mecefo_jax.run import rundir
+from mecefo_jax.run import cli, rundir
 from mecefo_jax.snapshot import recovery
 from procs import ROOT, TINY, report
 
@@ -81,6 +82,22 @@ def test_a_second_process_cannot_use_a_locked_run_directory(launcher, tmp_path):
   # The holder died (SIGKILL): its lock is stale and taken over.
   code, log = train(launcher, out, 'train.steps=2', '--no-snapshots')
   assert code == 0, log
+
+
+def test_a_start_after_a_clean_exit_reports_no_stale_lock(tmp_path, capsys, caplog):
+  out = tmp_path / 'run'
+  assert cli.main(['--out', str(out), '--no-snapshots', 'train.steps=1', 'train.compile_cache=',
+                   *RUN]) == 0, capsys.readouterr().err
+  assert (out / rundir.LOCK).read_text() == ''  # no holder: nothing for the next start to report
+  (out / rundir.LOCK).write_text('999999999')  # what a killed process leaves: its pid
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger='mecefo'):
+    rundir.unlock(rundir.lock(out))
+  assert caplog.messages == ['run directory lock of pid 999999999 (no longer running) taken over']
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger='mecefo'):
+    rundir.unlock(rundir.lock(out))
+  assert caplog.messages == []
 
 
 def _limit_file_size():

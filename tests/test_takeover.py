@@ -1,5 +1,6 @@
 """Takeover plans (every row once, on the right slice, with the right step) and failure schedules."""
 import collections
+import logging
 import re
 
 import numpy as np
@@ -213,6 +214,22 @@ def test_trace_file_with_comments(tmp_path):
   assert {e.source for e in sched.all_events()} == {'trace:trace.txt'}
   assert FailureSchedule.from_spec(f'trace:{path}', 4, 10, 60.0, 0).all_events() == sched.all_events()
   assert FailureSchedule.from_spec('none', 4, 10, 60.0, 0).all_events() == []
+
+
+def test_trace_warns_of_a_fail_of_a_failed_slice_and_a_repair_of_a_live_one(tmp_path, caplog):
+  path = tmp_path / 'trace.txt'
+  path.write_text('3 1 fail\n5 1 fail\n5 2 repair\n7 1 repair\n7 1 fail\n')
+  with caplog.at_level(logging.WARNING, logger='mecefo'):
+    sched = FailureSchedule.from_trace(path, 4)
+  assert caplog.messages == [
+      f'failure trace {path}: step 5: repair of slice 2, which is live: ignored',
+      f'failure trace {path}: step 5: fail of slice 1, which is already down: ignored']
+  assert list(sched.failed_sets(8))[-1] == {1}  # step 7: repaired, then failed again
+  caplog.clear()
+  path.write_text('3 1 fail\n7 1 repair\n')
+  with caplog.at_level(logging.WARNING, logger='mecefo'):
+    FailureSchedule.from_trace(path, 4)
+  assert caplog.messages == []
 
 
 @pytest.mark.parametrize('bad', ['3 1 explode', '3 1', '-3 1 fail', 'x 1 fail', '3 1 fail extra'])

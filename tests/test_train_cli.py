@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from mecefo_jax.data.sources import _OPTIONS, _PATHLESS
 from mecefo_jax.run import cli
 from mecefo_jax.snapshot.recovery import run_name
 from mecefo_jax.snapshot.store import default_snapshot_dir
@@ -65,6 +66,30 @@ def test_bad_data_path_fails_with_one_clear_line(tmp_path, capsys):
                    'train.compile_cache='])
   lines = error_lines(capsys.readouterr().err)
   assert code == 2 and len(lines) == 1 and 'path not found' in lines[0], lines
+
+
+@pytest.mark.parametrize('flag, value, needle', [
+    ('--data', 'text:', 'text:: missing path after text:'),
+    ('--failures', 'trace:', "faults.failures must be none, low, mid, high or trace:PATH, got "
+                             "'trace:'")])
+def test_a_flag_spec_without_its_path_says_the_path_is_missing(tmp_path, capsys, flag, value,
+                                                               needle):
+  code = cli.main([flag, value, 'train.steps=1', '--out', str(tmp_path), 'train.compile_cache='])
+  lines = error_lines(capsys.readouterr().err)
+  assert code == 2 and lines == [f'error: {needle}'], lines
+
+
+def test_help_lists_every_data_source_and_option(capsys):
+  with pytest.raises(SystemExit) as stop:
+    cli.parse_args(['--help'])
+  assert stop.value.code == 0
+  text = ' '.join(capsys.readouterr().out.split())  # unwrapped
+  text = text[text.index('options:'):]
+  data = text[text.index('--data DATA'):text.index('--dry-run')]
+  forms = [name if name in _PATHLESS else f'{name}:' for name in _OPTIONS]
+  missing = [form for form in forms if form not in data]
+  missing += [f'{key}=' for keys in _OPTIONS.values() for key in keys if f'{key}=' not in data]
+  assert not missing, data
 
 
 def test_dry_run_compiles_and_reports_without_training(launcher, tmp_path):

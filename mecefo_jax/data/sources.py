@@ -6,12 +6,15 @@ from pathlib import Path
 
 import numpy as np
 
+from mecefo_jax.config import check_text
 from mecefo_jax.data.order import EVAL_BASE, check_int, check_sample_ids
 from mecefo_jax.data.synthetic import SyntheticCorpus
 
 BYTE_VOCAB = 256
 DOC_SEP_BYTE = 0  # joins documents: NUL never occurs in text, so it marks a boundary unambiguously
 TEXT_SUFFIXES = ('.txt', '.md')
+# A text file may be many GB (it is memory-mapped): its first MiB tells a binary file.
+TEXT_PROBE_BYTES = 1 << 20
 _SPLITS = ('auto', 'train', 'eval')
 # Query keys each scheme accepts; anything else is a typo and is refused.
 _OPTIONS = {
@@ -244,12 +247,17 @@ def _text_docs(spec: str, path: str) -> list[bytes] | np.ndarray:
   if p.is_file():
     if p.stat().st_size == 0:
       raise DataError(f'{spec}: file is empty: {p}')
-    return np.memmap(p, dtype=np.uint8, mode='r')  # one document: no copy, any size
+    text = np.memmap(p, dtype=np.uint8, mode='r')  # one document: no copy, any size
+    head = text[:TEXT_PROBE_BYTES].tobytes()
+    check_text(head, p, f'{spec}: file', final=len(head) == len(text), error=DataError)
+    return text
   files = sorted((f for f in p.rglob('*') if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES),
                  key=lambda f: f.relative_to(p).as_posix())  # platform-independent order
   if not files:
     raise DataError(f'{spec}: folder has no {"/".join(TEXT_SUFFIXES)} files: {p}')
   docs = [f.read_bytes() for f in files]
+  for f, doc in zip(files, docs):
+    check_text(doc, f, f'{spec}: file', error=DataError)
   if not any(docs):
     raise DataError(f'{spec}: all {len(files)} {"/".join(TEXT_SUFFIXES)} files are empty in {p}')
   return [d for d in docs if d]

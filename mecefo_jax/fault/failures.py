@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import defaultdict
 from pathlib import Path
 
@@ -14,6 +15,7 @@ PRESETS = {'low': (2.0, 4.0), 'mid': (1.0, 3.0), 'high': (0.5, 2.0)}
 PAPER_DEVICES = 32  # §5-6: the presets' rates are for the paper's 32-GPU cluster
 RATES = ('per_device', 'cluster')
 KINDS = ('fail', 'repair')
+log = logging.getLogger('mecefo')
 
 
 def rate_scale(rate: str, n_slices: int) -> float:
@@ -147,7 +149,18 @@ class FailureSchedule:
         raise ConfigError(f"{path}:{lineno}: expected 'step slice fail|repair', got {line.strip()!r}")
       step, slice_ = int(fields[0]), int(fields[1])
       (sched.fail_at if fields[2] == 'fail' else sched.repair_at)(slice_, step, f'trace:{path.name}')
+    sched._warn_no_ops(f'failure trace {path}')
     return sched
+
+  def _warn_no_ops(self, where: str) -> None:
+    """A warning per event that changes nothing (likely a typo in a trace): a fail of a slice
+    already down, a repair of a live one."""
+    failed = set()
+    for step in sorted(self._events):
+      for e in self.events_at(step):
+        if not apply_event(failed, e.kind, e.slice):
+          log.warning('%s: step %d: %s of slice %d, which is %s: ignored', where, step, e.kind,
+                      e.slice, 'already down' if e.kind == 'fail' else 'live')
 
   @classmethod
   def from_spec(cls, spec: str, n_slices: int, steps: int, cluster_step_s: float,

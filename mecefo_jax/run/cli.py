@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -31,14 +32,16 @@ class OneLineParser(argparse.ArgumentParser):
     sys.exit(BAD_INPUT)
 
 
-def _int_at_least(low: int):
-  def parse(text: str) -> int:
+def at_least(low: int, kind: type = int):
+  """An argparse type: a finite `kind` (int or float) >= `low`."""
+  def parse(text: str):
     try:
-      value = int(text)
+      value = kind(text)
     except ValueError:
-      raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
-    if value < low:
-      raise argparse.ArgumentTypeError(f'must be >= {low}, got {value}')
+      raise argparse.ArgumentTypeError(
+          f'expected {"an integer" if kind is int else "a number"}, got {text!r}') from None
+    if not (math.isfinite(value) and value >= low):  # NaN fails both
+      raise argparse.ArgumentTypeError(f'must be >= {low}, got {text}')
     return value
   return parse
 
@@ -53,7 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--out', default=None, help='run directory (default: train.out_dir)')
   p.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
   p.add_argument('--data', default=None,
-                 help='synthetic (built in) | text:PATH | tokens:PATH[?dtype=uint16] | hf:NAME (= train.data)')
+                 help='synthetic (built in) | text:PATH (a file, or a folder of .txt/.md) | pydoc '
+                      "(Python's help() texts, no download) | tokens:PATH | hf:NAME; options after "
+                      '?, joined by &: tokenizer=FILE|DIR (tokenizer.json for text, pydoc, hf; '
+                      'default: bytes), dtype=uint16 (tokens), column=, split=, config= (hf), '
+                      'eval_fraction=F; e.g. pydoc?tokenizer=tok/ (= train.data)')
   p.add_argument('--dry-run', action='store_true',
                  help='build, compile the step, print parameters, mesh and memory; no training '
                       'and no files left behind')
@@ -70,16 +77,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--no-snapshots', action='store_true', help='no in-memory snapshots (= snapshot.enabled=false)')
   p.add_argument('--quiet', '-q', action='store_true',
                  help='only warnings, errors (failures, repairs) and the final summary line')
-  p.add_argument('--host-devices', type=_int_at_least(1), default=None,
+  p.add_argument('--host-devices', type=at_least(1), default=None,
                  help='CPU only: simulate this many devices (XLA host platform), e.g. 8 slices')
   p.add_argument('--coordinator', default=None,
                  help='multi-process run: HOST:PORT of process 0 (automatic on TPU pods)')
   p.add_argument('--num-processes', type=int, default=None, help='multi-process run: how many')
   p.add_argument('--process-id', type=int, default=None, help='multi-process run: this one (0..n-1)')
-  p.add_argument('--host-slot', type=_int_at_least(0), default=None,
+  p.add_argument('--host-slot', type=at_least(0), default=None,
                  help='multi-process run restarted with fewer processes: the logical host this '
                       'process is (default: its process id); see docs/tpu.md')
-  p.add_argument('--heartbeat-s', type=_int_at_least(1), default=100,
+  p.add_argument('--heartbeat-s', type=at_least(1), default=100,
                  help='multi-process run: seconds of silence after which a process counts as dead '
                       'and the others abort (then restart them with --resume)')
   p.add_argument('overrides', nargs='*', help='dotted overrides: section.key=value')
@@ -102,10 +109,12 @@ def _setup_process(args) -> None:
 
 
 def _overrides(args) -> list[str]:
+  flags = {'train.data': args.data, 'faults.failures': args.failures,
+           'faults.takeover': args.takeover}
   overrides = list(args.overrides)
-  overrides += [f'train.data={args.data}'] if args.data else []
-  overrides += [f'faults.failures={args.failures}'] if args.failures else []
-  overrides += [f'faults.takeover={args.takeover}'] if args.takeover else []
+  # Quoted: a flag's value is the string as written, never YAML ('text:' reads as a mapping).
+  overrides += [f'{key}={json.dumps(value, ensure_ascii=False)}'
+                for key, value in flags.items() if value]
   # A dry run writes no snapshots (nothing left in /dev/shm) and trains in a scratch dir.
   overrides += ['snapshot.enabled=false'] if args.no_snapshots or args.dry_run else []
   return overrides
@@ -245,6 +254,11 @@ def _train(args, run, out_dir: Path) -> int:
   if args.dry_run:
     print(json.dumps(run.dry_run_info(), indent=2))
     run.close()
+    return 0
+  if run.finished:  # a finished run resumed: its report stands
+    run.close()
+    print(f'nothing to do: the run in {out_dir} has trained its train.steps='
+          f'{run.cfg.train.steps} steps; pass a larger train.steps to train on', file=sys.stderr)
     return 0
   try:
     report = run.run()

@@ -51,6 +51,18 @@ def failure_windows(events: list[dict], last_step: int) -> list[dict]:
   return sorted(windows, key=lambda w: (w['start'], w['slice']))
 
 
+def live_slices(events: list[dict], n_slices: int, last_step: int) -> tuple[list, list]:
+  """(steps, live slice count) over [0, last_step] as a step function of report['failure_events']
+  (each holds the live count after it), so that a change shows at its own step, logged or not."""
+  steps, live = [0], [n_slices]
+  for e in events:
+    if e['step'] != steps[-1]:
+      steps.append(e['step'])
+      live.append(live[-1])
+    live[-1] = e['live']
+  return steps + [last_step], live + [live[-1]]
+
+
 def _shade(ax, spans, label='slice down') -> None:
   """One translucent band per failure window: overlapping failures show darker."""
   for i, (lo, hi) in enumerate(spans):
@@ -72,20 +84,21 @@ def _loss_panel(ax, x_train, train, x_eval, evals, xlabel, floor=None) -> None:
   ax.set_ylabel('loss (nats/token)')
 
 
-def _throughput_panel(ax, train, n_slices) -> None:
+def _throughput_panel(ax, train, events, n_slices):
   rated = [r for r in train if 'tokens_per_s' in r]
   ax.plot([r['step'] for r in rated], [r['tokens_per_s'] for r in rated], lw=1.2,
           color='tab:green', label='tokens/s')
   ax.set_xlabel('step')
   ax.set_ylabel('tokens/s (since the previous log line)')
+  if not n_slices:
+    return None
   from matplotlib.ticker import MaxNLocator
   live = ax.twinx()
-  live.plot([r['step'] for r in train], [r.get('live_slices', np.nan) for r in train],
-            drawstyle='steps-post', lw=0.8, color='gray', label='live slices (right)')
+  live.plot(*live_slices(events, n_slices, train[-1]['step']), drawstyle='steps-post', lw=0.8,
+            color='gray', label='live slices (right)')
   live.set_ylabel('live slices')
   live.yaxis.set_major_locator(MaxNLocator(integer=True))
-  if n_slices:
-    live.set_ylim(0, n_slices + 0.5)
+  live.set_ylim(0, n_slices + 0.5)
   return live
 
 
@@ -107,14 +120,27 @@ def _goodput_panel(ax, goodput: dict) -> None:
   ax.set_title('goodput breakdown', fontsize=10)
 
 
+def _deaths(events: list[dict]) -> str:
+  """'slices 2, 3 at step 12; slice 1 at step 40': the slices a start found absent ('absent'
+  events: a supervised job restarted without a dead process, or fewer devices)."""
+  by_step: dict[int, list[str]] = {}
+  for e in events:
+    if e['kind'] == 'fail' and e['source'] == 'absent':
+      by_step.setdefault(e['step'], []).append(str(e['slice']))
+  return '; '.join(f"slice{'s' if len(ids) > 1 else ''} {', '.join(ids)} at step {step}"
+                   for step, ids in by_step.items())
+
+
 def _title(report: dict) -> str:
   if not report:
     return 'training run'
   def num(key):
     return 'n/a' if report.get(key) is None else f'{report[key]:.4f}'
+  deaths = _deaths(report.get('failure_events', []))
   return (f"{report.get('steps')} steps | failures {report.get('failures')}, takeover "
           f"{report.get('takeover')} | final train loss {num('final_loss')}, eval "
-          f"{num('eval_loss')} | {report.get('tokens_per_s', 0):.0f} tokens/s")
+          f"{num('eval_loss')} | {report.get('tokens_per_s', 0):.0f} tokens/s"
+          + (f'\ndeaths (absent at a restart): {deaths}' if deaths else ''))
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -133,7 +159,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
   if not train:
     raise ValueError(f'{run_dir / METRICS_FILE} has no training rows to plot')
   steps, times = [r['step'] for r in train], [r['t'] for r in train]
-  windows = failure_windows(report.get('failure_events', []), steps[-1])
+  events = report.get('failure_events', [])
+  windows = failure_windows(events, steps[-1])
   step_spans = [(w['start'], w['end']) for w in windows]
   to_time = lambda s: float(np.interp(s, steps, times))  # step -> run-long wall time
   # Events carry the wall time of their process: exact unless the run was resumed.
@@ -152,7 +179,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
   _loss_panel(b, times, train, [to_time(r['step']) for r in evals], evals, 'wall time (s)')
   _shade(b, time_spans)
   b.set_title('loss vs wall time', fontsize=10)
-  live = _throughput_panel(c, train, (report.get('mesh') or {}).get('slice'))
+  # The run's slices: all live before its first event, a fail (the mesh of a resumed run holds
+  # only the slices present).
+  n_slices = events[0]['live'] + 1 if events else (report.get('mesh') or {}).get('slice')
+  live = _throughput_panel(c, train, events, n_slices)
   _shade(c, step_spans)
   c.set_title('throughput', fontsize=10)
   _goodput_panel(d, report.get('goodput') or {})
@@ -160,7 +190,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.grid(alpha=0.3)
   a.legend(fontsize=8, loc='upper right')
   b.legend(fontsize=8, loc='upper right')
-  handles = [h for axis in (c, live) for h in axis.get_legend_handles_labels()[0]]
+  handles = [h for axis in (c, live) if axis for h in axis.get_legend_handles_labels()[0]]
   c.legend(handles=handles, fontsize=8, loc='lower left')
   fig.suptitle(_title(report), fontsize=11)
   fig.savefig(out, dpi=100)

@@ -45,6 +45,13 @@ def lock(out_dir: Path):
   return os.fdopen(fd, 'r+')
 
 
+def unlock(held) -> None:
+  """Releases a lock() at a clean exit, its pid erased first: the next start then finds no
+  holder to report (a killed process leaves its pid, and the next start takes it over)."""
+  held.truncate(0)
+  held.close()
+
+
 def start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
           replace_finished: bool = False) -> str:
   """The run id to train under: the recorded run's when resuming (same config but for

@@ -104,6 +104,7 @@ class Trainer:
     if resume:
       self._resume()
       self.controller.apply_presence(self.start_step)
+      self._finished = self._resumed_finished()
     # Compile the fault-free step now, so that the first step runs at full speed.
     self.memory = train_step.memory_summary(self.controller.fused(
         self.controller.present, Role(exact=cfg.train.micro_batch)))
@@ -147,6 +148,15 @@ class Trainer:
       if step <= all_down_at:  # every slice was down there; a resume means they are back
         self.controller.devices_back_at = all_down_at
 
+  def _resumed_finished(self) -> bool:
+    """Resumed at train.steps of a run that finished (process 0's run_state.json, which a run
+    stopped at its last step does not say): nothing is left to do."""
+    done = (self.is_chief and self.start_step >= self.cfg.train.steps and
+            recovery.read_run_state(self.out_dir).get('status') == 'finished')
+    if multihost.is_multiprocess():
+      done = multihost.broadcast_bytes(b'1' if done else b'0', 0) == b'1'
+    return done
+
   def _restored(self, step: int, state, meta: dict) -> None:
     reached = last_logged_step(self.out_dir)
     self.steps_lost = max(0, reached + 1 - step) if reached is not None else None
@@ -160,6 +170,11 @@ class Trainer:
   @property
   def state(self):
     return self.controller.state
+
+  @property
+  def finished(self) -> bool:
+    """Trained to train.steps: by run(), or before it (a finished run resumed)."""
+    return self._finished
 
   def describe(self) -> str:
     n = param_count(self.state.params)
@@ -352,7 +367,7 @@ class Trainer:
         recovery.remove_snapshots(self.cfg.snapshot, self.out_dir, self.run_id, durable=False,
                                   host=host)
     if self._lock is not None:
-      self._lock.close()  # releases the run directory
+      rundir.unlock(self._lock)  # releases the run directory
       self._lock = None
 
   def _report(self, steps_done, wall_s, stopped, tensorboard: bool) -> dict:
