@@ -114,9 +114,10 @@ class Controller:
         keys.append(('refresh', live, True))
     return keys + ([('eval', live)] if self.cfg.train.eval_every else [])
 
-  def fused(self, live, role):
-    """The one-program SPMD step for slices that all play `role` (the fault-free path)."""
-    return self.programs.program('fused', live, role)
+  def build_step_programs(self):
+    """Builds the programs a step on the live slices runs; returns the fused one, if it is."""
+    live = self.live()
+    return live and self.programs.step_programs(live, self.planner.plan(live).roles).fused
 
   def evaluator(self, live):
     """The forward-only `(params, tokens) -> mean loss` program on `live`."""

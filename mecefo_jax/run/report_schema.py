@@ -246,7 +246,9 @@ SCHEMA = Record({
     'mesh': Field(MapOf(INT), 'devices', "mesh axis sizes: {'slice', 'fsdp', 'tensor'}"),
     'device': Field(STR, '', 'device kind, e.g. cpu, NVIDIA H100 80GB HBM3, TPU v5 lite'),
     'step_memory': Field(MapOf(INT), 'bytes', 'compiled fault-free step per device (argument, '
-                         'output, temp, alias, generated code); {} where the backend has none'),
+                         'output, temp, alias, generated code); {} where the backend has none '
+                         'or the run (re)started with slices down (it builds the takeover\'s '
+                         'programs instead)'),
     'takeover': Field(STR, '', 'faults.takeover policy'),
     'failures': Field(STR, '', 'faults.failures source'),
     'failure_events': Field(ListOf(FAILURE_EVENT), '', 'fail/repair events as applied, in order'),

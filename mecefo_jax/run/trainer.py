@@ -16,7 +16,6 @@ from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule, write_trace
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.plan.roles import Role
 from mecefo_jax.run.metrics import MetricsWriter, last_logged_step, to_json
 from mecefo_jax.run import evaluation, presence, rundir
 from mecefo_jax.run.progress import Progress
@@ -105,9 +104,10 @@ class Trainer:
       self._resume()
       self.controller.apply_presence(self.start_step)
       self._finished = self._resumed_finished()
-    # Compile the fault-free step now, so that the first step runs at full speed.
-    self.memory = train_step.memory_summary(self.controller.fused(
-        self.controller.present, Role(exact=cfg.train.micro_batch)))
+    # Build the first step's programs now, so that it runs at full speed: the fault-free step,
+    # or at a start with slices down (a restart after a death), the takeover's programs.
+    fused = self.controller.build_step_programs()
+    self.memory = train_step.memory_summary(fused) if fused else {}
     self.compile_s = time.perf_counter() - t0
     if self._precompile():
       self.controller.start_precompile()

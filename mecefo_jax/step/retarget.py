@@ -24,6 +24,8 @@ import numpy as np
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mecefo_jax import multihost
+
 log = logging.getLogger('mecefo')
 MODES = ('auto', 'always', 'never')  # train.move_programs
 
@@ -80,36 +82,46 @@ def _tiny_program(mesh: Mesh):
 
 @functools.lru_cache(maxsize=None)
 def probe(platform: str) -> str | None:
-  """None if moving works on this backend here (a tiny program moved onto other devices gives
-  a direct compile's output bit for bit: two devices and a collective where there are three),
-  else why not."""
-  devices = jax.local_devices(backend=platform)  # a probe of this process's own devices
-  k = 2 if len(devices) > 2 else 1
-  old, new = devices[:k], [*devices[:k - 1], devices[k]]
+  """None if moving works on this backend here (a tiny program with a collective, moved onto
+  other devices, gives a direct compile's output bit for bit), else why not. With several
+  processes every process runs it (the devices are the job's) and all must pass."""
+  devices = jax.devices(backend=platform)
+  old = devices[:2]
+  new = [devices[0], devices[2]] if len(devices) > 2 else old[::-1]
   try:
     moved = Serialized.of(_tiny_program(Mesh(np.asarray(old), ('d',))), old).load_onto(new)
-    mesh = Mesh(np.asarray(new), ('d',))
-    x = jax.device_put(np.arange(4.0 * k, dtype=np.float32).reshape(k, 4),
-                       NamedSharding(mesh, P('d')))
-    same = np.array_equal(np.asarray(moved(x)), np.asarray(_tiny_program(mesh)(x)))
-    return None if same else 'a moved program gave another output than a direct compile'
+    why = _compare(moved, _tiny_program(Mesh(np.asarray(new), ('d',))), new)
   except Exception as err:  # noqa: BLE001 -- private APIs: any failure means "compile instead"
-    return f'{type(err).__name__}: {err}'
+    why = f'{type(err).__name__}: {err}'
+  if jax.process_count() > 1:
+    votes = multihost.allgather_json(why)
+    why = next((w for w in votes if w is not None), None)
+  return why
+
+
+def _compare(moved, direct, devices) -> str | None:
+  """Runs both where this process holds one of `devices`; why their outputs differ, if they do."""
+  if not any(d.process_index == jax.process_index() for d in devices):
+    return None  # another process runs them
+  mesh = Mesh(np.asarray(devices), ('d',))
+  x_Dx4 = np.arange(4.0 * len(devices), dtype=np.float32).reshape(len(devices), 4)
+  x = jax.make_array_from_callback(x_Dx4.shape, NamedSharding(mesh, P('d')), lambda i: x_Dx4[i])
+  got, want = (np.asarray(f(x).addressable_data(0)) for f in (moved, direct))
+  same = np.array_equal(got, want)
+  return None if same else 'a moved program gave another output than a direct compile'
 
 
 def enabled(mode: str, platform: str | None = None) -> bool:
   """Whether programs are moved between device sets: `mode` always/never, or auto (every backend
-  but TPU, where it is not measured yet), and only where the probe passes (logged if not)."""
+  but TPU, where it is not measured yet), and only where the probe passes (logged if not).
+  With several processes, every process must call it (the probe runs on the job's devices)."""
   if mode not in MODES:
     raise ValueError(f'move_programs must be one of {MODES}, got {mode!r}')
   platform = platform or jax.default_backend()
   if mode == 'never' or (mode == 'auto' and platform == 'tpu'):
     return False
-  if len(jax.local_devices(backend=platform)) < 2 or jax.process_count() > 1:
-    # One device: nothing to move between. Several processes: a process that moves a program
-    # would reach the next collective long before one that compiles it (gloo gives up after
-    # 30 s), so every process compiles alike until they agree on moves.
-    return False
+  if len(jax.devices(backend=platform)) < 2:
+    return False  # one device: nothing to move between
   why_not = probe(platform)
   if why_not is not None:
     log.warning('programs are compiled for each set of devices (moving them between sets '
