@@ -63,6 +63,7 @@ class Controller:
                                  move=retarget.enabled(cfg.train.move_programs),
                                  program_store=program_store)
     self.precompiler: Precompiler | None = None
+    self._hosts: list[tuple[int, ...]] | None = None  # start_precompile
     self._bases_step = _host_int(state.bases_step)
     self._refreshed = basis_kind(cfg).refresh is not None  # svd: bases kept, refreshed every tau
     self.devices_back_at: int | None = None  # resumed after every slice was down at this step
@@ -88,13 +89,26 @@ class Controller:
   def goodput(self) -> dict:
     return self.ledger.seconds
 
-  def start_precompile(self) -> None:
-    """Compiles, in the background, the programs of every live set one event away."""
-    self.precompiler = Precompiler(self.compile_live_set)
+  def start_precompile(self, hosts: list[tuple[int, ...]] | None = None) -> None:
+    """Builds, in the background, the programs of every live set one event away. With several
+    processes (`hosts`: the slices of each present host) a process cannot build programs in a
+    thread of its own (they vote on each: step/cache.py); it compiles instead, into the program
+    store only, the programs of the job that restarts with the survivors of each host's death,
+    which that job then loads."""
+    self._hosts = hosts
+    self.precompiler = Precompiler(self.store_live_set if hosts else self.compile_live_set)
     self.precompiler.want(self._next_live_sets())
 
   def _next_live_sets(self) -> list[tuple[int, ...]]:
+    if self._hosts:  # the survivors of a host's death
+      live = self.live()
+      return [s for s in (tuple(x for x in live if x not in h) for h in self._hosts) if s]
     return [s for s in next_live_sets(self.live(), self.n_slices) if set(s) <= set(self.present)]
+
+  def store_live_set(self, live: tuple[int, ...]) -> None:
+    """Compiles into the program store the programs of `live` of shapes it lacks."""
+    for key in self._program_keys(live):
+      self.programs.prepare(*key)
 
   def compile_live_set(self, live: tuple[int, ...]) -> None:
     """Builds (and caches) every program a step on `live` runs, and the eval program when evals
