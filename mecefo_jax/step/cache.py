@@ -39,9 +39,7 @@ class ProgramCache:
     self.cfg, self.slices, self.graphdef, self._on_compile = cfg, slices, graphdef, on_compile
     self.move = move
     self._programs: dict = {}
-    # (kind, number of slices, *args) -> (program, its devices): what HLO depends on, as the
-    # in-slice mesh, the config and the graph are the run's.
-    self._by_shape: dict = {}
+    self._by_shape: dict = {}  # shape_of(key) -> (the first program of that shape, its devices)
     self._serialized: dict = {}
     self.stats = {'compiled': 0, 'compiled_s': 0.0, 'moved': 0, 'moved_s': 0.0}
     self._lock = threading.Lock()
@@ -73,7 +71,7 @@ class ProgramCache:
   def _build(self, kind: str, slices: tuple[int, ...], args: tuple):
     """Moved from a program of the same shape where there is one (and moving is on), else
     compiled. Runs under the lock."""
-    mesh, shape = self.slices.sub(slices), (kind, len(slices), *args)
+    mesh, shape = self.slices.sub(slices), shape_of((kind, slices, *args))
     devices = list(mesh.devices.flat)
     background = '' if threading.get_ident() == self._owner else ' (background)'
     if self.move and shape in self._by_shape:
@@ -107,22 +105,38 @@ class ProgramCache:
     self.stats[f'{what}_s'] += seconds
 
   def step_programs(self, live: tuple[int, ...], roles: dict[int, Role]) -> 'StepPrograms':
-    """The programs one step on `live` runs: one fused SPMD program when every slice plays one
-    single-pass role (mesh.ordered_reduce aside), else one per role group and the update.
+    """The programs one step on `live` runs (step_keys)."""
+    keys = step_keys(live, roles, self.cfg.mesh.ordered_reduce)
+    if keys[0][0] == 'fused':
+      return StepPrograms(fused=self.program(*keys[0]))
+    return StepPrograms(groups=[(role, slices, self.program(kind, slices, role))
+                                for kind, slices, role in keys[:-1]],
+                        update=self.program(*keys[-1]))
 
-    A group of one role is one program over its slices, not a program of one slice run on each:
-    where a slice is one device, XLA compiles a one-device program differently from a program
-    partitioned over several (sums differ in the last bits), and results must not depend on
-    how many slices share a role."""
-    first = roles[live[0]]
-    if len(set(roles.values())) == 1 and first.passes == 1 and not self.cfg.mesh.ordered_reduce:
-      return StepPrograms(fused=self.program('fused', live, first))
-    groups = {}
-    for s in live:
-      groups.setdefault(roles[s], []).append(s)
-    return StepPrograms(groups=[(role, tuple(slices), self.program('group', tuple(slices), role))
-                                for role, slices in groups.items()],
-                        update=self.program('update', live))
+
+def step_keys(live: tuple[int, ...], roles: dict[int, Role], ordered_reduce: bool) -> list[tuple]:
+  """The (kind, slices, *args) of the programs one step on `live` runs: one fused SPMD program
+  when every slice plays one single-pass role (and not mesh.ordered_reduce), else one group
+  program per role (its slices in live order) and the update.
+
+  A group of one role is one program over its slices, not a program of one slice run on each:
+  where a slice is one device, XLA compiles a one-device program differently from a program
+  partitioned over several (sums differ in the last bits), and results must not depend on
+  how many slices share a role."""
+  first = roles[live[0]]
+  if len(set(roles.values())) == 1 and first.passes == 1 and not ordered_reduce:
+    return [('fused', live, first)]
+  groups = {}
+  for s in live:
+    groups.setdefault(roles[s], []).append(s)
+  return [*(('group', tuple(slices), role) for role, slices in groups.items()), ('update', live)]
+
+
+def shape_of(key: tuple) -> tuple:
+  """(kind, number of slices, *args): what a program's HLO depends on, as the in-slice mesh,
+  the config and the graph are the run's; programs of one shape move between sets of slices."""
+  kind, slices, *args = key
+  return (kind, len(slices), *args)
 
 
 @dataclasses.dataclass
