@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from benchmarks.ledger import ProgramLedger, RunPrograms, program_requests
 from mecefo_jax.fault.failures import FailureSchedule, TimedEvent as Event, apply_event
 from mecefo_jax.plan.roles import Role
 from mecefo_jax.plan.takeover import Planner
@@ -54,10 +55,13 @@ class ClusterCosts:
   update_s: float  # cross-slice update program (the §3 combine + optimizer) after the groups
   group_s: dict[Role, float]  # per-slice contribution program of each role
   group_compile_s: dict[Role, float]
-  fused_compile_s: float
+  fused_compile_s: float  # also charged for the fused step of any other role
   update_compile_s: float
   refresh_s: float = 0.0  # svd bases refresh, run every tau steps while degraded work runs
-  refresh_compile_s: float = 0.0
+  refresh_compile_s: float = 0.0  # the refresh repeated every tau steps (warm unless full)
+  cold_refresh_compile_s: float = 0.0  # the first refresh of a run (from scratch)
+  eval_compile_s: float = 0.0
+  move_s: float = 0.0  # a compiled program moved onto other slices (step/retarget.py)
   tau: int = 10
   rejoin_s: float = 0.0  # state copy onto a repaired slice
   restore_s: float = 0.0  # checkpoint-restart: restore of a durable checkpoint on restart
@@ -85,6 +89,16 @@ class ClusterCosts:
   def group_compile(self, role: Role) -> float:
     return self.complete({role}).group_compile_s[role]
 
+  def compile_of(self, key: tuple) -> float:
+    """Compile seconds of the program `key` = (kind, slices, *args) (step/cache.py)."""
+    kind, _, *args = key
+    if kind == 'group':
+      return self.group_compile(args[0])
+    if kind == 'refresh':
+      return self.refresh_compile_s if args[0] else self.cold_refresh_compile_s
+    return {'fused': self.fused_compile_s, 'update': self.update_compile_s,
+            'eval': self.eval_compile_s}[kind]
+
   def to_json(self) -> dict:
     roles = [{'exact': r.exact, 'degraded': r.degraded, 'passes': r.passes,
               'step_s': self.group_s[r], 'compile_s': self.group_compile_s[r],
@@ -96,13 +110,16 @@ class ClusterCosts:
 
 
 class PolicyModel:
-  """Step time, samples per step and compile time of a live set under one takeover policy."""
+  """Step time, samples per step and program requests of a live set under one takeover policy."""
 
-  def __init__(self, planner: Planner, costs: ClusterCosts):
-    """`planner.policy` may be CHECKPOINT: a spare replaces the failed slice (no takeover)."""
-    self.planner, self.costs = planner, costs
+  def __init__(self, planner: Planner, costs: ClusterCosts, run: RunPrograms = RunPrograms(),
+               move: bool = True):
+    """`planner.policy` may be CHECKPOINT: a spare replaces the failed slice (no takeover);
+    `move`: programs move between sets of slices of one shape (train.move_programs)."""
+    self.planner, self.costs, self.run, self.move = planner, costs, run, move
     self.policy, self.n, self.b = planner.policy, planner.n_slices, planner.micro_batch
     self._cache: dict = {}
+    self._by_place: dict = {}
 
   def _roles(self, live) -> set[Role]:
     """The roles a step on `live` runs, planned once per shape of live set (_shape)."""
@@ -117,8 +134,45 @@ class PolicyModel:
     rows over all live slices, only how many are live (tests/test_simulate.py checks both)."""
     if self.policy not in ('neighbor', 'naive'):
       return (len(live),)
-    runs = [(s - p - 1) % self.n for p, s in zip(live[-1:] + live[:-1], live)]
-    return tuple(sorted(runs))
+    return tuple(sorted(self._places(live)))
+
+  def roles(self, live: tuple[int, ...]) -> dict[int, Role]:
+    """Every live slice's role, as planner.plan(live).roles, planned once per place (_places)
+    where a slice's role depends on its place alone: a replay meets thousands of live sets."""
+    if self.policy == CHECKPOINT:
+      return dict.fromkeys(live, Role(self.b))
+    if len(kinds := self._roles(live)) == 1:
+      return dict.fromkeys(live, next(iter(kinds)))
+    places = self._places(live)
+    if places is None:
+      return self.planner.plan(live).roles
+    if not all(p in self._by_place for p in places):
+      plan = self.planner.plan(live).roles
+      self._by_place.update((p, plan[s]) for s, p in zip(live, places))
+    return {s: self._by_place[p] for s, p in zip(live, places)}
+
+  def _places(self, live) -> list | None:
+    """What each live slice's role depends on, in live order: for neighbor and naive the run of
+    failed slices before it (it carries them); for exact and budget the live count and its
+    place on the ring from the first failed slice (the order the planner hands out its loads
+    in); None for spread, where it depends on every orphan (tests/test_simulate.py checks)."""
+    if self.policy in ('neighbor', 'naive'):
+      return [(s - p - 1) % self.n for p, s in zip(live[-1:] + live[:-1], live)]
+    if self.policy not in ('exact', 'budget'):
+      return None
+    first_down = min(set(range(self.n)) - set(live), default=self.n - 1)
+    ring = {s: i for i, s in enumerate(sorted(live, key=lambda s: (s - first_down) % self.n))}
+    return [(len(live), ring[s]) for s in live]
+
+  def requests(self, live: tuple[int, ...], refreshed: bool) -> list[tuple]:
+    """program_requests of `live` under this policy."""
+    return program_requests(live, self.roles(live), self.run, refreshed)
+
+  def ledger(self) -> ProgramLedger:
+    """A replay's ledger: the fault-free step's programs are built before its window."""
+    c = self.costs
+    return ProgramLedger(c.compile_of, c.move_s, self.move,
+                         built=self.requests(tuple(range(self.n)), False))
 
   def step(self, live: tuple[int, ...]) -> tuple[float, int]:
     """(seconds, samples) of one step on `live`; the slowest live slice sets the pace."""
@@ -131,15 +185,6 @@ class PolicyModel:
       return c.normal_s, samples  # uniform normal role: the fused step (Controller._run)
     refresh = c.refresh_s / c.tau if any(r.degraded for r in roles) else 0.0
     return max(c.group(r) for r in roles) + c.update_s + refresh, samples
-
-  def compile_s(self, live: tuple[int, ...]) -> float:
-    """Compile seconds of a new live set: a program per role group + update (+ refresh)."""
-    c = self.costs
-    roles = self._roles(live) if self.policy != CHECKPOINT else {Role(self.b)}
-    if roles == {Role(self.b)}:
-      return c.fused_compile_s
-    refresh = c.refresh_compile_s if any(r.degraded for r in roles) else 0.0
-    return sum(c.group_compile(r) for r in roles) + c.update_compile_s + refresh
 
 
 # --- failures and replay ------------------------------------------------------------------------
@@ -187,6 +232,9 @@ class Tally:
   failed_s: float = 0.0  # time with at least one slice down
   all_down_s: float = 0.0  # time with no live slice: no progress
   compile_s: float = 0.0
+  move_s: float = 0.0
+  compiled: int = 0  # programs compiled
+  moved: int = 0  # programs moved onto other slices
   rejoin_s: float = 0.0  # checkpoint-restart: restore time of its restarts
   restarts: int = 0
   lost_steps: int = 0  # checkpoint-restart: steps redone after a failure
@@ -208,12 +256,14 @@ def replay(events: Sequence[Event], n_slices: int, horizon_s: float, model: Poli
            checkpoint_every: int = 500) -> Tally:
   """Back-to-back steps over `horizon_s`; due events take effect at the next step boundary.
 
-  MeCeFO policies: a new live set pays its compile once (cached), a repair pays one rejoin.
+  MeCeFO policies: a new live set pays for the programs it requests that are not built yet
+  (ProgramLedger: compiles and moves), a repair pays one rejoin.
   checkpoint-restart: each failure restarts the job (restore + compile) and loses the steps
   since the last checkpoint (taken every `checkpoint_every`); a spare takes the failed
   slice's place, so it always runs on all n slices and a repair changes nothing.
   """
   tally, failed, seen, i, now = Tally(), set(), {tuple(range(n_slices))}, 0, 0.0
+  ledger = model.ledger()
   progress, restart_due, ckpt = 0, False, model.policy == CHECKPOINT
   while now < horizon_s:
     i, fails, repairs = _apply_due(events, i, now, failed)
@@ -231,7 +281,7 @@ def replay(events: Sequence[Event], n_slices: int, horizon_s: float, model: Poli
       now = min(next_t, horizon_s)
       tally.all_down_s += now - start
     else:
-      now += _overheads(tally, model, live, seen, repairs, restart_due, ckpt)
+      now += _overheads(tally, model, ledger, live, seen, repairs, restart_due, ckpt)
       restart_due = False
       n_steps = max(1, math.ceil((next_t - now) / step_s))
       room = (horizon_s - now) / step_s
@@ -244,27 +294,27 @@ def replay(events: Sequence[Event], n_slices: int, horizon_s: float, model: Poli
     span = min(now, horizon_s) - start
     tally.live_slice_s += len(live) * span
     tally.failed_s += span if failed else 0.0
+  s = ledger.stats
+  tally.compile_s, tally.move_s, tally.compiled, tally.moved = (
+      s['compiled_s'], s['moved_s'], s['compiled'], s['moved'])
   return tally
 
 
-def _overheads(tally, model, live, seen, repairs, restart_due, ckpt) -> float:
-  """Seconds before the next step can run: compile of a new live set, rejoin or restart."""
+def _overheads(tally, model, ledger, live, seen, repairs, restart_due, ckpt) -> float:
+  """Seconds before the next step can run: programs of a new live set, rejoin or restart."""
   c, spent = model.costs, 0.0
   if ckpt:
-    if restart_due:  # a fresh process: nothing compiled is cached
-      compile_s = model.compile_s(live)
-      tally.compile_s, tally.rejoin_s, tally.restarts = \
-          tally.compile_s + compile_s, tally.rejoin_s + c.restore_s, tally.restarts + 1
-      spent = compile_s + c.restore_s
+    if restart_due:
+      ledger.forget()  # a fresh process: nothing compiled is cached
+      tally.rejoin_s, tally.restarts = tally.rejoin_s + c.restore_s, tally.restarts + 1
+      spent = ledger.charge(model.requests(live, False)) + c.restore_s
     return spent
   if repairs:
     tally.rejoin_s += c.rejoin_s
     spent += c.rejoin_s
   if live not in seen:
     seen.add(live)
-    compile_s = model.compile_s(live)
-    tally.compile_s += compile_s
-    spent += compile_s
+    spent += ledger.charge(model.requests(live, ledger.refreshed))
   return spent
 
 
@@ -277,6 +327,8 @@ def summarize(tallies: Sequence[Tally], horizon_s: float, fault_free_throughput:
           'failure_time_frac': mean('failed_s') / horizon_s,
           'all_down_time_frac': mean('all_down_s') / horizon_s, 'steps': mean('steps'),
           'compile_time_frac': mean('compile_s') / horizon_s,
+          'move_time_frac': mean('move_s') / horizon_s, 'compiled': mean('compiled'),
+          'moved': mean('moved'),
           'rejoin_time_frac': mean('rejoin_s') / horizon_s, 'restarts': mean('restarts'),
           'lost_steps': mean('lost_steps'),
           'lost_steps_per_restart': mean('lost_steps') / max(mean('restarts'), 1e-9)}

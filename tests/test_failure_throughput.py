@@ -23,10 +23,16 @@ def test_measure_then_replay_every_policy_and_reread_as_flops(launcher, tmp_path
   m = result['measurement']
   assert {'refresh', 'refresh_full', 'fused_normal', 'update'} <= set(m['times'])  # warm refresh
   assert m['flops']['fused_normal'] > 0 and m['flops']['refresh'] < m['flops']['fused_normal']
-  # The same costs read as FLOPs: the normal step keeps its measured time, no new timing.
+  # Every compiled program is moved onto the second (fake) device once timed.
+  assert m['move_onto'] == 'device 1 from device 0' and {'update', 'eval'} <= set(m['move_s'])
+  assert result['programs'] == {'move': True, 'ordered_reduce': False, 'refresh': 'warm',
+                                'evals': True}
+  assert sum(r['high']['moved'] for r in result['results'].values()) > 0
+  # The same costs read as FLOPs, programs compiled per set: no new timing.
   again = launcher.benchmark('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
-                             '--costs', out, '--stat', 'flops', *SMALL,
+                             '--costs', out, '--stat', 'flops', '--move', 'off', *SMALL,
                              json_path=tmp_path / 'ft_flops.json')
   assert again['costs']['normal_s'] == pytest.approx(result['costs']['normal_s'])
   assert again['measurement'] == json.loads(out.read_text())['measurement']
-  assert set(again['results']) == policies
+  assert set(again['results']) == policies and not again['programs']['move']
+  assert all(r['high']['moved'] == 0 for r in again['results'].values())

@@ -1,9 +1,14 @@
-"""Failure replay simulation: failure process, roles per live set, cost model, time accounting."""
+"""Failure replay simulation: failure process, roles per live set, cost model, time accounting,
+and the programs it charges against those the controller builds."""
 import numpy as np
 import pytest
+from test_controller import CORPUS, MESHES, TINY, _mesh
 
 from benchmarks import quality, simulate
+from benchmarks.ledger import ProgramLedger, RunPrograms
 from benchmarks.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, replay
+from mecefo_jax.config import load_config
+from mecefo_jax.fault.controller import Controller
 from mecefo_jax.fault.failures import FailureSchedule
 from mecefo_jax.plan.roles import Role
 from mecefo_jax.plan.takeover import Planner
@@ -129,11 +134,92 @@ def test_fit_recovers_a_linear_cost_and_marks_modelled_roles():
 
 @pytest.mark.parametrize('policy', ['neighbor', 'spread', 'exact', 'budget', 'drop', 'naive'])
 @pytest.mark.parametrize('granule', [1, 2])
-def test_live_sets_of_one_shape_have_the_same_roles(policy, granule):
-  # PolicyModel plans once per shape of live set; every live set must get its own plan's roles.
+def test_live_sets_of_one_shape_have_the_same_roles_and_a_place_the_same_role(policy, granule):
+  # PolicyModel plans once per shape of live set, and once per place of a slice (_places);
+  # every live set and every slice must get its own plan's roles.
   rng = np.random.default_rng(0)
   planner = Planner(12, 4, policy, granule)
   model = PolicyModel(planner, _costs())
   for _ in range(300):
     live = tuple(sorted(rng.choice(12, rng.integers(1, 13), replace=False).tolist()))
-    assert model._roles(live) == set(planner.plan(live).roles.values()), live
+    want = planner.plan(live).roles
+    assert model._roles(live) == set(want.values()), live
+    assert model.roles(live) == want, live
+
+
+# --- the programs a replay charges ------------------------------------------------------------
+
+def test_ledger_compiles_a_shape_once_then_moves_it_and_charges_a_request_once():
+  compile_s = {'group': 10.0, 'update': 1.0}
+  keys = lambda live, carrier: [('group', tuple(s for s in live if s != carrier), Role(B)),
+                                ('group', (carrier,), Role(0, 2 * B)), ('update', live)]
+  for move, want in ((True, (3, 3, 21.0 + 3 * 0.5)), (False, (6, 0, 42.0))):
+    ledger = ProgramLedger(lambda key: compile_s[key[0]], 0.5, move)
+    spent = [ledger.charge(keys((0, 2, 3), 2)), ledger.charge(keys((0, 1, 3), 3)),
+             ledger.charge(keys((0, 1, 3), 3))]
+    s = ledger.stats
+    assert (s['compiled'], s['moved'], s['compiled_s'] + s['moved_s']) == want
+    assert spent[2] == 0.0 and sum(spent) == want[2]
+  ledger = ProgramLedger(lambda key: 5.0, 0.5, True, built=[('fused', (0, 1), Role(B))])
+  assert ledger.charge([('fused', (0, 1), Role(B)), ('fused', (2, 3), Role(B))]) == 0.5
+  ledger.forget()  # a fresh process
+  assert ledger.charge([('fused', (0, 1), Role(B))]) == 5.0 and not ledger.refreshed
+
+
+def test_program_requests_refresh_from_scratch_once_then_warm_and_eval():
+  roles = {0: Role(B), 2: Role(0, 2 * B), 3: Role(B)}
+  live = (0, 2, 3)
+  warm = RunPrograms(refresh='warm', evals=True)
+  step = [('group', (0, 3), Role(B)), ('group', (2,), Role(0, 2 * B)), ('update', live)]
+  assert simulate.program_requests(live, roles, warm, refreshed=False) == [
+      *step, ('refresh', live, False), ('refresh', live, True), ('eval', live)]
+  assert simulate.program_requests(live, roles, warm, refreshed=True)[3:] == [
+      ('refresh', live, True), ('eval', live)]
+  full = RunPrograms(refresh='full', ordered_reduce=True)
+  assert simulate.program_requests(live, roles, full, refreshed=True)[3:] == [
+      ('refresh', live, False)]
+  normal = dict.fromkeys(live, Role(B))
+  assert simulate.program_requests(live, normal, warm, True) == [('fused', live, Role(B)),
+                                                                 ('eval', live)]
+  assert simulate.program_requests(live, normal, full, True) == [
+      ('group', live, Role(B)), ('update', live)]  # mesh.ordered_reduce: never fused
+
+
+def test_replay_moves_the_programs_of_a_second_live_set_of_one_shape():
+  costs = _costs(move_s=0.25)
+  events = [Event(0.0, 1, 'fail'), Event(100.0, 1, 'repair'), Event(200.0, 2, 'fail')]
+  t = replay(events, N, 1000.0, _model('neighbor', costs))
+  # (0, 2, 3) compiles its groups Role(B) and Role(0, 2B) (20 s) and update (1 s); (0, 1, 3)
+  # has the same shape: its three programs move.
+  assert (t.compiled, t.moved, t.compile_s, t.move_s) == (3, 3, 21.0, 0.75)
+  off = replay(events, N, 1000.0, PolicyModel(Planner(N, B, 'neighbor'), costs, move=False))
+  assert (off.compiled, off.moved, off.compile_s) == (6, 0, 42.0)
+
+
+def test_replay_charges_the_compiles_and_moves_of_the_controller():
+  """The real controller on 8 slices under one failure trace; the replay of the same trace
+  with the controller's planner predicts its compiles and moves after the fault-free step.
+  Slice 3 carries slice 2 both when only 2 is down and when 2, 5 and 6 are: that group
+  program is built once (a replay counting per live set would move it again)."""
+  cfg = load_config(None, [*TINY, *MESHES['8x1'], 'train.move_programs=always',
+                           'faults.precompile=never', 'mecefo.tau=1', 'train.eval_every=0'])
+  sched = (FailureSchedule(8).fail_at(2, 1).fail_at(5, 3).fail_at(6, 4).repair_at(2, 5)
+           .repair_at(5, 5).repair_at(6, 5).fail_at(4, 6))
+  mesh, init, graphdef, _ = _mesh('8x1')
+  c = Controller(cfg, mesh, graphdef, CORPUS, sched, init())
+  c.step(0)
+  fault_free = dict(c.programs.stats)
+  for t in range(1, 7):
+    c.step(t)
+  built = {k: c.programs.stats[k] - fault_free[k] for k in ('compiled', 'moved')}
+  # Every step costs 1 s and every program nothing, so the replay's steps are the controller's.
+  roles = simulate.needed_roles([c.planner])
+  costs = _costs(group_s=dict.fromkeys(roles, 1.0), group_compile_s=dict.fromkeys(roles, 0.0),
+                 fused_compile_s=0.0, update_compile_s=0.0)
+  events = [Event(float(e.step), e.slice, e.kind) for e in sched.all_events()]
+  runs = {move: replay(events, 8, 7.0, PolicyModel(c.planner, costs, RunPrograms.of(cfg), move))
+          for move in (True, False)}
+  assert built == {'compiled': 13, 'moved': 4}
+  assert (runs[True].compiled, runs[True].moved) == (built['compiled'], built['moved'])
+  # Moving off, every program the controller holds is compiled (less the fault-free step).
+  assert (runs[False].compiled, runs[False].moved) == (len(c.programs.keys()) - 1, 0)

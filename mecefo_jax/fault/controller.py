@@ -19,7 +19,7 @@ from mecefo_jax.model.train_state import params_sha256, state_shardings
 from mecefo_jax.plan.roles import Role
 from mecefo_jax.plan.takeover import Planner, SliceWork
 from mecefo_jax.step import retarget, slice_steps, train_step
-from mecefo_jax.step.cache import ProgramCache
+from mecefo_jax.step.cache import ProgramCache, step_keys
 from mecefo_jax.step.precompile import Precompiler, next_live_sets
 from mecefo_jax.step.store import ProgramStore
 
@@ -121,7 +121,7 @@ class Controller:
   def _program_keys(self, live: tuple[int, ...]) -> list[tuple]:
     """In the order a failure needs them: the step's, the basis refreshes, the eval."""
     roles = self.planner.plan(live).roles
-    keys = self.programs.step_keys(live, roles)
+    keys = step_keys(live, roles, self.cfg.mesh.ordered_reduce)
     if self._refreshed and any(r.degraded for r in roles.values()):
       keys.append(('refresh', live, False))  # the first refresh, or mecefo.refresh=full
       if self.cfg.mecefo.refresh == 'warm':

@@ -41,9 +41,7 @@ class ProgramCache:
     self.cfg, self.slices, self.graphdef, self._on_compile = cfg, slices, graphdef, on_compile
     self.move, self.store = move, program_store
     self._programs: dict = {}
-    # (kind, number of slices, *args) -> the serialized program: what HLO depends on, as the
-    # in-slice mesh, the config and the graph are the run's.
-    self._by_shape: dict[tuple, retarget.Serialized] = {}
+    self._by_shape: dict[tuple, retarget.Serialized] = {}  # shape_of(key) -> the first program
     self.stats = {'compiled': 0, 'compiled_s': 0.0, 'loaded': 0, 'loaded_s': 0.0, 'moved': 0,
                   'moved_s': 0.0}
     self._lock = threading.Lock()
@@ -75,7 +73,7 @@ class ProgramCache:
   def _build(self, kind: str, slices: tuple[int, ...], args: tuple):
     """Moved from a program of the same shape where there is one (and moving is on), else
     loaded from the store, else compiled. Runs under the lock."""
-    mesh, shape = self.slices.sub(slices), (kind, len(slices), *args)
+    mesh, shape = self.slices.sub(slices), shape_of((kind, slices, *args))
     devices = list(mesh.devices.flat)
     where = f'{kind} program {"onto" if self.move else "for"} slices {list(slices)}' + (
         '' if self._in_owner() else ' (background)')
@@ -108,7 +106,7 @@ class ProgramCache:
   def prepare(self, kind: str, slices: tuple[int, ...], *args) -> None:
     """Compiles the `kind` program into the store only, unless the store or this cache has one
     of its shape: for a later process (a restart), not this one, so no process vote."""
-    shape = (kind, len(slices), *args)
+    shape = shape_of((kind, slices, *args))
     with self._lock:
       if self.store is None or not self.move or shape in self._by_shape:
         return
@@ -160,33 +158,41 @@ class ProgramCache:
   def has_shape(self, key) -> bool:
     """Whether the program `key` = (kind, slices, *args) would be moved, not compiled: one of
     its shape is built already (and moving is on)."""
-    kind, slices, *args = key
-    return self.move and (kind, len(slices), *args) in self._by_shape
-
-  def step_keys(self, live: tuple[int, ...], roles: dict[int, Role]) -> list[tuple]:
-    """The programs one step on `live` runs: one fused SPMD program when every slice plays one
-    single-pass role (mesh.ordered_reduce aside), else one per role group and the update.
-
-    A group of one role is one program over its slices, not a program of one slice run on each:
-    where a slice is one device, XLA compiles a one-device program differently from a program
-    partitioned over several (sums differ in the last bits), and results must not depend on
-    how many slices share a role."""
-    first = roles[live[0]]
-    if len(set(roles.values())) == 1 and first.passes == 1 and not self.cfg.mesh.ordered_reduce:
-      return [('fused', live, first)]
-    groups = {}
-    for s in live:
-      groups.setdefault(roles[s], []).append(s)
-    return [*(('group', tuple(slices), role) for role, slices in groups.items()), ('update', live)]
+    return self.move and shape_of(key) in self._by_shape
 
   def step_programs(self, live: tuple[int, ...], roles: dict[int, Role]) -> 'StepPrograms':
-    """The programs of step_keys, built."""
-    keys = self.step_keys(live, roles)
+    """The programs one step on `live` runs (step_keys)."""
+    keys = step_keys(live, roles, self.cfg.mesh.ordered_reduce)
     if keys[0][0] == 'fused':
       return StepPrograms(fused=self.program(*keys[0]))
     return StepPrograms(groups=[(role, slices, self.program(kind, slices, role))
                                 for kind, slices, role in keys[:-1]],
                         update=self.program(*keys[-1]))
+
+
+def step_keys(live: tuple[int, ...], roles: dict[int, Role], ordered_reduce: bool) -> list[tuple]:
+  """The (kind, slices, *args) of the programs one step on `live` runs: one fused SPMD program
+  when every slice plays one single-pass role (and not mesh.ordered_reduce), else one group
+  program per role (its slices in live order) and the update.
+
+  A group of one role is one program over its slices, not a program of one slice run on each:
+  where a slice is one device, XLA compiles a one-device program differently from a program
+  partitioned over several (sums differ in the last bits), and results must not depend on
+  how many slices share a role."""
+  first = roles[live[0]]
+  if len(set(roles.values())) == 1 and first.passes == 1 and not ordered_reduce:
+    return [('fused', live, first)]
+  groups = {}
+  for s in live:
+    groups.setdefault(roles[s], []).append(s)
+  return [*(('group', tuple(slices), role) for role, slices in groups.items()), ('update', live)]
+
+
+def shape_of(key: tuple) -> tuple:
+  """(kind, number of slices, *args): what a program's HLO depends on, as the in-slice mesh,
+  the config and the graph are the run's; programs of one shape move between sets of slices."""
+  kind, slices, *args = key
+  return (kind, len(slices), *args)
 
 
 @dataclasses.dataclass
