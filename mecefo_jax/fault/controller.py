@@ -129,9 +129,15 @@ class Controller:
     return keys + ([('eval', live)] if self.cfg.train.eval_every else [])
 
   def build_step_programs(self):
-    """Builds the programs a step on the live slices runs; returns the fused one, if it is."""
+    """Builds the programs a step on the live slices runs (with the basis refreshes where it
+    runs degraded work); returns the fused one, if it is."""
     live = self.live()
-    return live and self.programs.step_programs(live, self.planner.plan(live).roles).fused
+    if not live:
+      return None
+    for key in self._program_keys(live):
+      if key[0] != 'eval':
+        self.programs.program(*key)
+    return self.programs.step_programs(live, self.planner.plan(live).roles).fused
 
   def evaluator(self, live):
     """The forward-only `(params, tokens) -> mean loss` program on `live`."""

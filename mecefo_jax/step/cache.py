@@ -105,22 +105,22 @@ class ProgramCache:
 
   def prepare(self, kind: str, slices: tuple[int, ...], *args) -> None:
     """Compiles the `kind` program into the store only, unless the store or this cache has one
-    of its shape: for a later process (a restart), not this one, so no process vote."""
+    of its shape: for a later process (a restart), not this one, so no process vote; and
+    outside the lock, so that the training thread never waits for it."""
     shape = shape_of((kind, slices, *args))
-    with self._lock:
-      if self.store is None or not self.move or shape in self._by_shape:
-        return
-      t0 = time.perf_counter()
-      mesh = self.slices.sub(slices)
-      lowered = _LOWER[kind](self.cfg, mesh, self.graphdef, *args)
-      key = store.fingerprint(lowered, None)
-      if self.store.path(key).exists():
-        return
-      log.info('compiling the %s program for slices %s into the program store (background)',
-               kind, list(slices))
-      serialized = retarget.Serialized.of(lowered.compile(), list(mesh.devices.flat))
-      self._book('compiled', time.perf_counter() - t0)
-      self.store.write(key, serialized)
+    if self.store is None or not self.move or shape in self._by_shape:
+      return
+    t0 = time.perf_counter()
+    mesh = self.slices.sub(slices)
+    lowered = _LOWER[kind](self.cfg, mesh, self.graphdef, *args)
+    key = store.fingerprint(lowered, None)
+    if self.store.path(key).exists():
+      return
+    log.info('compiling the %s program %sfor slices %s into the program store (background)',
+             kind, ''.join(f'{a} ' for a in args if not isinstance(a, Role)), list(slices))
+    serialized = retarget.Serialized.of(lowered.compile(), list(mesh.devices.flat))
+    self._book('compiled', time.perf_counter() - t0)
+    self.store.write(key, serialized)
 
   def _moved(self, serialized, devices, where: str, loading: float | None = None):
     """`serialized` loaded onto `devices` (booked as a move, or as a load from the store when

@@ -34,9 +34,9 @@ class _Remapped(serialize_executable._JaxPjrtUnpickler):  # noqa: SLF001 -- see 
   """Unpickles a serialized program with device ids mapped old -> new and the executable loaded
   under a device assignment of the new devices (else it keeps the old assignment)."""
 
-  def __init__(self, payload: bytes, old: Sequence, new: Sequence):
+  def __init__(self, payload: bytes, old_ids: Sequence[int], new: Sequence):
     super().__init__(io.BytesIO(payload), new[0].client, list(new))
-    self.new_id = {o.id: n.id for o, n in zip(old, new)}
+    self.new_id = {o: n.id for o, n in zip(old_ids, new)}
     self.new_ids = [d.id for d in new]
 
   def persistent_load(self, pid):
@@ -54,20 +54,21 @@ class _Remapped(serialize_executable._JaxPjrtUnpickler):  # noqa: SLF001 -- see 
 
 @dataclasses.dataclass
 class Serialized:
-  """A compiled program as bytes, with the devices it was compiled for (in mesh order)."""
+  """A compiled program as bytes, with the ids of the devices it was compiled for (in mesh
+  order; they need not exist in the process that loads it)."""
   payload: bytes
   in_tree: Any  # jax.tree_util.PyTreeDef of the arguments
   out_tree: Any
-  devices: list
+  device_ids: list[int]
 
   @classmethod
   def of(cls, compiled: jax.stages.Compiled, devices: Sequence) -> 'Serialized':
-    return cls(*serialize_executable.serialize(compiled), list(devices))
+    return cls(*serialize_executable.serialize(compiled), [d.id for d in devices])
 
   def load_onto(self, devices: Sequence) -> jax.stages.Compiled:
-    if len(devices) != len(self.devices):
-      raise ValueError(f'a program of {len(self.devices)} devices cannot run on {len(devices)}')
-    unloaded, args_flat, no_kwargs = _Remapped(self.payload, self.devices, devices).load()
+    if len(devices) != len(self.device_ids):
+      raise ValueError(f'a program of {len(self.device_ids)} devices cannot run on {len(devices)}')
+    unloaded, args_flat, no_kwargs = _Remapped(self.payload, self.device_ids, devices).load()
     return jax.stages.Compiled(unloaded.load(), [], self.in_tree.unflatten(args_flat),
                                self.out_tree, no_kwargs=no_kwargs)
 

@@ -15,7 +15,7 @@ import jaxlib
 from mecefo_jax.step import retarget
 
 log = logging.getLogger('mecefo')
-FORMAT = 1  # bump when an entry's layout changes: older entries are then misses
+FORMAT = 2  # bump when an entry's layout changes: older entries are then misses
 SUFFIX = '.jaxprog'
 
 
@@ -93,11 +93,11 @@ class ProgramStore:
       return None
     os.utime(path)  # recently used: evicted last
     return retarget.Serialized(entry['payload'], entry['in_tree'], entry['out_tree'],
-                               _devices(entry['devices']))
+                               entry['device_ids'])
 
   def write(self, key: str, program: retarget.Serialized) -> None:
     """Stores `program` under `key` (atomically: readers see the whole entry or none)."""
-    entry = {'format': FORMAT, 'fingerprint': key, 'devices': [d.id for d in program.devices],
+    entry = {'format': FORMAT, 'fingerprint': key, 'device_ids': program.device_ids,
              'payload': program.payload, 'payload_sha256': _sha(program.payload),
              'in_tree': program.in_tree, 'out_tree': program.out_tree}
     path = self.path(key)
@@ -137,14 +137,7 @@ def _mismatch(entry, key: str) -> str | None:
     return 'of another program (fingerprint mismatch)'
   if _sha(entry['payload']) != entry['payload_sha256']:
     return 'corrupt (payload checksum mismatch)'
-  if not set(entry['devices']) <= {d.id for d in jax.devices()}:
-    return 'for devices this job does not have'
   return None
-
-
-def _devices(ids: Sequence[int]) -> list:
-  by_id = {d.id: d for d in jax.devices()}
-  return [by_id[i] for i in ids]
 
 
 def _sha(data: bytes) -> str:
