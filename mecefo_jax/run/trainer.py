@@ -89,7 +89,9 @@ class Trainer:
                                            state_nbytes(train_state.abstract_state(cfg)),
                                            self.run_id, self.presence.slots)
     t0 = time.perf_counter()
-    state = train_state.create_sharded(cfg, self.mesh)
+    # A resume restores into abstract targets: the initializer runs only for a new state.
+    restored = resume and self.snapshots and recovery.restore(self.snapshots, cfg, self.mesh)
+    state = restored[1] if restored else train_state.create_sharded(cfg, self.mesh)
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule, state,
                                  self.n_slices, self.presence.ids, program_store)
     self.start_step, self.losses, self.resumed_from, self.steps_lost = 0, [], None, None
@@ -101,7 +103,7 @@ class Trainer:
     self.stopped_by_sigterm, self._finished, self.diverged_at = False, False, None
     self._stop_agreed = False  # multi-process: a stop (SIGTERM) every process agreed on
     if resume:
-      self._resume()
+      self._resume(restored)
       self.controller.apply_presence(self.start_step)
       self._finished = self._resumed_finished()
     # Build the first step's programs now, so that it runs at full speed: the fault-free step,
@@ -136,9 +138,9 @@ class Trainer:
       run_id = multihost.broadcast_bytes(run_id and run_id.encode(), 0).decode()
     return run_id
 
-  def _resume(self) -> None:
+  def _resume(self, restored: tuple | None) -> None:
+    """Continues from `restored` (step, state, meta), or from step 0 where nothing was."""
     all_down_at = recovery.read_run_state(self.out_dir).get('all_down_at')
-    restored = self.snapshots and recovery.restore(self.snapshots, self.cfg, self.mesh)
     step = 0
     if restored:
       step, state, meta = restored
