@@ -87,11 +87,10 @@ class TrainConfig:
   eval_every: int = 100  # held-out eval every N steps and at the end; 0 = only at the end
   eval_batches: int = 4  # batches per eval (each: live slices x micro_batch sequences)
   plot: bool = True  # write <out>/training.png at the end (python -m mecefo_jax.run.plot)
-  # train.py: JAX's persistent compilation cache, so restarts and new runs of the same shapes
-  # load their programs instead of compiling them ('' = off; JAX_COMPILATION_CACHE_DIR wins).
+  # train.py: the program store (step/store.py) in <compile_cache>/programs, so restarts and
+  # new runs load their programs instead of compiling them ('' = off;
+  # JAX_COMPILATION_CACHE_DIR wins), this size at most (least recently used evicted first).
   compile_cache: str = '~/.cache/mecefo-jax/xla'
-  # train.py: the program store (step/store.py) in <compile_cache>/programs, this size at most
-  # (least recently used programs evicted first).
   program_store_mb: int = 4096
   # A program compiled for one set of slices is moved onto other sets of the same shape instead
   # of compiled again (step/retarget.py): auto = on where its start-up probe passes, off on TPU.

@@ -35,9 +35,12 @@ def _metrics_rows(run: Path) -> int:
 def _supervise(launcher, tmp: Path, *launch_args):
   events, trace = tmp / 'events.jsonl', tmp / 'trace.txt'
   trace.write_text(TRACE)
+  # faults.precompile=always: each job compiles into its program store the programs of the job
+  # that restarts after a host's death (on CPU `auto` leaves it off).
   cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--devices-per-process', '2',
          '--events', str(events), *launch_args, '--', '--out', str(tmp / 'run'),
-         f'snapshot.dir={tmp / "shm"}', f'--failures=trace:{trace}', *ARGS]
+         f'snapshot.dir={tmp / "shm"}', f'--failures=trace:{trace}', 'faults.precompile=always',
+         *ARGS]
   log = open(tmp / 'launch.log', 'wb')
   return launcher.start(cmd, env=launcher.env(compile_cache=False), stdout=log, stderr=log), events
 
@@ -47,6 +50,9 @@ def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(launcher, tm
   run = tmp_path / 'run'
   try:
     wait_for(lambda: _metrics_rows(run) >= 5, 300, 'training', proc)
+    # The survivors' programs are in the store before the death (the test checks they load).
+    wait_for(lambda: 'background builds done' in (tmp_path / 'launch.log').read_text(), 300,
+             'the background builds', proc)
     victim = _events(events)[0]['pids']['1']
     os.kill(victim, signal.SIGKILL)  # host 1: slices 2 and 3
     code = proc.wait(timeout=600)
@@ -58,7 +64,12 @@ def test_a_killed_process_is_taken_over_and_its_replacement_rejoins(launcher, tm
   assert kinds[:3] == ['start', 'death', 'start'] and 'rejoin' in kinds, kinds
   assert 'rebuilt from the parity of the others' in log  # host 1's snapshot part
   assert 'slice 2 FAILED (absent)' in log and 'slice 2 repaired, rejoining (present)' in log
+  # The survivors' job loaded the takeover's programs that the first job had stored, moved
+  # onto its own devices; the rejoined job loaded the first job's programs.
+  restart = log[log.index('slice 2 FAILED (absent)'):log.index('slice 2 repaired, rejoining')]
+  assert 'loaded from the store the update program onto slices [0, 1, 4, 5]' in restart, restart
   result = report(run)
+  assert result['programs']['loaded'] >= 1, result['programs']
   steps = {(e['slice'], e['kind'], e['source']): e['step'] for e in result['failure_events']}
   assert len(steps) == len(result['failure_events']) == 8, result['failure_events']
   assert {(s, kind): steps[s, kind, 'trace:trace.txt'] for s in (4, 5)

@@ -212,7 +212,7 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.capacity import SnapshotError
   try:
-    _use_compile_cache(cfg.train.compile_cache, (args.num_processes or 1) > 1)
+    _no_jax_cache()
     from mecefo_jax import multihost
     multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
     from mecefo_jax.run import trainer
@@ -235,16 +235,15 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     _restore_handlers(handlers)
 
 
-def _use_compile_cache(compile_cache: str, multiprocess: bool) -> None:
-  """JAX's persistent compilation cache in train.compile_cache, unless the user set one for JAX;
-  never with several processes: a process that loads a program from it reaches the next
-  collective long before one that compiles it, and gloo gives up after 30 s. (The program
-  store, agreed on by all processes, serves them: step/cache.py.)"""
+def _no_jax_cache() -> None:
+  """train.py keeps its compiled programs in the program store (step/store.py); JAX's own
+  persistent cache is off, even where $JAX_COMPILATION_CACHE_DIR names one: on CPU an
+  executable it loaded is serialized again without its functions (jax 0.10.2), so it could
+  be neither stored nor moved; and with several processes a process that loads from it reaches
+  the next collective long before one that compiles (gloo gives up after 30 s), where the
+  store's loads are agreed by all processes."""
   import jax
-  if multiprocess:
-    jax.config.update('jax_enable_compilation_cache', False)
-  elif compile_cache and not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
-    jax.config.update('jax_compilation_cache_dir', str(Path(compile_cache).expanduser()))
+  jax.config.update('jax_enable_compilation_cache', False)
 
 
 def _train(args, run, out_dir: Path) -> int:

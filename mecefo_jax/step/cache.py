@@ -45,6 +45,7 @@ class ProgramCache:
     self.stats = {'compiled': 0, 'compiled_s': 0.0, 'loaded': 0, 'loaded_s': 0.0, 'moved': 0,
                   'moved_s': 0.0}
     self._lock = threading.Lock()
+    self._stats_lock = threading.Lock()  # prepare() books outside _lock
     self._owner = threading.get_ident()
 
   def get(self, key, build: Callable):
@@ -94,8 +95,12 @@ class ProgramCache:
     log.info('compiling the %s', where)
     hits = store.cache_hits()
     program = lowered.compile()
-    self._book('loaded' if store.cache_hits() > hits else 'compiled', time.perf_counter() - t0)
-    if self.move or self.store:
+    from_jax_cache = store.cache_hits() > hits
+    self._book('loaded' if from_jax_cache else 'compiled', time.perf_counter() - t0)
+    # On CPU an executable JAX's persistent cache loaded is serialized again without its
+    # functions (jax 0.10.2: `NOT_FOUND: Function ... not found` where the copy runs): it is
+    # neither moved nor stored. (train.py turns JAX's cache off where a store is open.)
+    if (self.move or self.store) and not from_jax_cache:
       serialized = retarget.Serialized.of(program, devices)
       if self.move:
         self._by_shape.setdefault(shape, serialized)
@@ -118,7 +123,11 @@ class ProgramCache:
       return
     log.info('compiling the %s program %sfor slices %s into the program store (background)',
              kind, ''.join(f'{a} ' for a in args if not isinstance(a, Role)), list(slices))
-    serialized = retarget.Serialized.of(lowered.compile(), list(mesh.devices.flat))
+    hits = store.cache_hits()
+    compiled = lowered.compile()
+    if store.cache_hits() > hits:
+      return  # not serializable (see _build)
+    serialized = retarget.Serialized.of(compiled, list(mesh.devices.flat))
     self._book('compiled', time.perf_counter() - t0)
     self.store.write(key, serialized)
 
@@ -152,8 +161,9 @@ class ProgramCache:
     return threading.get_ident() == self._owner
 
   def _book(self, what: str, seconds: float) -> None:
-    self.stats[what] += 1
-    self.stats[f'{what}_s'] += seconds
+    with self._stats_lock:
+      self.stats[what] += 1
+      self.stats[f'{what}_s'] += seconds
 
   def has_shape(self, key) -> bool:
     """Whether the program `key` = (kind, slices, *args) would be moved, not compiled: one of

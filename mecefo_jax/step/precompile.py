@@ -65,4 +65,6 @@ class Precompiler:
         log.warning('precompile of live set %s failed: %s: %s', list(live), type(err).__name__, err)
       finally:
         self._queue.task_done()
+      if self._queue.empty():
+        log.info('background builds done (%d live sets, %.1f s)', self.compiled, self.seconds)
     self._queue.task_done()

@@ -15,7 +15,7 @@ import jaxlib
 from mecefo_jax.step import retarget
 
 log = logging.getLogger('mecefo')
-FORMAT = 2  # bump when an entry's layout changes: older entries are then misses
+FORMAT = 3  # bump when an entry's layout changes: older entries are then misses
 SUFFIX = '.jaxprog'
 
 
