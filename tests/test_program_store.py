@@ -165,12 +165,13 @@ def test_concurrent_writers_never_show_a_reader_a_partial_entry(tmp_path, caplog
 
 def test_a_hit_of_jaxs_persistent_cache_is_counted_as_a_load(tmp_path):
   from jax._src import compilation_cache
-  saved = {k: jax.config.values[k] for k in ('jax_compilation_cache_dir',
-                                             'jax_persistent_cache_min_compile_time_secs')}
+  on = {'jax_compilation_cache_dir': str(tmp_path), 'jax_enable_compilation_cache': True,
+        'jax_persistent_cache_min_compile_time_secs': 0}  # (train.py turns the cache off)
+  saved = {k: jax.config.values[k] for k in on}
   try:
     compilation_cache.reset_cache()
-    jax.config.update('jax_compilation_cache_dir', str(tmp_path))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+    for k, v in on.items():
+      jax.config.update(k, v)
     first, second = _cache(None, move=False), _cache(None, move=False)
     first.program('eval', (0,))
     second.program('eval', (0,))
