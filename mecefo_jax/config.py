@@ -12,6 +12,9 @@ import yaml
 
 # Takeover policies (mecefo_jax/plan/takeover.py plans each).
 POLICIES = ('neighbor', 'spread', 'exact', 'budget', 'drop', 'naive')
+# Basis kinds: the names of model/bases.py's BASES (a test keeps them equal), here so that a bad
+# name is refused with the config, before any file of a run is touched.
+BASIS_NAMES = ('svd', 'gaussian')
 # Cost of a degraded row relative to an exact one (policy budget): the FLOP ratio on llama_60m
 # (two degraded micro-batches = 1.32 normal ones, benchmarks/ablation.py), what a compute-bound
 # device pays; CPU step times give 0.3-0.6. Too high only degrades more rows than needed.
@@ -145,6 +148,7 @@ _CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'mecefo.ffn_remat': ('full', 'dots'),
     'mecefo.refresh': ('warm', 'full'),
+    'mecefo.basis': BASIS_NAMES,
     'faults.takeover': POLICIES,
     'faults.rate': ('per_device', 'cluster'),
     'faults.precompile': ('auto', 'always', 'never'),

@@ -4,6 +4,8 @@ import json
 import pytest
 
 from mecefo_jax.data.sources import _OPTIONS, _PATHLESS
+from mecefo_jax import config
+from mecefo_jax.model import bases
 from mecefo_jax.run import cli
 from mecefo_jax.snapshot.recovery import run_name
 from mecefo_jax.snapshot.store import default_snapshot_dir
@@ -26,12 +28,23 @@ def test_train_py_loss_goes_down(launcher, tmp_path):
     ('model.nope=1', "unknown config key 'model.nope'"),
     ('model.n_layers=two', "config key 'model.n_layers' must be int"),
     ('mesh.slice=64', 'mesh.slice*mesh.fsdp*mesh.tensor = 64 exceeds the'),
-    ('mecefo.basis=qr', "mecefo.basis must be one of svd, gaussian, got 'qr'"),  # bases.py
+    ('mecefo.basis=qr', "config key 'mecefo.basis' must be one of svd, gaussian, got 'qr'"),
 ])
 def test_bad_config_fails_with_one_clear_line(tmp_path, capsys, override, needle):
   code = cli.main([override, 'train.steps=1', '--out', str(tmp_path), 'train.compile_cache='])
   lines = error_lines(capsys.readouterr().err)
   assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+
+
+def test_bad_input_with_fresh_deletes_nothing_and_basis_names_match_the_registry(tmp_path,
+                                                                               capsys):
+  """A bad value is refused with the config, before --fresh would remove the run's files."""
+  (tmp_path / 'run_state.json').write_text(json.dumps({'status': 'finished', 'run_id': 'x'}))
+  (tmp_path / 'report.json').write_text('{}')
+  code = cli.main(['--out', str(tmp_path), '--fresh', 'mecefo.basis=qr', 'train.compile_cache='])
+  assert code == 2 and "mecefo.basis' must be one of" in capsys.readouterr().err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['report.json', 'run_state.json']
+  assert tuple(bases.BASES) == config.BASIS_NAMES
 
 
 def test_train_py_on_a_text_folder(launcher, tmp_path):

@@ -1,5 +1,5 @@
-"""Low-rank FFN bases (docs/algorithm.md §2.3) behind one registry: a new basis is its functions
-plus one row of BASES."""
+"""Low-rank FFN bases (docs/algorithm.md §2.3) behind one registry: a new basis is its functions,
+one row of BASES and its name in config.BASIS_NAMES (checked with the config, before a run)."""
 from __future__ import annotations
 
 import dataclasses
