@@ -89,6 +89,16 @@ class Controller:
   def goodput(self) -> dict:
     return self.ledger.seconds
 
+  def wants_precompile(self) -> bool:
+    """faults.precompile: auto = on where the host CPU is idle during steps (GPU/TPU). With
+    several processes it fills the program store for restarts: needs moves and a store."""
+    mode = self.cfg.faults.precompile
+    if multihost.is_multiprocess() and not (self.programs.move and self.programs.store):
+      return False
+    if mode == 'auto':
+      return jax.devices()[0].platform != 'cpu'
+    return mode == 'always'
+
   def start_precompile(self, hosts: list[tuple[int, ...]] | None = None) -> None:
     """Builds, in the background, the programs of every live set one event away. With several
     processes (`hosts`: the slices of each present host) a process cannot build programs in a
@@ -134,10 +144,9 @@ class Controller:
     live = self.live()
     if not live:
       return None
-    for key in self._program_keys(live):
-      if key[0] != 'eval':
-        self.programs.program(*key)
-    return self.programs.step_programs(live, self.planner.plan(live).roles).fused
+    keys = [key for key in self._program_keys(live) if key[0] != 'eval']  # the step's first
+    programs = [self.programs.program(*key) for key in keys]
+    return programs[0] if keys[0][0] == 'fused' else None
 
   def evaluator(self, live):
     """The forward-only `(params, tokens) -> mean loss` program on `live`."""

@@ -33,6 +33,11 @@ class Presence:
   slots: tuple[int, ...] = (0,)  # logical host of each process (by process id)
   n_hosts: int = 1  # the run's H
 
+  def host_slices(self) -> list[tuple[int, ...]]:
+    """The logical slices of each host of this job, by logical host."""
+    per_host = self.n_slices // self.n_hosts
+    return [tuple(range(h * per_host, (h + 1) * per_host)) for h in sorted(self.slots)]
+
 
 def find(cfg: Config, out_dir: Path, resume: bool, host_slot: int | None = None) -> Presence:
   """The present slices of this start (recorded N and H when resuming, else this job's)."""

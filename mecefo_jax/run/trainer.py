@@ -111,24 +111,9 @@ class Trainer:
     fused = self.controller.build_step_programs()
     self.memory = train_step.memory_summary(fused) if fused else {}
     self.compile_s = time.perf_counter() - t0
-    if self._precompile():
-      self.controller.start_precompile(self._host_slices() if multihost.is_multiprocess() else None)
-
-  def _precompile(self) -> bool:
-    """faults.precompile: auto = on where the host CPU is idle during steps (GPU/TPU). With
-    several processes it fills the program store for restarts: needs moves and a store."""
-    mode = self.cfg.faults.precompile
-    if multihost.is_multiprocess() and not (self.controller.programs.move and
-                                            self.controller.programs.store):
-      return False
-    if mode == 'auto':
-      return jax.devices()[0].platform != 'cpu'
-    return mode == 'always'
-
-  def _host_slices(self) -> list[tuple[int, ...]]:
-    """The logical slices of each host of this job (presence: host h holds h*N/H ...)."""
-    per_host = self.n_slices // self.presence.n_hosts
-    return [tuple(range(h * per_host, (h + 1) * per_host)) for h in sorted(self.presence.slots)]
+    if self.controller.wants_precompile():
+      self.controller.start_precompile(self.presence.host_slices()
+                                       if multihost.is_multiprocess() else None)
 
   def _start_run(self, resume: bool, replace: bool, replace_finished: bool) -> str:
     """This run's id (rundir.start on process 0, the same on every process)."""

@@ -93,15 +93,8 @@ class ProgramCache:
           self._by_shape.setdefault(shape, serialized)
         return program
     log.info('compiling the %s', where)
-    hits = store.cache_hits()
-    program = lowered.compile()
-    from_jax_cache = store.cache_hits() > hits
-    self._book('loaded' if from_jax_cache else 'compiled', time.perf_counter() - t0)
-    # On CPU an executable JAX's persistent cache loaded is serialized again without its
-    # functions (jax 0.10.2: `NOT_FOUND: Function ... not found` where the copy runs): it is
-    # neither moved nor stored. (train.py turns JAX's cache off where a store is open.)
-    if (self.move or self.store) and not from_jax_cache:
-      serialized = retarget.Serialized.of(program, devices)
+    program, serialized = self._compiled(lowered, devices, t0, self.move or self.store)
+    if serialized is not None:
       if self.move:
         self._by_shape.setdefault(shape, serialized)
       if self.store:
@@ -123,13 +116,21 @@ class ProgramCache:
       return
     log.info('compiling the %s program %sfor slices %s into the program store (background)',
              kind, ''.join(f'{a} ' for a in args if not isinstance(a, Role)), list(slices))
+    serialized = self._compiled(lowered, list(mesh.devices.flat), t0, serialize=True)[1]
+    if serialized is not None:
+      self.store.write(key, serialized)
+
+  def _compiled(self, lowered, devices, t0: float, serialize: bool):
+    """(`lowered` compiled, booked from `t0`; its serialized copy if `serialize`). No copy of a
+    program JAX's persistent cache loaded (booked as a load): on CPU such an executable is
+    serialized again without its functions (jax 0.10.2: `NOT_FOUND: Function ... not found`
+    where the copy runs), so it is neither moved nor stored. (train.py turns that cache off.)"""
     hits = store.cache_hits()
-    compiled = lowered.compile()
-    if store.cache_hits() > hits:
-      return  # not serializable (see _build)
-    serialized = retarget.Serialized.of(compiled, list(mesh.devices.flat))
-    self._book('compiled', time.perf_counter() - t0)
-    self.store.write(key, serialized)
+    program = lowered.compile()
+    from_jax_cache = store.cache_hits() > hits
+    self._book('loaded' if from_jax_cache else 'compiled', time.perf_counter() - t0)
+    copy = serialize and not from_jax_cache
+    return program, retarget.Serialized.of(program, devices) if copy else None
 
   def _moved(self, serialized, devices, where: str, loading: float | None = None):
     """`serialized` loaded onto `devices` (booked as a move, or as a load from the store when

@@ -50,17 +50,11 @@ def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None) -> str:
   return h.hexdigest()
 
 
-def cache_dir(compile_cache: str) -> Path | None:
-  """The compilation cache directory of train.py: $JAX_COMPILATION_CACHE_DIR where set, else
-  train.compile_cache ('' = none)."""
-  directory = os.environ.get('JAX_COMPILATION_CACHE_DIR') or compile_cache
-  return Path(directory).expanduser() if directory else None
-
-
 def open_store(compile_cache: str, max_mb: int) -> 'ProgramStore | None':
-  """train.py's program store: `programs/` in the compilation cache directory, if any."""
-  directory = cache_dir(compile_cache)
-  return ProgramStore(directory / 'programs', max_mb << 20) if directory else None
+  """train.py's program store: `programs/` in the compilation cache directory,
+  $JAX_COMPILATION_CACHE_DIR where set, else train.compile_cache ('' = none)."""
+  directory = os.environ.get('JAX_COMPILATION_CACHE_DIR') or compile_cache
+  return ProgramStore(Path(directory) / 'programs', max_mb << 20) if directory else None
 
 
 class ProgramStore:
