@@ -148,6 +148,13 @@ class Controller:
     programs = [self.programs.program(*key) for key in keys]
     return programs[0] if keys[0][0] == 'fused' else None
 
+  def programs_report(self) -> dict:
+    """report.json's `precompile` and `programs` sections."""
+    return {'precompile': (self.precompiler.summary() if self.precompiler else
+                           {'enabled': False, 'live_sets': 0, 'seconds': 0.0}),
+            'programs': {'move': self.programs.move, **self.programs.stats,
+                         'store': self.programs.store and str(self.programs.store.dir)}}
+
   def evaluator(self, live):
     """The forward-only `(params, tokens) -> mean loss` program on `live`."""
     return self.programs.program('eval', live)

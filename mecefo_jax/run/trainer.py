@@ -384,10 +384,7 @@ class Trainer:
         'preempted': self.stopped_by_sigterm, 'diverged_at_step': self.diverged_at,
         'resumed_from_step': self.resumed_from, 'steps_lost': self.steps_lost,
         'live_slices_at_end': list(c.live()), 'snapshots': self._snapshot_report(),
-        'precompile': (c.precompiler.summary() if c.precompiler else
-                       {'enabled': False, 'live_sets': 0, 'seconds': 0.0}),
-        'programs': {'move': c.programs.move, **c.programs.stats,
-                     'store': c.programs.store and str(c.programs.store.dir)},
+        **c.programs_report(),
         'tensorboard_dir': str(self.out_dir / 'tb') if tensorboard else None,
         'config': to_dict(cfg),
     }
