@@ -303,6 +303,9 @@ def validate(cfg: Config) -> Config:
     raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
   if m.head_dim % 2:
     raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even for RoPE")
+  if t.eval_every < 0 or t.eval_batches < 1:
+    raise ConfigError(f'train.eval_every must be >= 0 and train.eval_batches >= 1, got '
+                      f'{t.eval_every}, {t.eval_batches}')
   if t.micro_batch % cfg.mesh.fsdp:
     raise ConfigError(f"train.micro_batch={t.micro_batch} must be divisible by mesh.fsdp={cfg.mesh.fsdp}")
   if cfg.mesh.slice == 0 or cfg.mesh.slice < -1:
@@ -326,9 +329,11 @@ def validate(cfg: Config) -> Config:
   return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-  """Defaults, then the YAML file at `path`, then dotted overrides; validated."""
-  cfg = Config()
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
+                base: dict | None = None) -> Config:
+  """Defaults (or `base`: a recorded config, e.g. of a run to resume), then the YAML file at
+  `path`, then dotted overrides; validated."""
+  cfg = _apply(Config(), base) if base else Config()
   if path is not None:
     path = Path(path)
     if not path.is_file():

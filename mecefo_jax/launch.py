@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,8 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from mecefo_jax.config import DEFAULT_OUT
 from mecefo_jax.run.cli import OneLineParser, at_least
 from mecefo_jax.run.exits import ALL_DOWN, JOB_EXITS, STOPPED
+from mecefo_jax.run.hints import LAUNCH_ENV
+from mecefo_jax.run.stop import STOP_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
@@ -57,8 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   if own:
     p.error(f'{own[0].split("=")[0]} is set by the supervisor; leave it out of the train.py '
             'arguments')
-  out = _train_out(args.train_args)
-  args.log_dir = Path(args.log_dir or (out / 'logs' if out else 'runs/launch_logs'))
+  args.out = _train_out(args.train_args) or Path(DEFAULT_OUT)
+  args.log_dir = Path(args.log_dir or args.out / 'logs')
+  args.argv = list(sys.argv[1:] if argv is None else argv)
   return args
 
 
@@ -99,11 +104,15 @@ class Supervisor:
     self.resume = False
 
   def say(self, kind: str, message: str, **fields) -> None:
+    """Prints an event; appends it to --events and to the run's history.jsonl (run/rundir.py)."""
     elapsed = time.monotonic() - self.t0
     print(f'launch [{elapsed:7.1f}s]: {message}', file=sys.stderr, flush=True)
-    if self.args.events:
-      with open(self.args.events, 'a') as f:
-        f.write(json.dumps({'t': time.time(), 'elapsed_s': elapsed, 'kind': kind, **fields}) + '\n')
+    line = json.dumps({'t': round(time.time(), 3), 'elapsed_s': round(elapsed, 3), 'kind': kind,
+                       **fields}) + '\n'
+    history = self.args.out / 'history.jsonl'
+    for path in [self.args.events] * bool(self.args.events) + [history] * history.parent.is_dir():
+      with open(path, 'a') as f:
+        f.write(line.replace('"kind": "', '"kind": "launch-', 1) if path == history else line)
 
   def _train_args(self) -> list[str]:
     if not self.resume:
@@ -115,8 +124,10 @@ class Supervisor:
     port, k, n = free_port(), self.args.devices_per_process, len(self.hosts)
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since = {}, False, None
+    (self.args.out / STOP_FILE).unlink(missing_ok=True)  # a request no job honoured
     for pid, host in enumerate(self.hosts):
       env = dict(os.environ, PYTHONUNBUFFERED='1')
+      env[LAUNCH_ENV] = shlex.join(self.args.argv)  # for the hints it prints: rerun this
       cmd = [sys.executable, str(ROOT / 'train.py'), f'--coordinator=127.0.0.1:{port}',
              f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
       if self.args.gpus:
@@ -165,14 +176,19 @@ class Supervisor:
       return self._settle(exited)
     ready = [h for h, t in self.ready_at.items() if time.monotonic() >= t]
     if ready:
-      self.say('rejoin-ready', f'replacement for host(s) {ready} ready: stopping the job at its '
-                               f'next step to grow back to {len(self.hosts) + len(ready)} hosts',
-               hosts=ready)
-      self._ask_stop()
+      self.say('rejoin-ready', f'replacement for host(s) {ready} ready: stopping the job after '
+                               f'its current step to grow back to {len(self.hosts) + len(ready)} '
+                               'hosts', hosts=ready)
+      self._ask_stop(f'the grow-back of host(s) {ready}')
     return None
 
-  def _ask_stop(self) -> None:
+  def _ask_stop(self, reason: str | None = None) -> None:
+    """Asks the job to stop after its current step: through the run's stop request file
+    (run/stop.py: honoured at a step whenever it is written), or by SIGTERM for a signal."""
     self.stopping, self.stop_asked_at = True, time.monotonic()
+    if reason is not None and self.args.out.is_dir():
+      (self.args.out / STOP_FILE).write_text(reason)
+      return
     for p in self.procs.values():
       if p.poll() is None:
         p.send_signal(signal.SIGTERM)

@@ -118,6 +118,23 @@ def broadcast_bytes(data: bytes | None, source: int) -> bytes:
   return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source)))
 
 
+def on_chief(fn):
+  """fn() on process 0, its JSON-able result on every process; a ConfigError it raises is raised
+  on every process (else the others would wait for it in the next collective)."""
+  if not is_multiprocess():
+    return fn()
+  result = None
+  if jax.process_index() == 0:
+    try:
+      result = {'value': fn()}
+    except ConfigError as err:
+      result = {'error': str(err)}
+  result = json.loads(broadcast_bytes(json.dumps(result).encode() if result else None, 0))
+  if 'error' in result:
+    raise ConfigError(result['error'])
+  return result['value']
+
+
 def allgather_json(value) -> list:
   """Every process's JSON-able `value`, by process id (all processes call it)."""
   data = np.frombuffer(json.dumps(value).encode(), np.uint8)

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import _FLOAT_RANGES, Config, ConfigError, load_config
-from mecefo_jax.run import cli, exits, plot, report_schema
+from mecefo_jax.run import cli, exits, plot, report_schema, rundir, stop
 from mecefo_jax.run.metrics import MetricsWriter, to_json
-from mecefo_jax.snapshot import recovery
 from procs import ROOT, TINY, error_lines, wait_for
 
 RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=')
@@ -127,12 +126,12 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
   assert (tmp_path / 'run' / 'report.json').read_bytes() == report  # not overwritten
   assert not (tmp_path / 'shm').exists()  # no in-memory tier left behind
   # Stopped (SIGTERM) in its last step: resumed, it finishes (final eval, report).
-  state = recovery.read_run_state(tmp_path / 'run')
-  recovery.write_run_state(tmp_path / 'run', 'stopped',
+  state = rundir.read_run_state(tmp_path / 'run')
+  rundir.write_run_state(tmp_path / 'run', 'stopped',
                            **{k: v for k, v in state.items() if k != 'status'})
   proc = _main(capsys, '--resume', '--quiet', *run)
   assert proc.returncode == 0 and proc.stderr.splitlines()[-1].startswith('done: 2 steps, ')
-  assert recovery.read_run_state(tmp_path / 'run')['status'] == 'finished'
+  assert rundir.read_run_state(tmp_path / 'run')['status'] == 'finished'
 
 
 def test_resume_and_fresh_together_are_refused(capsys):
@@ -265,20 +264,30 @@ def test_ctrl_c_without_snapshots_is_one_line(launcher, tmp_path):
              code=128 + signal.SIGINT)
 
 
-def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplog):
-  from mecefo_jax.snapshot.recovery import install_sigterm_handler
-  manager = types.SimpleNamespace(preempted=False)
-  previous = install_sigterm_handler(manager, defer=True, signum=signal.SIGINT)
+def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplog, tmp_path):
+  request = stop.StopRequest(out_dir=tmp_path)
+  request.install()
   try:
+    assert not request.due(1)
     os.kill(os.getpid(), signal.SIGINT)  # the handler runs in this thread, here
-    wait_for(lambda: manager.preempted, 5, 'the first SIGINT handled')
-    assert manager.preempted == 'SIGINT (Ctrl-C)'
-    assert caplog.messages == ['SIGINT (Ctrl-C): stopping after this step, with a final checkpoint']
+    wait_for(lambda: request, 5, 'the first SIGINT handled')
+    assert request.reason == 'SIGINT (Ctrl-C)' and request.due(1)
+    assert caplog.messages == ['SIGINT (Ctrl-C): stopping after this step, with a snapshot of it']
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(5)
   finally:
-    signal.signal(signal.SIGINT, previous)
+    request.uninstall()
+
+
+def test_a_stop_comes_from_stop_after_or_the_request_file_once(tmp_path):
+  request = stop.StopRequest(after_step=3)
+  assert not request.due(2) and request.due(3) and request.reason == '--stop-after 3'
+  request = stop.StopRequest(out_dir=tmp_path)
+  assert not request.due(5)
+  (tmp_path / stop.STOP_FILE).write_text('the grow-back of host(s) [2]\n')
+  assert request.due(6) and request.reason == 'the grow-back of host(s) [2]'
+  assert not (tmp_path / stop.STOP_FILE).exists()  # honoured once: the next start trains on
 
 
 def test_exit_codes_are_the_documented_numbers():

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.launch import free_port
-from mecefo_jax.snapshot import recovery
+from mecefo_jax.run import rundir
 from procs import report, wait_all
 
 STEPS = 8
@@ -51,7 +51,7 @@ def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
 
 def _memory_tier(tmp: Path) -> Path:
   """The in-memory snapshots of run 'run': one folder per run id under snapshot.dir."""
-  return tmp / 'run_shm' / recovery.read_run_state(tmp / 'run')['run_id']
+  return tmp / 'run_shm' / rundir.read_run_state(tmp / 'run')['run_id']
 
 
 def _logs(tmp: Path, out: str, tail: int = 3000) -> str:  # tail=0: all

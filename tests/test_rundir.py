@@ -11,7 +11,7 @@ import pytest
 
 from mecefo_jax.config import ConfigError, load_config, to_dict
 from mecefo_jax.run import cli, rundir
-from mecefo_jax.snapshot import recovery
+
 from procs import ROOT, TINY, report
 
 RUN = (*TINY, 'train.log_every=1', 'train.plot=false', 'mesh.slice=1')
@@ -28,7 +28,7 @@ def test_a_fresh_run_never_continues_another(launcher, tmp_path):
   code, log = train(launcher, out, 'train.steps=6', f'snapshot.dir={shm}',
                     'snapshot.durable_every=3')
   assert code == 0, log
-  first = recovery.read_run_state(out)['run_id']
+  first = rundir.read_run_state(out)['run_id']
   assert not (shm / first).exists()  # a finished run frees its in-memory tier
   assert (out / 'checkpoints' / first).is_dir()
   (out / 'notes.txt').write_text('mine')
@@ -36,13 +36,13 @@ def test_a_fresh_run_never_continues_another(launcher, tmp_path):
   code, log = train(launcher, out, 'train.steps=4', 'optimizer.lr=0.001', f'snapshot.dir={shm}')
   assert code == 2 and log.strip().splitlines()[-1].startswith('error: run directory'), log
   assert 'holds another run (finished)' in log and '--fresh' in log
-  assert recovery.read_run_state(out)['run_id'] == first
+  assert rundir.read_run_state(out)['run_id'] == first
   # --fresh: that run's outputs and checkpoints go, the user's file stays.
   code, log = train(launcher, out, '--fresh', 'train.steps=4', 'optimizer.lr=0.001',
                     f'snapshot.dir={shm}',
                     'snapshot.durable_every=2')
   assert code == 0, log
-  second = recovery.read_run_state(out)['run_id']
+  second = rundir.read_run_state(out)['run_id']
   assert second != first and not (out / 'checkpoints' / first).exists()
   assert (out / 'notes.txt').read_text() == 'mine'
   assert report(out)['steps'] == 4 and report(out)['config']['optimizer']['lr'] == 0.001
@@ -50,18 +50,21 @@ def test_a_fresh_run_never_continues_another(launcher, tmp_path):
 
 def test_resume_refuses_a_changed_config_naming_the_keys(tmp_path):
   cfg = lambda *o: load_config(None, ['train.steps=4', *o])
-  run_id = rundir.start(tmp_path, cfg(), resume=False, replace=False)
-  recovery.write_run_state(tmp_path, 'stopped', run_id=run_id, config=to_dict(cfg()))
+  with pytest.raises(ConfigError, match='no run in .* to resume'):
+    rundir.check_start(tmp_path, cfg(), resume=True, replace=False)
+  run_id = rundir.check_start(tmp_path, cfg(), resume=False, replace=False)['run_id']
+  rundir.write_run_state(tmp_path, 'stopped', run_id=run_id, config=to_dict(cfg()))
   with pytest.raises(ConfigError, match=r'^resume with a changed config: ') as err:
-    rundir.start(tmp_path, cfg('optimizer.lr=0.5', 'train.seed=3'), resume=True, replace=False)
+    rundir.check_start(tmp_path, cfg('optimizer.lr=0.5', 'train.seed=3'), resume=True,
+                       replace=False)
   assert f'optimizer.lr ({cfg().optimizer.lr!r} -> 0.5), train.seed (0 -> 3);' in str(err.value)
   with pytest.raises(ConfigError, match=re.escape('train.steps (4 -> 3)')):  # shorter: refused
-    rundir.start(tmp_path, cfg('train.steps=3'), resume=True, replace=False)
+    rundir.check_start(tmp_path, cfg('train.steps=3'), resume=True, replace=False)
   # Longer, and logging: safe; the run keeps its id.
-  assert rundir.start(tmp_path, cfg('train.steps=6', 'train.log_every=2'), resume=True,
-                      replace=False) == run_id
+  assert rundir.check_start(tmp_path, cfg('train.steps=6', 'train.log_every=2'), resume=True,
+                            replace=False)['run_id'] == run_id
   with pytest.raises(ConfigError, match='holds another run .stopped.; resume it with --resume'):
-    rundir.start(tmp_path, cfg(), resume=False, replace=False)
+    rundir.check_start(tmp_path, cfg(), resume=False, replace=False)
 
 
 def test_a_second_process_cannot_use_a_locked_run_directory(launcher, tmp_path):
@@ -125,13 +128,13 @@ def test_the_default_run_directory_replaces_a_finished_run_not_an_unfinished_one
   latest, shm = tmp_path / 'runs' / 'latest', tmp_path / 'shm'
   code, log = default_out('train.steps=3', f'snapshot.dir={shm}')
   assert code == 0, log
-  first = recovery.read_run_state(latest)['run_id']
+  first = rundir.read_run_state(latest)['run_id']
   code, log = default_out('train.steps=4', 'optimizer.lr=0.001', f'snapshot.dir={shm}')
   assert code == 0 and 'removed the outputs, snapshots and checkpoints of the previous run' in log
-  state = recovery.read_run_state(latest)
+  state = rundir.read_run_state(latest)
   assert state['run_id'] != first and state['config']['optimizer']['lr'] == 0.001
   assert report(latest)['steps'] == 4 and not (latest / 'checkpoints' / first).exists()
   # An unfinished run there is never replaced: a changed config is refused in one line.
-  recovery.write_run_state(latest, 'stopped', **{k: v for k, v in state.items() if k != 'status'})
+  rundir.write_run_state(latest, 'stopped', **{k: v for k, v in state.items() if k != 'status'})
   code, log = default_out('train.steps=4', 'optimizer.lr=0.002', f'snapshot.dir={shm}')
   assert code == 2 and 'resume with a changed config: optimizer.lr' in log, log

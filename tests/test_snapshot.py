@@ -6,8 +6,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax.model.train_state import TrainState
-from mecefo_jax.snapshot import capacity, manifest, parity, recovery, store
+from mecefo_jax.snapshot import capacity, manifest, parity, store
 from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager, SnapshotWarning
 
 META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
@@ -90,7 +88,7 @@ def test_round_trip_is_bit_exact_on_target_shardings(tmp_path, mesh):
     assert manager.maybe_save(2, state, META)
   # A fresh manager, as after a crash of the trainer: reads what the old one left.
   with SnapshotManager(tmp_path / 'mem', every=2) as manager:
-    step, restored, meta = manager.restore_latest(abstract(state))
+    step, restored, meta, _ = manager.restore_latest(abstract(state))
   assert (step, meta) == (2, META)
   assert isinstance(restored, TrainState)
   assert digests(restored) == digests(state)
@@ -112,7 +110,7 @@ def test_save_is_a_copy_that_survives_donation(tmp_path, mesh, slow_orbax_writes
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
     assert {s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(new_state)
             for s in leaf.addressable_shards} == buffers
-    _, restored, _ = manager.restore_latest(abstract(new_state))
+    _, restored, _, _ = manager.restore_latest(abstract(new_state))
   assert digests(restored) == saved_digests != digests(new_state)
 
 
@@ -123,7 +121,7 @@ def test_keeps_only_the_last_k(tmp_path, mesh):
       manager.maybe_save(step, state, {'step': step})
     manager.wait_until_finished()
     assert step_dirs(tmp_path / 'mem') == [4, 6]
-    step, _, meta = manager.restore_latest(abstract(state))
+    step, _, meta, _ = manager.restore_latest(abstract(state))
   assert step == 6 and meta == {'step': 6}
 
 
@@ -134,7 +132,7 @@ def test_snapshot_without_manifest_is_ignored(tmp_path, mesh, caplog):
     manager.maybe_save(2, new, META)
   (tmp_path / 'mem' / '2' / manifest.MANIFEST_NAME).unlink()  # as if killed before finishing
   with SnapshotManager(tmp_path / 'mem') as manager, caplog.at_level(logging.WARNING):
-    step, restored, _ = manager.restore_latest(abstract(old))
+    step, restored, *_ = manager.restore_latest(abstract(old))
   assert step == 1 and digests(restored) == digests(old)
   assert 'no manifest' in caplog.text and step_dirs(tmp_path / 'mem') == [1]
 
@@ -149,7 +147,7 @@ def test_truncated_file_fails_checksum_and_previous_snapshot_is_used(tmp_path, m
   os.truncate(largest, largest.stat().st_size // 2)
   with SnapshotManager(tmp_path / 'mem') as manager:
     with pytest.warns(SnapshotWarning, match=r'snapshot .*/2: .*checksum'):
-      step, restored, _ = manager.restore_latest(abstract(old))
+      step, restored, *_ = manager.restore_latest(abstract(old))
   assert step == 1 and digests(restored) == digests(old)
 
 
@@ -163,7 +161,7 @@ def test_falls_back_to_durable_when_memory_is_empty(tmp_path, mesh):
   shutil.rmtree(tmp_path / 'mem')  # host memory lost (e.g. the machine rebooted)
   (tmp_path / 'mem').mkdir()
   with SnapshotManager(tmp_path / 'mem', **kwargs) as manager:
-    step, restored, meta = manager.restore_latest(abstract(states[0]))
+    step, restored, meta, _ = manager.restore_latest(abstract(states[0]))
   assert (step, meta) == (4, {'step': 4}) and digests(restored) == digests(states[4])
   with SnapshotManager(tmp_path / 'empty') as manager:
     assert manager.restore_latest(abstract(states[0])) is None
@@ -184,21 +182,6 @@ def test_state_nbytes_counts_concrete_and_abstract_leaves(mesh):
   state = make_state(mesh)
   expected = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(state))
   assert store.state_nbytes(state) == store.state_nbytes(abstract(state)) == expected
-
-
-def test_sigterm_waits_for_the_in_flight_snapshot(tmp_path, mesh, slow_orbax_writes):
-  manager = SnapshotManager(tmp_path / 'mem')
-  previous = recovery.install_sigterm_handler(manager)
-  try:
-    manager.maybe_save(0, make_state(mesh), META)
-    with pytest.raises(SystemExit) as exit_info:
-      os.kill(os.getpid(), signal.SIGTERM)
-      time.sleep(5)  # the handler runs in this thread and interrupts the sleep
-    assert exit_info.value.code == 128 + signal.SIGTERM and manager.preempted
-    assert manifest.verify_manifest(tmp_path / 'mem' / '0') is None
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-    manager.close()
 
 
 # ---- parity -------------------------------------------------------------------------------------

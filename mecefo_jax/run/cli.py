@@ -7,14 +7,13 @@ import logging
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
-from mecefo_jax.config import (DEFAULT_OUT, POLICIES, ConfigError, FaultConfig, load_config,
-                               to_dict)
+from mecefo_jax.config import (DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
+                               load_config, to_dict)
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, DIVERGED, INTERRUPTED, STOPPED
 
 
@@ -74,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help='continue from the newest intact snapshot / checkpoint of --out')
   start.add_argument('--fresh', action='store_true',
                      help='start from step 0 even if --out holds an unfinished run')
+  p.add_argument('--stop-after', type=at_least(1), default=None, metavar='STEPS',
+                 help='stop once this many steps are trained, as SIGTERM would: snapshotted, '
+                      'resumable with --resume (train.steps keeps the schedule)')
   p.add_argument('--no-snapshots', action='store_true', help='no in-memory snapshots (= snapshot.enabled=false)')
   p.add_argument('--quiet', '-q', action='store_true',
                  help='only warnings, errors (failures, repairs) and the final summary line')
@@ -99,13 +101,17 @@ def _setup_process(args) -> None:
   # CPU hosts: measured 5.2 s vs 1.15 s per llama_60m refresh on 2 cores.
   os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
   if args.host_devices is not None:
-    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                               f' --xla_force_host_platform_device_count={args.host_devices}')
+    _setup_devices(args.host_devices)
   logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
   logging.getLogger('mecefo').setLevel(logging.WARNING if args.quiet else logging.INFO)
   # Orbax logs a failed background save with its whole traceback; the snapshot code reports
   # it in one line (a skipped in-memory snapshot, or a durable-tier error), so keep it quiet.
   logging.getLogger('absl').setLevel(logging.CRITICAL)
+
+
+def _setup_devices(count: int) -> None:
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             f' --xla_force_host_platform_device_count={count}')
 
 
 def _overrides(args) -> list[str]:
@@ -127,6 +133,29 @@ def _config_path(args) -> Path:
     raise ConfigError(f'default config {str(DEFAULT_CONFIG)!r} not found (package installed '
                       'without its repository?); pass --config FILE')
   return DEFAULT_CONFIG
+
+
+def _config(args) -> tuple[Config, Path]:
+  """The run's config and directory. A resume (--resume, or an unfinished run in --out) starts
+  from the config recorded in run_state.json, so that only what is given changes (and only keys
+  safe to change: rundir.SAFE_ON_RESUME); a failure trace read from a run directory replays
+  that run's config (rundir.replay_base)."""
+  from mecefo_jax.run import rundir
+  if args.out and not args.fresh and not args.dry_run:
+    recorded = rundir.read_run_state(Path(args.out))
+    if recorded.get('config') and (args.resume or rundir.unfinished(Path(args.out))):
+      cfg = load_config(args.config, _overrides(args), base=recorded['config'])
+      if args.host_devices is None and recorded.get('host_devices'):
+        _setup_devices(recorded['host_devices'])  # jax is not imported yet
+      return cfg, Path(args.out)
+  replay = rundir.replay_base(args.failures) if args.failures else None
+  if replay is None:
+    cfg = load_config(_config_path(args), _overrides(args))
+  else:
+    cfg = load_config(args.config, _overrides(args), base=replay[0])
+    if args.host_devices is None:  # jax is not imported yet: the run's device count holds
+      _setup_devices(replay[1])
+  return cfg, Path(args.out or cfg.train.out_dir)
 
 
 def _check_out_dir(out_dir: Path) -> None:
@@ -156,22 +185,6 @@ def _probe_out_dir(out_dir: Path) -> None:
         break  # not ours any more (something wrote into it), or never made
 
 
-def _install_stop_handlers(snapshots) -> list:
-  """SIGTERM (preemption) and SIGINT (Ctrl-C) both checkpoint and stop at the end of the step;
-  a SIGINT ignored by the parent (a shell's background job) stays ignored. Returns
-  [(signal, previous handler)]."""
-  from mecefo_jax.snapshot.recovery import install_sigterm_handler
-  signums = [signal.SIGTERM]
-  signums += [signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else []
-  return [(s, install_sigterm_handler(snapshots, defer=True, signum=s)) for s in signums]
-
-
-def _restore_handlers(handlers) -> None:
-  for signum, previous in handlers:
-    if previous is not None:  # None: a handler set outside Python, which we cannot reinstall
-      signal.signal(signum, previous)
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   _setup_process(args)
@@ -179,8 +192,8 @@ def main(argv=None) -> int:
   try:
     return _main(args, scratch)
   except KeyboardInterrupt:  # before the handlers are in place, without snapshots, or twice
-    print('error: interrupted (Ctrl-C) without a final checkpoint; `python train.py --resume` '
-          'continues from the last snapshot, if any', file=sys.stderr)
+    print('error: interrupted (Ctrl-C) without a final snapshot; --resume continues from the '
+          'last snapshot, if any', file=sys.stderr)
     return INTERRUPTED
   finally:
     if scratch is not None:
@@ -194,8 +207,7 @@ def _error(err: Exception) -> int:
 
 def _main(args, scratch: Path | None) -> int:
   try:  # config and --out first: their errors need no jax import (seconds)
-    cfg = load_config(_config_path(args), _overrides(args))
-    out_dir = Path(args.out or cfg.train.out_dir)
+    cfg, out_dir = _config(args)
     if not args.print_config:
       (_check_out_dir if scratch is None else _probe_out_dir)(out_dir)
   except ConfigError as e:
@@ -217,9 +229,11 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
     from mecefo_jax.run import trainer
     from mecefo_jax.step import store as program_store
-    from mecefo_jax.snapshot import recovery
-    resume = scratch is None and (args.resume or (not args.fresh and recovery.unfinished(out_dir)))
-    run = trainer.Trainer(cfg, scratch or out_dir, resume=resume,
+    from mecefo_jax.run import rundir, stop
+    resume = scratch is None and (args.resume or (not args.fresh and rundir.unfinished(out_dir)))
+    stop_request = stop.StopRequest(args.stop_after)
+    run = trainer.Trainer(cfg, scratch or out_dir, resume=resume, explicit_resume=args.resume,
+                          stop=stop_request,
                           progress='quiet' if args.quiet else 'auto', replace=args.fresh,
                           # runs/latest, not chosen by the user: a new run replaces a finished one
                           replace_finished=args.out is None and cfg.train.out_dir == DEFAULT_OUT,
@@ -228,11 +242,11 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
                                                                  cfg.train.program_store_mb))
   except (ConfigError, DataError, SnapshotError) as e:
     return _error(e)
-  handlers = _install_stop_handlers(run.snapshots) if run.snapshots else []
+  stop_request.install()
   try:
     return _train(args, run, out_dir)
   finally:
-    _restore_handlers(handlers)
+    stop_request.uninstall()
 
 
 def _no_jax_cache() -> None:
@@ -270,7 +284,7 @@ def _train(args, run, out_dir: Path) -> int:
     log.info('%s', summary)
     log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
              report['samples'])
-  if report['preempted']:  # SIGTERM or Ctrl-C: checkpointed, resumable
+  if report['preempted']:  # SIGTERM, Ctrl-C or --stop-after: snapshotted, resumable
     return STOPPED
   if report['diverged_at_step'] is not None:
     return DIVERGED

@@ -6,10 +6,10 @@ import logging
 import math
 from pathlib import Path
 
+from mecefo_jax.run.rundir import METRICS_FILE, TB_DIR
+
 log = logging.getLogger('mecefo')
 
-METRICS_FILE = 'metrics.jsonl'
-TB_DIR = 'tb'
 # Row keys written as TensorBoard scalars, per row kind (tag = kind/key).
 TB_KEYS = {'train': ('loss', 'grad_norm', 'tokens_per_s', 'live_slices'),
            'eval': ('loss', 'perplexity')}

@@ -10,7 +10,8 @@ import numpy as np
 
 from mecefo_jax.fault.failures import apply_event
 from mecefo_jax.run.exits import BAD_INPUT
-from mecefo_jax.run.metrics import METRICS_FILE, read_metrics
+from mecefo_jax.run.metrics import read_metrics
+from mecefo_jax.run.rundir import METRICS_FILE
 
 PLOT_FILE = 'training.png'
 DOWN_COLOR = 'tab:red'

@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh
 
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config, ConfigError
-from mecefo_jax.snapshot import recovery
+from mecefo_jax.run import hints, rundir
 
 log = logging.getLogger('mecefo')
 
@@ -44,6 +44,10 @@ def find(cfg: Config, out_dir: Path, resume: bool, host_slot: int | None = None)
   recorded = _recorded(out_dir) if resume else {}
   if multihost.is_multiprocess():
     return _job(cfg, recorded, host_slot)
+  if recorded.get('n_hosts', 1) > 1:
+    raise ConfigError(f'the run in {str(out_dir)!r} was trained by {recorded["n_hosts"]} '
+                      f'processes, whose snapshot parts one process cannot read; resume it with '
+                      f'{hints.resume(out_dir, recorded["n_hosts"])}')
   if host_slot not in (None, 0):
     raise ConfigError(f'--host-slot={host_slot} needs a multi-process run')
   n_slices = recorded.get('n_slices')
@@ -61,7 +65,7 @@ def find(cfg: Config, out_dir: Path, resume: bool, host_slot: int | None = None)
 
 def _recorded(out_dir: Path) -> dict:
   """run_state.json as process 0 reads it (the run directory may be its alone)."""
-  state = recovery.read_run_state(out_dir) if jax.process_index() == 0 else None
+  state = rundir.read_run_state(out_dir) if jax.process_index() == 0 else None
   if multihost.is_multiprocess():
     state = json.loads(multihost.broadcast_bytes(json.dumps(state).encode()
                                                  if state is not None else None, 0))

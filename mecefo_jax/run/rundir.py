@@ -1,22 +1,37 @@
-"""The run directory: one run's identity, its lock, and what a fresh start clears."""
+"""The run directory: one run's identity, its files, its lock, and what a fresh start clears.
+
+Files of a run directory (all written by process 0):
+  run_state.json  status, run id, config, slice/host counts (what a resume reads first)
+  failures.txt    the failure history of the state the run holds now, as a replayable trace
+                  (cut back to the restored step when steps are trained again)
+  history.jsonl   append-only: every start, stop, end, failure event and steps thrown away
+  .reached        the number of steps trained so far (rewritten each step: steps lost in a crash)
+  stop_request    asks the job to stop after its current step (run/stop.py; the supervisor's)
+  metrics.jsonl, report.json, training.png, tb/  the run's outputs (run/metrics.py, run/plot.py)
+"""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
+import hashlib
+import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
-from mecefo_jax.config import Config, ConfigError, SnapshotConfig, to_dict
-from mecefo_jax.run.metrics import METRICS_FILE
-from mecefo_jax.snapshot import recovery
+from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, to_dict
+from mecefo_jax.run.stop import STOP_FILE
 
 log = logging.getLogger('mecefo')
-LOCK = '.lock'
+LOCK, RUN_STATE, FAILURES, HISTORY, REACHED = (
+    '.lock', 'run_state.json', 'failures.txt', 'history.jsonl', '.reached')
+METRICS_FILE, REPORT, PLOT, TB_DIR = 'metrics.jsonl', 'report.json', 'training.png', 'tb'
+OUTPUTS = (METRICS_FILE, REPORT, PLOT, TB_DIR, RUN_STATE, FAILURES, HISTORY, REACHED, STOP_FILE)
 SNAPSHOT_KEYS = {f.name for f in dataclasses.fields(SnapshotConfig)}
-OUTPUTS = (METRICS_FILE, 'report.json', 'training.png', 'tb', recovery.RUN_STATE)
 # Keys a resumed run may change, as none changes what is trained (README: Snapshots and
 # resume); train.steps only upward (the learning-rate schedule then follows the new length).
 SAFE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
@@ -26,6 +41,119 @@ SAFE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.e
                   'snapshot.durable_every', 'snapshot.durable_keep', 'snapshot.keep_when_finished',
                   'faults.precompile')
 
+
+# ---- run files ------------------------------------------------------------------------------
+
+def read_run_state(out_dir: Path) -> dict:
+  """The run_state.json of `out_dir`, {} if there is none."""
+  path = Path(out_dir) / RUN_STATE
+  return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_run_state(out_dir: Path, status: str, **extra) -> None:
+  """`running` until the run ends; a `running` or `stopped` run is resumed automatically."""
+  _replace(Path(out_dir) / RUN_STATE, json.dumps({'status': status, **extra}))
+
+
+def unfinished(out_dir: Path) -> bool:
+  return read_run_state(out_dir).get('status') in ('running', 'stopped')
+
+
+def _replace(path: Path, text: str) -> None:
+  tmp = path.with_name(path.name + '.tmp')
+  tmp.write_text(text)
+  tmp.replace(path)
+
+
+def write_failures(out_dir: Path, events: list[dict], replay_flags: str) -> None:
+  """failures.txt: `events` (FailureEvent.to_dict() rows) as a trace FailureSchedule.from_trace
+  reads back, headed by the flags its one-process replay needs."""
+  lines = [f"{e['step']} {e['slice']} {e['kind']}  # {e['source']}\n" for e in events]
+  _replace(Path(out_dir) / FAILURES, f'# replay: {replay_flags}\n' + ''.join(lines))
+
+
+def append_history(out_dir: Path, kind: str, **fields) -> None:
+  """One line of history.jsonl (never rewritten): what happened, when."""
+  line = json.dumps({'t': round(time.time(), 3), 'kind': kind, **fields})
+  with open(Path(out_dir) / HISTORY, 'a') as f:
+    f.write(line + '\n')
+
+
+def read_history(out_dir: Path) -> list[dict]:
+  path = Path(out_dir) / HISTORY
+  lines = path.read_text().splitlines() if path.is_file() else []
+  return [json.loads(line) for line in lines if line.strip()]
+
+
+class Reached:
+  """The steps trained so far, rewritten in place after every step (a few microseconds: no
+  fsync, the page cache outlives the process), so that a resume knows how many steps a crash
+  threw away even between metrics rows and snapshots."""
+
+  def __init__(self, out_dir: Path):
+    self._fd = os.open(Path(out_dir) / REACHED, os.O_RDWR | os.O_CREAT, 0o644)
+
+  def write(self, steps: int) -> None:
+    os.pwrite(self._fd, f'{steps:>12d}'.encode(), 0)
+
+  def close(self) -> None:
+    os.close(self._fd)
+
+
+def read_reached(out_dir: Path) -> int | None:
+  path = Path(out_dir) / REACHED
+  text = path.read_text().strip() if path.is_file() else ''
+  return int(text) if text.isdigit() else None
+
+
+def replay_base(failures: str) -> tuple[dict, int] | None:
+  """(config, devices) that replays `failures` (trace:PATH) as the run that wrote it trained,
+  when PATH lies in a run directory (its run_state.json): the same model, data, slices and
+  steps, in one process, with the default run directory and snapshot places."""
+  path = Path(failures[len('trace:'):]) if failures.startswith('trace:') else None
+  recorded = read_run_state(path.parent) if path is not None and path.is_file() else {}
+  if not recorded.get('config') or not recorded.get('n_slices'):
+    return None
+  config = json.loads(json.dumps(recorded['config']))
+  config['train']['out_dir'] = DEFAULT_OUT
+  config['snapshot'].update(dir='', durable_dir='')
+  mesh = config['mesh'] = {**config['mesh'], 'slice': recorded['n_slices']}
+  return config, recorded['n_slices'] * mesh['fsdp'] * mesh['tensor']
+
+
+# ---- where a run's snapshots live -------------------------------------------------------------
+
+def run_name(out_dir: Path) -> str:
+  """Stable per run directory, so a resumed trainer finds its tmpfs snapshots."""
+  resolved = str(Path(out_dir).resolve())
+  return f'{Path(resolved).name}-{hashlib.sha1(resolved.encode()).hexdigest()[:8]}'
+
+
+def snapshot_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> tuple[Path, str]:
+  """(in-memory tier, durable tier) directories of run `run_id`: one run's snapshots never
+  share a directory with another's, whatever --out they were written for."""
+  from mecefo_jax.snapshot.store import default_snapshot_dir  # (jax: not for light readers)
+  memory = (Path(sn.dir) if sn.dir else default_snapshot_dir(run_name(out_dir))) / run_id
+  durable = sn.durable_dir or str(Path(out_dir).resolve() / 'checkpoints')
+  return memory, f'{durable.rstrip("/")}/{run_id}'
+
+
+def remove_snapshots(sn: SnapshotConfig, out_dir: Path, run_id: str, *, durable: bool,
+                     host: int | None = None) -> None:
+  """Deletes run `run_id`'s in-memory snapshots (the tmpfs folder of `out_dir` too, once no
+  run is left in it) and, with `durable`, its durable checkpoints, in a bucket too. `host`: a
+  process of a multi-process run deletes only its own part (the others may still read theirs)."""
+  memory, durable_dir = snapshot_dirs(sn, out_dir, run_id)
+  shutil.rmtree(memory if host is None else memory / f'host{host}', ignore_errors=True)
+  for empty in (memory, memory.parent):  # the last process out removes them
+    with contextlib.suppress(OSError):
+      empty.rmdir()
+  if durable:
+    from mecefo_jax.snapshot import recovery
+    recovery.remove_tree(durable_dir)
+
+
+# ---- the run's identity and lock -------------------------------------------------------------
 
 def lock(out_dir: Path):
   """An exclusive lock on `out_dir` held until the returned file is closed; the kernel drops it
@@ -52,22 +180,33 @@ def unlock(held) -> None:
   held.close()
 
 
-def start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
-          replace_finished: bool = False) -> str:
-  """The run id to train under: the recorded run's when resuming (same config but for
-  SAFE_ON_RESUME), else a new one; a fresh start over another run needs `replace`
-  (`replace_finished`: enough for a finished run, as in the default runs/latest)."""
-  previous = recovery.read_run_state(out_dir)
-  if resume and previous.get('run_id'):
+def check_start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
+                replace_finished: bool = False) -> dict:
+  """What start() will do, checked without touching a file: {'previous': the recorded
+  run_state.json, 'run_id': the id to train under (the recorded run's when resuming)}."""
+  previous = read_run_state(out_dir)
+  if resume:
+    if not previous.get('run_id'):
+      raise ConfigError(f'--resume: there is no run in {str(out_dir)!r} to resume (no '
+                        f'{RUN_STATE}); nothing was started')
     _check_same_config(previous.get('config', {}), to_dict(cfg))
-    return previous['run_id']
-  if not resume and (previous or (Path(out_dir) / METRICS_FILE).exists()):
+    return {'previous': previous, 'run_id': previous['run_id']}
+  if previous or (Path(out_dir) / METRICS_FILE).exists():
     if not (replace or replace_finished and previous.get('status') == 'finished'):
       status = previous.get('status', 'unknown')
       raise ConfigError(f'run directory {str(out_dir)!r} holds another run ({status}); resume '
                         'it with --resume, replace it with --fresh, or pass another --out')
+  return {'previous': previous, 'run_id': uuid.uuid4().hex[:12]}
+
+
+def start(out_dir: Path, checked: dict) -> None:
+  """Makes the run directory ready for the run check_start() returned `checked` for: a new
+  run's predecessor's outputs, snapshots and checkpoints are removed first."""
+  previous = checked['previous']
+  if previous.get('run_id') == checked['run_id']:
+    return
+  if previous or (Path(out_dir) / METRICS_FILE).exists():
     clear(out_dir, previous)
-  return uuid.uuid4().hex[:12]
 
 
 def clear(out_dir: Path, previous: dict) -> None:
@@ -75,9 +214,7 @@ def clear(out_dir: Path, previous: dict) -> None:
   nothing else of the directory)."""
   run_id = previous.get('run_id')
   if run_id and previous.get('config'):
-    recorded = previous['config'].get('snapshot', {})
-    sn = SnapshotConfig(**{k: v for k, v in recorded.items() if k in SNAPSHOT_KEYS})
-    recovery.remove_snapshots(sn, out_dir, run_id, durable=True)
+    remove_snapshots(recorded_snapshot_config(previous), out_dir, run_id, durable=True)
   for name in OUTPUTS:
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
@@ -85,16 +222,22 @@ def clear(out_dir: Path, previous: dict) -> None:
               '%s in %s (pass --out to keep runs apart)', run_id or '(unknown id)', out_dir)
 
 
-def _flat(tree: dict, prefix: str = '') -> dict:
+def recorded_snapshot_config(state: dict) -> SnapshotConfig:
+  recorded = state['config'].get('snapshot', {})
+  return SnapshotConfig(**{k: v for k, v in recorded.items() if k in SNAPSHOT_KEYS})
+
+
+def flat(tree: dict, prefix: str = '') -> dict:
+  """{'a.b': value} of a nested dict."""
   out = {}
   for key, value in tree.items():
-    out.update(_flat(value, f'{prefix}{key}.') if isinstance(value, dict) else
+    out.update(flat(value, f'{prefix}{key}.') if isinstance(value, dict) else
                {f'{prefix}{key}': value})
   return out
 
 
 def _check_same_config(recorded: dict, current: dict) -> None:
-  old, new = _flat(recorded), _flat(current)
+  old, new = flat(recorded), flat(current)
   changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and not (
       k in SAFE_ON_RESUME and not (k == 'train.steps' and new[k] < old[k]))]
   if changed:

@@ -25,6 +25,7 @@ from mecefo_jax import multihost
 from mecefo_jax.model.train_state import abstract_state
 from mecefo_jax.snapshot import image, parity
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
+from mecefo_jax.snapshot import store as store_mod
 from mecefo_jax.snapshot.store import OFF_DURABLE, Tier
 
 log = logging.getLogger('mecefo')
@@ -37,14 +38,17 @@ def part_len(image_len: int, n: int) -> int:
 
 
 class HostSnapshots:
-  """The in-memory tier of a multi-process run, with SnapshotManager's interface (maybe_save,
-  due, restore_latest, wait_until_finished, close, report, preempted).
+  """The snapshot tiers of a multi-process run, with SnapshotManager's interface (maybe_save,
+  due, restore_latest, where, wait_until_finished, close, report): per-host in-memory parts with
+  parity, and a durable Orbax checkpoint that all processes write together into `durable_dir`
+  (a directory every process reaches: any local one on one machine, a bucket on a pod).
 
   `slots`: the logical host of each process (by process id); this process keeps its parts in
   `directory`/host<slot>, so they stay its own when the job restarts with fewer processes."""
 
-  def __init__(self, directory: str | Path, cfg, *, slots=None, every: int = 1, keep: int = 2):
-    self.cfg, self.every, self.preempted = cfg, every, False
+  def __init__(self, directory: str | Path, cfg, *, slots=None, durable_dir: str | None = None):
+    sn = cfg.snapshot
+    self.cfg, self.every, keep, self.durable_every = cfg, sn.every, sn.keep, sn.durable_every
     self.slots = tuple(slots if slots is not None else range(jax.process_count()))
     self.slot = self.slots[jax.process_index()]
     self.layout = tuple(sorted(self.slots))  # the hosts of the snapshots saved from now on
@@ -54,7 +58,9 @@ class HostSnapshots:
     check_capacity(directory, self.part_len * n // (n - 1), keep, factor=1.1)
     self.directory = Path(directory) / f'host{self.slot}'
     self._tier = Tier('memory', self.directory, keep, compress=False, local=True)
-    self.saved = 0  # parts saved by this process
+    self._durable = (Tier('durable', durable_dir, sn.durable_keep)
+                     if durable_dir and sn.durable_every else None)
+    self.saved = self.durable_saved = 0  # by this process
     self._image = np.zeros(self.part_len * n, np.uint8)  # packed state + zero padding
     # Orbax saves no array that one process holds whole in a multi-process run, so a part is
     # saved as row 0 of a [processes, len] array of which this process holds only that row
@@ -71,18 +77,34 @@ class HostSnapshots:
         shape, self._sharding, [jax.device_put(row[None], self._device)])
 
   def due(self, step: int) -> bool:
-    return step % self.every == 0
+    return step % self.every == 0 or bool(self._durable and step % self.durable_every == 0)
 
-  def maybe_save(self, step: int, state, meta: dict, *,
-                 force_durable: bool = False) -> tuple[str, ...]:
-    """Saves this host's part and parity block of `state` (the live state) when `step` is due;
-    returns the tiers it started (('memory',) or ())."""
-    del force_durable  # no durable tier in multi-process runs (see docs/tpu.md)
-    if not self.due(step):
-      return ()
+  def maybe_save(self, step: int, state, meta: dict, *, stop: bool = False) -> tuple[str, ...]:
+    """Saves this host's part and parity block of `state` (the live state) when `step` is due,
+    and the durable checkpoint when that is due (all processes call it); `stop`: both, due or
+    not. Returns the tiers it started."""
+    meta = json.loads(json.dumps(meta))
+    started = ()
+    if (stop or step % self.every == 0) and self._save_part(step, state, meta):
+      started += ('memory',)
+    if self._durable and (stop or step % self.durable_every == 0):
+      # A private copy (one replica) that no train step donates, written in the background.
+      copy = jax.block_until_ready(store_mod.private_copy(state))
+      if self._durable.save(step, copy, meta):  # Orbax's D2H copy here, its writes async
+        self.durable_saved += 1
+        started += ('durable',)
+    return started
+
+  def where(self, step: int, tiers: tuple[str, ...]) -> list[str]:
+    """Where the snapshots of `step` that maybe_save started are, in words."""
+    parts = (f'in-memory snapshot parts with parity in {self.directory.parent}/host*/{step}'
+             if 'memory' in tiers else None)
+    return [p for p in (parts, 'durable' in tiers and self._durable.describe(step)) if p]
+
+  def _save_part(self, step: int, state, meta: dict) -> bool:
     devices = multihost.local_replica_devices(state)
     if devices is None:
-      return ()  # every slice of this host is down: its part stays at an older step
+      return False  # every slice of this host is down: its part stays at an older step
     self._tier.wait()  # the previous save may still read the image buffer
     # The state's bytes, packed into the reused, zero-padded image: a real host copy that
     # donation cannot touch.
@@ -91,15 +113,16 @@ class HostSnapshots:
              for p in range(len(self.layout))]
     me = self.layout.index(self.slot)
     tree = {'part': self._global(parts[me]), 'parity': self._global(parity.parity_block(parts, me))}
-    meta = {**json.loads(json.dumps(meta)), _LAYOUT: list(self.layout)}
-    self._tier.save(step, tree, meta, background=True)
-    self.saved += 1
-    return ('memory',)
+    saved = self._tier.save(step, tree, {**meta, _LAYOUT: list(self.layout)}, background=True)
+    self.saved += saved
+    return saved
 
   def report(self) -> dict:
-    """report.json's `snapshots` section: this host's part; no durable tier."""
+    """report.json's `snapshots` section: this host's part, and the durable tier."""
+    durable = (self._durable.report('durable_', self.durable_every, self.durable_saved)
+               if self._durable else OFF_DURABLE)
     return {'enabled': True, **self._tier.report('', self.every, self.saved), 'skipped': 0,
-            **OFF_DURABLE}
+            **durable}
 
   def _held(self) -> dict[int, tuple[int, ...]]:
     """{step: layout} of the intact snapshot parts in this host's directory."""
@@ -107,22 +130,40 @@ class HostSnapshots:
             if self._tier.verified(s)}
 
   def restore_latest(self, target):
-    """(step, state on `target`'s shardings, meta) from the newest snapshot that all hosts of
-    its layout but at most one hold intact (the missing part rebuilt from parity), else None.
-    All processes call it."""
+    """(step, state on `target`'s shardings, meta, where) from the newest usable snapshot: the
+    in-memory snapshot (of any host layout) that all hosts of its layout but at most one hold
+    intact (the missing part rebuilt from parity), or the durable checkpoint, whichever is newer
+    (in-memory on a tie); None if there is none. All processes call it."""
     self.wait_until_finished()
     mine = self._held()
     held = multihost.allgather_json({str(s): list(l) for s, l in mine.items()})
     held = [{int(s): tuple(l) for s, l in h.items()} for h in held]
-    choice = newest_usable(held, self.slots)
+    durable = self._durable_steps()
+    choice = choose(held, self.slots, durable)
     if choice is None:
       if any(held):  # parts exist, just not enough of one snapshot: never start over silently
         found = {f'host{self.slots[p]}': sorted(h) for p, h in enumerate(held)}
         raise SnapshotError(f'no snapshot has all parts but one among the hosts present '
-                            f'(parts by host and step: {found}): a wrong --host-slot, or more '
-                            f'than one host\'s snapshot memory lost; --fresh starts over')
+                            f'(parts by host and step: {found}) and there is no durable '
+                            f'checkpoint: a wrong --host-slot, or more than one host\'s '
+                            f'snapshot memory lost; --fresh starts over')
       return None
     step, layout = choice
+    if layout is None:
+      state, meta = self._durable.restore(step, target)
+      return step, state, meta, self._durable.describe(step)
+    return step, *self._restore_parts(step, layout, mine, target), self.where(step, ('memory',))[0]
+
+  def _durable_steps(self) -> list[int]:
+    """The intact durable checkpoints, as process 0 finds them (it alone deletes a bad one)."""
+    if not self._durable:
+      return []
+    steps = ([s for s in self._durable.steps() if self._durable.verified(s)]
+             if jax.process_index() == 0 else None)
+    return multihost.allgather_json(steps)[0]
+
+  def _restore_parts(self, step: int, layout: tuple[int, ...], mine: dict, target):
+    """(state, meta) of in-memory snapshot `step` from its hosts' parts (all processes)."""
     n, length = len(layout), part_len(self.image_len, len(layout))
     have = self.slot in layout and mine.get(step) == layout
     part, block, meta = np.zeros(length, np.uint8), np.zeros(length // (n - 1), np.uint8), None
@@ -144,13 +185,28 @@ class HostSnapshots:
     meta = json.loads(multihost.broadcast_bytes(json.dumps(meta).encode() if have else None,
                                                 source))
     meta.pop(_LAYOUT)
-    return step, image.unpack(np.concatenate(parts)[:self.image_len], target), meta
+    return image.unpack(np.concatenate(parts)[:self.image_len], target), meta
 
   def wait_until_finished(self) -> None:
     self._tier.wait()
+    if self._durable:
+      self._durable.wait()
 
   def close(self) -> None:
     self._tier.close()
+    if self._durable:
+      self._durable.close()
+
+
+def choose(held: list[dict[int, tuple[int, ...]]], slots: tuple[int, ...],
+           durable: list[int] = ()) -> tuple[int, tuple[int, ...] | None] | None:
+  """(step, layout) of the snapshot to resume from: the newest of the usable in-memory ones
+  (newest_usable) and the durable checkpoints (layout None), in-memory on a tie; None if none."""
+  memory = newest_usable(held, slots)
+  newest_durable = max(durable, default=None)
+  if newest_durable is not None and (memory is None or newest_durable > memory[0]):
+    return newest_durable, None
+  return memory
 
 
 def newest_usable(held: list[dict[int, tuple[int, ...]]],

@@ -52,7 +52,7 @@ def default_snapshot_dir(run_name: str) -> Path:
 
 # ---- copies that donation cannot touch ------------------------------------------------------------
 
-def _private_copy(state: Any) -> Any:
+def private_copy(state: Any) -> Any:
   """A copy of `state` that no train step will donate: fresh device buffers, same shardings."""
   leaves, treedef = jax.tree.flatten(state)
   on_device = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
@@ -84,11 +84,18 @@ class Tier:
   def __init__(self, name: str, directory: str | os.PathLike, keep: int, compress: bool = True,
                local: bool = False, packed: bool = False):
     """`local`: this process alone saves its own arrays into its own directory (per-host
-    snapshots of a multi-process run), instead of all processes writing one checkpoint."""
+    snapshots of a multi-process run). Else all processes of a multi-process run write one
+    checkpoint together (the durable tier), process 0 its manifest."""
     self.name, self.packed = name, packed
     self._image: np.ndarray | None = None  # the packed tier's host buffer, reused
     self.directory = epath.Path(directory)
+    self.writes_manifest = local or jax.process_index() == 0
     kwargs, registry, manager_kwargs = {}, {}, {}
+    if jax.process_count() > 1 and not local:
+      # Named processes make Orbax sync through the distributed client's barriers, not device
+      # collectives, which its background commit would interleave with the train step's.
+      kwargs = {'multiprocessing_options': ocp.options.MultiprocessingOptions(
+          primary_host=0, active_processes=set(range(jax.process_count())))}
     if local:
       me = jax.process_index()
       kwargs = {'multiprocessing_options': ocp.options.MultiprocessingOptions(
@@ -116,6 +123,11 @@ class Tier:
     self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f'mecefo-{name}-save')
     self._finisher: concurrent.futures.Future | None = None
     self._error: BaseException | None = None
+
+  def describe(self, step: int) -> str:
+    """Where snapshot `step` is, in words (for messages)."""
+    kind = 'in-memory snapshot' if self.name == 'memory' else 'durable checkpoint'
+    return f'{kind} {self.step_dir(step)}'
 
   def step_dir(self, step: int) -> epath.Path:
     return self.directory / str(step)
@@ -157,7 +169,8 @@ class Tier:
       if args is not None:
         self._start_save(step, args)
       self._orbax.wait_until_finished()  # the step dir is renamed into place by now
-      write_manifest(self.step_dir(step))
+      if self.writes_manifest:
+        write_manifest(self.step_dir(step))
     except BaseException as e:  # surfaced by the next wait() in the training thread
       self._error = e
 
@@ -261,7 +274,6 @@ class SnapshotManager:
     self.durable_every, self.durable_keep = durable_every, durable_keep
     self.min_free_factor = min_free_factor
     self.copy_before_save = copy_before_save
-    self.preempted = False  # set by the SIGTERM handler
     durable_dir = durable_dir if durable_every else None
     self._check_dirs(Path(directory), durable_dir, state_bytes or 0)
     self._capacity_checked = state_bytes is not None
@@ -285,12 +297,11 @@ class SnapshotManager:
     return step % self.every == 0 or bool(self._durable and step % self.durable_every == 0)
 
   def maybe_save(self, step: int, state: Any, meta: dict, *,
-                 force_durable: bool = False) -> tuple[str, ...]:
+                 stop: bool = False) -> tuple[str, ...]:
     """Starts an async snapshot of `state` (replicated over its mesh's slices: one replica is
     saved) when `step` is due; returns the tiers it started ('memory', 'durable').
 
-    `force_durable`: also a durable checkpoint now, due or not (e.g. the last one before a
-    preemption); ignored without a durable tier.
+    `stop`: the run stops after this step: every tier saves it, due or not.
 
     Blocks only for a save still in flight and for the copy of `state` off the buffers that the
     next (donating) train step reuses. The in-memory tier packs `state` into its reused host
@@ -304,8 +315,8 @@ class SnapshotManager:
     first take a private device copy (device_put with may_alias=False) that nobody donates;
     as nothing can touch that copy, Orbax's save() of it then runs in a background thread too.
     """
-    memory_due = step % self.every == 0
-    durable_due = self._durable is not None and (force_durable or step % self.durable_every == 0)
+    memory_due = stop or step % self.every == 0
+    durable_due = self._durable is not None and (stop or step % self.durable_every == 0)
     if not (memory_due or durable_due):
       return ()
     state = sharding.first_replica(state)  # the slices hold identical copies
@@ -319,7 +330,7 @@ class SnapshotManager:
     if durable_due:
       copy = self.copy_before_save if self.copy_before_save is not None else _on_cpu(state)
       # The copy is complete before the next train step can donate what it was copied from.
-      snapshot = jax.block_until_ready(_private_copy(state)) if copy else state
+      snapshot = jax.block_until_ready(private_copy(state)) if copy else state
       durable_due = self._durable.save(step, snapshot, meta, background=copy)
     started = ('memory',) * memory_due + ('durable',) * durable_due
     for tier in started:
@@ -346,8 +357,9 @@ class SnapshotManager:
     self.skipped += 1
     log.warning('in-memory snapshot skipped (%d so far), training goes on: %s', self.skipped, err)
 
-  def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
-    """(step, state, meta) of the newest intact snapshot, in-memory before durable, else None.
+  def restore_latest(self, target: Any) -> tuple[int, Any, dict, str] | None:
+    """(step, state, meta, where) of the newest intact snapshot, in-memory before durable, else
+    None.
 
     `target`: pytree of jax.ShapeDtypeStruct with .sharding (or arrays) to restore onto.
     Snapshots that fail their checks are skipped with a warning and deleted, so that the steps
@@ -359,9 +371,12 @@ class SnapshotManager:
     for step, _, tier in candidates:
       if tier.verified(step):
         state, meta = tier.restore(step, target)
-        log.info('restored %s snapshot %s', tier.name, tier.step_dir(step))
-        return step, state, meta
+        return step, state, meta, tier.describe(step)
     return None
+
+  def where(self, step: int, tiers: tuple[str, ...]) -> list[str]:
+    """Where the snapshots of `step` that maybe_save started (`tiers`) are, in words."""
+    return [tier.describe(step) for tier in self.tiers if tier.name in tiers]
 
   def report(self) -> dict:
     """report.json's `snapshots` section (docs/report.md)."""

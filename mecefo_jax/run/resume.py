@@ -1,0 +1,64 @@
+"""Where a run starts: a new state, or the newest usable snapshot of the run being resumed.
+
+`initial_state` is the one place that decides it: the newest of every in-memory snapshot (of
+any host layout) and durable checkpoint that can be restored, and how many steps the previous
+processes had trained beyond it (thrown away, trained again)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from mecefo_jax import multihost
+from mecefo_jax.config import Config, ConfigError
+from mecefo_jax.model import train_state
+from mecefo_jax.run import hints, rundir
+from mecefo_jax.run.metrics import last_logged_step
+from mecefo_jax.snapshot import recovery
+
+log = logging.getLogger('mecefo')
+
+
+@dataclasses.dataclass
+class Start:
+  step: int  # steps already trained
+  state: Any
+  meta: dict | None = None  # the restored snapshot's meta (controller, losses, evals)
+  where: str | None = None  # the snapshot restored, in words
+  reached: int | None = None  # steps the previous processes had trained (>= step)
+
+  @property
+  def steps_lost(self) -> int | None:
+    """Steps trained before this start and thrown away (trained again)."""
+    return None if self.reached is None else max(0, self.reached - self.step)
+
+
+def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bool,
+                  explicit: bool = False, n_hosts: int = 1) -> Start:
+  """A new state (step 0), or with `resume` the newest usable snapshot. `explicit` (--resume):
+  finding none is an error (ConfigError), else a warning and step 0."""
+  if resume:
+    restored = snapshots and recovery.restore(snapshots, cfg, presence.mesh)
+    if restored:
+      step, state, meta, where = restored
+      start = Start(step, state, meta, where, multihost.on_chief(lambda: _reached(out_dir)))
+      log.warning('resumed from the %s after step %d; the previous processes had trained %s '
+                  'step(s), so %s step(s) are trained again', where, step, start.reached,
+                  start.steps_lost)
+      return start
+    if explicit:
+      raise ConfigError(f'--resume: no usable snapshot or checkpoint of the run in {out_dir} '
+                        f'({"snapshots are off" if not snapshots else "none intact"}); nothing '
+                        f'was started. Start it anew with {hints.fresh(out_dir)}')
+    log.warning('resume: no intact snapshot or checkpoint of the run in %s found; starting '
+                'from step 0', out_dir)
+  return Start(0, train_state.create_sharded(cfg, presence.mesh))
+
+
+def _reached(out_dir: Path) -> int | None:
+  """Steps the previous processes of this run had trained (process 0's files)."""
+  logged = last_logged_step(out_dir)
+  known = [n for n in (rundir.read_reached(out_dir), logged + 1 if logged is not None else None)
+           if n is not None]
+  return max(known, default=None)

@@ -1,0 +1,80 @@
+"""The run's stop request: SIGTERM or SIGINT, a step set in advance (--stop-after), a test's death.
+
+A stop is honoured at the end of a step: the loop snapshots that step (both tiers) and exits
+resumable. In a multi-process job one process's request becomes the job's at the next step
+(run/trainer.py agrees on it with the step's metrics), so every process stops after the same step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+log = logging.getLogger('mecefo')
+# Tests place a real death at an exact step: `HOST:STEPS` makes the process of logical host HOST
+# SIGKILL itself once STEPS steps are trained and their snapshot is written (tests/test_launch.py).
+TEST_DEATH_ENV = 'MECEFO_TEST_SIGKILL'
+# A file in the run directory asking the job to stop after its current step (its text: why).
+# The supervisor writes it to grow the job back: unlike a signal it cannot arrive before a
+# process can honour it, so where the job stops does not depend on timing.
+STOP_FILE = 'stop_request'
+
+
+class StopRequest:
+  """Why the run should stop at the end of this step (None: it should not)."""
+
+  def __init__(self, after_step: int | None = None, out_dir: Path | None = None):
+    """`out_dir`: the run directory whose STOP_FILE this process reads (process 0's)."""
+    self.reason: str | None = None
+    self.after_step = after_step  # --stop-after: stop once this many steps are trained
+    self.file = Path(out_dir) / STOP_FILE if out_dir is not None else None
+    self._previous: list[tuple[int, object]] = []
+
+  def __bool__(self) -> bool:
+    return self.reason is not None
+
+  def request(self, reason: str) -> None:
+    if self.reason is None:
+      self.reason = reason
+
+  def due(self, steps_done: int) -> bool:
+    """Whether to stop after `steps_done` steps (this process's view)."""
+    if self.after_step is not None and steps_done >= self.after_step:
+      self.request(f'--stop-after {self.after_step}')
+    if self.file is not None and self.file.exists():
+      self.request(self.file.read_text().strip() or 'a stop request')
+      self.file.unlink(missing_ok=True)  # honoured: the next start must not stop again
+    return bool(self)
+
+  def install(self) -> None:
+    """SIGTERM (preemption) and SIGINT (Ctrl-C) request a stop; a second SIGINT raises
+    KeyboardInterrupt, for a user who will not wait for the step. A SIGINT ignored by the
+    parent (a shell's background job) stays ignored. Main thread only."""
+    signums = [signal.SIGTERM]
+    signums += [signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else []
+    self._previous = [(s, signal.signal(s, self._on_signal)) for s in signums]
+
+  def _on_signal(self, signum, frame) -> None:
+    if signum == signal.SIGINT and self:
+      raise KeyboardInterrupt
+    name = 'SIGINT (Ctrl-C)' if signum == signal.SIGINT else signal.Signals(signum).name
+    self.request(name)
+    log.warning('%s: stopping after this step, with a snapshot of it', name)
+
+  def uninstall(self) -> None:
+    for signum, previous in self._previous:
+      if previous is not None:  # None: a handler set outside Python, which we cannot reinstall
+        signal.signal(signum, previous)
+    self._previous = []
+
+
+def test_death(host: int, steps_done: int, snapshots) -> None:
+  """The death TEST_DEATH_ENV asks for, if it is this host's at `steps_done`."""
+  spec = os.environ.get(TEST_DEATH_ENV)
+  if spec and spec == f'{host}:{steps_done}':
+    if snapshots:
+      snapshots.wait_until_finished()
+    log.warning('%s=%s: host %d kills itself (SIGKILL) after step %d', TEST_DEATH_ENV, spec,
+                host, steps_done)
+    os.kill(os.getpid(), signal.SIGKILL)
