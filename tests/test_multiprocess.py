@@ -1,7 +1,7 @@
 """Real multi-process runs on localhost (CPU, gloo): the death of a process, noticed by the
-heartbeat, survived through per-host snapshots rebuilt from parity with the same params as one
-process (a process with no live slice, and a rejoin across processes: tests/test_launch.py);
-and the multi-process helpers in one process."""
+heartbeat, then the loss of every host's in-memory snapshot, survived through the durable tier
+with the same params as one process (parity rebuilds, a process with no live slice, and a rejoin
+across processes: tests/test_launch.py); and the multi-process helpers in one process."""
 import shutil
 import signal
 import sys
@@ -67,8 +67,12 @@ def reference(launcher, tmp_path_factory):
   return report(tmp / 'run')
 
 
-def test_process_death_resumes_from_parity(launcher, reference, tmp_path):
-  procs = _spawn(launcher, tmp_path, 'run', 2, heartbeat=5)
+def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launcher, reference,
+                                                                          tmp_path):
+  """A death the heartbeat notices, then every host's in-memory parts lost (all hosts replaced):
+  the durable checkpoint all processes wrote together is the newest usable state, and the
+  records count the steps trained again from what the killed job had trained."""
+  procs = _spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', heartbeat=5)
   metrics = tmp_path / 'run' / 'metrics.jsonl'
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and procs[0].poll() is None:
@@ -76,8 +80,7 @@ def test_process_death_resumes_from_parity(launcher, reference, tmp_path):
     if len(lines) >= 5:
       break
     time.sleep(0.2)
-  killed_after = len(metrics.read_text().splitlines())
-  assert killed_after < STEPS, 'the run finished before it could be killed'
+  assert len(metrics.read_text().splitlines()) < STEPS, 'the run finished before it was killed'
   procs[1].send_signal(signal.SIGKILL)
   t0 = time.monotonic()
   survivor = wait_all(procs[:1], 120)[0]
@@ -85,16 +88,17 @@ def test_process_death_resumes_from_parity(launcher, reference, tmp_path):
   # terminates the survivor (it would otherwise wait forever in the next collective).
   assert survivor != 0 and time.monotonic() - t0 < 90, _logs(tmp_path, 'run')
   assert 'heartbeat timeout' in _logs(tmp_path, 'run', tail=0)
-  # The dead host's snapshot memory is gone with it: its part is rebuilt from parity.
-  shutil.rmtree(_memory_tier(tmp_path) / 'host1')
-  codes = wait_all(_spawn(launcher, tmp_path, 'run', 2, '--resume'), 420)
+  reached = rundir.read_reached(tmp_path / 'run')
+  shutil.rmtree(_memory_tier(tmp_path))  # every host's parts: only the durable tier is left
+  codes = wait_all(_spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', '--resume'),
+                   420)
   assert codes == [0, 0], _logs(tmp_path, 'run')
-  text = _logs(tmp_path, 'run', tail=0)
-  assert 'part of host 1 rebuilt from the parity of the others' in text
+  assert 'resumed from the durable checkpoint' in _logs(tmp_path, 'run', tail=0)
   result = report(tmp_path / 'run')
   assert result['params_sha256'] == reference['params_sha256']
-  assert result['resumed_from_step'] is not None and result['steps_lost'] <= 1, result
-
+  step = result['resumed_from_step']
+  assert step % 2 == 0 and result['steps_lost'] == reached - step >= 0, (step, reached, result)
+  assert result['snapshots']['durable_retained_steps'][-1] == STEPS
 
 
 # --- the same helpers in one process (fast): what a multi-process run builds on ---------------

@@ -107,7 +107,7 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(launcher, reference, t
   # Same command again: the unfinished run is detected and resumed; killed once more.
   second = random.Random(8).randrange(first + 2, STEPS - 1)
   code, log = kill_after(launcher, out, second, *snap_args(shm))
-  assert code == -signal.SIGKILL and 'resumed from the snapshot' in log, log[-3000:]
+  assert code == -signal.SIGKILL and 'resumed from the in-memory snapshot' in log, log[-3000:]
   assert steps_lost(log) <= 1  # the first kill cost at most the step in flight
   result, log = resume_to_end(launcher, out, shm, reference, '--resume')
   assert result['resumed_from_step'] >= second and result['steps_lost'] <= 1, log[-3000:]

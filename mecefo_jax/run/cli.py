@@ -242,7 +242,8 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
                                                                  cfg.train.program_store_mb))
   except (ConfigError, DataError, SnapshotError) as e:
     return _error(e)
-  stop_request.install()
+  if run.snapshots:  # without them a stop would save nothing: Ctrl-C interrupts at once
+    stop_request.install()
   try:
     return _train(args, run, out_dir)
   finally:

@@ -15,11 +15,18 @@ def _train(*args) -> str:
 
 
 def launch_command() -> str | None:
-  """The supervisor command that started this process (without --fresh), if one did."""
+  """The supervisor command that started this process (without --fresh, --resume,
+  --stop-after), if one did."""
   args = os.environ.get(LAUNCH_ENV)
   if args is None:
     return None
-  kept = [a for a in shlex.split(args) if a not in ('--fresh', '--resume')]
+  args, kept = shlex.split(args), []
+  while args:  # what made this start and must not make the next one: a wipe, a stop
+    arg = args.pop(0)
+    if arg == '--stop-after' and args:
+      args.pop(0)
+    elif arg not in ('--fresh', '--resume') and not arg.startswith('--stop-after='):
+      kept.append(arg)
   return shlex.join(['python', '-m', 'mecefo_jax.launch', *kept])
 
 

@@ -38,6 +38,7 @@ def build(run, steps_done: int, wall_s: float, stopped: str | None, tensorboard:
       'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': stopped,
       'preempted': run.stop_reason is not None, 'diverged_at_step': run.diverged_at,
       'resumed_from_step': run.resumed_from, 'steps_lost': run.steps_lost,
+      'steps_lost_total': run.steps_lost_total(),
       'live_slices_at_end': list(c.live()),
       'snapshots': run.snapshots.report() if run.snapshots else store.OFF,
       **c.programs_report(),

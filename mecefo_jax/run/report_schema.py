@@ -11,7 +11,8 @@ from typing import Any
 
 from mecefo_jax.run.exits import BAD_INPUT
 
-SCHEMA_VERSION = 4  # 2: precompile section; 3: programs section; 4: programs.store, loaded
+SCHEMA_VERSION = 5  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
+# 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request
 
 
 class ReportError(ValueError):
@@ -258,15 +259,18 @@ SCHEMA = Record({
                      'micro-batch rows were processed'),
     'goodput': Field(Record({k: Field(FLOAT, 's', v) for k, v in GOODPUT_DOC.items()}), 's',
                      'where the time went'),
-    'stopped': Field(Nullable(STR), '', 'why the run stopped early (all slices down, SIGTERM or '
-                     'Ctrl-C, a non-finite loss); null if it finished'),
-    'preempted': Field(BOOL, '', 'stopped by SIGTERM or Ctrl-C (exit code 143)'),
+    'stopped': Field(Nullable(STR), '', 'why the run stopped early (all slices down, a stop '
+                     'request, a non-finite loss) and what it saved where; null if it finished'),
+    'preempted': Field(BOOL, '', 'stopped by a stop request: SIGTERM, Ctrl-C, --stop-after or '
+                       "the supervisor's (exit code 143), resumable"),
     'diverged_at_step': Field(Nullable(INT), 'step', 'step whose training loss was not finite '
                               '(the run stopped there, exit code 4); null otherwise'),
     'resumed_from_step': Field(Nullable(INT), 'step', 'step of the snapshot resumed from; null '
                                'for a fresh run'),
-    'steps_lost': Field(Nullable(INT), 'steps', 'steps trained again after the resume; null if '
-                        'not resumed or unknown'),
+    'steps_lost': Field(Nullable(INT), 'steps', 'steps trained again after this resume; null '
+                        'if not resumed or unknown'),
+    'steps_lost_total': Field(INT, 'steps', 'steps trained again over the whole run, every '
+                              'restart and resume counted (history.jsonl\'s thrown_away lines)'),
     'live_slices_at_end': Field(ListOf(INT), '', 'slices live after the last step'),
     'snapshots': Field(SNAPSHOTS, '', 'snapshot tiers of this run'),
     'precompile': Field(PRECOMPILE, '', 'programs of live sets one failure or repair away, '

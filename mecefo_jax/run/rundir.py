@@ -153,6 +153,17 @@ def remove_snapshots(sn: SnapshotConfig, out_dir: Path, run_id: str, *, durable:
     recovery.remove_tree(durable_dir)
 
 
+def remove_empty_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> None:
+  """Removes run `run_id`'s snapshot directories where they hold nothing (local ones)."""
+  memory, durable = snapshot_dirs(sn, out_dir, run_id)
+  for directory in (memory, Path(durable), Path(durable).parent):
+    with contextlib.suppress(OSError):
+      for empty in sorted(directory.glob('**/'), key=lambda p: -len(p.parts)):
+        empty.rmdir()  # deepest first; fails (kept) where a file is
+  with contextlib.suppress(OSError):
+    memory.parent.rmdir()
+
+
 # ---- the run's identity and lock -------------------------------------------------------------
 
 def lock(out_dir: Path):

@@ -69,12 +69,13 @@ class StopRequest:
     self._previous = []
 
 
-def test_death(host: int, steps_done: int, snapshots) -> None:
-  """The death TEST_DEATH_ENV asks for, if it is this host's at `steps_done`."""
+def test_death(host: int, steps_done: int, *ready) -> None:
+  """The death TEST_DEATH_ENV asks for, if it is this host's at `steps_done`: once every
+  callable in `ready` returned (the snapshot written, the background builds done)."""
   spec = os.environ.get(TEST_DEATH_ENV)
   if spec and spec == f'{host}:{steps_done}':
-    if snapshots:
-      snapshots.wait_until_finished()
+    for wait in ready:
+      wait()
     log.warning('%s=%s: host %d kills itself (SIGKILL) after step %d', TEST_DEATH_ENV, spec,
                 host, steps_done)
     os.kill(os.getpid(), signal.SIGKILL)

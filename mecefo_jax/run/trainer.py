@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from mecefo_jax import multihost
-from mecefo_jax.config import Config, to_dict
+from mecefo_jax.config import Config, ConfigError, to_dict
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule
@@ -97,12 +97,17 @@ class Trainer:
     self.snapshots = recovery.open_manager(
         cfg, *rundir.snapshot_dirs(cfg.snapshot, self.out_dir, self.run_id),
         state_nbytes(train_state.abstract_state(cfg)), self.presence.slots)
+    self.out_dir.mkdir(parents=True, exist_ok=True)
     self._lock = rundir.lock(self.out_dir) if self.is_chief else None
     if self.is_chief:
       rundir.start(self.out_dir, checked)
     t0 = time.perf_counter()
-    start = initial_state(cfg, self.presence, self.snapshots, self.out_dir, resume=resume,
-                          explicit=explicit_resume)
+    try:
+      start = initial_state(cfg, self.presence, self.snapshots, self.out_dir, resume=resume,
+                            explicit=explicit_resume)
+    except ConfigError:  # nothing to resume: leave no trace of this start
+      self._release(remove_empty=True)
+      raise
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule,
                                  start.state, self.n_slices, self.presence.ids, program_store)
     # run_state.json: the run's identity, and entries kept while resuming (all_down_at)
@@ -158,6 +163,12 @@ class Trainer:
       rundir.append_history(self.out_dir, 'failure', event=event)
     rundir.write_failures(self.out_dir, events, hints.replay(self.out_dir))
     self._events_written = len(events)
+
+  def steps_lost_total(self) -> int:
+    """Steps trained again over the run's life (history.jsonl, process 0's)."""
+    return multihost.on_chief(lambda: sum(
+        e['to_step'] - e['from_step'] for e in rundir.read_history(self.out_dir)
+        if e['kind'] == 'thrown_away'))
 
   @property
   def state(self):
@@ -245,19 +256,24 @@ class Trainer:
         return step, message
       self._record_events()
       self._progress.step(len(self.controller.live()))
-      if self._reached:
-        self._reached.write(step + 1)
       rows, last = [], step == cfg.train.steps - 1
       # Multi-process: fetched every step, as the fetch is also the job's stop vote.
       fetch = (step % cfg.train.log_every == 0 or last or multihost.is_multiprocess()
                or (self.snapshots and self.snapshots.due(step + 1)))
       values = self._fetch(metrics, step + 1) if fetch else None
+      if values and self._reached:  # the fetch waited for the step: it is trained
+        self._reached.write(step + 1)
       for name in AFTER_STEP:
         stopped = getattr(self, f'_after_{name}')(step, values, rows, t_start)
         if stopped:
           return step + (name != 'divergence'), stopped
-      test_death(self.host, step + 1, self.snapshots)
+      test_death(self.host, step + 1, *self._settled())
     return cfg.train.steps, None
+
+  def _settled(self) -> list:
+    """What a test's death waits for, so that where it lands is the same in every run."""
+    waits = [self.snapshots.wait_until_finished] if self.snapshots else []
+    return waits + ([self.controller.precompiler.wait] if self.controller.precompiler else [])
 
   # ---- after each step, in AFTER_STEP's order ----------------------------------------------
   def _after_divergence(self, step, values, rows, t_start) -> str | None:
@@ -383,13 +399,20 @@ class Trainer:
   def close(self) -> None:
     if self.controller.precompiler:
       self.controller.precompiler.stop()
+    # A finished run needs no in-memory snapshots: free the tmpfs (durable ones stay).
+    self._release(remove_memory=self._finished and not self.cfg.snapshot.keep_when_finished)
+
+  def _release(self, remove_memory: bool = False, remove_empty: bool = False) -> None:
+    """Closes the snapshot tiers (`remove_memory`: and deletes this host's in-memory ones;
+    `remove_empty`: and the tiers' directories if nothing is in them), unlocks the run."""
     if self.snapshots:
       self.snapshots.close()
-      if self._finished and not self.cfg.snapshot.keep_when_finished:
-        # A finished run needs no in-memory snapshots: free the tmpfs (durable ones stay).
+      if remove_memory:
         host = self.host if multihost.is_multiprocess() else None
         rundir.remove_snapshots(self.cfg.snapshot, self.out_dir, self.run_id, durable=False,
                                 host=host)
+      if remove_empty:
+        rundir.remove_empty_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
     if self._lock is not None:
       rundir.unlock(self._lock)  # releases the run directory
       self._lock = None

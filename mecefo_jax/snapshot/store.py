@@ -91,7 +91,8 @@ class Tier:
     self.directory = epath.Path(directory)
     self.writes_manifest = local or jax.process_index() == 0
     kwargs, registry, manager_kwargs = {}, {}, {}
-    if jax.process_count() > 1 and not local:
+    shared = jax.process_count() > 1 and not local
+    if shared:
       # Named processes make Orbax sync through the distributed client's barriers, not device
       # collectives, which its background commit would interleave with the train step's.
       kwargs = {'multiprocessing_options': ocp.options.MultiprocessingOptions(
@@ -105,9 +106,11 @@ class Tier:
       registry = {'type_handler_registry': ocp.type_handlers.create_type_handler_registry(
           (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
                                                      use_replica_parallel=False)))}
+    if local or shared:
       self.directory.mkdir(parents=True, exist_ok=True)  # Orbax's create= is refused here
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                           create=not local, cleanup_tmp_directories=True,
+                                           create=not (local or shared),
+                                           cleanup_tmp_directories=True,
                                            **kwargs, **manager_kwargs)
     if packed:  # the image is ours until the save is finished: Orbax need not copy it
       registry = {'type_handler_registry': ocp.type_handlers.create_type_handler_registry(
@@ -122,6 +125,7 @@ class Tier:
     # 2-core host right after a step (Thread.start waits until the new thread runs).
     self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f'mecefo-{name}-save')
     self._finisher: concurrent.futures.Future | None = None
+    self._last_saved: int | None = None
     self._error: BaseException | None = None
 
   def describe(self, step: int) -> str:
@@ -137,15 +141,19 @@ class Tier:
     return sorted(self._orbax.all_steps(), reverse=True)
 
   def save(self, step: int, state: Any, meta: dict, *, background: bool = False) -> bool:
-    """Starts saving `state`; False if an intact snapshot of `step` is there already.
+    """Starts saving `state`; False if this tier saved `step` last (another snapshot of that
+    step, of an older timeline, is replaced).
     `background`: Orbax's save() runs in the finisher thread too, for a private copy that no
     train step donates; else its D2H copy happens here. A packed tier copies `state` into its
     image here and saves that in the background."""
     self.wait()
+    if step == self._last_saved:
+      return False  # this tier saved that step's state already (a stop right after a save)
     if step in self._orbax.all_steps():
-      if verify_manifest(self.step_dir(step)) is None:
-        return False  # e.g. re-saving the step just restored: same state, nothing to do
+      # Not this timeline's: steps trained again after a restore from an older snapshot, or a
+      # torn save. Keeping it would resume from a state this run no longer holds.
       self._orbax.delete(step)
+    self._last_saved = step
     items = {'meta': ocp.args.JsonSave(meta)}
     if self.packed:
       self._image, layout = image.pack(state, self._image)  # the copy off donated buffers

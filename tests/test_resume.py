@@ -1,0 +1,193 @@
+"""Resume: the snapshot a restart takes over a sweep of timings (made-up per-host inventories),
+initial_state's accounting, and every hint the product prints run exactly as printed."""
+import logging
+import re
+import shlex
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from mecefo_jax.config import ConfigError, load_config, to_dict
+from mecefo_jax.run import cli, hints, presence, rundir
+from mecefo_jax.run import report as run_report
+from mecefo_jax.run.exits import BAD_INPUT, STOPPED
+from mecefo_jax.run.resume import initial_state
+from mecefo_jax.snapshot.host import choose
+from procs import TINY, error_lines, report
+
+L3, L2, L4 = (0, 1, 2), (0, 1), (0, 1, 2, 3)
+
+
+# ---- which snapshot a restart resumes from -------------------------------------------------
+# Each case: what every process of the restarted job holds ({step: layout}, by process id),
+# their logical hosts, the durable checkpoints, and the snapshot to take ((step, layout), or a
+# durable checkpoint (step, None)).
+SWEEP = {
+    'death just before a snapshot: the dead host never wrote step 12, the others did':
+        ([{11: L3, 12: L3}, {11: L3, 12: L3}], (0, 1), [], (12, L3)),
+    'death just after a snapshot: all wrote 12, the dead host\'s memory is gone':
+        ([{11: L3, 12: L3}, {11: L3, 12: L3}], (0, 1), [], (12, L3)),
+    'a rejoin before the survivors\' first step: nothing new was written':
+        ([{11: L3, 12: L3}, {11: L3, 12: L3}, {11: L3, 12: L3}], L3, [], (12, L3)),
+    'a rejoin after the survivors trained: their layout, never the old hosts\' older one':
+        ([{13: L2, 14: L2}, {13: L2, 14: L2}, {11: L3, 12: L3}], L3, [], (14, L2)),
+    'a rejoin whose replacement holds an older timeline\'s newer step':
+        ([{13: L2, 14: L2}, {13: L2, 14: L2}, {15: L3}], L3, [], (14, L2)),
+    'two deaths in a row: host 3, then host 1 after writing 22':
+        ([{21: L3, 22: L3}, {21: L3, 22: L3}], (0, 2), [20], (22, L3)),
+    'a SIGINT during a restart: the inventory is as the restart found it':
+        ([{13: L2, 14: L2}, {13: L2, 14: L2}], (0, 1), [10], (14, L2)),
+    'more than one part lost: the durable checkpoint':
+        ([{12: L3}, {}], (0, 1), [10], (10, None)),
+    'the durable checkpoint newer than any usable snapshot':
+        ([{12: L3}, {12: L3}], (0, 1), [15], (15, None)),
+    'a tie: the in-memory snapshot (no bucket read)':
+        ([{12: L3}, {12: L3}], (0, 1), [12], (12, L3)),
+    'every host replaced, no durable tier: nothing':
+        ([{}, {}, {}], L3, [], None),
+}
+
+
+@pytest.mark.parametrize('held, slots, durable, expected', SWEEP.values(), ids=list(SWEEP))
+def test_the_snapshot_a_restart_takes_over_a_sweep_of_timings(held, slots, durable, expected):
+  assert choose(held, slots, durable) == expected
+
+
+class Inventory:
+  """Made-up per-host snapshots with HostSnapshots' restore_latest: what initial_state reads."""
+
+  def __init__(self, held, slots, durable, cfg):
+    self.held, self.slots, self.durable, self.cfg = held, slots, durable, cfg
+
+  def restore_latest(self, target):
+    choice = choose(self.held, self.slots, self.durable)
+    if choice is None:
+      return None
+    step, layout = choice
+    state = jax.tree.map(lambda t: jax.device_put(np.full(t.shape, step, t.dtype), t.sharding),
+                         target)
+    meta = {'controller': {'events': [{'step': step, 'layout': layout}]}, 'losses': []}
+    return step, state, meta, f'snapshot {step} of {layout or "the durable tier"}'
+
+
+@pytest.fixture(scope='module')
+def tiny(devices):
+  cfg = load_config(None, [*TINY, 'mesh.slice=2'])
+  return cfg, presence.find(cfg, Path('/nonexistent'), resume=False)
+
+
+@pytest.mark.parametrize('held, slots, durable, expected', SWEEP.values(), ids=list(SWEEP))
+def test_initial_state_resumes_the_chosen_snapshot_and_counts_the_steps_lost(
+    tiny, tmp_path, held, slots, durable, expected):
+  cfg, present = tiny
+  # What the previous job had trained (.reached, rewritten at every step): one step beyond
+  # the newest snapshot anywhere, thrown away.
+  reached = max([s for h in held for s in h] + durable, default=0) + 1
+  rundir.Reached(tmp_path).write(reached)
+  inventory = Inventory(held, slots, durable, cfg)
+  if expected is None:  # an explicit --resume refuses; an automatic one starts anew
+    with pytest.raises(ConfigError, match='no usable snapshot or checkpoint.*nothing was started'):
+      initial_state(cfg, present, inventory, tmp_path, resume=True, explicit=True)
+    start = initial_state(cfg, present, inventory, tmp_path, resume=True)
+    assert (start.step, start.meta, start.steps_lost) == (0, None, None)
+    return
+  start = initial_state(cfg, present, inventory, tmp_path, resume=True, explicit=True)
+  step = expected[0]
+  assert (start.step, start.reached, start.steps_lost) == (step, reached, reached - step)
+  assert start.meta['controller']['events'] == [{'step': step, 'layout': expected[1]}]
+  assert int(np.asarray(jax.tree.leaves(start.state)[0]).ravel()[0]) == step
+
+
+# ---- the hints, run as printed --------------------------------------------------------------
+
+def _printed(pattern: str, text: str) -> list[str]:
+  """The argv of the last `python train.py ...` command after `pattern` in `text`."""
+  command = re.findall(pattern + r' `(python train\.py [^`]*)`', text)[-1]
+  return shlex.split(command)[2:]
+
+
+def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
+    tmp_path, caplog, capsys, monkeypatch):
+  """--stop-after (a stop request like SIGTERM's): the stop step in both tiers, the resume hint
+  run exactly as printed continues it with the run's own config (train.steps=12, not the
+  default), the records count no lost step, and failures.txt's replay line reproduces it."""
+  monkeypatch.setenv('XLA_FLAGS', '')  # a resume re-simulates the run's devices there
+  monkeypatch.chdir(tmp_path)  # the replay writes runs/latest here
+  (tmp_path / 'trace.txt').write_text('3 1 fail\n7 1 repair\n')
+  caplog.set_level(logging.INFO, 'mecefo')
+  code = cli.main(['--out', 'run', *TINY, 'mesh.slice=2', 'train.steps=12', 'train.log_every=4',
+                   '--failures', 'trace:trace.txt', f'snapshot.dir={tmp_path}/shm',
+                   'train.compile_cache=', '--stop-after', '5'])
+  assert code == STOPPED
+  message = next(m for m in caplog.messages if m.startswith('stopped by --stop-after 5 after '
+                                                            'step 5, saved as the in-memory'))
+  assert f'{tmp_path}/shm/' in message and 'checkpoints' in message, message
+  assert cli.main(_printed('resume with', message)) == 0
+  result = report(tmp_path / 'run')
+  assert (result['steps'], result['resumed_from_step'], result['steps_lost'],
+          result['steps_lost_total']) == (12, 5, 0, 0)
+  history = rundir.read_history(tmp_path / 'run')
+  assert [e['kind'] for e in history if e['kind'] != 'failure'] == ['start', 'stop', 'end',
+                                                                    'start', 'end']
+  assert [e['event']['kind'] for e in history if e['kind'] == 'failure'] == ['fail', 'repair']
+  trace = (tmp_path / 'run' / 'failures.txt').read_text()
+  assert cli.main(_printed('# replay:', trace)) == 0
+  replay = report(tmp_path / 'runs' / 'latest')
+  assert replay['params_sha256'] == result['params_sha256']
+  assert replay['samples'] == result['samples'] and replay['steps'] == 12
+
+
+def test_an_explicit_resume_with_nothing_usable_is_one_line_and_starts_nothing(tmp_path, capsys):
+  out = tmp_path / 'run'
+  assert cli.main(['--out', str(out), '--resume', 'train.compile_cache=']) == BAD_INPUT
+  [line] = error_lines(capsys.readouterr().err)
+  assert 'no run in' in line and 'to resume' in line, line
+  out.mkdir(exist_ok=True)
+  rundir.write_run_state(out, 'stopped', run_id='abc', n_slices=1, n_hosts=1,
+                         config=to_dict(load_config(None, TINY)))
+  (out / rundir.METRICS_FILE).write_text('{"kind": "train", "step": 3}\n')
+  files = lambda: sorted(p.name for p in out.iterdir() if not p.name.startswith('.'))
+  before = files()
+  code = cli.main(['--out', str(out), '--resume', f'snapshot.dir={tmp_path}/empty',
+                   'train.compile_cache='])
+  [line] = error_lines(capsys.readouterr().err)
+  assert code == BAD_INPUT and 'no usable snapshot or checkpoint' in line, line
+  fresh = re.search(r'`(python train\.py [^`]*)`', line).group(1)
+  assert fresh == hints.fresh(out).split('`')[1]
+  assert files() == before  # no history line, no checkpoint folder, nothing removed
+  assert (out / rundir.METRICS_FILE).read_text() == '{"kind": "train", "step": 3}\n'
+
+
+def test_one_process_never_resumes_a_supervised_run_from_scratch(tmp_path, capsys, monkeypatch):
+  """Case 3: the hosts' snapshot parts are one job's; one process says how to resume it."""
+  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', n_slices=4, n_hosts=2)
+  monkeypatch.delenv(hints.LAUNCH_ENV, raising=False)
+  assert cli.main(['--out', str(tmp_path), '--resume', 'train.compile_cache=']) == BAD_INPUT
+  [line] = error_lines(capsys.readouterr().err)
+  assert 'was trained by 2 processes' in line and 'python -m mecefo_jax.launch -n 2' in line
+  monkeypatch.setenv(hints.LAUNCH_ENV, '-n 2 -- --out run --fresh --stop-after 9 train.steps=30')
+  assert hints.resume(tmp_path, 2) == ('`python -m mecefo_jax.launch -n 2 -- --out run '
+                                       'train.steps=30`')
+
+
+def test_the_loop_runs_its_after_step_hooks_in_their_declared_order(tmp_path, monkeypatch):
+  from mecefo_jax.run import trainer as trainer_mod
+  cfg = load_config(None, [*TINY, 'mesh.slice=2', 'train.steps=2', f'snapshot.dir={tmp_path}/m',
+                           'train.plot=false', 'train.eval_every=1'])
+  run = trainer_mod.Trainer(cfg, tmp_path / 'run', progress='quiet')
+  calls = []
+  for name in trainer_mod.AFTER_STEP:
+    hook = getattr(run, f'_after_{name}')
+    monkeypatch.setattr(run, f'_after_{name}',
+                        lambda *a, _n=name, _h=hook: calls.append(_n) or _h(*a))
+  try:
+    result = run.run()
+  finally:
+    run.close()
+  assert trainer_mod.AFTER_STEP == ('divergence', 'eval', 'snapshot', 'metrics', 'stop')
+  assert calls == list(trainer_mod.AFTER_STEP) * 2 and result['steps'] == 2
+  assert [e['step'] for e in result['evals']] == [0, 1]  # an eval is in the next snapshot's meta
+  assert result == {**result, 'steps_lost_total': 0, 'param_count': run_report.param_count(
+      run.state.params)}
