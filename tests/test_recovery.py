@@ -3,6 +3,7 @@ durable fallback are tested in-process: tests/test_snapshot.py)."""
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -125,13 +126,15 @@ def test_all_slices_down_stops_cleanly_and_the_printed_hint_resumes(launcher, tm
           '--failures', f'trace:{trace}')
   code, log = train(launcher, out, *args)
   assert code == 3 and 'all 2 slices are down at step 5' in log, log[-3000:]
-  hint = f'python train.py --out {out} --resume'
-  assert hint in log, log[-3000:]
+  hint = re.search(r'When devices return, `(python train\.py [^`]*)`', log).group(1)
+  assert hint == f'python train.py --out {out} --resume', log[-3000:]
   stopped = report(out)
   assert stopped['steps'] == 5 and stopped['stopped'] and not stopped['preempted']
   assert rundir.read_run_state(out)['status'] == 'stopped'
-  code, log = train(launcher, out, *args, '--resume')  # the devices are back
-  assert code == 0, log[-3000:]
+  # The devices are back: the hint exactly as printed (the run's config and its 2 simulated
+  # devices come from run_state.json).
+  resumed = launcher.train(*shlex.split(hint)[2:])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
   result = report(out)
   assert (result['steps'], result['resumed_from_step'], result['stopped']) == (STEPS, 5, None)
   assert result['live_slices_at_end'] == [0, 1] and result['samples']['dropped'] == 0

@@ -44,6 +44,12 @@ def test_bad_input_with_fresh_deletes_nothing_and_basis_names_match_the_registry
   code = cli.main(['--out', str(tmp_path), '--fresh', 'mecefo.basis=qr', 'train.compile_cache='])
   assert code == 2 and "mecefo.basis' must be one of" in capsys.readouterr().err
   assert sorted(p.name for p in tmp_path.iterdir()) == ['report.json', 'run_state.json']
+  # A snapshot directory that cannot be made: refused before the previous run is touched.
+  code = cli.main(['--out', str(tmp_path), '--fresh', f'snapshot.dir={tmp_path}/no/such',
+                   'train.compile_cache=', 'mesh.slice=1'])
+  assert code == 2 and 'does not exist' in capsys.readouterr().err
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name != '.lock') == [
+      'report.json', 'run_state.json']
   assert tuple(bases.BASES) == config.BASIS_NAMES
 
 
