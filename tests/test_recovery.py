@@ -109,9 +109,11 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(launcher, reference, t
   second = random.Random(8).randrange(first + 2, STEPS - 1)
   code, log = kill_after(launcher, out, second, *snap_args(shm))
   assert code == -signal.SIGKILL and 'resumed from the in-memory snapshot' in log, log[-3000:]
-  assert steps_lost(log) <= 1  # the first kill cost at most the step in flight
+  # The first kill cost at most the step whose snapshot was being written and the one after
+  # it (.reached counts every step the killed process finished).
+  assert steps_lost(log) <= 2
   result, log = resume_to_end(launcher, out, shm, reference, '--resume')
-  assert result['resumed_from_step'] >= second and result['steps_lost'] <= 1, log[-3000:]
+  assert result['resumed_from_step'] >= second and result['steps_lost'] <= 2, log[-3000:]
   assert complete_steps(durable_dir(out))[-1] == STEPS  # the durable tier, every 5 and the end
 
 

@@ -239,3 +239,13 @@ def test_manifest_checksums_detect_corruption_and_other_formats_are_unreadable(t
                                   for name, e in written['files'].items()}}
   (tmp_path / MANIFEST_NAME).write_text(json.dumps(older))
   assert verify_manifest(tmp_path).startswith('unreadable manifest (format 2')
+
+
+def test_remove_tree_deletes_a_durable_tier_and_shrugs_at_a_missing_one(tmp_path, caplog):
+  from mecefo_jax.snapshot import recovery
+  tier = tmp_path / 'checkpoints' / 'run1'
+  (tier / '5').mkdir(parents=True)
+  (tier / '5' / 'x').write_text('data')
+  recovery.remove_tree(str(tier))
+  recovery.remove_tree(str(tier))  # already gone: nothing to do, no error
+  assert not tier.exists() and (tmp_path / 'checkpoints').is_dir()
