@@ -19,6 +19,9 @@ as maybe_save does), each host's parity block (parity.parity_block, computed by 
 every save: parity_block_s is one host's), then one part and its block dropped and rebuilt by
 parity.rebuild_part (as restore_latest does: parity_rebuild_s), checked bit-exact.
 --only-parity measures the parity alone (no step is compiled or timed).
+Then (--auto-steps N, default 120) a real Trainer run of N steps with snapshot.every=auto
+reports the interval it picks (auto_every) from the costs it measures (auto_cost_s per
+snapshot beside a auto_idle_step_s step; budget snapshot.overhead_budget).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
   raise SystemExit('error: run it from the repository root as python -m benchmarks.'
                    + __file__.rpartition('/')[2].removesuffix('.py'))
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -158,6 +162,23 @@ def time_parity(state, n: int = N_HOSTS, lost: int = 2, repeats: int = 3) -> dic
           'parity_hosts': n, 'parity_part_bytes': part_len, 'parity_block_bytes': blocks[0].nbytes}
 
 
+def pick_interval(cfg, root: Path, steps: int) -> dict:
+  """The interval snapshot.every=auto picks in a real training run of `steps` steps (in-memory
+  tier only: the durable tier's saves would land in its measurements)."""
+  from mecefo_jax.run.trainer import Trainer
+  auto = dataclasses.replace(cfg, train=dataclasses.replace(
+      cfg.train, steps=steps, eval_every=0, plot=False, log_every=10), snapshot=dataclasses.replace(
+      cfg.snapshot, every='auto', dir=str(root / 'auto_shm'), durable_every=0))
+  trainer = Trainer(auto, root / 'auto_run', progress='quiet')
+  try:
+    interval = trainer.run()['snapshot_interval']
+  finally:
+    trainer.close()
+  return {'auto_steps': steps, 'auto_every': interval['every'], 'auto_cost_s': interval['cost_s'],
+          'auto_idle_step_s': interval['idle_step_s'], 'auto_changes': interval['changes'],
+          'auto_budget': interval['budget']}
+
+
 def main(argv=None):
   p = common.parser(__doc__.splitlines()[0])
   p.add_argument('--block', type=int, default=None,
@@ -165,6 +186,9 @@ def main(argv=None):
   p.add_argument('--rounds', type=int, default=2, help='ABBA rounds of one block per mode')
   p.add_argument('--restores', type=int, default=3)
   p.add_argument('--dir', default=None, help='snapshot root (default: a fresh dir in /dev/shm)')
+  p.add_argument('--auto-steps', type=int, default=120,
+                 help='then train this many steps with snapshot.every=auto and report the '
+                      'interval it picks (0: skip)')
   p.add_argument('--only-parity', action='store_true',
                  help='measure only the parity block and rebuild (no step timing, no snapshots)')
   args = p.parse_args(argv)
@@ -210,13 +234,16 @@ def run(cfg, root: Path, args, info: dict) -> tuple[dict, list[dict]]:
   result.update(time_restore(bench, args.restores))
   bench.manager.close()
   result.update(time_parity(bench.one_replica(bench.states['snapshot'])))
+  if args.auto_steps:
+    result.update(pick_interval(cfg, root, args.auto_steps))
   # On CPU the step keeps every core busy: each CPU second a snapshot takes is taken from it.
   result['cpu_bound_overhead_pct'] = 100.0 * result['snapshot_cpu_s'] / plain['cpu_s_per_step']
   rows = [{'quantity': k, 'value': result[k]} for k in (
       'overhead_pct', 'overhead_pct_median', 'snapshot_cpu_s', 'cpu_bound_overhead_pct',
       'maybe_save_blocking_s', 'snapshot_bytes',
       'state_bytes', 'snapshot_files', 'restore_s', 'verify_manifest_s', 'restore_bit_exact',
-      'parity_block_s', 'parity_rebuild_s', 'parity_rebuild_bit_exact', 'parity_block_bytes')]
+      'parity_block_s', 'parity_rebuild_s', 'parity_rebuild_bit_exact', 'parity_block_bytes',
+      *(['auto_every', 'auto_cost_s', 'auto_idle_step_s'] if args.auto_steps else []))]
   rows = [{'quantity': f'step_s ({m}, mean)', 'value': t['mean_s']} for m, t in times.items()] + rows
   return result, rows
 

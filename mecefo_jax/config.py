@@ -4,6 +4,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,7 +125,11 @@ class FaultConfig:
 class SnapshotConfig:
   enabled: bool = True
   dir: str = ''  # in-memory tier; '' = /dev/shm/mecefo/<run name> (tmpfs: outlives the trainer)
-  every: int = 1  # steps between in-memory snapshots
+  # steps between in-memory snapshots, or 'auto': the smallest interval whose measured cost
+  # stays within overhead_budget of the step time (snapshot/interval.py), at most max_every
+  every: int | str = 1
+  overhead_budget: float = 0.01  # snapshot.every=auto: the share of step time snapshots may take
+  max_every: int = 100  # snapshot.every=auto: the largest interval (the steps a crash may cost)
   keep: int = 2
   durable_dir: str = ''  # durable Orbax tier (local dir or bucket); '' = <out_dir>/checkpoints
   durable_every: int = 100  # 0 = no durable checkpoints
@@ -157,6 +162,14 @@ _CHOICES = {
 
 
 def _coerce(key: str, value, typ):
+  if typing.get_origin(typ) is types.UnionType:  # e.g. int | str: the first arm that fits
+    for arm in typing.get_args(typ):
+      try:
+        return _coerce(key, value, arm)
+      except ConfigError:
+        pass
+    names = ' or '.join(arm.__name__ for arm in typing.get_args(typ))
+    raise ConfigError(f"config key '{key}' must be {names}, got {value!r}")
   if typ is float and not isinstance(value, bool):
     # PyYAML reads '3e-3' (no dot) as a string; accept any float literal.
     try:
@@ -260,6 +273,7 @@ _FLOAT_RANGES = {
     'faults.time_budget': (1.0, math.inf, True, True),
     'faults.cluster_step_s': (0.0, math.inf, False, False),
     'faults.degraded_cost': (0.0, 1.0, False, False),
+    'snapshot.overhead_budget': (0.0, 1.0, False, False),
 }
 _FLOAT_HINTS = {'optimizer.grad_clip': '0 disables clipping',
                 'faults.time_budget': 'a multiple of the fault-free step time; inf = never degrade'}
@@ -315,10 +329,12 @@ def validate(cfg: Config) -> Config:
   if mc.power_iters < 0:
     raise ConfigError(f"mecefo.power_iters must be >= 0, got {mc.power_iters}")
   sn = cfg.snapshot
-  if sn.every < 1 or sn.keep < 1 or sn.durable_every < 0 or sn.durable_keep < 1:
-    raise ConfigError('snapshot.every, snapshot.keep, snapshot.durable_keep must be >= 1 and '
-                      f'snapshot.durable_every >= 0; got {sn.every}, {sn.keep}, {sn.durable_keep}, '
-                      f'{sn.durable_every}')
+  if sn.every != 'auto' and not (isinstance(sn.every, int) and sn.every >= 1):
+    raise ConfigError(f"snapshot.every must be >= 1 or 'auto', got {sn.every!r}")
+  if sn.keep < 1 or sn.durable_every < 0 or sn.durable_keep < 1 or sn.max_every < 1:
+    raise ConfigError('snapshot.keep, snapshot.durable_keep, snapshot.max_every must be >= 1 and '
+                      f'snapshot.durable_every >= 0; got {sn.keep}, {sn.durable_keep}, '
+                      f'{sn.max_every}, {sn.durable_every}')
   f = cfg.faults
   trace = f.failures.startswith('trace:') and f.failures != 'trace:'
   if f.failures not in ('none', 'low', 'mid', 'high') and not trace:

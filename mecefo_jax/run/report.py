@@ -41,10 +41,22 @@ def build(run, steps_done: int, wall_s: float, stopped: str | None, tensorboard:
       'steps_lost_total': run.steps_lost_total(),
       'live_slices_at_end': list(c.live()),
       'snapshots': run.snapshots.report() if run.snapshots else store.OFF,
+      'snapshot_interval': _interval(run),
       **c.programs_report(),
       'tensorboard_dir': str(run.out_dir / 'tb') if tensorboard else None,
       'config': to_dict(cfg),
   }
+
+
+def _interval(run) -> dict:
+  """How the in-memory snapshot interval was chosen (snapshot.every=auto) or set."""
+  sn = run.cfg.snapshot
+  fixed = {'auto': False, 'budget': None, 'max_every': None, 'cost_s': None,
+           'idle_step_s': None, 'every': run.snapshots.every if run.snapshots else 0}
+  if not run.tuner:
+    return {**fixed, 'changes': []}
+  return {'auto': True, **run.tuner.report(), 'every': run.snapshots.every,
+          'changes': run.interval_changes, 'budget': sn.overhead_budget}
 
 
 def _throughput(run, steps_done: int, wall_s: float) -> dict:

@@ -11,8 +11,9 @@ from typing import Any
 
 from mecefo_jax.run.exits import BAD_INPUT
 
-SCHEMA_VERSION = 5  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
-# 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request
+SCHEMA_VERSION = 6  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
+# 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request;
+# 6: snapshot_interval
 
 
 class ReportError(ValueError):
@@ -201,6 +202,19 @@ SNAPSHOTS = Record({
     'durable_saved': Field(INT, '', 'durable checkpoints written by this process'),
     'durable_retained_steps': Field(ListOf(INT), 'steps', 'durable checkpoints on disk at the end'),
 })
+SNAPSHOT_INTERVAL = Record({
+    'auto': Field(BOOL, '', "snapshot.every=auto: the interval was chosen from measured costs "
+                  '(snapshot/interval.py)'),
+    'every': Field(INT, 'steps', 'the in-memory snapshot interval at the end; 0 when disabled'),
+    'budget': Field(Nullable(FLOAT), '', 'snapshot.overhead_budget (auto); null otherwise'),
+    'max_every': Field(Nullable(INT), 'steps', 'snapshot.max_every (auto); null otherwise'),
+    'cost_s': Field(Nullable(FLOAT), 's', 'measured cost of one snapshot to the loop: its wait '
+                    'plus its background work\'s slowdown of the steps beside it (auto)'),
+    'idle_step_s': Field(Nullable(FLOAT), 's', 'median wall of a step with no snapshot work '
+                         '(auto)'),
+    'changes': Field(ListOf(ListOf(INT)), '', '[step, every] at each re-measure of auto (every '
+                     '4 save-to-save periods), the interval set from that step on'),
+})
 PRECOMPILE = Record({
     'enabled': Field(BOOL, '', 'faults.precompile resolved (auto: on for GPU/TPU single-process)'),
     'live_sets': Field(INT, '', 'live sets whose programs were compiled in the background'),
@@ -273,6 +287,8 @@ SCHEMA = Record({
                               'restart and resume counted (history.jsonl\'s thrown_away lines)'),
     'live_slices_at_end': Field(ListOf(INT), '', 'slices live after the last step'),
     'snapshots': Field(SNAPSHOTS, '', 'snapshot tiers of this run'),
+    'snapshot_interval': Field(SNAPSHOT_INTERVAL, '', 'how the in-memory snapshot interval was '
+                               'chosen'),
     'precompile': Field(PRECOMPILE, '', 'programs of live sets one failure or repair away, '
                         'compiled ahead in a background thread'),
     'programs': Field(PROGRAMS, '', 'the step, eval and refresh programs this process built'),

@@ -37,7 +37,8 @@ SNAPSHOT_KEYS = {f.name for f in dataclasses.fields(SnapshotConfig)}
 SAFE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
                   'train.plot', 'train.out_dir', 'train.compile_cache', 'train.move_programs',
                   'train.program_store_mb', 'snapshot.enabled', 'snapshot.dir',
-                  'snapshot.every', 'snapshot.keep', 'snapshot.durable_dir',
+                  'snapshot.every', 'snapshot.overhead_budget', 'snapshot.max_every',
+                  'snapshot.keep', 'snapshot.durable_dir',
                   'snapshot.durable_every', 'snapshot.durable_keep', 'snapshot.keep_when_finished',
                   'faults.precompile')
 

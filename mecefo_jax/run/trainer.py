@@ -22,6 +22,7 @@ from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.resume import Start, initial_state
 from mecefo_jax.run.stop import STOP_FILE, StopRequest, test_death
 from mecefo_jax.snapshot import recovery
+from mecefo_jax.snapshot.interval import IntervalTuner
 from mecefo_jax.snapshot.store import state_nbytes
 from mecefo_jax.step import train_step
 from mecefo_jax.step.store import ProgramStore
@@ -32,6 +33,10 @@ param_count = report.param_count
 # the run with a message): no snapshot ever holds a diverged state, an eval's result is in the
 # snapshot's meta, and a stop is voted on once the step is saved.
 AFTER_STEP = ('divergence', 'eval', 'snapshot', 'metrics', 'stop')
+
+
+def _rounded(x: float | None) -> str:
+  return 'n/a' if x is None else f'{x:.3g}'
 
 
 def perplexity(loss: float) -> float:
@@ -108,6 +113,12 @@ class Trainer:
     except ConfigError:  # nothing to resume: leave no trace of this start
       self._release(remove_empty=True)
       raise
+    sn = cfg.snapshot
+    self.tuner = (IntervalTuner(sn.overhead_budget, sn.max_every)
+                  if self.snapshots and sn.every == 'auto' else None)
+    self.interval_changes: list[list[int]] = []  # [step, every] of each tuner proposal
+    if self.tuner:
+      self.snapshots.every = self.tuner.every
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule,
                                  start.state, self.n_slices, self.presence.ids, program_store)
     # run_state.json: the run's identity, and entries kept while resuming (all_down_at)
@@ -246,6 +257,7 @@ class Trainer:
     cfg = self.cfg
     self._window = (t_start, self.tokens_at_start, self.eval_s)  # for windowed tokens/s
     for step in range(self.start_step, cfg.train.steps):
+      t_step, busy = time.perf_counter(), bool(self.snapshots) and self.snapshots.busy()
       try:
         metrics = self.controller.step(step, time.perf_counter() - t_start)
       except AllSlicesDown as err:
@@ -267,8 +279,27 @@ class Trainer:
         stopped = getattr(self, f'_after_{name}')(step, values, rows, t_start)
         if stopped:
           return step + (name != 'divergence'), stopped
+      if self.tuner:
+        self._tune(step + 1, time.perf_counter() - t_step, busy)
       test_death(self.host, step + 1, *self._settled())
     return cfg.train.steps, None
+
+  def _tune(self, steps_done: int, wall_s: float, busy: bool) -> None:
+    """snapshot.every=auto: feeds the step to the tuner; sets a new interval when it has one
+    (multi-process: the largest any process proposes, so that every process's cost fits)."""
+    tuner, sn = self.tuner, self.snapshots
+    tuner.observe(wall_s, steps_done % sn.every == 0, busy)
+    if not tuner.due():
+      return
+    every = tuner.propose()
+    if multihost.is_multiprocess():
+      every = tuner.every = max(multihost.allgather_json(every))
+    if every != sn.every:
+      log.info('snapshot.every=auto: every %d step(s) from step %d (a snapshot costs %s s beside '
+               'a %s s step; budget %g)', every, steps_done, _rounded(tuner.cost_s),
+               _rounded(tuner.idle_s), tuner.budget)
+      sn.every = every
+    self.interval_changes.append([steps_done, every])
 
   def _settled(self) -> list:
     """What a test's death waits for, so that where it lands is the same in every run."""

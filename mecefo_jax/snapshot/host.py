@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax import multihost
 from mecefo_jax.model.train_state import abstract_state
-from mecefo_jax.snapshot import image, parity
+from mecefo_jax.snapshot import image, interval, parity
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot import store as store_mod
 from mecefo_jax.snapshot.store import OFF_DURABLE, Tier
@@ -48,7 +48,8 @@ class HostSnapshots:
 
   def __init__(self, directory: str | Path, cfg, *, slots=None, durable_dir: str | None = None):
     sn = cfg.snapshot
-    self.cfg, self.every, keep, self.durable_every = cfg, sn.every, sn.keep, sn.durable_every
+    self.cfg, keep, self.durable_every = cfg, sn.keep, sn.durable_every
+    self.every = sn.every if sn.every != 'auto' else interval.START  # auto: the trainer tunes it
     self.slots = tuple(slots if slots is not None else range(jax.process_count()))
     self.slot = self.slots[jax.process_index()]
     self.layout = tuple(sorted(self.slots))  # the hosts of the snapshots saved from now on
@@ -186,6 +187,10 @@ class HostSnapshots:
                                                 source))
     meta.pop(_LAYOUT)
     return image.unpack(np.concatenate(parts)[:self.image_len], target), meta
+
+  def busy(self) -> bool:
+    """Whether this host's part is still being written in the background."""
+    return self._tier.busy()
 
   def wait_until_finished(self) -> None:
     self._tier.wait()

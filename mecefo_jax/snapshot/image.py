@@ -39,21 +39,42 @@ def views(image: np.ndarray, lay: Layout):
     pos += size
 
 
+def split_sources(tree: Any) -> list[frozenset | None]:
+  """For each leaf of `tree` (replicated over its mesh's slices), the devices of the slice it
+  is copied from: the image's bytes cut into one contiguous share per slice, so that every
+  slice copies about 1/n of them over its own host link, all at once (REFT's sharded copy).
+  None for a leaf on no multi-slice mesh (copied from its replica 0)."""
+  lay = layout(tree)
+  sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in lay]
+  total, start, sources = max(sum(sizes), 1), 0, []
+  for leaf, size in zip(jax.tree.leaves(tree), sizes):
+    mesh = getattr(getattr(leaf, 'sharding', None), 'mesh', None)
+    n = mesh.shape.get('slice', 1) if mesh is not None and hasattr(mesh, 'shape') else 1
+    # A leaf goes to the slice whose share holds its middle byte.
+    k = min(n - 1, int((start + size / 2) * n / total))
+    sources.append(frozenset(mesh.devices[k].flat) if n > 1 else None)
+    start += size
+  return sources
+
+
 def pack(tree: Any, out: np.ndarray | None = None, devices=None) -> tuple[np.ndarray, Layout]:
   """(image, layout): the bytes of every leaf of `tree`, in flatten order, copied into `out`
   (reused when it has the right size, else a new buffer). A sharded jax.Array is copied shard
-  by shard straight into its place: its replica-0 shards, or its shards on `devices` if given."""
+  by shard straight into its place: its replica-0 shards, or its shards on `devices` if given
+  (one set for all leaves, or a list of one set per leaf: split_sources; None: replica 0)."""
   lay = layout(tree)
   if out is None or out.shape != (nbytes(lay),):
     out = np.empty(nbytes(lay), np.uint8)
+  leaves = jax.tree.leaves(tree)
+  per_leaf = devices if isinstance(devices, list) else [devices] * len(leaves)
   copies = []  # (destination, source) pairs
-  for leaf, view in zip(jax.tree.leaves(tree), views(out, lay)):
+  for leaf, view, source in zip(leaves, views(out, lay), per_leaf):
     if not isinstance(leaf, jax.Array):
       copies.append((view, leaf))
       continue
     # view[(*index, ...)]: a view even for 0-d leaves, where view[()] would be a scalar copy
     copies += [(view[(*shard.index, ...)], shard.data) for shard in leaf.addressable_shards
-               if ((shard.device in devices) if devices is not None else shard.replica_id == 0)]
+               if ((shard.device in source) if source is not None else shard.replica_id == 0)]
   for _, source in copies:  # start every device-to-host transfer before waiting for the first
     if isinstance(source, jax.Array):
       source.copy_to_host_async()

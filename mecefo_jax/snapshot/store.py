@@ -140,12 +140,13 @@ class Tier:
     self._orbax.reload()  # another process (the crashed trainer) may have written them
     return sorted(self._orbax.all_steps(), reverse=True)
 
-  def save(self, step: int, state: Any, meta: dict, *, background: bool = False) -> bool:
+  def save(self, step: int, state: Any, meta: dict, *, background: bool = False,
+           sources=None) -> bool:
     """Starts saving `state`; False if this tier saved `step` last (another snapshot of that
     step, of an older timeline, is replaced).
     `background`: Orbax's save() runs in the finisher thread too, for a private copy that no
     train step donates; else its D2H copy happens here. A packed tier copies `state` into its
-    image here and saves that in the background."""
+    image here (`sources`: image.pack's devices) and saves that in the background."""
     self.wait()
     if step == self._last_saved:
       return False  # this tier saved that step's state already (a stop right after a save)
@@ -156,7 +157,7 @@ class Tier:
     self._last_saved = step
     items = {'meta': ocp.args.JsonSave(meta)}
     if self.packed:
-      self._image, layout = image.pack(state, self._image)  # the copy off donated buffers
+      self._image, layout = image.pack(state, self._image, sources)  # off donated buffers
       items.update(state=ocp.args.PyTreeSave({'image': self._image}),
                    layout=ocp.args.JsonSave(layout))
       background = True
@@ -181,6 +182,10 @@ class Tier:
         write_manifest(self.step_dir(step))
     except BaseException as e:  # surfaced by the next wait() in the training thread
       self._error = e
+
+  def busy(self) -> bool:
+    """Whether a save of this tier is still being written in the background."""
+    return self._finisher is not None and not self._finisher.done()
 
   def wait(self) -> None:
     if self._finisher is not None:
@@ -289,6 +294,7 @@ class SnapshotManager:
     self._durable = Tier('durable', durable_dir, durable_keep) if durable_dir else None
     self.started = dict.fromkeys(('memory', 'durable'), 0)  # saves started by this manager
     self.skipped = 0  # in-memory snapshots lost to write errors
+    self._sources: tuple = (None, None)  # (slices' device ids, split_sources) of the last save
 
   @property
   def tiers(self) -> list[Tier]:
@@ -327,13 +333,13 @@ class SnapshotManager:
     durable_due = self._durable is not None and (stop or step % self.durable_every == 0)
     if not (memory_due or durable_due):
       return ()
-    state = sharding.first_replica(state)  # the slices hold identical copies
+    replicas, state = state, sharding.first_replica(state)  # the slices hold identical copies
     if not self._capacity_checked:
       durable_dir = self._durable.directory if self._durable else None
       self._check_dirs(Path(self._memory.directory), durable_dir, state_nbytes(state))
       self._capacity_checked = True
     meta = json.loads(json.dumps(meta))  # written later in the background: freeze it now
-    if memory_due and not self._save_memory(step, state, meta):
+    if memory_due and not self._save_memory(step, replicas, meta):
       memory_due = False
     if durable_due:
       copy = self.copy_before_save if self.copy_before_save is not None else _on_cpu(state)
@@ -350,10 +356,18 @@ class SnapshotManager:
     snapshot with a warning and training goes on with the durable tier and the next one."""
     self._memory_wait()
     try:
-      return self._memory.save(step, state, meta)
+      return self._memory.save(step, state, meta, sources=self._split_sources(state))
     except (SnapshotError, OSError) as err:
       self._skip(err)
       return False
+
+  def _split_sources(self, state: Any) -> list:
+    """image.split_sources of `state`, kept while its slices stay the same."""
+    mesh = getattr(jax.tree.leaves(state)[0].sharding, 'mesh', None)
+    key = tuple(d.id for d in mesh.devices.flat) if hasattr(mesh, 'devices') else None
+    if self._sources[0] != key:
+      self._sources = (key, image.split_sources(state))
+    return self._sources[1]
 
   def _memory_wait(self) -> None:
     try:
@@ -392,6 +406,10 @@ class SnapshotManager:
                if self._durable else OFF_DURABLE)
     return {'enabled': True, **self._memory.report('', self.every, self.started['memory']),
             'skipped': self.skipped, **durable}
+
+  def busy(self) -> bool:
+    """Whether the in-memory snapshot is still being written in the background."""
+    return self._memory.busy()
 
   def wait_until_finished(self) -> None:
     """Blocks until every started snapshot is written and has its manifest."""

@@ -1,0 +1,76 @@
+"""snapshot.every: auto: the smallest snapshot interval whose measured cost fits a budget.
+
+CheckFreq (FAST'21) tunes the interval from measured costs; BAFT and REFT aim at <= 1% overhead
+at the highest frequency that allows. What a snapshot costs the loop is measured, not modelled:
+over the k steps from one save to the next, wall = k * idle + cost, where idle is the wall of a
+step that neither starts a save nor runs beside one, and cost is the save's wait plus whatever
+its background work takes from the steps beside it. The interval is then the smallest k with
+cost / (k * idle) <= budget, capped at max_every (the steps a crash may cost).
+"""
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+
+START = 8  # the interval auto starts from: room for idle steps between saves to compare with
+
+
+def smallest_interval(cost_s: float, step_s: float, budget: float, max_every: int) -> int:
+  """The smallest k >= 1 with cost_s / (k * step_s) <= budget, at most max_every."""
+  if cost_s <= 0 or step_s <= 0:
+    return 1
+  return max(1, min(max_every, math.ceil(cost_s / (budget * step_s) * (1 - 1e-9))))
+
+
+class IntervalTuner:
+  """Watches the loop's steps and proposes the interval every `periods` save-to-save periods
+  (a fixed number of periods, so that every process of a job proposes at the same step)."""
+
+  def __init__(self, budget: float, max_every: int, start: int = START, periods: int = 4):
+    self.budget, self.max_every, self.periods = budget, max_every, periods
+    self.every = min(start, max_every)
+    self._idle = collections.deque(maxlen=64)  # walls of idle steps
+    self._costs: list[float] = []  # cost of each complete period since the last proposal
+    self._closed = 0  # periods completed since the last proposal (with a cost or not)
+    self._period: list[float] | None = None  # walls of the period in progress
+    self.idle_s: float | None = None
+    self.cost_s: float | None = None
+
+  def observe(self, wall_s: float, saved: bool, busy: bool) -> None:
+    """One step: its wall time (iteration to iteration), whether a save was due after it (the
+    same on every process, whether this host saved or not), whether background save work was
+    running when it started."""
+    if saved:
+      self._close_period()
+      self._period = []
+    if self._period is not None:
+      self._period.append(wall_s)
+    if not saved and not busy:
+      self._idle.append(wall_s)
+
+  def _close_period(self) -> None:
+    self._closed += self._period is not None
+    if self._period and self._idle:
+      self.idle_s = statistics.median(self._idle)
+      self._costs.append(sum(self._period) - len(self._period) * self.idle_s)
+
+  def due(self) -> bool:
+    """Whether propose() has a new interval (the same step on every process of a job)."""
+    return self._closed >= self.periods
+
+  def propose(self) -> int:
+    """The interval for the measurements since the last proposal; with no idle step seen yet
+    (every step ran beside a save), twice the interval, to find some."""
+    if not self._costs:
+      proposal = min(2 * self.every, self.max_every)
+    else:
+      self.cost_s = max(0.0, statistics.median(self._costs))
+      proposal = smallest_interval(self.cost_s, self.idle_s, self.budget, self.max_every)
+    self._costs, self._closed = [], 0
+    self.every = proposal
+    return proposal
+
+  def report(self) -> dict:
+    return {'budget': self.budget, 'max_every': self.max_every, 'every': self.every,
+            'cost_s': self.cost_s, 'idle_step_s': self.idle_s}
