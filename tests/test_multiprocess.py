@@ -101,6 +101,24 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   assert result['snapshots']['durable_retained_steps'][-1] == STEPS
 
 
+def test_an_auto_interval_is_agreed_by_every_process(launcher, tmp_path):
+  """snapshot.every=auto in a 2-process job: the processes propose at the same steps and take
+  the larger interval, so both hosts keep their parts of the same steps."""
+  steps = 30
+  codes = wait_all(_spawn(launcher, tmp_path, 'auto', 2, f'train.steps={steps}',
+                          'snapshot.every=auto', 'snapshot.max_every=3', 'snapshot.keep=3',
+                          'snapshot.durable_every=0', 'snapshot.keep_when_finished=true'), 420)
+  assert codes == [0, 0], _logs(tmp_path, 'auto')
+  interval = report(tmp_path / 'auto')['snapshot_interval']
+  # Saves every 3 steps at first; a proposal every 4 save-to-save periods.
+  assert interval['auto'] and [s for s, _ in interval['changes']][:2] == [15, 15 + 4 * interval[
+      'changes'][0][1]], interval
+  memory = tmp_path / 'auto_shm' / rundir.read_run_state(tmp_path / 'auto')['run_id']
+  held = [sorted(int(p.name) for p in (memory / f'host{h}').iterdir() if p.name.isdigit())
+          for h in (0, 1)]
+  assert held[0] == held[1] and held[0][-1] == steps, held
+
+
 # --- the same helpers in one process (fast): what a multi-process run builds on ---------------
 
 @pytest.fixture(scope='module')
