@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mecefo_jax.config import ModelConfig, load_config, resolve_compute_dtype
+from mecefo_jax.config import (ConfigError, ModelConfig, load_config, resolve_compute_dtype,
+                               to_dict)
 from mecefo_jax.model import llama
 from mecefo_jax.run import rundir
 from mecefo_jax.run.trainer import Trainer
@@ -79,3 +80,13 @@ def test_runs_record_the_resolved_dtype_and_a_resume_in_another_one_warns(tmp_pa
   state = rundir.read_run_state(out)
   assert (state['status'], state['compute_dtype'], state['platform']) == ('finished', 'float32',
                                                                           'cpu')
+
+
+def test_a_resume_may_name_another_compute_dtype(tmp_path):
+  cfg = lambda *o: load_config(None, ['train.steps=4', *o])
+  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', config=to_dict(cfg()))
+  checked = rundir.check_start(tmp_path, cfg('model.compute_dtype=bfloat16'), resume=True,
+                               replace=False)
+  assert checked['run_id'] == 'abc'
+  with pytest.raises(ConfigError, match=r'model\.param_dtype'):  # the state's dtype may not
+    rundir.check_start(tmp_path, cfg('model.param_dtype=bfloat16'), resume=True, replace=False)
