@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The accelerator benchmarks of docs/benchmarks.md in parts that each fit a 10-minute call.
 # Usage: benchmarks/gpu_suite.sh PART OUT_DIR   (PART: mfu | step_cost | ablation | snapshot | failure)
-# Each part writes at most 8 files (one JSON and one log per run) into OUT_DIR, bf16 compute.
+# Each part writes at most 8 files (one JSON and one log per run) into OUT_DIR, bf16 compute
+# (model.compute_dtype=auto, the default, on an accelerator; float32 in a CPU smoke test).
 # MODELS overrides the part's model list (e.g. MODELS=tiny for a CPU smoke test).
 set -uo pipefail
 part=${1:?part: mfu | step_cost | ablation | snapshot | failure}
@@ -9,7 +10,6 @@ out=${2:?output directory}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-bf16=model.compute_dtype=bfloat16
 py=${PYTHON:-python3}
 
 # run NAME SECONDS -m benchmarks.MODULE ARGS...: one benchmark (python -m, from the repository
@@ -25,15 +25,15 @@ case $part in
   mfu)
     for m in ${MODELS:-llama_350m llama_1b}; do
       run "mfu_$m" 280 -m benchmarks.mfu --config "configs/$m.yaml" --micro-batches 8,16,32 \
-        --repeats 20 "$bf16"
+        --repeats 20
     done ;;
   step_cost)
     for m in ${MODELS:-llama_60m llama_130m llama_350m}; do
-      run "step_cost_$m" 180 -m benchmarks.step_cost --config "configs/$m.yaml" --repeats 20 "$bf16"
+      run "step_cost_$m" 180 -m benchmarks.step_cost --config "configs/$m.yaml" --repeats 20
     done ;;
   ablation)
     for m in ${MODELS:-llama_60m llama_130m llama_350m}; do
-      run "ablation_$m" 180 -m benchmarks.ablation --config "configs/$m.yaml" --repeats 20 "$bf16"
+      run "ablation_$m" 180 -m benchmarks.ablation --config "configs/$m.yaml" --repeats 20
     done ;;
   snapshot)
     # The in-memory tier wants tmpfs; containers often give /dev/shm only 64 MB (350m: ~4 GB).
@@ -44,12 +44,12 @@ case $part in
     mkdir -p "$snap"
     for m in ${MODELS:-llama_60m llama_350m}; do
       run "snapshot_$m" 270 -m benchmarks.snapshot_overhead --config "configs/$m.yaml" \
-        --dir "$snap" "$bf16"
+        --dir "$snap"
     done ;;
   failure)
     for m in ${MODELS:-llama_60m}; do
       run "failure_$m" 540 -m benchmarks.failure_throughput --config "configs/$m.yaml" --slices 8 \
-        --measure anchors --rate per_device --repeats 10 "$bf16"
+        --measure anchors --rate per_device --repeats 10
     done ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """Model FLOPs utilisation (MFU) of the normal step on one device, over a sweep of micro-batch sizes.
 
-Run: python -m benchmarks.mfu --config configs/llama_350m.yaml --micro-batches 8,16,32 --json OUT.json \
-         model.compute_dtype=bfloat16
+Run: python -m benchmarks.mfu --config configs/llama_350m.yaml --micro-batches 8,16,32 --json OUT.json
+(model.compute_dtype=auto, the default: bfloat16 on an accelerator)
 MFU = model FLOPs per step / step time / the device's peak dense bf16 FLOP/s. Model FLOPs follow
 the PaLM convention: 6 × matmul params per token (the untied LM head included, the embedding
 lookup not) + 12 × layers × seq_len × d_model per token for attention scores (causal masking not
@@ -100,16 +100,18 @@ def main(argv=None):
   peak = args.peak_tflops or peak_tflops(device['device_kind'])
   table = rows(cfg, measure(cfg, batches, args.repeats), peak)
   best = max((r['mfu'] for r in table if r['mfu'] is not None), default=None)
+  dtype = llama.compute_dtype(cfg.model).name  # `auto` resolved on this backend
   result = {
       **info, 'config': args.config, 'overrides': args.overrides,
-      'compute_dtype': cfg.model.compute_dtype, 'peak_tflops': peak,
+      'compute_dtype': dtype, 'peak_tflops': peak,
       'peak_source': 'argument' if args.peak_tflops else ('table' if peak else None),
       'model_flops_per_token': model_flops_per_token(cfg.model), 'rows': table, 'best_mfu': best,
   }
   if peak is None:
     print(f'note: no peak FLOP/s known for {device["device_kind"]!r}; pass --peak-tflops for MFU')
-  if cfg.model.compute_dtype != 'bfloat16' and peak is not None:
-    print('note: MFU is against the bf16 peak; set model.compute_dtype=bfloat16 on accelerators')
+  if dtype != 'bfloat16' and peak is not None:
+    print(f'note: MFU is against the bf16 peak, and this run computes in {dtype} '
+          '(model.compute_dtype=auto is bfloat16 on accelerators)')
   common.emit(result, common.markdown_table(table, list(table[0])), args.json)
   return result
 

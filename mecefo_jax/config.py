@@ -21,10 +21,19 @@ BASIS_NAMES = ('svd', 'gaussian')
 # device pays; CPU step times give 0.3-0.6. Too high only degrades more rows than needed.
 DEGRADED_COST = 0.65
 DEFAULT_OUT = 'runs/latest'
+COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
 
 
 class ConfigError(ValueError):
   """A bad configuration value; the message is one line naming the key and what is allowed."""
+
+
+def resolve_compute_dtype(compute_dtype: str, platform: str) -> str:
+  """model.compute_dtype on a backend (a jax platform name: 'cpu', 'gpu', 'tpu'): `auto` is
+  float32 on CPU, bfloat16 on any accelerator; a named dtype stays as it is."""
+  if compute_dtype != 'auto':
+    return compute_dtype
+  return 'float32' if platform == 'cpu' else 'bfloat16'
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,9 @@ class ModelConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
   init_std: float = 0.02
-  compute_dtype: str = 'float32'  # 'bfloat16' on accelerators; params stay param_dtype
+  # auto: bfloat16 on TPU/GPU, float32 on CPU (its bfloat16 matmuls are emulated, slower),
+  # resolved by resolve_compute_dtype where the backend is known; params stay param_dtype.
+  compute_dtype: str = 'auto'
   param_dtype: str = 'float32'
 
   @property
@@ -149,7 +160,7 @@ class Config:
 
 
 _CHOICES = {
-    'model.compute_dtype': ('float32', 'bfloat16', 'float16'),
+    'model.compute_dtype': ('auto', *COMPUTE_DTYPES),
     'model.param_dtype': ('float32', 'bfloat16'),
     'mecefo.ffn_remat': ('full', 'dots'),
     'mecefo.refresh': ('warm', 'full'),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mecefo_jax import install
 from mecefo_jax.config import _FLOAT_RANGES, Config, ConfigError, load_config
 from mecefo_jax.run import cli, exits, plot, report_schema, rundir, stop
 from mecefo_jax.run.metrics import MetricsWriter, to_json
@@ -301,23 +302,10 @@ def test_exit_codes_are_the_documented_numbers():
 
 # ---- packaging -------------------------------------------------------------------------------
 
-def _requirement_sets() -> tuple[set, set]:
-  """requirements.txt's (runtime, test) requirements: the test ones follow `# Tests`."""
-  runtime, test = set(), set()
-  current = runtime
-  for line in (ROOT / 'requirements.txt').read_text().splitlines():
-    if line.strip().lower() == '# tests':
-      current = test
-    requirement = line.split('#', 1)[0].replace(' ', '')
-    if requirement:
-      current.add(requirement)
-  return runtime, test
-
-
 def test_pyproject_dependencies_match_requirements_txt():
   tomllib = pytest.importorskip('tomllib')  # Python >= 3.11
   project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
-  runtime, test = _requirement_sets()
+  runtime, test = map(set, install.sections((ROOT / 'requirements.txt').read_text()))
   assert {d.replace(' ', '') for d in project['dependencies']} == runtime
   assert {d.replace(' ', '') for d in project['optional-dependencies']['test']} == test
   assert any(r.startswith('xxhash') for r in runtime)

@@ -35,6 +35,7 @@ def test_mfu_run_agrees_with_xla(launcher, tmp_path):
     assert 1.0 <= row['xla_tflops_per_s'] / row['model_tflops_per_s'] < 1.2
   assert result['best_mfu'] == max(r['mfu'] for r in result['rows'])
   assert result['peak_source'] == 'argument'
+  assert result['compute_dtype'] == 'float32'  # model.compute_dtype=auto, resolved on CPU
 
 
 def test_rows_without_a_peak_have_no_mfu():

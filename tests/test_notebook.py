@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
+from mecefo_jax import install
 from mecefo_jax.config import FaultConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +46,49 @@ def test_section_5_names_the_takeover_policy_its_code_runs():
   override = re.search(r'faults\.takeover=(\w+)', cells[i + 1].source)
   policy = override.group(1) if override else FaultConfig.takeover
   assert f'default takeover policy, `{policy}`' in ' '.join(cells[i].source.split())
+
+
+# ---- the install cell's check (mecefo_jax/install.py) -------------------------------------------
+FAKE = {'jax': '0.10.2', 'flax': '0.12.8', 'pyyaml': '6.0.1', 'xxhash': '3.0.0', 'numpy': '2.1rc1'}
+
+
+def test_requirements_txt_sections():
+  runtime, test = install.sections((ROOT / 'requirements.txt').read_text())
+  names = [r.split('>')[0].split('=')[0] for r in runtime]
+  assert {'jax', 'flax', 'xxhash', 'tqdm', 'tensorboardX', 'matplotlib'} <= set(names)
+  assert 'pytest>=8' in test and 'pytest>=8' not in runtime
+  assert install.sections('a==1  # why\n# Tests\nb>=2\n') == (['a==1'], ['b>=2'])
+
+
+@pytest.mark.parametrize('requirement, met', [
+    ('jax>=0.10,<0.12', True), ('jax>=0.11', False), ('flax==0.12.8', True),
+    ('flax==0.12.7', False), ('PyYAML>=6', True), ('xxhash>=3.4', False), ('tqdm>=4.66', False),
+    ('numpy>=2.0', True), ('numpy>=2.1', False),  # a pre-release installed: by its order
+    ('tqdm>=4.66; python_version < "3"', True),  # not for this Python
+])
+def test_unmet_compares_installed_versions_with_the_specifiers(requirement, met):
+  assert install.unmet([requirement], FAKE.get) == ([] if met else [requirement])
+
+
+def test_this_environment_meets_the_runtime_requirements():
+  """What lets the notebook run in CI without a pip call (it would need the network)."""
+  runtime, _ = install.sections((ROOT / 'requirements.txt').read_text())
+  assert install.unmet(runtime) == []
+  assert install.installed_version('no-such-distribution-mecefo') is None
+
+
+@pytest.mark.parametrize('plugin, jax', [(None, 'jax>=0.10,<0.12'),
+                                         ('libtpu', 'jax[tpu]<0.12,>=0.10'),
+                                         ('jax-cuda12-plugin', 'jax[cuda12]<0.12,>=0.10')])
+def test_pip_args_keep_the_accelerator_plugin_in_step_with_jax(plugin, jax):
+  version = {plugin: '1.0'}.get
+  assert install.pip_args(['jax>=0.10,<0.12', 'flax==0.12.8'], version) == [jax, 'flax==0.12.8']
+
+
+def test_imported_names_the_modules_a_kernel_would_keep_at_their_old_version():
+  import yaml  # noqa: F401  (PyYAML's module)
+  assert 'yaml' in install.imported(['pyyaml>=6'])
+  assert install.imported(['no-such-distribution-mecefo>=1']) == []
 
 
 def _kernelspec(tmp_path: Path) -> Path:
@@ -91,6 +136,7 @@ def test_notebook_runs_on_cpu(launcher, tmp_path, monkeypatch):
   assert not errors, errors
   text = _text(nb)
   assert f'python: {sys.executable}' in text, 'the kernel is not this interpreter'
+  assert 'runtime packages installed at allowed versions' in text, 'the install cell ran pip'
   assert 'mesh of 4 slices' in text
   assert 'relative difference (with failure vs fault-free)' in text
   assert 'slice 1 FAILED' in text and 'slice 1 repaired' in text

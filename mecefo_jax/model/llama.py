@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mecefo_jax import ops
-from mecefo_jax.config import ModelConfig
+from mecefo_jax.config import ModelConfig, resolve_compute_dtype
 from mecefo_jax.layers import MeCeFOLinear
 
 # Top-level parameter names inside a block whose gradient comes only from exact micro-batches.
@@ -40,8 +40,14 @@ class Degrade:
 NONE, FULL = Degrade(), Degrade(True, True, True)
 
 
+def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
+  """The dtype activations and matmuls run in: cfg.compute_dtype, `auto` resolved for the
+  default backend (the one a run's devices are on)."""
+  return jnp.dtype(resolve_compute_dtype(cfg.compute_dtype, jax.default_backend()))
+
+
 def _linear(d_in, d_out, axes, cfg: ModelConfig, rngs):
-  return MeCeFOLinear(d_in, d_out, use_bias=False, dtype=jnp.dtype(cfg.compute_dtype),
+  return MeCeFOLinear(d_in, d_out, use_bias=False, dtype=compute_dtype(cfg),
                       param_dtype=jnp.dtype(cfg.param_dtype),
                       kernel_init=nnx.initializers.normal(cfg.init_std),
                       kernel_metadata={'logical_axes': axes}, rngs=rngs)
@@ -129,7 +135,7 @@ class LLaMA(nnx.Module):
       setattr(self, f'block{i}', Block(cfg, rngs))
     self.final_norm = RMSNorm(cfg.d_model, cfg)
     self.head = _linear(cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), cfg, rngs)
-    self.n_layers, self.dtype = cfg.n_layers, jnp.dtype(cfg.compute_dtype)
+    self.n_layers, self.dtype = cfg.n_layers, compute_dtype(cfg)
 
   def __call__(self, tokens_BxL, degraded: bool | Degrade = False, bases=None, remat: str = 'dots'):
     h = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)

@@ -32,6 +32,7 @@ def build(run, steps_done: int, wall_s: float, stopped: str | None, tensorboard:
       'params_sha256': params_sha256(run),
       'param_count': param_count(run.state.params), 'entropy_floor': run.corpus.entropy_floor(),
       'losses': losses, 'mesh': dict(run.mesh.shape), 'device': jax.devices()[0].device_kind,
+      'compute_dtype': run.compute_dtype,
       'step_memory': run.memory, 'takeover': cfg.faults.takeover,
       'failures': cfg.faults.failures, 'failure_events': c.events,
       'scheduled_events': [e.to_dict() for e in run.schedule.all_events()],

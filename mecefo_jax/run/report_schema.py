@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mecefo_jax.config import COMPUTE_DTYPES
 from mecefo_jax.run.exits import BAD_INPUT
 
 SCHEMA_VERSION = 6  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
 # 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request;
-# 6: snapshot_interval
+# 6: snapshot_interval, compute_dtype (model.compute_dtype resolved on the run's backend)
 
 
 class ReportError(ValueError):
@@ -260,6 +261,9 @@ SCHEMA = Record({
                     'step; the loss is null if not finite (diverged)'),
     'mesh': Field(MapOf(INT), 'devices', "mesh axis sizes: {'slice', 'fsdp', 'tensor'}"),
     'device': Field(STR, '', 'device kind, e.g. cpu, NVIDIA H100 80GB HBM3, TPU v5 lite'),
+    'compute_dtype': Field(Choice(COMPUTE_DTYPES), '', 'dtype of activations and matmuls: '
+                           "model.compute_dtype, 'auto' resolved on this backend (bfloat16 on "
+                           'TPU/GPU, float32 on CPU); params stay model.param_dtype'),
     'step_memory': Field(MapOf(INT), 'bytes', 'compiled fault-free step per device (argument, '
                          'output, temp, alias, generated code); {} where the backend has none '
                          'or the run (re)started with slices down (it builds the takeover\'s '

@@ -10,9 +10,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from mecefo_jax import multihost
-from mecefo_jax.config import Config, ConfigError
-from mecefo_jax.model import train_state
+from mecefo_jax.config import Config, ConfigError, to_dict
+from mecefo_jax.model import llama, train_state
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.metrics import last_logged_step
 from mecefo_jax.snapshot import recovery
@@ -63,3 +65,26 @@ def _reached(out_dir: Path) -> int | None:
   known = [n for n in (rundir.read_reached(out_dir), logged + 1 if logged is not None else None)
            if n is not None]
   return max(known, default=None)
+
+
+def carried_state(cfg: Config, run_id: str, presence, previous: dict, resume: bool) -> dict:
+  """run_state.json's entries of this start: the run's identity, its config as given (`auto`
+  stays auto, so that a resume on another backend resolves it there), its layout, and the
+  platform and compute dtype it trains in. A resume in another compute dtype than the run's
+  says so in one warning line."""
+  platform = jax.devices()[0].platform
+  state = {'run_id': run_id, 'config': to_dict(cfg), 'n_slices': presence.n_slices,
+           'n_hosts': presence.n_hosts, 'platform': platform,
+           'compute_dtype': llama.compute_dtype(cfg.model).name}
+  if platform == 'cpu':  # simulated devices: a resume simulates as many
+    state['host_devices'] = jax.local_device_count()
+  before = previous.get('compute_dtype') if resume else None
+  if before and before != state['compute_dtype']:
+    # The snapshots hold the params and optimizer state in model.param_dtype whatever the
+    # compute dtype, so the run goes on; only the rounding of activations and matmuls changes.
+    log.warning('resumed on %s computing in %s (model.compute_dtype=%s), where the run computed '
+                'in %s on %s: the state carries over unchanged (params in %s), the rounding '
+                'of activations and matmuls changes from here', platform,
+                state['compute_dtype'], cfg.model.compute_dtype, before,
+                previous.get('platform', 'another backend'), cfg.model.param_dtype)
+  return state

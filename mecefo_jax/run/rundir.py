@@ -34,7 +34,9 @@ OUTPUTS = (METRICS_FILE, REPORT, PLOT, TB_DIR, RUN_STATE, FAILURES, HISTORY, REA
 SNAPSHOT_KEYS = {f.name for f in dataclasses.fields(SnapshotConfig)}
 # Keys a resumed run may change, as none changes what is trained (README: Snapshots and
 # resume); train.steps only upward (the learning-rate schedule then follows the new length).
-SAFE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
+# model.compute_dtype: the state is in param_dtype whatever it is, and `auto` changes it with
+# the backend anyway; only the rounding of activations and matmuls differs.
+SAFE_ON_RESUME = ('model.compute_dtype', 'train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
                   'train.plot', 'train.out_dir', 'train.compile_cache', 'train.move_programs',
                   'train.program_store_mb', 'snapshot.enabled', 'snapshot.dir',
                   'snapshot.every', 'snapshot.overhead_budget', 'snapshot.max_every',

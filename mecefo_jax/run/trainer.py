@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from mecefo_jax import multihost
-from mecefo_jax.config import Config, ConfigError, to_dict
+from mecefo_jax.config import Config, ConfigError
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule
@@ -19,7 +19,7 @@ from mecefo_jax.model import llama, train_state
 from mecefo_jax.run import evaluation, hints, presence, report, rundir
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.run.progress import Progress
-from mecefo_jax.run.resume import Start, initial_state
+from mecefo_jax.run.resume import Start, carried_state, initial_state
 from mecefo_jax.run.stop import STOP_FILE, StopRequest, test_death
 from mecefo_jax.snapshot import recovery
 from mecefo_jax.snapshot.interval import IntervalTuner
@@ -122,10 +122,8 @@ class Trainer:
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule,
                                  start.state, self.n_slices, self.presence.ids, program_store)
     # run_state.json: the run's identity, and entries kept while resuming (all_down_at)
-    self._carried_state = {'run_id': self.run_id, 'config': to_dict(cfg),
-                           'n_slices': self.n_slices, 'n_hosts': self.presence.n_hosts}
-    if jax.devices()[0].platform == 'cpu':  # simulated devices: a resume simulates as many
-      self._carried_state['host_devices'] = jax.local_device_count()
+    self._carried_state = carried_state(cfg, self.run_id, self.presence, previous, resume)
+    self.compute_dtype = self._carried_state['compute_dtype']  # model.compute_dtype resolved
     self._continue(start, previous)
     self._finished = (resume and self.start_step >= cfg.train.steps and
                       previous.get('status') == 'finished')
@@ -194,8 +192,8 @@ class Trainer:
     n = param_count(self.state.params)
     f = self.cfg.faults
     return (f'model {n / 1e6:.2f}M params | mesh {dict(self.mesh.shape)} on {jax.device_count()} '
-            f'{jax.devices()[0].platform} device(s) | global batch {self.n_slices}x'
-            f'{self.cfg.train.micro_batch}x{self.cfg.model.seq_len} tokens | failures '
+            f'{jax.devices()[0].platform} device(s), compute {self.compute_dtype} | global batch '
+            f'{self.n_slices}x{self.cfg.train.micro_batch}x{self.cfg.model.seq_len} tokens | failures '
             f'{f.failures}, takeover {f.takeover} | snapshots '
             f'{"on" if self.snapshots else "off"} | compile {self.compile_s:.1f}s')
 
@@ -204,7 +202,8 @@ class Trainer:
     return {'param_count': param_count(self.state.params), 'mesh': dict(self.mesh.shape),
             'devices': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
             'global_batch': [self.n_slices, self.cfg.train.micro_batch, self.cfg.model.seq_len],
-            'state_bytes': state_nbytes(self.state), 'compile_s': round(self.compile_s, 2),
+            'compute_dtype': self.compute_dtype, 'state_bytes': state_nbytes(self.state),
+            'compile_s': round(self.compile_s, 2),
             'step_memory_bytes': self.memory, 'data': self.corpus.describe()}
 
   def evaluate(self, n_batches: int = 4) -> float:
