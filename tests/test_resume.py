@@ -191,3 +191,18 @@ def test_the_loop_runs_its_after_step_hooks_in_their_declared_order(tmp_path, mo
   assert [e['step'] for e in result['evals']] == [0, 1]  # an eval is in the next snapshot's meta
   assert result == {**result, 'steps_lost_total': 0, 'param_count': run_report.param_count(
       run.state.params)}
+
+
+def test_only_process_0_writes_the_run_records(tmp_path):
+  from mecefo_jax.run.records import RunRecords
+  event = {'step': 3, 'slice': 1, 'kind': 'fail', 'source': 'trace:t'}
+  for enabled in (False, True):
+    records = RunRecords(tmp_path, enabled)
+    records.open_reached()
+    records.reached(4)
+    records.events([event])
+    records.history('stop', step=4)
+    records.close_reached()
+  assert rundir.read_reached(tmp_path) == 4
+  assert [e['kind'] for e in rundir.read_history(tmp_path)] == ['failure', 'stop']
+  assert (tmp_path / 'failures.txt').read_text().splitlines()[1:] == ['3 1 fail  # trace:t']

@@ -39,7 +39,7 @@ def build(run, steps_done: int, wall_s: float, stopped: str | None, tensorboard:
       'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': stopped,
       'preempted': run.stop_reason is not None, 'diverged_at_step': run.diverged_at,
       'resumed_from_step': run.resumed_from, 'steps_lost': run.steps_lost,
-      'steps_lost_total': run.steps_lost_total(),
+      'steps_lost_total': run.records.steps_lost_total(),
       'live_slices_at_end': list(c.live()),
       'snapshots': run.snapshots.report() if run.snapshots else store.OFF,
       'snapshot_interval': _interval(run),
@@ -57,7 +57,7 @@ def _interval(run) -> dict:
   if not run.tuner:
     return {**fixed, 'changes': []}
   return {'auto': True, **run.tuner.report(), 'every': run.snapshots.every,
-          'changes': run.interval_changes, 'budget': sn.overhead_budget}
+          'budget': sn.overhead_budget}
 
 
 def _throughput(run, steps_done: int, wall_s: float) -> dict:

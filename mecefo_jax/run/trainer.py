@@ -19,6 +19,7 @@ from mecefo_jax.model import llama, train_state
 from mecefo_jax.run import evaluation, hints, presence, report, rundir
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.run.progress import Progress
+from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.resume import Start, carried_state, initial_state
 from mecefo_jax.run.stop import STOP_FILE, StopRequest, test_death
 from mecefo_jax.snapshot import recovery
@@ -33,10 +34,6 @@ param_count = report.param_count
 # the run with a message): no snapshot ever holds a diverged state, an eval's result is in the
 # snapshot's meta, and a stop is voted on once the step is saved.
 AFTER_STEP = ('divergence', 'eval', 'snapshot', 'metrics', 'stop')
-
-
-def _rounded(x: float | None) -> str:
-  return 'n/a' if x is None else f'{x:.3g}'
 
 
 def perplexity(loss: float) -> float:
@@ -85,6 +82,7 @@ class Trainer:
     if multihost.is_multiprocess():
       multihost.check_slices_within_processes(self.mesh)
     self.is_chief = jax.process_index() == 0  # the one process that writes the run's files
+    self.records = RunRecords(self.out_dir, self.is_chief)
     self.host = self.presence.slots[jax.process_index()]
     m = cfg.model
     self.corpus = load_corpus(cfg.train.data, seq_len=m.seq_len, seed=cfg.train.seed,
@@ -116,7 +114,6 @@ class Trainer:
     sn = cfg.snapshot
     self.tuner = (IntervalTuner(sn.overhead_budget, sn.max_every)
                   if self.snapshots and sn.every == 'auto' else None)
-    self.interval_changes: list[list[int]] = []  # [step, every] of each tuner proposal
     if self.tuner:
       self.snapshots.every = self.tuner.every
     self.controller = Controller(cfg, self.mesh, self.graphdef, self.corpus, self.schedule,
@@ -153,31 +150,7 @@ class Trainer:
         self._carried_state['all_down_at'] = all_down_at
         if start.step <= all_down_at:  # every slice was down there; a resume means they are back
           c.devices_back_at = all_down_at
-    # history.jsonl has the restored events already; failures.txt is cut back to them.
-    self._events_written = len(start.meta['controller']['events']) if start.meta else 0
-    if self.is_chief:
-      if start.steps_lost:
-        rundir.append_history(self.out_dir, 'thrown_away', from_step=start.step,
-                              to_step=start.reached)
-      rundir.append_history(self.out_dir, 'start', step=start.step, restored=start.where,
-                            hosts=sorted(self.presence.slots), live=list(c.live()))
-      self._record_events(cut_back=True)
-
-  def _record_events(self, cut_back: bool = False) -> None:
-    """failures.txt (the failures of the state held now) and history.jsonl (new events)."""
-    events = self.controller.events
-    if not self.is_chief or (len(events) == self._events_written and not cut_back):
-      return
-    for event in events[self._events_written:]:
-      rundir.append_history(self.out_dir, 'failure', event=event)
-    rundir.write_failures(self.out_dir, events, hints.replay(self.out_dir))
-    self._events_written = len(events)
-
-  def steps_lost_total(self) -> int:
-    """Steps trained again over the run's life (history.jsonl, process 0's)."""
-    return multihost.on_chief(lambda: sum(
-        e['to_step'] - e['from_step'] for e in rundir.read_history(self.out_dir)
-        if e['kind'] == 'thrown_away'))
+    self.records.start(start, c.events, self.presence.slots, c.live())
 
   @property
   def state(self):
@@ -219,7 +192,7 @@ class Trainer:
     progress = Progress(cfg.train.steps, self.start_step, self.n_slices, cfg.faults.takeover,
                         self.progress_mode)
     writer = MetricsWriter(self.out_dir, fresh=self.start_step == 0, enabled=self.is_chief)
-    self._reached = rundir.Reached(self.out_dir) if self.is_chief else None
+    self.records.open_reached()
     try:
       with writer, progress:
         self._writer, self._progress = writer, progress
@@ -227,8 +200,7 @@ class Trainer:
         if not stopped and not (self.evals and self.evals[-1]['step'] == cfg.train.steps - 1):
           self._emit(self._eval_row(cfg.train.steps - 1, t_start))  # the final eval
     finally:
-      if self._reached:
-        self._reached.close()
+      self.records.close_reached()
     jax.block_until_ready(self.state)
     wall_s = time.perf_counter() - t_start
     if not stopped:  # the final state as a durable checkpoint too: a later --resume extends it
@@ -239,8 +211,8 @@ class Trainer:
     status = 'stopped' if stopped else 'finished'
     if self.is_chief:
       (self.out_dir / rundir.REPORT).write_text(to_json(result, indent=2))
-      rundir.append_history(self.out_dir, 'end', status=status, step=steps_done,
-                            why=stopped or 'trained train.steps')
+    self.records.history('end', status=status, step=steps_done,
+                         why=stopped or 'trained train.steps')
     self._write_run_state(status)
     self._finished = not stopped
     if cfg.train.plot and self.is_chief:
@@ -265,40 +237,23 @@ class Trainer:
         log.error('%s', message)
         self._carried_state['all_down_at'] = step
         return step, message
-      self._record_events()
+      self.records.events(self.controller.events)
       self._progress.step(len(self.controller.live()))
       rows, last = [], step == cfg.train.steps - 1
       # Multi-process: fetched every step, as the fetch is also the job's stop vote.
       fetch = (step % cfg.train.log_every == 0 or last or multihost.is_multiprocess()
                or (self.snapshots and self.snapshots.due(step + 1)))
       values = self._fetch(metrics, step + 1) if fetch else None
-      if values and self._reached:  # the fetch waited for the step: it is trained
-        self._reached.write(step + 1)
+      if values:  # the fetch waited for the step: it is trained
+        self.records.reached(step + 1)
       for name in AFTER_STEP:
         stopped = getattr(self, f'_after_{name}')(step, values, rows, t_start)
         if stopped:
           return step + (name != 'divergence'), stopped
       if self.tuner:
-        self._tune(step + 1, time.perf_counter() - t_step, busy)
+        self.tuner.after_step(self.snapshots, step + 1, time.perf_counter() - t_step, busy)
       test_death(self.host, step + 1, *self._settled())
     return cfg.train.steps, None
-
-  def _tune(self, steps_done: int, wall_s: float, busy: bool) -> None:
-    """snapshot.every=auto: feeds the step to the tuner; sets a new interval when it has one
-    (multi-process: the largest any process proposes, so that every process's cost fits)."""
-    tuner, sn = self.tuner, self.snapshots
-    tuner.observe(wall_s, steps_done % sn.every == 0, busy)
-    if not tuner.due():
-      return
-    every = tuner.propose()
-    if multihost.is_multiprocess():
-      every = tuner.every = max(multihost.allgather_json(every))
-    if every != sn.every:
-      log.info('snapshot.every=auto: every %d step(s) from step %d (a snapshot costs %s s beside '
-               'a %s s step; budget %g)', every, steps_done, _rounded(tuner.cost_s),
-               _rounded(tuner.idle_s), tuner.budget)
-      sn.every = every
-    self.interval_changes.append([steps_done, every])
 
   def _settled(self) -> list:
     """What a test's death waits for, so that where it lands is the same in every run."""
@@ -342,9 +297,7 @@ class Trainer:
     message = (f'stopped by {self.stop_reason} after step {step + 1}, {saved}; resume with '
                f'{hints.resume(self.out_dir, self.presence.n_hosts)}')
     log.warning('%s', message)
-    if self.is_chief:
-      rundir.append_history(self.out_dir, 'stop', step=step + 1, why=self.stop_reason,
-                            saved=where)
+    self.records.history('stop', step=step + 1, why=self.stop_reason, saved=where)
     return message
 
   def _stopping(self, steps_done: int) -> bool:

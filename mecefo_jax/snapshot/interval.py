@@ -10,8 +10,13 @@ cost / (k * idle) <= budget, capped at max_every (the steps a crash may cost).
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import statistics
+
+from mecefo_jax import multihost
+
+log = logging.getLogger('mecefo')
 
 START = 8  # the interval auto starts from: room for idle steps between saves to compare with
 
@@ -36,6 +41,7 @@ class IntervalTuner:
     self._period: list[float] | None = None  # walls of the period in progress
     self.idle_s: float | None = None
     self.cost_s: float | None = None
+    self.changes: list[list[int]] = []  # [step, every] of each proposal
 
   def observe(self, wall_s: float, saved: bool, busy: bool) -> None:
     """One step: its wall time (iteration to iteration), whether a save was due after it (the
@@ -71,6 +77,26 @@ class IntervalTuner:
     self.every = proposal
     return proposal
 
+  def after_step(self, snapshots, steps_done: int, wall_s: float, busy: bool) -> None:
+    """Feeds a step of the loop; sets `snapshots.every` when a proposal is due (multi-process:
+    the largest any process proposes, so that every process's cost fits the budget)."""
+    self.observe(wall_s, steps_done % snapshots.every == 0, busy)
+    if not self.due():
+      return
+    every = self.propose()
+    if multihost.is_multiprocess():
+      every = self.every = max(multihost.allgather_json(every))
+    if every != snapshots.every:
+      log.info('snapshot.every=auto: every %d step(s) from step %d (a snapshot costs %s s beside '
+               'a %s s step; budget %g)', every, steps_done, _rounded(self.cost_s),
+               _rounded(self.idle_s), self.budget)
+      snapshots.every = every
+    self.changes.append([steps_done, every])
+
   def report(self) -> dict:
     return {'budget': self.budget, 'max_every': self.max_every, 'every': self.every,
-            'cost_s': self.cost_s, 'idle_step_s': self.idle_s}
+            'cost_s': self.cost_s, 'idle_step_s': self.idle_s, 'changes': self.changes}
+
+
+def _rounded(x: float | None) -> str:
+  return 'n/a' if x is None else f'{x:.3g}'
