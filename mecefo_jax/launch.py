@@ -121,23 +121,15 @@ class Supervisor:
     return [a for a in self.args.train_args if a not in ('--fresh', '--resume')] + ['--resume']
 
   def start(self) -> None:
-    port, k, n = free_port(), self.args.devices_per_process, len(self.hosts)
+    port, n = self._port(), len(self.hosts)
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since = {}, False, None
-    (self.args.out / STOP_FILE).unlink(missing_ok=True)  # a request no job honoured
+    self._clear_stop_request()
     for pid, host in enumerate(self.hosts):
-      env = dict(os.environ, PYTHONUNBUFFERED='1')
-      env[LAUNCH_ENV] = shlex.join(self.args.argv)  # for the hints it prints: rerun this
-      cmd = [sys.executable, str(ROOT / 'train.py'), f'--coordinator=127.0.0.1:{port}',
-             f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
-      if self.args.gpus:
-        env['CUDA_VISIBLE_DEVICES'] = ','.join(str(host * k + i) for i in range(k))
-      else:
-        env.setdefault('JAX_PLATFORMS', 'cpu')
-        cmd.append(f'--host-devices={k}')
+      cmd, env = self.command(pid, host, n, port)
       # Every process logs the same events: process 0 speaks for the job, the others to files.
       out = None if pid == 0 else open(self.args.log_dir / f'host{host}.log', 'ab')
-      self.procs[host] = subprocess.Popen(cmd + self._train_args(), env=env, stdout=out,
+      self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out,
                                           stderr=subprocess.STDOUT if out else None)
       if out:
         out.close()  # the child holds it
@@ -145,6 +137,31 @@ class Supervisor:
     self.say('start', f'started hosts {self.hosts} as a {n}-process job'
                       f'{" resuming the run" if self.resume else ""} (pids {pids})',
              hosts=self.hosts, pids=pids)
+
+  # The hooks a controller of remote hosts replaces (deploy/pod_controller.py).
+  def _port(self) -> int:
+    return free_port()
+
+  def _clear_stop_request(self) -> None:
+    (self.args.out / STOP_FILE).unlink(missing_ok=True)  # a request no job honoured
+
+  def command(self, pid: int, host: int, n: int, port: int) -> tuple[list[str], dict]:
+    """The command and environment of process `pid` (logical host `host`) of an n-process job."""
+    k = self.args.devices_per_process
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    env[LAUNCH_ENV] = shlex.join(self.args.argv)  # for the hints it prints: rerun this
+    cmd = [sys.executable, str(ROOT / 'train.py'), f'--coordinator=127.0.0.1:{port}',
+           f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
+    if self.args.gpus:
+      env['CUDA_VISIBLE_DEVICES'] = ','.join(str(host * k + i) for i in range(k))
+    else:
+      env.setdefault('JAX_PLATFORMS', 'cpu')
+      cmd.append(f'--host-devices={k}')
+    return cmd + self._train_args(), env
+
+  def _ready(self) -> list[int]:
+    """The dead hosts whose replacement is ready now."""
+    return sorted(h for h, t in self.ready_at.items() if time.monotonic() >= t)
 
   def kill_all(self) -> None:
     for p in self.procs.values():
@@ -174,7 +191,7 @@ class Supervisor:
       return self._finished(exited)
     if exited:  # others finish or stop with it: wait for them, within bounds
       return self._settle(exited)
-    ready = [h for h, t in self.ready_at.items() if time.monotonic() >= t]
+    ready = self._ready()
     if ready:
       self.say('rejoin-ready', f'replacement for host(s) {ready} ready: stopping the job after '
                                f'its current step to grow back to {len(self.hosts) + len(ready)} '
@@ -203,7 +220,7 @@ class Supervisor:
       return max(exited.values(), key=abs) or 0
     if all(c == 0 for c in exited.values()):
       return self._finished(exited)
-    ready = sorted(h for h, t in self.ready_at.items() if time.monotonic() >= t)
+    ready = self._ready()
     for h in ready:
       del self.ready_at[h]
     self.hosts = sorted(self.hosts + ready)
@@ -260,10 +277,8 @@ class Supervisor:
     return code
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
-  sup = Supervisor(args)
-
+def serve(sup: Supervisor) -> int:
+  """Runs `sup` to its end; SIGTERM and Ctrl-C stop its job at an agreed step."""
   def on_signal(signum, frame):  # pass it on: the job stops at an agreed step, resumable
     sup.interrupted = True
     sup.say('signal', f'{signal.Signals(signum).name}: stopping the job at its next step')
@@ -274,6 +289,10 @@ def main(argv=None) -> int:
     return sup.run()
   finally:
     sup.kill_all()
+
+
+def main(argv=None) -> int:
+  return serve(Supervisor(parse_args(argv)))
 
 
 if __name__ == '__main__':

@@ -120,5 +120,16 @@ def report(out: Path) -> dict:
   return json.loads((Path(out) / 'report.json').read_text())
 
 
+def usage_error(capsys, parse, argv) -> str:
+  """The one `error: ...` line that `parse(argv)` (a command's argument parser) exits with."""
+  import pytest
+  with pytest.raises(SystemExit) as stop:
+    parse(argv)
+  assert stop.value.code == 2
+  [line] = capsys.readouterr().err.splitlines()
+  assert line.startswith('error: '), line
+  return line
+
+
 def error_lines(text: str) -> list[str]:
   return [line for line in text.splitlines() if line.startswith('error:')]

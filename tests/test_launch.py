@@ -14,7 +14,7 @@ from mecefo_jax import launch
 from mecefo_jax.run import rundir
 from mecefo_jax.run.exits import STOPPED
 from mecefo_jax.run.stop import TEST_DEATH_ENV
-from procs import ROOT, report
+from procs import ROOT, report, usage_error
 
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
 STEPS, DEATH, STOP = 60, 12, 40
@@ -100,8 +100,5 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
     (['-n', '2', '--rejoin-after', '-5'], 'argument --rejoin-after: must be >= 0, got -5'),
     (['-n', '2', '--rejoin-after', 'nan'], 'argument --rejoin-after: must be >= 0, got nan')])
 def test_supervisor_input_errors_are_one_line(capsys, argv, expected):
-  with pytest.raises(SystemExit) as stop:
-    launch.parse_args(argv)
-  assert stop.value.code == 2
-  [line] = capsys.readouterr().err.splitlines()
-  assert line.startswith('error: ') and expected in line, line
+  line = usage_error(capsys, launch.parse_args, argv)
+  assert expected in line, line

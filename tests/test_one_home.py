@@ -41,9 +41,9 @@ def _defined(node: ast.AST) -> Iterator[str]:
 
 @pytest.fixture(scope='module')
 def homes() -> dict[str, list[str]]:
-  """Every name defined in mecefo_jax/, benchmarks/, tests/ and train.py -> where."""
+  """Every name defined in mecefo_jax/, benchmarks/, deploy/, tests/ and train.py -> where."""
   paths = [ROOT / 'train.py',
-           *(p for folder in ('mecefo_jax', 'benchmarks', 'tests')
+           *(p for folder in ('mecefo_jax', 'benchmarks', 'deploy', 'tests')
              for p in sorted((ROOT / folder).rglob('*.py')))]
   where = collections.defaultdict(list)
   for path in paths:

@@ -135,6 +135,12 @@ def _config_path(args) -> Path:
   return DEFAULT_CONFIG
 
 
+def new_config(args) -> Config:
+  """The config of a new run started with `args` (train.py's parse): --config, then the
+  dotted overrides and the flags that stand for them (ConfigError when invalid)."""
+  return load_config(_config_path(args), _overrides(args))
+
+
 def _config(args) -> tuple[Config, Path]:
   """The run's config and directory. A resume (--resume, or an unfinished run in --out) starts
   from the config recorded in run_state.json, so that only what is given changes (and only keys
@@ -150,7 +156,7 @@ def _config(args) -> tuple[Config, Path]:
       return cfg, Path(args.out)
   replay = rundir.replay_base(args.failures) if args.failures else None
   if replay is None:
-    cfg = load_config(_config_path(args), _overrides(args))
+    cfg = new_config(args)
   else:
     cfg = load_config(args.config, _overrides(args), base=replay[0])
     if args.host_devices is None:  # jax is not imported yet: the run's device count holds
