@@ -1,6 +1,7 @@
 """Corpus preparation: a text folder -> a token directory -> training; resume; vocab; rows read."""
 import json
 import resource
+import shlex
 import signal
 import sys
 
@@ -13,7 +14,7 @@ from mecefo_jax.data.documents import PIECE_BYTES, DataError, text_documents
 from mecefo_jax.data.sources import load_corpus, read_rows, token_range
 from mecefo_jax.data.tokenizer import ByteTokenizer, Cursor, token_chunks, token_dtype
 from mecefo_jax.run import cli, exits
-from procs import TINY, error_lines, kill, report, wait_for
+from procs import ROOT, TINY, error_lines, kill, report, wait_for
 
 CHUNK = 256 << 10  # small chunks: many commits, cursors inside the big file
 
@@ -53,7 +54,7 @@ def test_a_prepared_folder_is_the_stream_text_reads_and_meta_describes_it(corpus
   # A finished directory is not rewritten; another corpus there is refused.
   stamp = (tmp_path / 'tok' / tokendir.TOKENS).stat().st_mtime_ns
   assert _prepare(corpus, tmp_path / 'tok') == (meta, False)
-  with pytest.raises(DataError, match=r'holds a token stream of other sources or another tokenizer .*--force'):
+  with pytest.raises(DataError, match=r'holds a token stream of other sources .*--force'):
     prep.prepare(['pydoc'], tmp_path / 'tok')
   assert (tmp_path / 'tok' / tokendir.TOKENS).stat().st_mtime_ns == stamp
   assert prep.prepare(['pydoc'], tmp_path / 'tok', force=True)[0]['doc_count'] > 50
@@ -95,7 +96,7 @@ def test_a_resume_refuses_a_changed_source_and_train_py_an_unfinished_directory(
   _interrupt_after(monkeypatch, 1)
   with pytest.raises(KeyboardInterrupt):
     _prepare(corpus, tmp_path / 'tok')
-  with pytest.raises(DataError, match=r'holds an unfinished token stream of other sources .*--force'):
+  with pytest.raises(DataError, match=r'holds an unfinished token stream of other .*--force'):
     prep.prepare(['pydoc'], tmp_path / 'tok')
   with pytest.raises(DataError, match=rf'is not finished \([\d,]+ tokens so far\); finish it with '
                                       rf'`python -m mecefo_jax.data.prepare {corpus} --out'):
@@ -208,30 +209,45 @@ def test_each_process_reads_only_the_windows_of_its_rows():
   assert stream.read == [(s, s + 17) for s in corpus.window_starts(mine)]
 
 
-def test_prepare_killed_then_rerun_gives_the_uninterrupted_bytes_and_trains(launcher, corpus,
-                                                                           tmp_path):
-  """The README's commands: prepare (SIGKILLed mid-way, then run again), then train.py on it."""
-  big = tmp_path / 'big'
-  big.mkdir()
+def _readme_commands() -> list[list[str]]:
+  """The commands of the README's "Your own data" block, as argv lists."""
+  text = (ROOT / 'README.md').read_text()
+  block = text[text.index('## Your own data: from a text corpus to a run'):]
+  block = block[block.index('```bash\n') + 8:block.index('```\n', block.index('```bash'))]
+  return [shlex.split(line) for line in block.splitlines() if line and not line.startswith('#')]
+
+
+def test_the_readme_commands_with_a_kill_and_a_rerun_of_prepare(launcher, corpus, tmp_path):
+  """The README's commands as written, from a folder `corpus/` in the current directory:
+  prepare (SIGKILLed after a committed chunk, then run again: the uninterrupted bytes), then
+  train.py on 8 fake devices (shortened)."""
+  prepare_cmd, train_cmd = _readme_commands()
+  assert prepare_cmd[:3] == ['python', '-m', 'mecefo_jax.data.prepare'] and train_cmd[:2] == [
+      'python', 'train.py']
+  (tmp_path / 'corpus').mkdir()
   text = (corpus / 'zbig.md').read_bytes()
-  for i in range(24):
-    (big / f'{i:02d}.txt').write_bytes(text)
-  command = ['-m', 'mecefo_jax.data.prepare', big, '--out', tmp_path / 'tok', '--chunk-mb', '1']
-  proc = launcher.start([sys.executable, *command])
-  progress = tmp_path / 'tok' / tokendir.PROGRESS
+  for i in range(100):  # ~60 MB: many 1 MiB chunks, a kill lands between two
+    (tmp_path / 'corpus' / f'{i:03d}.txt').write_bytes(text)
+  env = launcher.env(PYTHONPATH=str(ROOT))
+  run = dict(cwd=tmp_path, env=env)
+  proc = launcher.start([sys.executable, *prepare_cmd[1:], '--chunk-mb', '1'], **run)
+  progress = tmp_path / 'data' / 'corpus' / tokendir.PROGRESS
   wait_for(lambda: progress.exists() and json.loads(progress.read_text())['tokens'], 60,
            'a committed chunk', proc)
   kill(proc)
-  assert proc.returncode == -signal.SIGKILL and not (tmp_path / 'tok' / tokendir.META).exists()
-  finished = launcher.python(*command)
+  assert proc.returncode == -signal.SIGKILL
+  assert not (tmp_path / 'data' / 'corpus' / tokendir.META).exists()
+  finished = launcher.python(*prepare_cmd[1:], **run)
   assert finished.returncode == 0 and 'train on it: python train.py --data tokens:' in \
       finished.stdout, finished.stderr
-  prep.prepare([str(big)], tmp_path / 'whole')
-  assert (tmp_path / 'tok' / tokendir.TOKENS).read_bytes() == (
+  prep.prepare([str(tmp_path / 'corpus')], tmp_path / 'whole')
+  assert (tmp_path / 'data' / 'corpus' / tokendir.TOKENS).read_bytes() == (
       tmp_path / 'whole' / tokendir.TOKENS).read_bytes()
-  run = launcher.train('--host-devices', '8', 'mesh.slice=8', '--data', f'tokens:{tmp_path}/tok',
-                       *TINY, 'train.steps=5', '--no-snapshots', '--out', tmp_path / 'run')
-  assert run.returncode == 0 and report(tmp_path / 'run')['steps'] == 5, run.stderr[-2000:]
+  trained = launcher.python(ROOT / 'train.py', *train_cmd[2:], *TINY, 'train.steps=5',
+                            '--no-snapshots', **run)
+  out = tmp_path / train_cmd[train_cmd.index('--out') + 1]
+  assert trained.returncode == 0 and report(out)['steps'] == 5, trained.stderr[-2000:]
+  assert 'token stream tokens:data/corpus: ' in trained.stderr
 
 
 def test_a_tokenizer_stream_is_uint16_and_resumes_exactly(corpus, tmp_path, monkeypatch):
@@ -299,19 +315,31 @@ def test_text_over_the_in_memory_limit_is_refused_with_the_prepare_command(corpu
   import sys
   import types
   from mecefo_jax.data import sources
-  monkeypatch.setattr(sources, 'IN_MEMORY_TEXT_BYTES', 1 << 20)
-  with pytest.raises(DataError, match=rf'^text:{corpus}: more than 1 MiB of text, tokenized in '
+  monkeypatch.setattr(sources, 'IN_MEMORY_TEXT_BYTES', 1 << 18)
+  with pytest.raises(DataError, match=rf'^text:{corpus}: more than 0.25 MiB of text, tokenized in '
                                       rf'every process at every start; prepare it once with '
                                       rf'`python -m mecefo_jax.data.prepare {corpus} --out DIR` '
                                       rf'and train with --data tokens:DIR$'):
     load_corpus(f'text:{corpus}', seq_len=16, seed=0, vocab_size=256)
   # A byte-level file is mapped, not read: no limit.
   assert len(load_corpus(f'text:{corpus / "zbig.md"}', seq_len=16, seed=0,
-                         vocab_size=256).tokens_1d) > 1 << 20
+                         vocab_size=256).tokens_1d) > 1 << 18
   # A dataset's size is found out while reading it (its rows are never loaded all at once).
-  rows = [{'body': 'x' * 1000}] * 2000
+  rows = [{'body': 'x' * 1000}] * 500
   monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(
       IterableDataset=FakeStream, DatasetDict=dict, load_dataset=lambda *a, **kw: FakeStream(rows)))
   with pytest.raises(DataError, match=r"prepare it once with `python -m mecefo_jax.data.prepare "
                                       r"'hf:org/x\?column=body' --out DIR`"):
     load_corpus('hf:org/x?column=body&eval_fraction=0.1', seq_len=16, seed=0, vocab_size=256)
+
+
+def test_the_prepare_rate_benchmark(launcher, tmp_path):
+  result = launcher.benchmark('prepare_rate', '--mb', '1,3', json_path=tmp_path / 'rate.json')
+  small, large = result['rows']
+  assert (small['text_mib'], large['text_mib'], large['dtype']) == (1, 3, 'uint8')
+  assert large['tokens'] > 3 << 20 and large['peak_rss_mb'] > 10 and large['seconds'] > 0
+  assert large['text_mib_per_s'] == pytest.approx(3 / large['seconds'], rel=0.05)
+  estimate = result['estimate']
+  assert estimate['hours'] == pytest.approx(100e9 / 2**20 / large['text_mib_per_s'] / 3600,
+                                            rel=0.01)
+  assert result['uptime']['start'] and 'load average' in result['uptime']['end']

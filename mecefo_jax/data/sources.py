@@ -240,7 +240,7 @@ def _tokenize(spec: str, scheme: str, path: str, opts: dict[str, str], vocab_siz
       break
     chunks.append(ids)
   if too_large:
-    raise DataError(f'{spec}: more than {IN_MEMORY_TEXT_BYTES >> 20} MiB of text, tokenized in '
+    raise DataError(f'{spec}: more than {IN_MEMORY_TEXT_BYTES / 2**20:g} MiB of text, tokenized in '
                     f'every process at every start; prepare it once with '
                     f'`{_prepare_command(scheme, path, opts)}` and train with --data tokens:DIR')
   if not chunks:

@@ -47,6 +47,8 @@ class FileTokenizer:
     sep = next((i for i in map(tok.token_to_id, _EOS_NAMES) if i is not None), None)
     ids = [sep] if sep is not None else tok.encode('\n\n', add_special_tokens=False).ids
     self.sep_ids = np.asarray(ids, self.dtype)
+    # Without the character offsets (tokenizers >= 0.21): the same ids, ~1.5x faster, less memory
+    self._encode_batch = getattr(tok, 'encode_batch_fast', tok.encode_batch)
 
   def encode(self, texts: list[bytes]) -> list[np.ndarray]:
     out, batch, size = [], [], 0
@@ -55,7 +57,7 @@ class FileTokenizer:
       size += len(text)
       if size >= _ENCODE_BATCH_BYTES or k == len(texts) - 1:
         out += [np.asarray(e.ids, self.dtype)
-                for e in self._tok.encode_batch(batch, add_special_tokens=False)]
+                for e in self._encode_batch(batch, add_special_tokens=False)]
         batch, size = [], 0
     return out
 
