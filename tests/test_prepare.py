@@ -70,7 +70,8 @@ def _interrupt_after(monkeypatch, chunks: int) -> None:
   monkeypatch.setattr(prep, 'token_chunks', stopping)
 
 
-def test_an_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monkeypatch):
+def test_an_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monkeypatch,
+                                                           capsys):
   whole, _ = _prepare(corpus, tmp_path / 'whole')
   out = tmp_path / 'resumed'
   cursors = [c for _, c in token_chunks(text_documents('t', [corpus]), ByteTokenizer(),
@@ -83,6 +84,11 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monk
         _prepare(corpus, out)
   progress = json.loads((out / tokendir.PROGRESS).read_text())
   assert progress['cursor']['offset'] > 0 and not (out / tokendir.META).exists()
+  with monkeypatch.context() as m:  # the command's Ctrl-C: exit 130, how to go on
+    _interrupt_after(m, 0)
+    assert prep.main([str(corpus), '--out', str(out), '--chunk-mb', '1']) == exits.INTERRUPTED
+  assert f'interrupted; what was committed in {out} stays: run the same command again' in \
+      capsys.readouterr().err
   with open(out / tokendir.TOKENS, 'ab') as f:  # a chunk written but never committed
     f.write(b'\xffuncommitted')
   meta, wrote = _prepare(corpus, out)
@@ -120,6 +126,15 @@ def test_prepare_sources_and_their_errors(corpus, tmp_path, capsys):
   assert error_lines(capsys.readouterr().err) == [
       f'error: {tmp_path / "nope"}: path not found: {tmp_path / "nope"}']
   assert (prep.EXIT_BAD_SOURCE, prep.EXIT_INTERRUPTED) == (exits.BAD_INPUT, exits.INTERRUPTED)
+
+
+def test_the_docs_state_the_limits_the_code_has():
+  from mecefo_jax.data import sources
+  readme = ' '.join((ROOT / 'README.md').read_text().split())
+  errors = (ROOT / 'docs' / 'errors.md').read_text()
+  limit = f'{sources.IN_MEMORY_TEXT_BYTES >> 20} MiB of text'
+  assert f'above {limit} they are refused' in readme and f'more than {limit}' in errors
+  assert f'chunk ({prep.CHUNK_MB} MiB of text, `--chunk-mb`)' in readme
 
 
 def test_token_dtype_follows_the_vocabulary():
