@@ -1,5 +1,6 @@
 """Corpus preparation: a text folder -> a token directory -> training; resume; vocab; rows read."""
 import json
+import os
 import resource
 import shlex
 import signal
@@ -107,6 +108,10 @@ def test_a_resume_refuses_a_changed_source_and_train_py_an_unfinished_directory(
   with pytest.raises(DataError, match=rf'is not finished \([\d,]+ tokens so far\); finish it with '
                                       rf'`python -m mecefo_jax.data.prepare {corpus} --out'):
     load_corpus(f'tokens:{tmp_path / "tok"}', seq_len=16, seed=0, vocab_size=256)
+  lock = prep._lock(tmp_path / 'tok')  # as another prepare holds it while it writes
+  with pytest.raises(DataError, match='another prepare is writing it'):
+    _prepare(corpus, tmp_path / 'tok')
+  os.close(lock)
   (tmp_path / 'other').mkdir()
   (tmp_path / 'other' / 'notes.txt').write_text('mine')
   with pytest.raises(DataError, match=r'holds other files \(notes.txt\)'):
@@ -118,7 +123,7 @@ def test_prepare_sources_and_their_errors(corpus, tmp_path, capsys):
   meta, _ = prep.prepare([str(one), f'text:{corpus / "sub"}'], tmp_path / 'two')
   assert meta['doc_count'] == 1 + len(list((corpus / 'sub').glob('*.txt')))
   for sources, match in [(['pydoc', str(one)], 'a pydoc or hf: source comes alone'),
-                         (['pydoc?eval_fraction=0.1'], r"takes no \['eval_fraction'\]"),
+                         (['hf:x?split=a&tokenizer=t'], r"takes no \['tokenizer'\] here"),
                          ([str(tmp_path / 'nope')], 'path not found')]:
     with pytest.raises(DataError, match=match):
       prep.prepare(sources, tmp_path / 'bad')

@@ -38,9 +38,9 @@ def open_sources(sources: list[str]) -> Documents:
   hf:NAME[?column=&split=&config=] source, a Hub dataset read as a stream."""
   parsed = [parse_spec(s) if s.startswith(('text:', 'hf:')) or s.partition('?')[0] == 'pydoc'
             else ('text', s, {}) for s in sources]
-  for source, (scheme, _, opts) in zip(sources, parsed):
-    if set(opts) - {'column', 'split', 'config'}:
-      raise DataError(f'{source}: prepare takes no {sorted(opts)} here (--tokenizer gives the '
+  for source, (_, _, opts) in zip(sources, parsed):
+    if unknown := sorted(set(opts) - {'column', 'split', 'config'}):
+      raise DataError(f'{source}: prepare takes no {unknown} here (--tokenizer gives the '
                       f'tokenizer; eval_fraction= is for train.py)')
   if all(scheme == 'text' for scheme, _, _ in parsed):
     return text_documents(' '.join(sources), [Path(p).expanduser() for _, p, _ in parsed])

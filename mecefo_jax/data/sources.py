@@ -233,19 +233,25 @@ def _tokenize(spec: str, scheme: str, path: str, opts: dict[str, str], vocab_siz
   if isinstance(tok, ByteTokenizer) and scheme == 'text' and Path(path).expanduser().is_file():
     return _text_memmap(spec, Path(path).expanduser()), tok.vocab_size
   documents = open_documents(spec, scheme, path, opts)
-  chunks, too_large = [], (documents.total_bytes or 0) > IN_MEMORY_TEXT_BYTES
-  for ids, cursor in ([] if too_large else token_chunks(documents, tok)):
-    if cursor.bytes_in > IN_MEMORY_TEXT_BYTES:  # a stream of unknown size: found out here
-      too_large = True
-      break
-    chunks.append(ids)
-  if too_large:
-    raise DataError(f'{spec}: more than {IN_MEMORY_TEXT_BYTES / 2**20:g} MiB of text, tokenized in '
-                    f'every process at every start; prepare it once with '
-                    f'`{_prepare_command(scheme, path, opts)}` and train with --data tokens:DIR')
-  if not chunks:
-    raise DataError(f'{spec}: its documents hold no text')
-  return np.concatenate(chunks), tok.vocab_size
+  return _whole_stream(spec, documents, tok, _prepare_command(scheme, path, opts)), tok.vocab_size
+
+
+def _whole_stream(spec: str, documents, tok, prepare: str) -> np.ndarray:
+  """The documents' tokens, or DataError past IN_MEMORY_TEXT_BYTES of text (a stream of unknown
+  size is found out while read)."""
+  chunks = []
+  if (documents.total_bytes or 0) <= IN_MEMORY_TEXT_BYTES:
+    for ids, cursor in token_chunks(documents, tok):
+      if cursor.bytes_in > IN_MEMORY_TEXT_BYTES:
+        break
+      chunks.append(ids)
+    else:
+      if not chunks:
+        raise DataError(f'{spec}: its documents hold no text')
+      return np.concatenate(chunks)
+  raise DataError(f'{spec}: more than {IN_MEMORY_TEXT_BYTES / 2**20:g} MiB of text, tokenized in '
+                  f'every process at every start; prepare it once with `{prepare}` and train '
+                  f'with --data tokens:DIR')
 
 
 def _prepare_command(scheme: str, path: str, opts: dict[str, str]) -> str:
