@@ -228,10 +228,11 @@ def _yaml_load(text: str, where: str):
 
 
 def check_text(data: bytes, path: Path, what: str, *, final: bool = True,
-               error: type[ValueError] = ConfigError) -> None:
+               error: type[ValueError] = ConfigError, offset: int = 0) -> None:
   """Raises `error` (one line) where `data`, the bytes of `path`, are not text: a NUL byte or
   bytes that are not UTF-8. `final=False`: `data` is only the file's start (it may end inside a
-  character)."""
+  character). `offset`: where `data` starts in the file (the message counts from the file's
+  start)."""
   nul = data.find(b'\0')
   try:
     codecs.getincrementaldecoder('utf-8')().decode(data[:nul] if nul >= 0 else data,
@@ -239,7 +240,8 @@ def check_text(data: bytes, path: Path, what: str, *, final: bool = True,
   except UnicodeDecodeError as err:
     nul = err.start
   if nul >= 0:
-    raise error(f'{what} {str(path)!r} is not UTF-8 text (byte {nul}); is it a binary file?')
+    raise error(f'{what} {str(path)!r} is not UTF-8 text (byte {offset + nul}); is it a '
+                f'binary file?')
 
 
 def read_text(path: Path, what: str) -> str:

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from mecefo_jax.data.order import global_batch
-from mecefo_jax.data.sources import (DOC_SEP_BYTE, DataError, TokenArrayCorpus, load_corpus,
-                                     parse_spec)
+from mecefo_jax.data.sources import DataError, TokenArrayCorpus, load_corpus, parse_spec
+from mecefo_jax.data.tokenizer import DOC_SEP_BYTE
 from mecefo_jax.data.synthetic import SyntheticCorpus
 
 L = 16  # seq_len for most tests
@@ -105,16 +105,17 @@ def test_tokens_npy_and_bin_are_memory_mapped(tmp_path):
   assert a.vocab_size == b.vocab_size == 1000 and a.entropy_floor() is None
   np.testing.assert_array_equal(a.sequences(np.arange(32)), b.sequences(np.arange(32)))
   assert 'tokens:' in a.describe() and '5,000 tokens' in a.describe()
-  default = _load(f'tokens:{tmp_path / "t.bin"}', vocab_size=1000)  # read as uint16: 2x tokens
-  assert len(default.tokens_1d) == 10_000
+  # No default width: uint16 would read this uint32 file as twice as many ids.
+  with pytest.raises(DataError, match=r'raw token file needs \?dtype=.*mecefo_jax.data.prepare'):
+    _load(f'tokens:{tmp_path / "t.bin"}', vocab_size=1000)
 
 
 @pytest.mark.parametrize('make, spec_suffix, match', [
-    (lambda p: np.arange(5_000, dtype=np.uint16).tofile(p), '', r'max token id 4999 >= model '
-     r'vocab_size 256'),
+    (lambda p: np.arange(5_000, dtype=np.uint16).tofile(p), '?dtype=uint16', r'max token id '
+     r'4999 >= model vocab_size 256'),
     (lambda p: np.full(100, -1, np.int32).tofile(p), '?dtype=int32', r'must be >= 0, found -1'),
-    (lambda p: np.arange(10, dtype=np.uint16).tofile(p), '', r'10 tokens.*need >= 34'),
-    (lambda p: p.write_bytes(b'abc'), '', r'3 bytes is not a multiple of uint16'),
+    (lambda p: np.arange(10, dtype=np.uint16).tofile(p), '?dtype=uint16', r'10 tokens.*need >= 34'),
+    (lambda p: p.write_bytes(b'abc'), '?dtype=uint16', r'3 bytes is not a multiple of uint16'),
     (lambda p: p.write_bytes(b'abcd'), '?dtype=float32', r'unreadable dtype'),
     (lambda p: p.write_bytes(b'abcd'), '?dtype=nonsense', r'unreadable dtype'),
     (lambda p: p.write_bytes(b''), '', r'file is empty'),

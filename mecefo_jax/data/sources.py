@@ -1,4 +1,4 @@
-"""Real-data corpora (token files, text, Hugging Face datasets) chosen by a spec string."""
+"""Real-data corpora (token directories and files, text, Hugging Face datasets) by a spec string."""
 from __future__ import annotations
 
 import math
@@ -7,14 +7,17 @@ from pathlib import Path
 import numpy as np
 
 from mecefo_jax.config import check_text
+from mecefo_jax.data import tokendir
+from mecefo_jax.data.documents import DataError, first_line, open_documents
 from mecefo_jax.data.order import EVAL_BASE, check_int, check_sample_ids
 from mecefo_jax.data.synthetic import SyntheticCorpus
+from mecefo_jax.data.tokenizer import ByteTokenizer, open_tokenizer, token_chunks
 
-BYTE_VOCAB = 256
-DOC_SEP_BYTE = 0  # joins documents: NUL never occurs in text, so it marks a boundary unambiguously
-TEXT_SUFFIXES = ('.txt', '.md')
 # A text file may be many GB (it is memory-mapped): its first MiB tells a binary file.
 TEXT_PROBE_BYTES = 1 << 20
+# Text tokenized at start-up (every process of a job does it): more is refused, with the
+# command that prepares it once into a token directory.
+IN_MEMORY_TEXT_BYTES = 256 << 20
 _SPLITS = ('auto', 'train', 'eval')
 # Query keys each scheme accepts; anything else is a typo and is refused.
 _OPTIONS = {
@@ -25,11 +28,6 @@ _OPTIONS = {
     'hf': {'column', 'split', 'config', 'tokenizer', 'eval_fraction'},
 }
 _PATHLESS = ('synthetic', 'pydoc')  # schemes whose spec is the bare name (pydoc: options too)
-_EOS_NAMES = ('<|endoftext|>', '</s>', '<eos>', '[SEP]')  # tokenizer's document separator, if any
-
-
-class DataError(ValueError):
-  """A data source cannot be used; the message is one line naming the spec/path and the problem."""
 
 
 def _mix64(x_N: np.ndarray) -> np.ndarray:
@@ -105,10 +103,7 @@ class TokenArrayCorpus:
 
   def sequences(self, sample_ids: np.ndarray) -> np.ndarray:
     """int32 [len(ids), seq_len + 1]; row i is a pure function of (seed, sample_ids[i])."""
-    starts_N = self.window_starts(sample_ids)
-    # A strided view gathers whole rows (one contiguous copy each) without touching the rest.
-    windows = np.lib.stride_tricks.sliding_window_view(self.tokens_1d, self.seq_len + 1)
-    return np.asarray(windows[starts_N], dtype=np.int32)
+    return read_rows(self.tokens_1d, self.window_starts(sample_ids), self.seq_len + 1)
 
   def entropy_floor(self) -> float | None:
     return None  # unknown for real data
@@ -122,6 +117,15 @@ class TokenArrayCorpus:
             f'{self.vocab_size}, seq_len={self.seq_len}, seed={self.seed}; train windows in '
             f'[0, {self.train_end:,}) ({self.regions["train"][1]:,} starts), {held}; windows '
             f'hashed from (seed, id); entropy floor unknown')
+
+
+def read_rows(tokens_1d, starts_N: np.ndarray, width: int) -> np.ndarray:
+  """int32 [len(starts), width]: the windows [s, s + width) of the stream, each read as one slice:
+  of a memory-mapped stream a process reads the pages of its own rows and nothing else."""
+  rows = np.empty((len(starts_N), width), np.int32)
+  for i, s in enumerate(starts_N.tolist()):
+    rows[i] = tokens_1d[s:s + width]
+  return rows
 
 
 def token_range(tokens_1d: np.ndarray, source: str) -> tuple[int, int]:
@@ -138,9 +142,10 @@ def load_corpus(spec: str, *, seq_len: int, seed: int, vocab_size: int,
                 eval_fraction: float = 0.01):
   """Corpus for `spec`; its vocab_size <= the model's `vocab_size` (DataError otherwise).
 
-  'synthetic' | 'text:PATH[?tokenizer=DIR]' | 'pydoc[?tokenizer=DIR]' |
-  'tokens:PATH[?dtype=uint16]' | 'hf:NAME[?column=text&split=train&config=C&tokenizer=DIR]';
-  every non-synthetic scheme also takes eval_fraction=F (overrides the argument).
+  'synthetic' | 'text:PATH[?tokenizer=DIR]' | 'pydoc[?tokenizer=DIR]' | 'tokens:DIR' (prepared
+  by data/prepare.py) | 'tokens:FILE.npy' | 'tokens:FILE?dtype=uint16' |
+  'hf:NAME[?column=text&split=train&config=C&tokenizer=DIR]'; every non-synthetic scheme also
+  takes eval_fraction=F (overrides the argument).
   """
   scheme, path, opts = parse_spec(spec)
   if scheme == 'synthetic':
@@ -148,14 +153,9 @@ def load_corpus(spec: str, *, seq_len: int, seed: int, vocab_size: int,
   if 'eval_fraction' in opts:
     eval_fraction = _float_opt(spec, opts, 'eval_fraction')
   if scheme == 'tokens':
-    tokens_1d = _read_tokens(spec, path, opts.get('dtype', 'uint16'))
-    data_vocab = token_range(tokens_1d, spec)[1] + 1
-    if data_vocab > vocab_size:
-      raise DataError(f'{spec}: max token id {data_vocab - 1} >= model vocab_size {vocab_size}')
+    tokens_1d, data_vocab = _tokens(spec, path, opts, vocab_size)
   else:
-    docs = (_text_docs(spec, path) if scheme == 'text' else _pydoc_docs() if scheme == 'pydoc'
-            else _hf_docs(spec, path, opts))
-    tokens_1d, data_vocab = _tokenize(spec, docs, opts.get('tokenizer'), vocab_size)
+    tokens_1d, data_vocab = _tokenize(spec, scheme, path, opts, vocab_size)
   return TokenArrayCorpus(tokens_1d, seq_len, seed, eval_fraction=eval_fraction,
                           vocab_size=data_vocab, source=spec)
 
@@ -203,9 +203,77 @@ def _float_opt(spec: str, opts: dict[str, str], key: str) -> float:
     raise DataError(f'{spec}: {key} must be a number, got {opts[key]!r}') from None
 
 
-def _read_tokens(spec: str, path: str, dtype_name: str) -> np.ndarray:
-  """Memory-mapped 1-D token ids from a .npy file or a raw binary file of `dtype_name`."""
+def _tokens(spec: str, path: str, opts: dict[str, str], vocab_size: int):
+  """(stream, data vocab) of a prepared directory (its meta.json: nothing of the stream is read
+  here) or of a token file (scanned once for its largest id: it records no vocabulary)."""
   p = Path(path).expanduser()
+  if p.is_dir():
+    if 'dtype' in opts:
+      raise DataError(f'{spec}: a prepared directory records its dtype in {tokendir.META}; '
+                      f'drop ?dtype=')
+    tokens_1d, meta = tokendir.open_tokens(spec, p)
+    tokendir.check_vocab(spec, meta, vocab_size)
+    return tokens_1d, meta['vocab_size']
+  tokens_1d = _read_tokens(spec, p, opts.get('dtype'))
+  data_vocab = token_range(tokens_1d, spec)[1] + 1
+  if data_vocab > vocab_size:
+    raise DataError(f'{spec}: max token id {data_vocab - 1} >= model vocab_size {vocab_size}')
+  return tokens_1d, data_vocab
+
+
+def _tokenize(spec: str, scheme: str, path: str, opts: dict[str, str], vocab_size: int):
+  """(stream, data vocab) of text tokenized here, in memory: a byte-level text file is mapped,
+  not read; other text is refused above IN_MEMORY_TEXT_BYTES with the command that prepares it."""
+  tok = open_tokenizer(spec, opts.get('tokenizer'))
+  if tok.vocab_size > vocab_size:
+    raise DataError(f'{spec}: byte-level tokens need model vocab_size >= {tok.vocab_size}, got '
+                    f'{vocab_size}' if isinstance(tok, ByteTokenizer) else
+                    f'{spec}: tokenizer {tok.file} has {tok.vocab_size} ids, more than model '
+                    f'vocab_size {vocab_size}')
+  if isinstance(tok, ByteTokenizer) and scheme == 'text' and Path(path).expanduser().is_file():
+    return _text_memmap(spec, Path(path).expanduser()), tok.vocab_size
+  documents = open_documents(spec, scheme, path, opts)
+  return _whole_stream(spec, documents, tok, _prepare_command(scheme, path, opts)), tok.vocab_size
+
+
+def _whole_stream(spec: str, documents, tok, prepare: str) -> np.ndarray:
+  """The documents' tokens, or DataError past IN_MEMORY_TEXT_BYTES of text (a stream of unknown
+  size is found out while read)."""
+  chunks = []
+  if (documents.total_bytes or 0) <= IN_MEMORY_TEXT_BYTES:
+    for ids, cursor in token_chunks(documents, tok):
+      if cursor.bytes_in > IN_MEMORY_TEXT_BYTES:
+        break
+      chunks.append(ids)
+    else:
+      if not chunks:
+        raise DataError(f'{spec}: its documents hold no text')
+      return np.concatenate(chunks)
+  raise DataError(f'{spec}: more than {IN_MEMORY_TEXT_BYTES / 2**20:g} MiB of text, tokenized in '
+                  f'every process at every start; prepare it once with `{prepare}` and train '
+                  f'with --data tokens:DIR')
+
+
+def _prepare_command(scheme: str, path: str, opts: dict[str, str]) -> str:
+  """The prepare command for the source of a spec (its options but train.py's own)."""
+  query = '&'.join(f'{k}={v}' for k, v in opts.items() if k in ('column', 'split', 'config'))
+  source = path if scheme == 'text' else f'{scheme}:{path}' if path else scheme
+  return tokendir.prepare_command([source + (f'?{query}' if query else '')], Path('DIR'),
+                                  opts.get('tokenizer'))
+
+
+def _text_memmap(spec: str, p: Path) -> np.ndarray:
+  """A text file as byte tokens, memory-mapped (any size, no copy); its start is checked."""
+  if p.stat().st_size == 0:
+    raise DataError(f'{spec}: file is empty: {p}')
+  text = np.memmap(p, dtype=np.uint8, mode='r')
+  head = text[:TEXT_PROBE_BYTES].tobytes()
+  check_text(head, p, f'{spec}: file', final=len(head) == len(text), error=DataError)
+  return text
+
+
+def _read_tokens(spec: str, p: Path, dtype_name: str | None) -> np.ndarray:
+  """Memory-mapped 1-D token ids from a .npy file or a raw binary file of `dtype_name`."""
   if not p.is_file():
     raise DataError(f'{spec}: {"not a file" if p.exists() else "file not found"}: {p}')
   if p.stat().st_size == 0:
@@ -214,8 +282,12 @@ def _read_tokens(spec: str, path: str, dtype_name: str) -> np.ndarray:
     try:
       tokens = np.load(p, mmap_mode='r', allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
-      raise DataError(f'{spec}: cannot read .npy file {p}: {_first_line(e)}') from None
+      raise DataError(f'{spec}: cannot read .npy file {p}: {first_line(e)}') from None
   else:
+    if dtype_name is None:  # a guess would read a uint32 file as twice as many uint16 ids
+      raise DataError(f'{spec}: a raw token file needs ?dtype= (uint8, uint16, uint32: the width '
+                      f'its ids were written with), or prepare a token directory, which records '
+                      f'it: python -m mecefo_jax.data.prepare SOURCE --out DIR')
     dtype = _int_dtype(spec, dtype_name)
     size = p.stat().st_size
     if size % dtype.itemsize:
@@ -237,114 +309,3 @@ def _int_dtype(spec: str, name: str) -> np.dtype:
   if not np.issubdtype(dtype, np.integer):
     raise DataError(f'{spec}: unreadable dtype {name!r}: token ids must be an integer dtype')
   return dtype
-
-
-def _text_docs(spec: str, path: str) -> list[bytes] | np.ndarray:
-  """A file's bytes (memory-mapped) or a folder's .txt/.md files, recursively in sorted order."""
-  p = Path(path).expanduser()
-  if not p.exists():
-    raise DataError(f'{spec}: path not found: {p}')
-  if p.is_file():
-    if p.stat().st_size == 0:
-      raise DataError(f'{spec}: file is empty: {p}')
-    text = np.memmap(p, dtype=np.uint8, mode='r')  # one document: no copy, any size
-    head = text[:TEXT_PROBE_BYTES].tobytes()
-    check_text(head, p, f'{spec}: file', final=len(head) == len(text), error=DataError)
-    return text
-  files = sorted((f for f in p.rglob('*') if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES),
-                 key=lambda f: f.relative_to(p).as_posix())  # platform-independent order
-  if not files:
-    raise DataError(f'{spec}: folder has no {"/".join(TEXT_SUFFIXES)} files: {p}')
-  docs = [f.read_bytes() for f in files]
-  for f, doc in zip(files, docs):
-    check_text(doc, f, f'{spec}: file', error=DataError)
-  if not any(docs):
-    raise DataError(f'{spec}: all {len(files)} {"/".join(TEXT_SUFFIXES)} files are empty in {p}')
-  return [d for d in docs if d]
-
-
-def _pydoc_docs() -> list[bytes]:
-  """The reference topics `help()` shows (pydoc_data.topics, ~0.5 MB of English and code): real
-  text on every machine with CPython, no download. Sorted by topic name so the stream does not
-  depend on dict order; its content follows the Python version."""
-  from pydoc_data.topics import topics
-  return [topics[k].encode('utf-8') for k in sorted(topics) if topics[k]]
-
-
-def _hf_docs(spec: str, name: str, opts: dict[str, str]) -> list[bytes]:
-  """UTF-8 texts of one column of a Hugging Face dataset (saved to disk, or cached/reachable)."""
-  try:
-    import datasets
-  except ImportError:
-    raise DataError(f'{spec}: hf: sources need the Hugging Face datasets package; run '
-                    f'`pip install datasets`') from None
-  split, column = opts.get('split', 'train'), opts.get('column', 'text')
-  try:
-    if Path(name).expanduser().exists():
-      ds = datasets.load_from_disk(str(Path(name).expanduser()))
-    else:
-      ds = datasets.load_dataset(name, opts.get('config'), split=split)
-  except Exception as e:  # noqa: BLE001 -- datasets raises many types; all mean "cannot load"
-    raise DataError(f'{spec}: cannot load dataset {name!r}: {type(e).__name__}: '
-                    f'{_first_line(e)}') from None
-  if isinstance(ds, datasets.DatasetDict):
-    if split not in ds:
-      raise DataError(f'{spec}: dataset has no split {split!r}; splits: {sorted(ds)}')
-    ds = ds[split]
-  if column not in ds.column_names:
-    raise DataError(f'{spec}: dataset has no column {column!r}; columns: {ds.column_names}')
-  if getattr(ds.features[column], 'dtype', None) not in ('string', 'large_string'):
-    raise DataError(f'{spec}: column {column!r} is {ds.features[column]}, not text')
-  docs = [t.encode('utf-8') for t in ds[column] if t]
-  if not docs:
-    raise DataError(f'{spec}: column {column!r} has no non-empty text ({len(ds)} rows)')
-  return docs
-
-
-def _tokenize(spec: str, docs, tokenizer: str | None, vocab_size: int) -> tuple[np.ndarray, int]:
-  """(1-D token ids, data vocab): UTF-8 bytes by default, else a local tokenizer.json."""
-  if tokenizer is not None:
-    return _tokenize_hf(spec, docs, tokenizer, vocab_size)
-  if vocab_size < BYTE_VOCAB:
-    raise DataError(f'{spec}: byte-level tokens need model vocab_size >= {BYTE_VOCAB}, got '
-                    f'{vocab_size}')
-  if isinstance(docs, np.ndarray):
-    return docs, BYTE_VOCAB
-  return np.frombuffer(bytes([DOC_SEP_BYTE]).join(docs), dtype=np.uint8), BYTE_VOCAB
-
-
-def _tokenize_hf(spec: str, docs, tokenizer: str, vocab_size: int) -> tuple[np.ndarray, int]:
-  try:
-    from tokenizers import Tokenizer
-  except ImportError:
-    raise DataError(f'{spec}: tokenizer= needs the tokenizers package; run `pip install '
-                    f'tokenizers` (or drop tokenizer= for byte-level tokens)') from None
-  p = Path(tokenizer).expanduser()
-  file = p / 'tokenizer.json' if p.is_dir() else p
-  if not file.is_file():
-    raise DataError(f'{spec}: tokenizer file not found: {file}')
-  try:
-    tok = Tokenizer.from_file(str(file))
-  except Exception as e:  # noqa: BLE001 -- the Rust side raises a bare Exception
-    raise DataError(f'{spec}: cannot read tokenizer {file}: {_first_line(e)}') from None
-  tok_vocab = tok.get_vocab_size(with_added_tokens=True)
-  if tok_vocab > vocab_size:
-    raise DataError(f'{spec}: tokenizer {file} has {tok_vocab} ids, more than model vocab_size '
-                    f'{vocab_size}')
-  if isinstance(docs, np.ndarray):
-    docs = [docs.tobytes()]
-  sep = next((i for i in map(tok.token_to_id, _EOS_NAMES) if i is not None), None)
-  sep_ids = [sep] if sep is not None else tok.encode('\n\n', add_special_tokens=False).ids
-  ids: list[int] = []
-  for k, enc in enumerate(tok.encode_batch([d.decode('utf-8', 'replace') for d in docs],
-                                           add_special_tokens=False)):
-    ids.extend(sep_ids if k else [])
-    ids.extend(enc.ids)
-  if not ids:
-    raise DataError(f'{spec}: tokenizer produced no tokens')
-  return np.asarray(ids, dtype=np.int32), tok_vocab
-
-
-def _first_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return lines[0] if lines else type(e).__name__

@@ -55,11 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--out', default=None, help='run directory (default: train.out_dir)')
   p.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
   p.add_argument('--data', default=None,
-                 help='synthetic (built in) | text:PATH (a file, or a folder of .txt/.md) | pydoc '
-                      "(Python's help() texts, no download) | tokens:PATH | hf:NAME; options after "
-                      '?, joined by &: tokenizer=FILE|DIR (tokenizer.json for text, pydoc, hf; '
-                      'default: bytes), dtype=uint16 (tokens), column=, split=, config= (hf), '
-                      'eval_fraction=F; e.g. pydoc?tokenizer=tok/ (= train.data)')
+                 help='synthetic (built in) | tokens:DIR (a corpus tokenized once by `python -m '
+                      'mecefo_jax.data.prepare SOURCE --out DIR`: any size, read by memory map) | '
+                      'text:PATH (a file, or a folder of .txt/.md) | pydoc (Python\'s help() '
+                      'texts, no download) | tokens:FILE (.npy, or raw ids with dtype=) | hf:NAME '
+                      '(text:, pydoc and hf: are tokenized in every process at every start: '
+                      'a large corpus is refused with the prepare command); options after ?, joined by &: tokenizer=FILE|DIR (tokenizer.json for '
+                      'text, pydoc, hf; default: bytes), dtype=uint8|uint16|uint32 (a raw tokens '
+                      'file: required), column=, split=, config= (hf), eval_fraction=F; e.g. '
+                      'pydoc?tokenizer=tok/ (= train.data)')
   p.add_argument('--dry-run', action='store_true',
                  help='build, compile the step, print parameters, mesh and memory; no training '
                       'and no files left behind')

@@ -18,14 +18,18 @@ def held_out_loss(controller, n_batches: int) -> float:
   per_call, loss_sum, tokens = len(live) * b, 0.0, 0.0
   for start in range(0, len(ids), per_call):
     chunk = ids[start:start + per_call]
-    rows = controller.corpus.sequences(chunk)
-    rows = np.concatenate([rows, np.full((per_call - len(chunk), rows.shape[1]), -1, rows.dtype)])
-    rows_SxBxL1 = rows.reshape(len(live), b, -1)  # padding rows (-1) count for nothing
     out = None
-    if multihost.is_local(mesh):
-      batch = multihost.put_batch(rows_SxBxL1.__getitem__, rows_SxBxL1.shape,
-                                  sharding.batch_sharding(mesh))
+    if multihost.is_local(mesh):  # each process reads the rows of its own slices only
+      batch = multihost.put_batch(
+          lambda i, chunk=chunk: _rows(controller.corpus, chunk[i * b:(i + 1) * b], b),
+          (len(live), b, controller.corpus.seq_len + 1), sharding.batch_sharding(mesh))
       out = program(controller.state.params, batch)
     values = multihost.fetch(out, mesh, keys=('loss_sum', 'tokens'))
     loss_sum, tokens = loss_sum + values['loss_sum'], tokens + values['tokens']
   return loss_sum / tokens
+
+
+def _rows(corpus, ids: np.ndarray, b: int) -> np.ndarray:
+  """The rows of `ids`, then rows of -1 up to `b` (padding, which counts for nothing)."""
+  rows = corpus.sequences(ids)
+  return np.concatenate([rows, np.full((b - len(ids), rows.shape[1]), -1, rows.dtype)])
