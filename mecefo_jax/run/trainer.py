@@ -240,9 +240,10 @@ class Trainer:
       self.records.events(self.controller.events)
       self._progress.step(len(self.controller.live()))
       rows, last = [], step == cfg.train.steps - 1
-      # Multi-process: fetched every step, as the fetch is also the job's stop vote.
+      # Multi-process: fetched every step, as the fetch is also the job's stop vote; with
+      # snapshot.every=auto too, so that each step's wall is its own (not a later one's wait).
       fetch = (step % cfg.train.log_every == 0 or last or multihost.is_multiprocess()
-               or (self.snapshots and self.snapshots.due(step + 1)))
+               or self.tuner or (self.snapshots and self.snapshots.due(step + 1)))
       values = self._fetch(metrics, step + 1) if fetch else None
       if values:  # the fetch waited for the step: it is trained
         self.records.reached(step + 1)
