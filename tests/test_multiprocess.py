@@ -87,7 +87,8 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   # JAX's coordination service notices the silent process after the heartbeat timeout and
   # terminates the survivor (it would otherwise wait forever in the next collective).
   assert survivor != 0 and time.monotonic() - t0 < 90, _logs(tmp_path, 'run')
-  assert 'heartbeat timeout' in _logs(tmp_path, 'run', tail=0)
+  text = _logs(tmp_path, 'run', tail=0)  # the service says it in one of two ways
+  assert 'heartbeat timeout' in text or 'stopped sending heartbeats' in text, text[-3000:]
   reached = rundir.read_reached(tmp_path / 'run')
   shutil.rmtree(_memory_tier(tmp_path))  # every host's parts: only the durable tier is left
   codes = wait_all(_spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', '--resume'),

@@ -25,6 +25,7 @@ from mecefo_jax import multihost
 from mecefo_jax.model.train_state import abstract_state
 from mecefo_jax.snapshot import image, interval, parity
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
+from mecefo_jax.snapshot.manifest import verify_manifest
 from mecefo_jax.snapshot import store as store_mod
 from mecefo_jax.snapshot.store import OFF_DURABLE, Tier
 
@@ -156,12 +157,15 @@ class HostSnapshots:
     return step, *self._restore_parts(step, layout, mine, target), self.where(step, ('memory',))[0]
 
   def _durable_steps(self) -> list[int]:
-    """The intact durable checkpoints, as process 0 finds them (it alone deletes a bad one)."""
+    """The intact durable checkpoints, as process 0 checks them; a bad one is deleted by all
+    processes together (Orbax's delete of a shared checkpoint is a barrier of them all)."""
     if not self._durable:
       return []
-    steps = ([s for s in self._durable.steps() if self._durable.verified(s)]
-             if jax.process_index() == 0 else None)
-    return multihost.allgather_json(steps)[0]
+    problems = ({str(s): verify_manifest(self._durable.step_dir(s))
+                 for s in self._durable.steps()} if jax.process_index() == 0 else None)
+    problems = multihost.allgather_json(problems)[0]
+    return [int(s) for s, problem in problems.items()
+            if self._durable.verified(int(s), problem, check=False)]
 
   def _restore_parts(self, step: int, layout: tuple[int, ...], mine: dict, target):
     """(state, meta) of in-memory snapshot `step` from its hosts' parts (all processes)."""

@@ -240,10 +240,11 @@ class Tier:
   def delete(self, step: int) -> None:
     self._orbax.delete(step)
 
-  def verified(self, step: int) -> bool:
-    """Whether snapshot `step` passes its checksums; one that does not is skipped with a warning
-    and deleted, so that the steps trained again after a restore can be saved under its number."""
-    problem = verify_manifest(self.step_dir(step))
+  def verified(self, step: int, problem: str | None = None, *, check: bool = True) -> bool:
+    """Whether snapshot `step` passes its checksums (`check`; else `problem` is what a check
+    found elsewhere); one that does not is skipped with a warning and deleted, so that the steps
+    trained again after a restore can be saved under its number."""
+    problem = verify_manifest(self.step_dir(step)) if check else problem
     if problem is None:
       return True
     message = f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}'
