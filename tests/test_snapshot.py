@@ -15,7 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax.model.train_state import TrainState
 from mecefo_jax.snapshot import capacity, manifest, parity, store
-from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager, SnapshotWarning
+from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager
+from mecefo_jax.snapshot.tier import SnapshotWarning
 
 META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
 

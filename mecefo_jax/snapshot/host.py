@@ -26,8 +26,8 @@ from mecefo_jax.model.train_state import abstract_state
 from mecefo_jax.snapshot import image, interval, parity
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.manifest import verify_manifest
-from mecefo_jax.snapshot import store as store_mod
-from mecefo_jax.snapshot.store import OFF_DURABLE, Tier
+from mecefo_jax.snapshot.store import OFF_DURABLE
+from mecefo_jax.snapshot.tier import Tier, private_copy
 
 log = logging.getLogger('mecefo')
 _LAYOUT = 'host_layout'  # meta key: the logical hosts holding the snapshot's parts, in order
@@ -91,7 +91,7 @@ class HostSnapshots:
       started += ('memory',)
     if self._durable and (stop or step % self.durable_every == 0):
       # A private copy (one replica) that no train step donates, written in the background.
-      copy = jax.block_until_ready(store_mod.private_copy(state))
+      copy = jax.block_until_ready(private_copy(state))
       if self._durable.save(step, copy, meta):  # Orbax's D2H copy here, its writes async
         self.durable_saved += 1
         started += ('durable',)

@@ -1,27 +1,21 @@
 """REFT-style snapshots: async Orbax saves to tmpfs with checksum manifests, plus a durable tier."""
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 import json
 import logging
 import math
 import os
 import tempfile
-import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
 
 from mecefo_jax import sharding
 from mecefo_jax.snapshot import image
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
-from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
+from mecefo_jax.snapshot.tier import Tier, _on_cpu, private_copy
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +24,6 @@ OFF_DURABLE = {'durable_dir': None, 'durable_every': 0, 'durable_saved': 0,
                'durable_retained_steps': []}
 OFF = {'enabled': False, 'dir': None, 'every': 0, 'saved': 0, 'skipped': 0, 'retained_steps': [],
        **OFF_DURABLE}
-
-_ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers) break its commit
-
-
-class SnapshotWarning(UserWarning):
-  """A snapshot was skipped because its checksums do not match."""
 
 
 def state_nbytes(state: Any) -> int:
@@ -48,224 +36,6 @@ def default_snapshot_dir(run_name: str) -> Path:
   """/dev/shm/mecefo/<run_name>: tmpfs, so snapshots outlive a crash of the trainer process."""
   base = Path('/dev/shm') if Path('/dev/shm').is_dir() else Path(tempfile.gettempdir())
   return base / 'mecefo' / run_name
-
-
-# ---- copies that donation cannot touch ------------------------------------------------------------
-
-def private_copy(state: Any) -> Any:
-  """A copy of `state` that no train step will donate: fresh device buffers, same shardings."""
-  leaves, treedef = jax.tree.flatten(state)
-  on_device = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-  copies = jax.device_put([leaves[i] for i in on_device],
-                          [leaves[i].sharding for i in on_device], may_alias=False)
-  for i, copy in zip(on_device, copies):
-    leaves[i] = copy
-  return jax.tree.unflatten(treedef, leaves)
-
-
-def _on_cpu(state: Any) -> bool:
-  return any(device.platform == 'cpu'
-             for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
-             for device in leaf.sharding.device_set)
-
-
-# ---- one tier: an Orbax manager plus manifests ----------------------------------------------------
-
-class Tier:
-  """An async Orbax CheckpointManager whose finished steps get a checksum manifest.
-
-  `compress`: zstd on the arrays. It saves ~10% of the bytes of trained weights but doubles the
-  CPU time of a save (60m state: ~0.95 vs ~0.5 s), so the every-step in-memory tier skips it.
-  `packed`: save the state as one byte image (image.py) packed into a host buffer that this tier
-  reuses, with its layout beside it; else as an Orbax pytree (portable across meshes and models'
-  shardings, and ~3x the CPU per save for llama_60m's 254 leaves).
-  """
-
-  def __init__(self, name: str, directory: str | os.PathLike, keep: int, compress: bool = True,
-               local: bool = False, packed: bool = False):
-    """`local`: this process alone saves its own arrays into its own directory (per-host
-    snapshots of a multi-process run). Else all processes of a multi-process run write one
-    checkpoint together (the durable tier), process 0 its manifest."""
-    self.name, self.packed = name, packed
-    self._image: np.ndarray | None = None  # the packed tier's host buffer, reused
-    self.directory = epath.Path(directory)
-    self.writes_manifest = local or jax.process_index() == 0
-    kwargs, registry, manager_kwargs = {}, {}, {}
-    shared = jax.process_count() > 1 and not local
-    if shared:
-      # Named processes make Orbax sync through the distributed client's barriers, not device
-      # collectives, which its background commit would interleave with the train step's.
-      kwargs = {'multiprocessing_options': ocp.options.MultiprocessingOptions(
-          primary_host=0, active_processes=set(range(jax.process_count())))}
-    if local:
-      me = jax.process_index()
-      kwargs = {'multiprocessing_options': ocp.options.MultiprocessingOptions(
-          primary_host=None, active_processes={me}, barrier_sync_key_prefix=f'host{me}')}
-      manager_kwargs = {'enable_per_process_directory_creation': True}
-      # Every process writes its own shards (no primary host, no replica dedup across hosts).
-      registry = {'type_handler_registry': ocp.type_handlers.create_type_handler_registry(
-          (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
-                                                     use_replica_parallel=False)))}
-    if local or shared:
-      self.directory.mkdir(parents=True, exist_ok=True)  # Orbax's create= is refused here
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                           create=not (local or shared),
-                                           cleanup_tmp_directories=True,
-                                           **kwargs, **manager_kwargs)
-    if packed:  # the image is ours until the save is finished: Orbax need not copy it
-      registry = {'type_handler_registry': ocp.type_handlers.create_type_handler_registry(
-          (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-          (jax.Array, ocp.type_handlers.ArrayHandler()))}  # unused; silences Orbax's warning
-    handlers = {'state': ocp.PyTreeCheckpointHandler(use_compression=compress, **kwargs, **registry),
-                'meta': ocp.JsonCheckpointHandler(**kwargs)}
-    if packed:
-      handlers['layout'] = ocp.JsonCheckpointHandler(**kwargs)
-    self._orbax = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
-    # One long-lived worker: starting a thread per save cost the training thread ~30 ms on a
-    # 2-core host right after a step (Thread.start waits until the new thread runs).
-    self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f'mecefo-{name}-save')
-    self._finisher: concurrent.futures.Future | None = None
-    self._last_saved: int | None = None
-    self._error: BaseException | None = None
-
-  def describe(self, step: int) -> str:
-    """Where snapshot `step` is, in words (for messages)."""
-    kind = 'in-memory snapshot' if self.name == 'memory' else 'durable checkpoint'
-    return f'{kind} {self.step_dir(step)}'
-
-  def step_dir(self, step: int) -> epath.Path:
-    return self.directory / str(step)
-
-  def steps(self) -> list[int]:
-    self._orbax.reload()  # another process (the crashed trainer) may have written them
-    return sorted(self._orbax.all_steps(), reverse=True)
-
-  def save(self, step: int, state: Any, meta: dict, *, background: bool = False,
-           sources=None) -> bool:
-    """Starts saving `state`; False if this tier saved `step` last (another snapshot of that
-    step, of an older timeline, is replaced).
-    `background`: Orbax's save() runs in the finisher thread too, for a private copy that no
-    train step donates; else its D2H copy happens here. A packed tier copies `state` into its
-    image here (`sources`: image.pack's devices) and saves that in the background."""
-    self.wait()
-    if step == self._last_saved:
-      return False  # this tier saved that step's state already (a stop right after a save)
-    if step in self._orbax.all_steps():
-      # Not this timeline's: steps trained again after a restore from an older snapshot, or a
-      # torn save. Keeping it would resume from a state this run no longer holds.
-      self._orbax.delete(step)
-    self._last_saved = step
-    items = {'meta': ocp.args.JsonSave(meta)}
-    if self.packed:
-      self._image, layout = image.pack(state, self._image, sources)  # off donated buffers
-      items.update(state=ocp.args.PyTreeSave({'image': self._image}),
-                   layout=ocp.args.JsonSave(layout))
-      background = True
-    else:
-      items['state'] = ocp.args.PyTreeSave(state)
-    args = ocp.args.Composite(**items)
-    if not background:
-      self._start_save(step, args)  # returns once the D2H copy is done
-    self._finisher = self._worker.submit(self._finish, step, args if background else None)
-    return True
-
-  def _start_save(self, step: int, args) -> None:
-    with _ORBAX_SAVE_LOCK:
-      self._orbax.save(step, args=args, force=True)
-
-  def _finish(self, step: int, args) -> None:
-    try:
-      if args is not None:
-        self._start_save(step, args)
-      self._orbax.wait_until_finished()  # the step dir is renamed into place by now
-      if self.writes_manifest:
-        write_manifest(self.step_dir(step))
-    except BaseException as e:  # surfaced by the next wait() in the training thread
-      self._error = e
-
-  def busy(self) -> bool:
-    """Whether a save of this tier is still being written in the background."""
-    return self._finisher is not None and not self._finisher.done()
-
-  def wait(self) -> None:
-    if self._finisher is not None:
-      self._finisher.result()  # _finish keeps its error for below
-      self._finisher = None
-    try:
-      self._orbax.wait_until_finished()  # a save whose finisher was not started yet (SIGTERM)
-    except Exception as e:  # noqa: BLE001 -- Orbax raises a failed save's error here again
-      self._error = self._error or e
-    if self._error is not None:
-      error, self._error = self._error, None
-      raise SnapshotError(f'{self.name} snapshot in {self.directory} failed: {error}') from error
-
-  def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-    if self.packed:
-      return self._restore_image(step, target)
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args),
-                              meta=ocp.args.JsonRestore())
-    restored = self._orbax.restore(step, args=args)
-    return restored.state, restored.meta
-
-  def restore_first_rows(self, step: int, lengths: dict[str, int], device) -> tuple[dict, dict]:
-    """({name: row 0 as numpy}, meta) of a snapshot of [n, length] arrays of which this process
-    saved row 0 (HostSnapshots), read onto `device` alone (rows 1.. are not here)."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    args = {k: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=(1, n), strict=False)
-            for k, n in lengths.items()}
-    restored = self._orbax.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(restore_args=args), meta=ocp.args.JsonRestore()))
-    return {k: np.asarray(v)[0] for k, v in restored.state.items()}, restored.meta
-
-  def read_meta(self, step: int) -> dict:
-    """The meta saved with `step`, without its state."""
-    return self._orbax.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-
-  def _restore_image(self, step: int, target: Any) -> tuple[Any, dict]:
-    saved = self._orbax.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore())).layout
-    wanted = image.layout(target)
-    if saved != wanted:
-      diff = next((s, w) for s, w in itertools.zip_longest(saved, wanted) if s != w)
-      raise SnapshotError(f'{self.step_dir(step)} holds another state than this run '
-                          f'({len(saved)} vs {len(wanted)} leaves, first difference: saved '
-                          f'{diff[0]}, wanted {diff[1]}): a changed config? Resume with the '
-                          f'config it was saved with, or start anew (--fresh, or another --out)')
-    args = ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(restore_args={'image': ocp.RestoreArgs(restore_type=np.ndarray)}),
-        meta=ocp.args.JsonRestore())
-    restored = self._orbax.restore(step, args=args)
-    return image.unpack(restored.state['image'], target), restored.meta
-
-  def delete(self, step: int) -> None:
-    self._orbax.delete(step)
-
-  def verified(self, step: int, problem: str | None = None, *, check: bool = True) -> bool:
-    """Whether snapshot `step` passes its checksums (`check`; else `problem` is what a check
-    found elsewhere); one that does not is skipped with a warning and deleted, so that the steps
-    trained again after a restore can be saved under its number."""
-    problem = verify_manifest(self.step_dir(step)) if check else problem
-    if problem is None:
-      return True
-    message = f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}'
-    if problem.startswith('no manifest'):
-      log.warning(message)  # expected after a crash during a save
-    else:
-      warnings.warn(message, SnapshotWarning, stacklevel=3)
-    self.delete(step)
-    return False
-
-  def report(self, prefix: str, every: int, saved: int) -> dict:
-    """This tier's part of report.json's `snapshots` section."""
-    return {f'{prefix}dir': str(self.directory), f'{prefix}every': every,
-            f'{prefix}saved': saved, f'{prefix}retained_steps': sorted(self.steps())}
-
-  def close(self) -> None:
-    try:
-      self.wait()
-    finally:
-      self._worker.shutdown()
-      self._orbax.close()
 
 
 # ---- the manager ----------------------------------------------------------------------------------
