@@ -29,7 +29,6 @@ from mecefo_jax.step import train_step
 from mecefo_jax.step.store import ProgramStore
 
 log = logging.getLogger('mecefo')
-param_count = report.param_count
 # What the loop does after each step, in this order (each a `_after_<name>` method that may end
 # the run with a message): no snapshot ever holds a diverged state, an eval's result is in the
 # snapshot's meta, and a stop is voted on once the step is saved.
@@ -162,7 +161,7 @@ class Trainer:
     return self._finished
 
   def describe(self) -> str:
-    n = param_count(self.state.params)
+    n = report.param_count(self.state.params)
     f = self.cfg.faults
     return (f'model {n / 1e6:.2f}M params | mesh {dict(self.mesh.shape)} on {jax.device_count()} '
             f'{jax.devices()[0].platform} device(s), compute {self.compute_dtype} | global batch '
@@ -172,7 +171,7 @@ class Trainer:
 
   def dry_run_info(self) -> dict:
     """What --dry-run prints: sizes, mesh, the compiled fault-free step's memory (per device)."""
-    return {'param_count': param_count(self.state.params), 'mesh': dict(self.mesh.shape),
+    return {'param_count': report.param_count(self.state.params), 'mesh': dict(self.mesh.shape),
             'devices': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
             'global_batch': [self.n_slices, self.cfg.train.micro_batch, self.cfg.model.seq_len],
             'compute_dtype': self.compute_dtype, 'state_bytes': state_nbytes(self.state),
