@@ -23,6 +23,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     'mlp': ('tensor',),
     'norm': None,
     'rank': None,
+    'layers': None,  # the stacked blocks' layer axis: every device holds every layer's share
 }
 
 

@@ -10,9 +10,12 @@ import jax.numpy as jnp
 
 from mecefo_jax import ops
 from mecefo_jax.config import Config, ConfigError, MeCeFOConfig, ModelConfig
+from mecefo_jax.model import llama
 
 FFN_MATRICES = ('gate', 'up', 'down')
-AXES = {'gate': ('embed', 'rank'), 'up': ('embed', 'rank'), 'down': ('mlp', 'rank')}
+# Bases mirror the stacked blocks' FFN kernels: {BLOCKS: {'gate','up','down': [layers, d_in, r]}}.
+AXES = {'gate': ('layers', 'embed', 'rank'), 'up': ('layers', 'embed', 'rank'),
+        'down': ('layers', 'mlp', 'rank')}
 
 
 def ranks(m: ModelConfig, mc: MeCeFOConfig) -> dict[str, int]:
@@ -23,38 +26,36 @@ def ranks(m: ModelConfig, mc: MeCeFOConfig) -> dict[str, int]:
   return {'gate': rank(m.d_model), 'up': rank(m.d_model), 'down': rank(m.ffn_dim)}
 
 
-def _ffn_kernels(params, i):
-  ffn = params[f'block{i}']['ffn']
-  return {name: ffn[name]['kernel'] for name in FFN_MATRICES}
+def _layer_keys(key, n_layers: int):
+  """[n_layers, 3] keys: layer i's keys for gate, up and down, split from fold_in(key, i)."""
+  return jax.vmap(lambda i: jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES)))(
+      jnp.arange(n_layers))
 
 
 def svd_bases(params, cfg: Config, key, previous: dict | None = None) -> dict:
   """Paper's bases: top singular input subspace of every FFN matrix (randomized SVD), or, given
-  the `previous` bases, one warm-started subspace iteration from them (mecefo.refresh=warm)."""
+  the `previous` bases, one warm-started subspace iteration from them (mecefo.refresh=warm);
+  computed for all layers at once (vmapped over the stacked kernels)."""
   r = ranks(cfg.model, cfg.mecefo)
-  out = {}
-  for i in range(cfg.model.n_layers):
-    kernels = _ffn_kernels(params, i)
-    if previous is not None:
-      out[f'block{i}'] = {name: ops.refine_basis(w, previous[f'block{i}'][name])
-                          for name, w in kernels.items()}
-      continue
-    keys = jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES))
-    out[f'block{i}'] = {name: ops.svd_basis(w, r[name], k, cfg.mecefo.power_iters)
-                        for (name, w), k in zip(kernels.items(), keys)}
-  return out
+  ffn = params[llama.BLOCKS]['ffn']
+  if previous is not None:
+    old = previous[llama.BLOCKS]
+    return {llama.BLOCKS: {name: jax.vmap(ops.refine_basis)(ffn[name]['kernel'], old[name])
+                           for name in FFN_MATRICES}}
+  keys = _layer_keys(key, cfg.model.n_layers)
+  one = lambda name, k: jax.vmap(
+      lambda w, kk: ops.svd_basis(w, r[name], kk, cfg.mecefo.power_iters))(ffn[name]['kernel'], k)
+  return {llama.BLOCKS: {name: one(name, keys[:, j]) for j, name in enumerate(FFN_MATRICES)}}
 
 
 def gaussian_bases(cfg: Config, key) -> dict:
-  """Fresh unbiased Gaussian bases for every FFN matrix (E[V Vᵀ] = I)."""
+  """Fresh unbiased Gaussian bases for every FFN matrix (E[V Vᵀ] = I), all layers at once."""
   r, m = ranks(cfg.model, cfg.mecefo), cfg.model
   d_in = {'gate': m.d_model, 'up': m.d_model, 'down': m.ffn_dim}
-  out = {}
-  for i in range(m.n_layers):
-    keys = jax.random.split(jax.random.fold_in(key, i), len(FFN_MATRICES))
-    out[f'block{i}'] = {name: ops.gaussian_basis(k, d_in[name], r[name], jnp.dtype(m.param_dtype))
-                        for name, k in zip(FFN_MATRICES, keys)}
-  return out
+  keys = _layer_keys(key, m.n_layers)
+  one = lambda name, k: jax.vmap(
+      lambda kk: ops.gaussian_basis(kk, d_in[name], r[name], jnp.dtype(m.param_dtype)))(k)
+  return {llama.BLOCKS: {name: one(name, keys[:, j]) for j, name in enumerate(FFN_MATRICES)}}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,11 @@ from mecefo_jax.layers import MeCeFOLinear
 
 # Top-level parameter names inside a block whose gradient comes only from exact micro-batches.
 ATTENTION_BRANCH = ('attn', 'attn_norm')
+# The key of the stacked blocks: every leaf under it has a leading `layers` axis (one row per block).
+BLOCKS = 'blocks'
+# lax.scan's unroll over the blocks, the same at every depth: 1 keeps one block body in every
+# program, so that compile time does not grow with n_layers (report.json: model.scan_unroll).
+SCAN_UNROLL = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,25 +128,45 @@ class Block(nnx.Module):
     return h_BxLxD + branch(self.ffn_norm, self.ffn, h_BxLxD, bases if d.lowrank else None)
 
 
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """All cfg.n_layers blocks as one Block whose parameters have a leading `layers` axis; each
+  layer is initialised from its own key under one vmap, so a program that creates the model
+  holds one block's initializer at any depth."""
+  keys = jax.random.split(rngs.params(), cfg.n_layers)
+  graphdef, template = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(params=0))))
+  values = jax.vmap(lambda key: nnx.to_pure_dict(nnx.state(Block(cfg, nnx.Rngs(params=key)))))(keys)
+  values = jax.tree.leaves(values)
+  variables = jax.tree.leaves(template, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  stacked = [v.replace(value, logical_axes=('layers', *v.get_metadata()['logical_axes']))
+             for v, value in zip(variables, values)]
+  treedef = jax.tree.structure(template, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, jax.tree.unflatten(treedef, stacked))
+
+
 class LLaMA(nnx.Module):
-  """Decoder-only LM: embedding, n pre-norm blocks, final RMSNorm, untied LM head."""
+  """Decoder-only LM: embedding, n pre-norm blocks (stacked, run by one lax.scan), final
+  RMSNorm, untied LM head."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.embed = nnx.Param(
         nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model),
                                               jnp.dtype(cfg.param_dtype)),
         logical_axes=('vocab', 'embed'))
-    for i in range(cfg.n_layers):
-      setattr(self, f'block{i}', Block(cfg, rngs))
+    self.blocks = _stacked_blocks(cfg, rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg)
     self.head = _linear(cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), cfg, rngs)
-    self.n_layers, self.dtype = cfg.n_layers, compute_dtype(cfg)
+    self.dtype = compute_dtype(cfg)
 
   def __call__(self, tokens_BxL, degraded: bool | Degrade = False, bases=None, remat: str = 'dots'):
     h = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-    for i in range(self.n_layers):
-      block_bases = bases[f'block{i}'] if bases is not None else None
-      h = getattr(self, f'block{i}')(h, degraded, block_bases, remat)
+    graphdef, stacked = nnx.split(self.blocks)
+
+    def layer(h_BxLxD, xs):
+      params, layer_bases = xs
+      return nnx.merge(graphdef, params)(h_BxLxD, degraded, layer_bases, remat), None
+
+    layer_bases = bases[BLOCKS] if bases is not None else None
+    h, _ = jax.lax.scan(layer, h, (stacked, layer_bases), unroll=SCAN_UNROLL)
     return self.head(self.final_norm(h))
 
 
@@ -167,7 +192,21 @@ def forward(graphdef, params, tokens_BxL, degraded: bool | Degrade = False, base
   return nnx.merge(graphdef, params)(tokens_BxL, degraded, bases, remat)
 
 
+def _keys(path) -> list:
+  return [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
+
+
+def is_stacked(path) -> bool:
+  """True for leaves of the stacked blocks (leading `layers` axis), in params or any tree that
+  mirrors them (optimizer moments, bases)."""
+  return BLOCKS in _keys(path)
+
+
+def layer(tree, i: int):
+  """Layer i's slice of the stacked blocks of `tree` (params, gradients or bases)."""
+  return jax.tree.map(lambda x: x[i], tree[BLOCKS])
+
+
 def is_attention_branch(path) -> bool:
   """True for parameters that degraded micro-batches give no gradient (docs/algorithm.md §2.1)."""
-  keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
-  return any(k in ATTENTION_BRANCH for k in keys)
+  return any(k in ATTENTION_BRANCH for k in _keys(path))

@@ -20,7 +20,7 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: Any  # pure dict of arrays (see llama.create)
   opt_state: Any
-  bases: Any  # {'block{i}': {'gate','up','down': [d_in, r]}} kept between steps; {} when drawn per step
+  bases: Any  # {'blocks': {'gate','up','down': [layers, d_in, r]}} kept between steps; {} when drawn per step
   bases_step: jax.Array  # int32: step the svd bases were computed at, -1 before the first
   rng: jax.Array  # uint32[2] raw PRNG key
 
@@ -36,6 +36,12 @@ def partition_labels(params):
   return jax.tree_util.tree_map_with_path(label, params)
 
 
+def decays(path, leaf) -> bool:
+  """Weight decay applies to matrices (per layer: a stacked leaf's layer axis does not count),
+  not to norm scales."""
+  return leaf.ndim - llama.is_stacked(path) >= 2
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   """AdamW with linear warmup and cosine decay; weight decay only on matrices.
 
@@ -49,7 +55,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   schedule = optax.warmup_cosine_decay_schedule(
       o.lr / (warmup + 1), o.lr, warmup, max(cfg.train.steps, warmup + 1),
       end_value=o.lr * o.min_lr_ratio)
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)
   adamw = lambda: optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                               mask=decay_mask)
   parts = optax.multi_transform({ATTENTION: adamw(), REST: adamw()}, partition_labels)
@@ -102,7 +108,7 @@ def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
                                  shapes.opt_state, param_sh,
                                  transform_non_params=lambda _: replicated(mesh),
                                  is_leaf=lambda x: isinstance(x, jax.sharding.Sharding) or masked(x))
-  bases_axes = {b: bases.AXES for b in shapes.bases}
+  bases_axes = {b: bases.AXES for b in shapes.bases}  # {} or {BLOCKS: AXES}
   return TrainState(replicated(mesh), param_sh, opt_sh,
                     tree_shardings(bases_axes, shapes.bases, mesh),
                     replicated(mesh), replicated(mesh))

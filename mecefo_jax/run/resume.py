@@ -50,6 +50,11 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
                   'step(s), so %s step(s) are trained again', where, step, start.reached,
                   start.steps_lost)
       return start
+    if snapshots and snapshots.per_block:
+      raise ConfigError(f'the run in {out_dir} has only snapshots of the per-block parameter '
+                        f'layout of mecefo-jax before the scanned model ({snapshots.per_block[0]}, '
+                        f'kept) and no durable checkpoint: resume it with that version, or start '
+                        f'anew with {hints.fresh(out_dir)}')
     if explicit:
       raise ConfigError(f'--resume: no usable snapshot or checkpoint of the run in {out_dir} '
                         f'({"snapshots are off" if not snapshots else "none intact"}); nothing '

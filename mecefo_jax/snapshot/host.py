@@ -27,7 +27,7 @@ from mecefo_jax.snapshot import image, interval, parity
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.manifest import verify_manifest
 from mecefo_jax.snapshot.store import OFF_DURABLE
-from mecefo_jax.snapshot.tier import Tier, private_copy
+from mecefo_jax.snapshot.tier import Tier, is_per_block, private_copy
 
 log = logging.getLogger('mecefo')
 _LAYOUT = 'host_layout'  # meta key: the logical hosts holding the snapshot's parts, in order
@@ -63,6 +63,7 @@ class HostSnapshots:
     self._durable = (Tier('durable', durable_dir, sn.durable_keep)
                      if durable_dir and sn.durable_every else None)
     self.saved = self.durable_saved = 0  # by this process
+    self.per_block: list[str] = []  # in-memory parts of the per-block layout passed over
     self._image = np.zeros(self.part_len * n, np.uint8)  # packed state + zero padding
     # Orbax saves no array that one process holds whole in a multi-process run, so a part is
     # saved as row 0 of a [processes, len] array of which this process holds only that row
@@ -127,9 +128,19 @@ class HostSnapshots:
             **durable}
 
   def _held(self) -> dict[int, tuple[int, ...]]:
-    """{step: layout} of the intact snapshot parts in this host's directory."""
-    return {s: tuple(self._tier.read_meta(s)[_LAYOUT]) for s in self._tier.steps()
-            if self._tier.verified(s)}
+    """{step: layout} of the intact snapshot parts in this host's directory; parts of the
+    per-block parameter layout are passed over (kept on disk, said once)."""
+    held = {}
+    for step in self._tier.steps():
+      meta = self._tier.read_meta(step) if self._tier.verified(step) else None
+      if meta is not None and is_per_block(meta):
+        where = f'in-memory snapshot part {self._tier.step_dir(step)}'
+        log.warning('%s has the per-block parameter layout of mecefo-jax before the scanned '
+                    'model; it is kept, not restored', where)
+        self.per_block.append(where)
+      elif meta is not None:
+        held[step] = tuple(meta[_LAYOUT])
+    return held
 
   def restore_latest(self, target):
     """(step, state on `target`'s shardings, meta, where) from the newest usable snapshot: the

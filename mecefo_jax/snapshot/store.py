@@ -15,7 +15,7 @@ import numpy as np
 from mecefo_jax import sharding
 from mecefo_jax.snapshot import image
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
-from mecefo_jax.snapshot.tier import Tier, _on_cpu, private_copy
+from mecefo_jax.snapshot.tier import PerBlockLayout, Tier, _on_cpu, private_copy
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class SnapshotManager:
     self.started = dict.fromkeys(('memory', 'durable'), 0)  # saves started by this manager
     self.skipped = 0  # in-memory snapshots lost to write errors
     self._sources: tuple = (None, None)  # (slices' device ids, split_sources) of the last save
+    self.per_block: list[str] = []  # in-memory snapshots of the per-block layout passed over
 
   @property
   def tiers(self) -> list[Tier]:
@@ -162,9 +163,15 @@ class SnapshotManager:
     candidates = sorted(((step, rank, tier) for rank, tier in enumerate(self.tiers)
                          for step in tier.steps()), key=lambda c: (-c[0], c[1]))
     for step, _, tier in candidates:
-      if tier.verified(step):
+      if not tier.verified(step):
+        continue
+      try:
         state, meta = tier.restore(step, target)
-        return step, state, meta, tier.describe(step)
+      except PerBlockLayout as old:  # kept on disk: an older mecefo-jax can still resume it
+        log.warning('%s; it is kept, not restored: trying an older snapshot', old)
+        self.per_block.append(tier.describe(step))
+        continue
+      return step, state, meta, tier.describe(step)
     return None
 
   def where(self, step: int, tiers: tuple[str, ...]) -> list[str]:

@@ -14,6 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from mecefo_jax.model import layout as param_layout
 from mecefo_jax.snapshot import image
 from mecefo_jax.snapshot.capacity import SnapshotError
 from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
@@ -25,6 +26,20 @@ _ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers
 
 class SnapshotWarning(UserWarning):
   """A snapshot was skipped because its checksums do not match."""
+
+
+# Every snapshot's meta says its parameter layout (model/layout.py); one without it was written
+# before the scanned model (per-block parameters).
+LAYOUT_KEY = 'param_layout'
+
+
+class PerBlockLayout(SnapshotError):
+  """An in-memory snapshot of the per-block layout: this version restores it only from a
+  durable checkpoint (converted), so it is kept on disk and passed over."""
+
+
+def is_per_block(meta: dict) -> bool:
+  return meta.get(LAYOUT_KEY) != param_layout.STACKED
 
 
 # ---- copies that donation cannot touch ------------------------------------------------------------
@@ -132,7 +147,7 @@ class Tier:
       # torn save. Keeping it would resume from a state this run no longer holds.
       self._orbax.delete(step)
     self._last_saved = step
-    items = {'meta': ocp.args.JsonSave(meta)}
+    items = {'meta': ocp.args.JsonSave({**meta, LAYOUT_KEY: param_layout.STACKED})}
     if self.packed:
       self._image, layout = image.pack(state, self._image, sources)  # off donated buffers
       items.update(state=ocp.args.PyTreeSave({'image': self._image}),
@@ -177,13 +192,29 @@ class Tier:
       raise SnapshotError(f'{self.name} snapshot in {self.directory} failed: {error}') from error
 
   def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-    if self.packed:
-      return self._restore_image(step, target)
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args),
+    """(state on `target`'s shardings, meta) of snapshot `step`. A durable checkpoint of the
+    per-block layout is converted to stacked blocks; an in-memory one raises PerBlockLayout."""
+    per_block = is_per_block(self.read_meta(step))
+    if per_block and self.packed:
+      raise PerBlockLayout(f'{self.describe(step)} has the per-block parameter layout of '
+                           f'mecefo-jax before the scanned model')
+    state, meta = self._restore_image(step, target) if self.packed else self._restore_tree(
+        step, target, per_block)
+    meta.pop(LAYOUT_KEY, None)
+    return state, meta
+
+  def _restore_tree(self, step: int, target: Any, per_block: bool) -> tuple[Any, dict]:
+    want = param_layout.per_block(target, param_layout.n_layers(target)) if per_block else target
+    restore_args = ocp.checkpoint_utils.construct_restore_args(want)
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(want, restore_args=restore_args),
                               meta=ocp.args.JsonRestore())
     restored = self._orbax.restore(step, args=args)
-    return restored.state, restored.meta
+    if not per_block:
+      return restored.state, restored.meta
+    log.warning('%s has the per-block parameter layout of mecefo-jax before the scanned model: '
+                'converted to stacked blocks', self.describe(step))
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    return jax.jit(param_layout.stacked, out_shardings=shardings)(restored.state), restored.meta
 
   def restore_first_rows(self, step: int, lengths: dict[str, int], device) -> tuple[dict, dict]:
     """({name: row 0 as numpy}, meta) of a snapshot of [n, length] arrays of which this process
