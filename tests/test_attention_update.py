@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import layout, llama, train_state
 from mecefo_jax.plan.roles import Role
 from mecefo_jax.step import train_step
 from test_update_reference import (CORPUS, L, TOL, RefOptimizer, _assert_close, _cfg, _grad_sum,
@@ -57,7 +57,7 @@ def test_attention_averages_over_every_row_that_gave_it_a_gradient(exact):
   new, metrics = jax.jit(functools.partial(train_step.finish_step, tx=tx,
                                            degrade=ATTENTION_ON))(state, sums)
   np.testing.assert_allclose(metrics['grad_norm'], optax.tree.norm(want), rtol=1e-5)
-  q0, q1 = state.params['block0']['attn']['q']['kernel'], new.params['block0']['attn']['q']['kernel']
+  q0, q1 = state.params['blocks']['attn']['q']['kernel'], new.params['blocks']['attn']['q']['kernel']
   assert not np.allclose(q0, q1)
   assert _adam_counts(new.opt_state)[train_state.ATTENTION] == 1
 
@@ -79,13 +79,14 @@ def test_update_after_a_frozen_step_uses_attentions_own_adam_count():
   grads = [jax.tree.map(lambda p: jnp.asarray(rng.normal(0, 0.05, p.shape), p.dtype), state.params)
            for _ in range(3)]
   attention_tokens = [L, 0, L]  # step 1 has no exact row: attention frozen
-  ref = RefOptimizer(cfg, state.params)
+  per_block = lambda tree: layout.per_block(tree, cfg.model.n_layers)  # the reference's layout
+  ref = RefOptimizer(cfg, per_block(state.params))
   for g, n in zip(grads, attention_tokens):
     state, _ = train_step.apply_gradients(state, g, jnp.float32(n), tx)
-    ref.update(g, attention_updated=n > 0)
-  _assert_close(state.params, ref.params)
+    ref.update(per_block(g), attention_updated=n > 0)
+  _assert_close(per_block(state.params), ref.params)
   assert _adam_counts(state.opt_state) == {train_state.ATTENTION: 2, train_state.REST: 3}
-  shared = RefOptimizer(cfg, _one_slice()[1].params, shared_count=True)
+  shared = RefOptimizer(cfg, per_block(_one_slice()[1].params), shared_count=True)
   for g, n in zip(grads, attention_tokens):
-    shared.update(g, attention_updated=n > 0)
-  assert _max_diff(state.params, shared.params) > 10 * TOL
+    shared.update(per_block(g), attention_updated=n > 0)
+  assert _max_diff(per_block(state.params), shared.params) > 10 * TOL

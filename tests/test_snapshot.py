@@ -38,7 +38,7 @@ def _state_builder(mesh, width):
     params = {'embed': jax.random.normal(keys[0], (width, 32)),
               'w': jax.random.normal(keys[1], (32, width)).astype(jnp.bfloat16)}
     opt_state = {'count': seed, 'mu': jax.tree.map(lambda p: p.astype(jnp.float32) * 0.5, params)}
-    bases = {'block0': {'gate': jax.random.normal(keys[2], (32, 4))}}
+    bases = {'blocks': {'gate': jax.random.normal(keys[2], (2, 32, 4))}}
     return TrainState(seed, params, opt_state, bases, jnp.array(-1, jnp.int32),
                       jax.random.key_data(keys[3]))
 
@@ -46,7 +46,7 @@ def _state_builder(mesh, width):
   param_sh = {'embed': NamedSharding(mesh, P('fsdp', 'tensor')),
               'w': NamedSharding(mesh, P(None, 'fsdp'))}
   shardings = TrainState(rep, param_sh, {'count': rep, 'mu': param_sh},
-                         {'block0': {'gate': NamedSharding(mesh, P('fsdp'))}}, rep, rep)
+                         {'blocks': {'gate': NamedSharding(mesh, P(None, 'fsdp'))}}, rep, rep)
   return jax.jit(build, out_shardings=shardings)
 
 

@@ -13,7 +13,7 @@ from mecefo_jax.config import FaultConfig, load_config
 from mecefo_jax.data import order, synthetic
 from mecefo_jax.fault.controller import Controller
 from mecefo_jax.fault.failures import FailureSchedule
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import layout, llama, train_state
 from mecefo_jax.plan import takeover
 
 pytestmark = pytest.mark.usefixtures('devices')
@@ -58,7 +58,10 @@ def _attention(p, x_BxLxD, m):
 
 
 def _loss_sum(params, tokens_NxL1, m, cut_attention):
-  """Summed token cross-entropy; `cut_attention`: §2.1, the attention output under stop_gradient."""
+  """Summed token cross-entropy; `cut_attention`: §2.1, the attention output under stop_gradient.
+  The reference loops over per-block params; the project's stacked ones are cut per layer slice."""
+  if 'blocks' in params:
+    params = layout.per_block(params, m.n_layers)
   h = params['embed'][tokens_NxL1[:, :-1]]
   for i in range(m.n_layers):
     p = params[f'block{i}']
@@ -239,8 +242,10 @@ def _programs(cfg):
   return mesh, llama.abstract(cfg.model)[0], init, {}
 
 
-def _host(tree):
-  return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
+def _host(params, cfg):
+  """Host copies of `params` in the reference's per-block layout (each block a layer slice)."""
+  per_block = layout.per_block(jax.device_get(params), cfg.model.n_layers)
+  return jax.tree.map(lambda x: np.array(x, copy=True), per_block)
 
 
 def controller_run(cfg, events, steps):
@@ -258,11 +263,11 @@ def controller_run(cfg, events, steps):
   own = c.programs.get
   c.programs.get = lambda k, build: cache.setdefault(
       k, own(k, lambda: cache[k] if k in cache else build()))
-  params0, live_sets, exact_tokens = _host(c.state.params), [], []
+  params0, live_sets, exact_tokens = _host(c.state.params, cfg), [], []
   for step in range(steps):
     exact_tokens.append(float(c.step(step)['exact_tokens']))
     live_sets.append(c.live())
-  return params0, _host(c.state.params), live_sets, exact_tokens
+  return params0, _host(c.state.params, cfg), live_sets, exact_tokens
 
 
 def _max_diff(a, b):

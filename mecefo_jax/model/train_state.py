@@ -1,6 +1,7 @@
 """Training state (params, AdamW state, low-rank bases, step, RNG), its optimizer and shardings."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from typing import Any, NamedTuple
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax._src import config as jax_config  # the context manager of a jax.config option
 from jax.sharding import Mesh
 
 from mecefo_jax.config import Config
@@ -80,9 +82,25 @@ def abstract_state(cfg: Config) -> TrainState:
   return jax.eval_shape(lambda: init_state(cfg))
 
 
+def _threefry_kernel():
+  """jax's context for `jax_threefry_gpu_kernel_lowering`, or nothing where a jax lacks it."""
+  option = getattr(jax_config, 'threefry_gpu_kernel_lowering', None)
+  return option(True) if option is not None else contextlib.nullcontext()
+
+
+def lower_init(cfg: Config, mesh: Mesh) -> jax.stages.Lowered:
+  """The initializer `() -> TrainState`, lowered to create the state directly in its shardings
+  on `mesh` (no host copy, no unsharded copy). Its random draws are one block's, vmapped over
+  the layers (llama._stacked_blocks); on GPU threefry lowers to XLA's kernel, not to unrolled
+  rounds at each draw (jax's `jax_threefry_gpu_kernel_lowering`; no effect elsewhere)."""
+  jitted = jax.jit(lambda: init_state(cfg), out_shardings=state_shardings(cfg, mesh))
+  with _threefry_kernel():
+    return jitted.lower()
+
+
 def create_sharded(cfg: Config, mesh: Mesh) -> TrainState:
   """A fresh state created directly in its shardings on `mesh`."""
-  return jax.jit(lambda: init_state(cfg), out_shardings=state_shardings(cfg, mesh))()
+  return lower_init(cfg, mesh).compile()()
 
 
 def params_sha256(params) -> str:

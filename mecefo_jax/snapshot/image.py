@@ -39,29 +39,45 @@ def views(image: np.ndarray, lay: Layout):
     pos += size
 
 
-def split_sources(tree: Any) -> list[frozenset | None]:
-  """For each leaf of `tree` (replicated over its mesh's slices), the devices of the slice it
-  is copied from: the image's bytes cut into one contiguous share per slice, so that every
-  slice copies about 1/n of them over its own host link, all at once (REFT's sharded copy).
-  None for a leaf on no multi-slice mesh (copied from its replica 0)."""
+def split_sources(tree: Any) -> list:
+  """For each leaf of `tree` (replicated over its mesh's slices), where its bytes are copied
+  from: the image's bytes cut into one contiguous share per slice, so that every slice copies
+  about 1/n of them over its own host link, all at once (REFT's sharded copy).
+
+  A leaf whose leading axis is whole on every device (the stacked blocks' layer axis among
+  them) is cut along it: its rows go to the slice whose share holds each row's middle byte, so
+  no slice copies more than its share plus one row (one layer). Each entry is the devices of
+  the one slice a leaf comes from, a list [(first row, stop row, devices), ...] for a leaf cut
+  between slices, or None for a leaf on no multi-slice mesh (copied from its replica 0)."""
   lay = layout(tree)
   sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in lay]
   total, start, sources = max(sum(sizes), 1), 0, []
-  for leaf, size in zip(jax.tree.leaves(tree), sizes):
+  for leaf, (_, shape, _), size in zip(jax.tree.leaves(tree), lay, sizes):
     mesh = getattr(getattr(leaf, 'sharding', None), 'mesh', None)
     n = mesh.shape.get('slice', 1) if mesh is not None and hasattr(mesh, 'shape') else 1
-    # A leaf goes to the slice whose share holds its middle byte.
-    k = min(n - 1, int((start + size / 2) * n / total))
-    sources.append(frozenset(mesh.devices[k].flat) if n > 1 else None)
+    sources.append(_leaf_sources(leaf, shape, size, start, total, mesh, n) if n > 1 else None)
     start += size
   return sources
+
+
+def _leaf_sources(leaf, shape, size: int, start: int, total: int, mesh, n: int):
+  """split_sources' entry of one leaf whose bytes start at `start` in the image."""
+  spec = tuple(getattr(leaf.sharding, 'spec', ()))
+  rows = shape[0] if shape and (not spec or spec[0] is None) else 1
+  middles = start + (np.arange(rows) + 0.5) * (size / max(rows, 1))
+  owners = np.minimum(n - 1, (middles * n / total).astype(np.int64))
+  devices = lambda k: frozenset(mesh.devices[k].flat)
+  if owners[0] == owners[-1]:
+    return devices(int(owners[0]))
+  cuts = [0, *np.flatnonzero(np.diff(owners)) + 1, rows]
+  return [(int(a), int(b), devices(int(owners[a]))) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def pack(tree: Any, out: np.ndarray | None = None, devices=None) -> tuple[np.ndarray, Layout]:
   """(image, layout): the bytes of every leaf of `tree`, in flatten order, copied into `out`
   (reused when it has the right size, else a new buffer). A sharded jax.Array is copied shard
   by shard straight into its place: its replica-0 shards, or its shards on `devices` if given
-  (one set for all leaves, or a list of one set per leaf: split_sources; None: replica 0)."""
+  (one set for all leaves, or split_sources' list of one entry per leaf; None: replica 0)."""
   lay = layout(tree)
   if out is None or out.shape != (nbytes(lay),):
     out = np.empty(nbytes(lay), np.uint8)
@@ -71,10 +87,14 @@ def pack(tree: Any, out: np.ndarray | None = None, devices=None) -> tuple[np.nda
   for leaf, view, source in zip(leaves, views(out, lay), per_leaf):
     if not isinstance(leaf, jax.Array):
       copies.append((view, leaf))
-      continue
-    # view[(*index, ...)]: a view even for 0-d leaves, where view[()] would be a scalar copy
-    copies += [(view[(*shard.index, ...)], shard.data) for shard in leaf.addressable_shards
-               if ((shard.device in source) if source is not None else shard.replica_id == 0)]
+    elif isinstance(source, list):  # rows from several slices (split_sources)
+      copies += [(view[a:b][(*shard.index[1:], ...)], shard.data[a:b])
+                 for a, b, devices in source for shard in leaf.addressable_shards
+                 if shard.device in devices]
+    else:
+      # view[(*index, ...)]: a view even for 0-d leaves, where view[()] would be a scalar copy
+      copies += [(view[(*shard.index, ...)], shard.data) for shard in leaf.addressable_shards
+                 if ((shard.device in source) if source is not None else shard.replica_id == 0)]
   for _, source in copies:  # start every device-to-host transfer before waiting for the first
     if isinstance(source, jax.Array):
       source.copy_to_host_async()
