@@ -88,7 +88,7 @@ def pack(tree: Any, out: np.ndarray | None = None, devices=None) -> tuple[np.nda
     if not isinstance(leaf, jax.Array):
       copies.append((view, leaf))
     elif isinstance(source, list):  # rows from several slices (split_sources)
-      copies += [(view[a:b][(*shard.index[1:], ...)], shard.data[a:b])
+      copies += [(view[(slice(a, b), *shard.index[1:], ...)], shard.data[a:b])
                  for a, b, devices in source for shard in leaf.addressable_shards
                  if shard.device in devices]
     else:
