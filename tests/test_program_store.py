@@ -5,6 +5,7 @@ import os
 import threading
 
 import jax
+import jaxlib
 import numpy as np
 import pytest
 
@@ -181,3 +182,30 @@ def test_a_hit_of_jaxs_persistent_cache_is_counted_as_a_load(tmp_path):
     compilation_cache.reset_cache()
   assert _counts(first) == {'compiled': 1, 'loaded': 0, 'moved': 0}
   assert _counts(second) == {'compiled': 0, 'loaded': 1, 'moved': 0}
+
+
+@pytest.mark.parametrize('platform', ['gpu', 'cpu'])
+def test_autotune_cache_option_reaches_the_compile_on_gpu_only(tmp_path, monkeypatch, platform):
+  """On GPU every compile gets XLA's per-fusion autotune cache under the store (by jaxlib
+  version and device kind), a compiler option, so the store's keys stay the same."""
+  monkeypatch.setattr(store, '_platform', lambda devices: platform)
+  seen, compile_ = [], jax.stages.Lowered.compile
+
+  def spy(self, compiler_options=None):
+    seen.append(compiler_options)
+    return compile_(self, compiler_options)  # XLA CPU takes the option and ignores it
+
+  monkeypatch.setattr(jax.stages.Lowered, 'compile', spy)
+  program_store = store.ProgramStore(tmp_path / 'programs', 1 << 30)
+  _cache(program_store).program('eval', (0, 1))
+  (key,) = [p.name for p in program_store.dir.glob(f'*{store.SUFFIX}')]
+  if platform == 'cpu':
+    assert seen == [None] and not (program_store.dir / 'autotune').exists()
+    return
+  (options,) = seen
+  directory = program_store.dir / 'autotune' / f'{jaxlib.__version__}-cpu'
+  assert options == {store.AUTOTUNE_OPTION: str(directory)} and directory.is_dir()
+  # The same program's key without the option: identical (the option is not part of it).
+  monkeypatch.setattr(store, '_platform', lambda devices: 'cpu')
+  lowered = _LOWER['eval'](CFG, SLICES.sub((0, 1)), GRAPHDEF)
+  assert f'{store.fingerprint(lowered, None)}{store.SUFFIX}' == key

@@ -50,6 +50,27 @@ def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None) -> str:
   return h.hexdigest()
 
 
+# XLA's per-fusion autotune results (GPU GEMM and fusion configs) kept across compiles; jax
+# would set it with its persistent cache, which train.py turns off. A compiler option per
+# compile, not an XLA flag: the program store's keys do not depend on where the store is.
+AUTOTUNE_OPTION = 'xla_gpu_per_fusion_autotune_cache_dir'
+
+
+def compiler_options(program_store: 'ProgramStore | None', devices: Sequence) -> dict:
+  """Options for compiling a program for `devices`: on GPU, with a store, XLA's autotune cache
+  in `autotune/<jaxlib version>-<device kind>` under the store; else none."""
+  if program_store is None or not devices or _platform(devices) != 'gpu':
+    return {}
+  kind = ''.join(c if c.isalnum() or c in '.-' else '_' for c in devices[0].device_kind)
+  directory = program_store.dir / 'autotune' / f'{jaxlib.__version__}-{kind}'
+  directory.mkdir(parents=True, exist_ok=True)
+  return {AUTOTUNE_OPTION: str(directory)}
+
+
+def _platform(devices: Sequence) -> str:
+  return devices[0].platform
+
+
 def open_store(compile_cache: str, max_mb: int) -> 'ProgramStore | None':
   """train.py's program store: `programs/` in the compilation cache directory,
   $JAX_COMPILATION_CACHE_DIR where set, else train.compile_cache ('' = none)."""
