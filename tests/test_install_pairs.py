@@ -5,6 +5,7 @@ No network: the released versions are a committed table. pip's `--python-version
 evaluate markers, so markers are evaluated here with `packaging` for each Python line.
 """
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,35 @@ def test_colab_cell_on_python_3_12_with_jax_0_11_2_and_flax_0_12_8_installs_flax
   assert {('jax', SpecifierSet('>=0.11.1,<0.12')), ('jaxlib', SpecifierSet('>=0.11.1,<0.12')),
           ('flax', SpecifierSet('==0.12.10'))} <= asked
   assert not any(r.marker for r in map(Requirement, nothing))  # evaluated for 3.12, dropped
+
+
+# ---- the install lines of the docs follow the files -------------------------------------------
+INSTALL_DOCS = ('README.md', 'docs/tpu.md', 'docs/benchmarks.md', 'colab/README.md',
+                'deploy/Dockerfile')
+
+
+def pip_commands(text: str) -> list[str]:
+  """Every `pip install ...`: a line of a code block or Dockerfile, or an inline code span
+  (wrapped or not)."""
+  lines = [line for line in text.splitlines() if 'pip install' in line and '`' not in line]
+  spans = re.findall(r'`([^`]*pip install[^`]*)`', ' '.join(text.splitlines()))
+  return lines + spans
+
+
+def test_every_install_line_installs_jax_beside_the_requirements():
+  """An extra installed apart from requirements.txt resolves its own jax release: the CUDA plugin
+  or libtpu of one release beside the jax of another (issue 32)."""
+  for name in INSTALL_DOCS:
+    for command in pip_commands((ROOT / name).read_text()):
+      if 'jax[' in command:
+        assert '-r requirements.txt' in command, f'{name}: {command}'
+  assert pip_commands('a\n`pip install\n"jax[tpu]"` b\npip install -r requirements.txt x\n') == [
+      'pip install -r requirements.txt x', 'pip install "jax[tpu]"']
+
+
+def test_docs_and_image_name_a_python_that_installs():
+  tomllib = pytest.importorskip('tomllib')
+  oldest = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['requires-python']
+  assert oldest == '>=3.11' and 'Python ≥ 3.11' in (ROOT / 'README.md').read_text()
+  base = re.search(r'^FROM python:(\d+\.\d+)-', (ROOT / 'deploy/Dockerfile').read_text(), re.M)
+  assert base and base.group(1) in PYTHON_LINES
