@@ -38,6 +38,7 @@ def build(run, steps_done: int, wall_s: float, stopped: str | None, tensorboard:
       'scheduled_events': [e.to_dict() for e in run.schedule.all_events()],
       'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': stopped,
       'preempted': run.stop_reason is not None, 'diverged_at_step': run.diverged_at,
+      'startup': run.startup.report(),
       'resumed_from_step': run.resumed_from, 'steps_lost': run.steps_lost,
       'steps_lost_total': run.records.steps_lost_total(),
       'live_slices_at_end': list(c.live()),
@@ -47,6 +48,16 @@ def build(run, steps_done: int, wall_s: float, stopped: str | None, tensorboard:
       'tensorboard_dir': str(run.out_dir / 'tb') if tensorboard else None,
       'config': to_dict(cfg),
   }
+
+
+def dry_run_info(run) -> dict:
+  """What --dry-run prints: sizes, mesh, the compiled fault-free step's memory (per device)."""
+  return {'param_count': param_count(run.state.params), 'mesh': dict(run.mesh.shape),
+          'devices': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
+          'global_batch': [run.n_slices, run.cfg.train.micro_batch, run.cfg.model.seq_len],
+          'compute_dtype': run.compute_dtype, 'state_bytes': store.state_nbytes(run.state),
+          'compile_s': round(run.compile_s, 2), 'startup': run.startup.report(),
+          'step_memory_bytes': run.memory, 'data': run.corpus.describe()}
 
 
 def _interval(run) -> dict:
