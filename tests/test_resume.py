@@ -128,6 +128,10 @@ def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
   result = report(tmp_path / 'run')
   assert (result['steps'], result['resumed_from_step'], result['steps_lost'],
           result['steps_lost_total']) == (12, 5, 0, 0)
+  # Restored, not initialized; its first step (5: not a logged one) still stops the clock.
+  startup = result['startup']
+  assert startup['init_lower_s'] is None and startup['init_run_s'] is None
+  assert startup['first_step_s'] > startup['restore_s'] + startup['first_programs_s'] > 0
   history = rundir.read_history(tmp_path / 'run')
   assert [e['kind'] for e in history if e['kind'] != 'failure'] == ['start', 'stop', 'end',
                                                                     'start', 'end']

@@ -55,6 +55,18 @@ def test_on_log_gets_every_row_written_to_metrics_jsonl(run):
   assert all(r['tokens_per_s'] > 0 and r['live_slices'] == 2 for r in train)
 
 
+def test_the_startup_clock_of_a_fresh_run_in_process(run):
+  """A Trainer built in a running interpreter is timed from its construction: the first step
+  ends after every start-up phase it waited for."""
+  _, report, _ = run
+  s = report['startup']
+  init = s['init_lower_s'] + s['init_compile_s'] + s['init_run_s']
+  assert s['first_step_from'] == 'trainer' and s['restore_s'] is None
+  assert min(s['init_lower_s'], s['init_compile_s'], s['first_programs_s']) > 0
+  assert report['compile_s'] >= init + s['first_programs_s']
+  assert s['first_step_s'] > report['compile_s']
+
+
 def test_eval_rows_do_not_depend_on_the_live_slices(tmp_path):
   """The eval set is fixed held-out rows: 3 live slices of 4 evaluate the same rows as 4."""
   from mecefo_jax.run.trainer import Trainer

@@ -21,6 +21,13 @@ def test_train_py_loss_goes_down(launcher, tmp_path):
   assert result['steps'] == 120 and len(result['params_sha256']) == 64
   assert result['final_loss'] < result['first_loss'] - 1.0, result['losses']
   assert result['final_loss'] > result['entropy_floor']
+  # The start-up clock, under train.py: from the process start, so past everything compile_s
+  # holds (the imports and the data came before it).
+  s = result['startup']
+  assert s['first_step_from'] == 'process' and s['restore_s'] is None
+  assert result['compile_s'] >= (s['init_lower_s'] + s['init_compile_s'] + s['init_run_s'] +
+                                 s['first_programs_s'])
+  assert s['first_step_s'] > result['compile_s']
 
 
 @pytest.mark.parametrize('override, needle', [

@@ -276,7 +276,8 @@ def _train(args, run, out_dir: Path) -> int:
   log.info('%s', run.describe())
   log.info('data: %s', run.corpus.describe())
   if args.dry_run:
-    print(json.dumps(run.dry_run_info(), indent=2))
+    from mecefo_jax.run import report
+    print(json.dumps(report.dry_run_info(run), indent=2))
     run.close()
     return 0
   if run.finished:  # a finished run resumed: its report stands
@@ -295,11 +296,20 @@ def _train(args, run, out_dir: Path) -> int:
     log.info('%s', summary)
     log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
              report['samples'])
+    log.info('%s', _first_step(report['startup']))
   if report['preempted']:  # SIGTERM, Ctrl-C or --stop-after: snapshotted, resumable
     return STOPPED
   if report['diverged_at_step'] is not None:
     return DIVERGED
   return ALL_DOWN if report['stopped'] else 0
+
+
+def _first_step(startup: dict) -> str:
+  """The start-up clock's end (report.json `startup`), in one line."""
+  if startup['first_step_s'] is None:
+    return 'start-up: no step trained in this process'
+  return (f"start-up: first step done {startup['first_step_s']:.1f}s after the "
+          f"{startup['first_step_from']} start (report.json: startup)")
 
 
 def _num(x) -> str:

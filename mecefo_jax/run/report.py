@@ -6,9 +6,10 @@ import numpy as np
 
 from mecefo_jax import multihost
 from mecefo_jax.config import to_dict
-from mecefo_jax.model import train_state
+from mecefo_jax.model import llama, train_state
 from mecefo_jax.run.report_schema import SCHEMA_VERSION
 from mecefo_jax.snapshot import image, store
+from mecefo_jax.step import store as program_store
 
 
 def param_count(params) -> int:
@@ -38,15 +39,37 @@ def build(run, steps_done: int, wall_s: float, stopped: str | None, tensorboard:
       'scheduled_events': [e.to_dict() for e in run.schedule.all_events()],
       'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': stopped,
       'preempted': run.stop_reason is not None, 'diverged_at_step': run.diverged_at,
+      'startup': run.startup.report(),
       'resumed_from_step': run.resumed_from, 'steps_lost': run.steps_lost,
       'steps_lost_total': run.records.steps_lost_total(),
       'live_slices_at_end': list(c.live()),
       'snapshots': run.snapshots.report() if run.snapshots else store.OFF,
       'snapshot_interval': _interval(run),
-      **c.programs_report(),
+      **_programs(run),
       'tensorboard_dir': str(run.out_dir / 'tb') if tensorboard else None,
       'config': to_dict(cfg),
   }
+
+
+def _programs(run) -> dict:
+  """The controller's `precompile` and `programs` sections; programs with the scan's unroll and
+  the XLA compiles of this process outside the booked programs (eager ops, conversions)."""
+  sections = run.controller.programs_report()
+  now, then = program_store.compile_counts(), run.compiles_at_start
+  sections['programs'].update(scan_unroll=llama.SCAN_UNROLL,
+                              other_compiles=now['other'] - then['other'],
+                              other_compile_s=round(now['other_s'] - then['other_s'], 3))
+  return sections
+
+
+def dry_run_info(run) -> dict:
+  """What --dry-run prints: sizes, mesh, the compiled fault-free step's memory (per device)."""
+  return {'param_count': param_count(run.state.params), 'mesh': dict(run.mesh.shape),
+          'devices': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
+          'global_batch': [run.n_slices, run.cfg.train.micro_batch, run.cfg.model.seq_len],
+          'compute_dtype': run.compute_dtype, 'state_bytes': store.state_nbytes(run.state),
+          'compile_s': round(run.compile_s, 2), 'startup': run.startup.report(),
+          'step_memory_bytes': run.memory, 'data': run.corpus.describe()}
 
 
 def _interval(run) -> dict:

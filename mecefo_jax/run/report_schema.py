@@ -11,10 +11,13 @@ from typing import Any
 
 from mecefo_jax.config import COMPUTE_DTYPES
 from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.run.startup import ORIGINS
 
-SCHEMA_VERSION = 6  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
+SCHEMA_VERSION = 7  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
 # 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request;
-# 6: snapshot_interval, compute_dtype (model.compute_dtype resolved on the run's backend)
+# 6: snapshot_interval, compute_dtype (model.compute_dtype resolved on the run's backend);
+# 7: startup section (the start-up clock), startup.init_loaded, programs.scan_unroll,
+# programs.other_compiles and other_compile_s
 
 
 class ReportError(ValueError):
@@ -233,6 +236,32 @@ PROGRAMS = Record({
     'loaded_s': Field(FLOAT, 's', 'their lowering and load time'),
     'moved': Field(INT, '', 'programs moved onto another set of slices instead of compiled'),
     'moved_s': Field(FLOAT, 's', 'time spent moving them'),
+    'scan_unroll': Field(INT, '', "lax.scan's unroll over the stacked blocks in every program "
+                         '(the same at every depth)'),
+    'other_compiles': Field(INT, '', 'XLA compiles of this process besides the programs above '
+                            'and the initializer (eager ops, layout conversions; jax.monitoring)'),
+    'other_compile_s': Field(FLOAT, 's', 'their XLA compile time'),
+})
+
+SECONDS = Nullable(FLOAT)
+STARTUP = Record({
+    'init_lower_s': Field(SECONDS, 's', 'the initializer (params, AdamW state) traced and lowered '
+                          'to HLO; null when the state was restored'),
+    'init_compile_s': Field(SECONDS, 's', 'the initializer compiled ahead of time; null when restored'),
+    'init_run_s': Field(SECONDS, 's', 'the initializer run until the state exists (blocked); '
+                        'null when restored'),
+    'init_loaded': Field(Nullable(BOOL), '', 'the initializer loaded from the program store '
+                         '(init_compile_s is then its load); null when restored'),
+    'restore_s': Field(SECONDS, 's', 'a resume: finding and restoring the newest usable snapshot '
+                       '(until the state exists; also when none was usable); null without resume'),
+    'first_programs_s': Field(SECONDS, 's', "the first step's programs built (compiled, or "
+                              'loaded from the program store): the fault-free step, or the '
+                              "takeover's at a start with slices down"),
+    'first_step_s': Field(SECONDS, 's', "wall time from first_step_from to the end of this "
+                          "process's first step, blocked on its metrics; null if it trained none"),
+    'first_step_from': Field(Choice(ORIGINS), '', "'process': the process start (train.py on "
+                             "Linux: /proc/self/stat), 'train.py': train.py's first statement "
+                             "(no /proc), 'trainer': Trainer() (a notebook or a script)"),
 })
 
 SCHEMA = Record({
@@ -283,6 +312,9 @@ SCHEMA = Record({
                        "the supervisor's (exit code 143), resumable"),
     'diverged_at_step': Field(Nullable(INT), 'step', 'step whose training loss was not finite '
                               '(the run stopped there, exit code 4); null otherwise'),
+    'startup': Field(STARTUP, '', "this process's wait for its first step: compile_s holds "
+                     'init_*, restore_s and first_programs_s; only first_step_s also counts the '
+                     'imports, data and snapshot tiers before them'),
     'resumed_from_step': Field(Nullable(INT), 'step', 'step of the snapshot resumed from; null '
                                'for a fresh run'),
     'steps_lost': Field(Nullable(INT), 'steps', 'steps trained again after this resume; null '

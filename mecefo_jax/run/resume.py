@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,11 @@ import jax
 
 from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError, to_dict
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import llama
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.metrics import last_logged_step
 from mecefo_jax.snapshot import recovery
+from mecefo_jax.step import initializer
 
 log = logging.getLogger('mecefo')
 
@@ -37,11 +39,19 @@ class Start:
 
 
 def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bool,
-                  explicit: bool = False, n_hosts: int = 1) -> Start:
+                  explicit: bool = False, n_hosts: int = 1, times: dict | None = None,
+                  program_store=None) -> Start:
   """A new state (step 0), or with `resume` the newest usable snapshot. `explicit` (--resume):
-  finding none is an error (ConfigError), else a warning and step 0."""
+  finding none is an error (ConfigError), else a warning and step 0; a resume never runs the
+  initializer (its program: from `program_store` where it is there). `times` gets restore_s
+  (with `resume`: the search and the restore) and the initializer's (a new state)."""
+  times = {} if times is None else times
   if resume:
+    t0 = time.perf_counter()
     restored = snapshots and recovery.restore(snapshots, cfg, presence.mesh)
+    if restored:
+      jax.block_until_ready(restored[1])
+    times['restore_s'] = time.perf_counter() - t0
     if restored:
       step, state, meta, where = restored
       reached = multihost.on_chief(lambda: _reached(out_dir))
@@ -61,7 +71,7 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
                         f'was started. Start it anew with {hints.fresh(out_dir)}')
     log.warning('resume: no intact snapshot or checkpoint of the run in %s found; starting '
                 'from step 0', out_dir)
-  return Start(0, train_state.create_sharded(cfg, presence.mesh))
+  return Start(0, initializer.create(cfg, presence.mesh, program_store, times))
 
 
 def _reached(out_dir: Path) -> int | None:

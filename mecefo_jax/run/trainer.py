@@ -21,12 +21,13 @@ from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.resume import Start, carried_state, initial_state
+from mecefo_jax.run.startup import StartupClock
 from mecefo_jax.run.stop import STOP_FILE, StopRequest, test_death
 from mecefo_jax.snapshot import recovery
 from mecefo_jax.snapshot.interval import IntervalTuner
 from mecefo_jax.snapshot.store import state_nbytes
 from mecefo_jax.step import train_step
-from mecefo_jax.step.store import ProgramStore
+from mecefo_jax.step.store import ProgramStore, compile_counts
 
 log = logging.getLogger('mecefo')
 # What the loop does after each step, in this order (each a `_after_<name>` method that may end
@@ -70,6 +71,8 @@ class Trainer:
                on_log: Callable[[dict], None] | None = None, replace: bool = False,
                replace_finished: bool = False, host_slot: int | None = None,
                program_store: ProgramStore | None = None, stop: StopRequest | None = None):
+    self.startup = StartupClock()  # first: a Trainer built in a notebook is timed from here
+    self.compiles_at_start = compile_counts()  # report: programs.other_compiles
     self.cfg, self.out_dir = cfg, Path(out_dir)
     self.progress_mode, self.on_log = progress, on_log
     self.stop = stop if stop is not None else StopRequest()
@@ -106,7 +109,8 @@ class Trainer:
     t0 = time.perf_counter()
     try:
       start = initial_state(cfg, self.presence, self.snapshots, self.out_dir, resume=resume,
-                            explicit=explicit_resume)
+                            explicit=explicit_resume, times=self.startup.seconds,
+                            program_store=program_store)
     except ConfigError:  # nothing to resume: leave no trace of this start
       self._release(remove_empty=True)
       raise
@@ -125,7 +129,9 @@ class Trainer:
                       previous.get('status') == 'finished')
     # Build the first step's programs now, so that it runs at full speed: the fault-free step,
     # or at a start with slices down (a restart after a death), the takeover's programs.
+    t_programs = time.perf_counter()
     fused = self.controller.build_step_programs()
+    self.startup.seconds['first_programs_s'] = time.perf_counter() - t_programs
     self.memory = train_step.memory_summary(fused) if fused else {}
     self.compile_s = time.perf_counter() - t0
     if self.controller.wants_precompile():
@@ -167,16 +173,8 @@ class Trainer:
             f'{jax.devices()[0].platform} device(s), compute {self.compute_dtype} | global batch '
             f'{self.n_slices}x{self.cfg.train.micro_batch}x{self.cfg.model.seq_len} tokens | failures '
             f'{f.failures}, takeover {f.takeover} | snapshots '
-            f'{"on" if self.snapshots else "off"} | compile {self.compile_s:.1f}s')
-
-  def dry_run_info(self) -> dict:
-    """What --dry-run prints: sizes, mesh, the compiled fault-free step's memory (per device)."""
-    return {'param_count': report.param_count(self.state.params), 'mesh': dict(self.mesh.shape),
-            'devices': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
-            'global_batch': [self.n_slices, self.cfg.train.micro_batch, self.cfg.model.seq_len],
-            'compute_dtype': self.compute_dtype, 'state_bytes': state_nbytes(self.state),
-            'compile_s': round(self.compile_s, 2),
-            'step_memory_bytes': self.memory, 'data': self.corpus.describe()}
+            f'{"on" if self.snapshots else "off"} | compile {self.compile_s:.1f}s | '
+            f'{self.startup.describe()}')
 
   def evaluate(self, n_batches: int = 4) -> float:
     """Mean token loss on fixed held-out rows, the same whichever slices are live."""
@@ -242,10 +240,12 @@ class Trainer:
       # Multi-process: fetched every step, as the fetch is also the job's stop vote; with
       # snapshot.every=auto too, so that each step's wall is its own (not a later one's wait).
       fetch = (step % cfg.train.log_every == 0 or last or multihost.is_multiprocess()
-               or self.tuner or (self.snapshots and self.snapshots.due(step + 1)))
+               or self.tuner or (self.snapshots and self.snapshots.due(step + 1))
+               or step == self.start_step)  # the start-up clock's end: the first step trained
       values = self._fetch(metrics, step + 1) if fetch else None
       if values:  # the fetch waited for the step: it is trained
         self.records.reached(step + 1)
+        self.startup.step_done()
       for name in AFTER_STEP:
         stopped = getattr(self, f'_after_{name}')(step, values, rows, t_start)
         if stopped:

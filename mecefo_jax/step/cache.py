@@ -126,7 +126,8 @@ class ProgramCache:
     serialized again without its functions (jax 0.10.2: `NOT_FOUND: Function ... not found`
     where the copy runs), so it is neither moved nor stored. (train.py turns that cache off.)"""
     hits = store.cache_hits()
-    program = lowered.compile(store.compiler_options(self.store, devices) or None)
+    with store.booking():
+      program = lowered.compile(store.compiler_options(self.store, devices) or None)
     from_jax_cache = store.cache_hits() > hits
     self._book('loaded' if from_jax_cache else 'compiled', time.perf_counter() - t0)
     copy = serialize and not from_jax_cache

@@ -1,6 +1,7 @@
 """Compiled programs kept on disk across processes, keyed by what their compile depends on."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -33,6 +34,43 @@ jax.monitoring.register_event_listener(_count_hit)
 def cache_hits() -> int:
   """Programs this thread loaded from JAX's persistent compilation cache so far."""
   return getattr(_hits, 'n', 0)
+
+
+# Every XLA compile of this process (jax.monitoring), split by whether it was a booked program
+# (the step, eval, refresh and update programs, the initializer: compiled inside `booking()`)
+# or anything else (eager ops, conversions): report.json's programs.other_compiles.
+_COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
+_compiles = {'booked': 0, 'other': 0, 'other_s': 0.0}
+_compiles_lock = threading.Lock()
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+  if event == _COMPILE_EVENT:
+    with _compiles_lock:
+      if getattr(_hits, 'booking', False):
+        _compiles['booked'] += 1
+      else:
+        _compiles['other'] += 1
+        _compiles['other_s'] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+@contextlib.contextmanager
+def booking():
+  """Compiles in this thread inside it are a booked program's."""
+  _hits.booking = True
+  try:
+    yield
+  finally:
+    _hits.booking = False
+
+
+def compile_counts() -> dict:
+  """{'booked', 'other', 'other_s'}: XLA compiles of this process so far."""
+  with _compiles_lock:
+    return dict(_compiles)
 
 
 def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None) -> str:

@@ -1,0 +1,72 @@
+"""The start-up clock: what a run waits for before its first step (report.json's `startup`)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+# Filled by step/initializer.create, resume.initial_state and the trainer, in this order.
+KEYS = ('init_lower_s', 'init_compile_s', 'init_run_s', 'init_loaded', 'restore_s',
+        'first_programs_s', 'first_step_s')
+# What first_step_s counts from (report_schema.STARTUP documents each).
+ORIGINS = ('process', 'train.py', 'trainer')
+_entry: float | None = None  # time.time() at train.py's first statement, when it runs
+
+
+def mark_entry(at: float) -> None:
+  """train.py's first statement: this process is a training run, so its first step is timed
+  from the process start (`at`, train.py's time.time() before its imports, where /proc is not)."""
+  global _entry
+  _entry = at
+
+
+def process_age_s() -> float | None:
+  """Seconds since this process started, from Linux's /proc (the process's start in clock
+  ticks after boot, against the uptime; 10 ms resolution); None where there is no /proc."""
+  try:
+    stat = Path('/proc/self/stat').read_text()
+    uptime_s = float(Path('/proc/uptime').read_text().split()[0])
+    start_ticks = int(stat.rsplit(')', 1)[1].split()[19])  # field 22; the name may hold spaces
+  except (OSError, ValueError, IndexError):
+    return None
+  return max(0.0, uptime_s - start_ticks / os.sysconf('SC_CLK_TCK'))
+
+
+def origin() -> tuple[float, str]:
+  """(time.time() the first step's clock runs from, which of ORIGINS it is): the process start
+  when train.py runs (else a notebook's kernel start would count), else now (a Trainer built in
+  a running interpreter)."""
+  if _entry is None:
+    return time.time(), 'trainer'
+  age = process_age_s()
+  return (time.time() - age, 'process') if age is not None else (_entry, 'train.py')
+
+
+class StartupClock:
+  """Seconds of each start-up phase (`seconds`: KEYS, None until measured or where a phase did
+  not happen) and of the whole wait for the first step."""
+
+  def __init__(self):
+    self.origin, self.origin_kind = origin()
+    self.seconds: dict[str, float | None] = dict.fromkeys(KEYS)
+
+  def step_done(self) -> None:
+    """After a step's metrics were fetched (it is trained): the first one stops the clock."""
+    if self.seconds['first_step_s'] is None:
+      self.seconds['first_step_s'] = time.time() - self.origin
+
+  def report(self) -> dict:
+    return {**self.seconds, 'first_step_from': self.origin_kind}
+
+  def describe(self) -> str:
+    """The start line's part: init lower+compile+run, restore, the first step's programs."""
+    s = self.seconds
+    parts = []
+    if s['init_lower_s'] is not None:
+      parts.append(f"init {s['init_lower_s']:.1f}+{s['init_compile_s']:.1f}+"
+                   f"{s['init_run_s']:.1f}s (lower+compile+run)")
+    if s['restore_s'] is not None:
+      parts.append(f"restore {s['restore_s']:.1f}s")
+    if s['first_programs_s'] is not None:
+      parts.append(f"first programs {s['first_programs_s']:.1f}s")
+    return 'start-up ' + ', '.join(parts) if parts else 'start-up not timed'

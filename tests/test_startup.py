@@ -1,0 +1,94 @@
+"""The start-up clock (run/startup.py): the process's age from /proc, the clock's origin, and
+the initializer's ahead-of-time phases and program, and every XLA compile booked."""
+import json
+import sys
+import time
+
+import jax
+import psutil
+import pytest
+
+from mecefo_jax import sharding
+from mecefo_jax.config import load_config
+from mecefo_jax.model import train_state
+from mecefo_jax.run import cli, startup
+from mecefo_jax.step import initializer, store
+from procs import TINY
+
+linux = pytest.mark.skipif(not sys.platform.startswith('linux'), reason='/proc is Linux only')
+
+
+@linux
+def test_process_age_agrees_with_psutil_and_runs_with_the_wall_clock():
+  age = startup.process_age_s()
+  # psutil: the start in whole seconds after boot (btime), so within ~1 s
+  assert age == pytest.approx(time.time() - psutil.Process().create_time(), abs=1.5)
+  time.sleep(0.3)
+  assert startup.process_age_s() - age == pytest.approx(0.3, abs=0.05)
+
+
+@linux
+def test_the_clock_runs_from_the_process_start_only_under_train_py(monkeypatch):
+  monkeypatch.setattr(startup, '_entry', None)
+  at, kind = startup.origin()
+  assert kind == 'trainer' and at == pytest.approx(time.time(), abs=0.1)
+  monkeypatch.setattr(startup, '_entry', time.time() - 1.0)
+  at, kind = startup.origin()
+  assert kind == 'process' and at == pytest.approx(time.time() - startup.process_age_s(), abs=0.05)
+  monkeypatch.setattr(startup, 'process_age_s', lambda: None)  # no /proc: train.py's stamp
+  assert startup.origin() == (startup._entry, 'train.py')
+
+
+def test_only_the_first_step_stops_the_clock():
+  clock = startup.StartupClock()
+  assert clock.describe() == 'start-up not timed'
+  time.sleep(0.05)
+  clock.step_done()
+  first = clock.seconds['first_step_s']
+  clock.step_done()
+  assert clock.seconds['first_step_s'] == first >= 0.05
+  assert clock.report()['first_step_from'] == 'trainer'
+  assert set(clock.report()) == {*startup.KEYS, 'first_step_from'}
+
+
+def test_the_initializer_is_timed_and_kept_in_the_program_store(devices, tmp_path):
+  cfg = load_config(None, [*TINY, 'mesh.slice=2'])
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2])
+  programs = store.ProgramStore(tmp_path / 'programs', 1 << 30)
+  times = {}
+  state = initializer.create(cfg, mesh, programs, times)
+  assert set(times) == {'init_lower_s', 'init_compile_s', 'init_run_s', 'init_loaded'}
+  assert not times['init_loaded'] and all(times[k] > 0 for k in startup.KEYS[:3])
+  assert all(leaf.is_ready() for leaf in jax.tree.leaves(state))
+  again = {}
+  loaded = initializer.create(cfg, mesh, programs, again)  # a new run: loaded, same state
+  assert again['init_loaded'] and again['init_compile_s'] < times['init_compile_s']
+  assert train_state.params_sha256(loaded.params) == train_state.params_sha256(state.params)
+  assert train_state.params_sha256(train_state.create_sharded(cfg, mesh).params) == \
+      train_state.params_sha256(state.params)
+
+
+_COMPILE = '/jax/core/compile/backend_compile_duration'
+
+
+def test_every_xla_compile_of_a_failure_run_is_in_its_report(tmp_path):
+  """A tiny 2-slice run with a failure: XLA's compiles (jax.monitoring, counted here) are the
+  programs report.json books, the initializer and its other_compiles, none twice."""
+  compiles = []
+  listener = lambda event, duration, **_: event == _COMPILE and compiles.append(duration)
+  (tmp_path / 'T').write_text('3 1 fail\n')
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    code = cli.main(['--out', str(tmp_path / 'D'), *TINY, 'mesh.slice=2', '--failures',
+                     f'trace:{tmp_path / "T"}', 'train.steps=6', 'train.eval_every=0',
+                     'train.plot=false', 'train.compile_cache=', '-q'])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  report = json.loads((tmp_path / 'D' / 'report.json').read_text())
+  programs, start = report['programs'], report['startup']
+  assert code == 0 and report['samples']['degraded'] > 0 and programs['loaded'] == 0
+  init = int(not start['init_loaded'])
+  assert programs['compiled'] >= 3 and init == 1
+  assert len(compiles) == programs['compiled'] + init + programs['other_compiles'], \
+      (len(compiles), programs, start)
+  assert programs['scan_unroll'] == 1
