@@ -17,7 +17,7 @@ ATTENTION_BRANCH = ('attn', 'attn_norm')
 # The key of the stacked blocks: every leaf under it has a leading `layers` axis (one row per block).
 BLOCKS = 'blocks'
 # lax.scan's unroll over the blocks, the same at every depth: 1 keeps one block body in every
-# program, so that compile time does not grow with n_layers (report.json: model.scan_unroll).
+# program, so that compile time does not grow with n_layers (report.json: programs.scan_unroll).
 SCAN_UNROLL = 1
 
 
