@@ -18,10 +18,10 @@
 # GPU_CHECK_MODEL_1B, GPU_CHECK_MFU_OVERRIDES, GPU_CHECK_OVERRIDES (every part but the
 # quickstart), GPU_CHECK_QUICKSTART_ARGS, GPU_CHECK_REPEATS.
 set -uo pipefail
+out=${OUT:-$(dirname "$0")/../gpu_check_out}  # a relative $OUT: from where it was started
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-out=${OUT:-gpu_check_out}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
 json=$out/gpu_check.json log=$out/gpu_check.log
 : >"$log"
 work=$(mktemp -d "${TMPDIR:-/tmp}/mecefo-gpu-check.XXXXXX")  # part outputs; removed at the end
