@@ -56,9 +56,11 @@ def _run(argv: list[str]) -> str | None:
 
 
 def start(path: Path, limits: dict) -> None:
-  smi = _run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv,noheader'])
+  smi = _run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total',
+              '--format=csv,noheader'])
   _save(path, {
-      'check': 'benchmarks/gpu_check.sh', 'commit': _run(['git', '-C', str(REPO), 'rev-parse', 'HEAD']),
+      'check': 'benchmarks/gpu_check.sh',
+      'commit': _run(['git', '-C', str(REPO), 'rev-parse', 'HEAD']),
       'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
       'python': sys.version.split()[0], 'versions': {d: _version(d) for d in DISTRIBUTIONS},
       'nvidia_smi': smi, 'limits_s': limits, 'device': None, 'wheels': None, 'parts': {}})
@@ -203,12 +205,14 @@ def headline(entry: dict) -> str:
   """A part's main figure, for the summary the check ends with."""
   f = entry.get('figures') or {}
   if 'startup' in f:
-    return f"first_step_s {f['startup']['first_step_s']}"
+    s = f['startup']
+    return f"first_step_s {s['first_step_s']} (the step itself {s['first_step_run_s']})"
   if f.get('startup_from_start_line'):
     return f"no first step; start line: {f['startup_from_start_line']}"
   if 'rows' in f:
     row = f['rows'][0]
-    return f"mfu {row['mfu']}, model {row['model_tflops_per_s']:.3g} / XLA {row['xla_tflops_per_s']} TFLOP/s"
+    return (f"mfu {row['mfu']}, model {row['model_tflops_per_s']:.3g} / XLA "
+            f"{row['xla_tflops_per_s']} TFLOP/s")
   if 'time_ratio' in f:
     return f"degraded/normal time {f['time_ratio']:.3f}, temp memory {f['memory_ratio']:.3f}"
   if 'overhead_pct' in f:
