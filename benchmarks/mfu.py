@@ -75,6 +75,8 @@ def rows(cfg: Config, measured: dict, peak: float | None) -> list[dict]:
     out.append({
         'micro_batch': b, 'tokens': tokens, 'median_ms': 1e3 * seconds,
         'tokens_per_s': tokens / seconds, 'model_tflops_per_s': model_tflops,
+        'model_tflop_per_step': per_token * tokens / 1e12,
+        'xla_tflop_per_step': xla / 1e12 if xla else None,  # XLA's count of the compiled step
         'xla_tflops_per_s': xla / seconds / 1e12 if xla else None,
         'mfu': model_tflops / peak if peak else None,
         'temp_MiB': m['memory'].get('temp_bytes', 0) / 2**20,

@@ -309,7 +309,8 @@ def _first_step(startup: dict) -> str:
   if startup['first_step_s'] is None:
     return 'start-up: no step trained in this process'
   return (f"start-up: first step done {startup['first_step_s']:.1f}s after the "
-          f"{startup['first_step_from']} start (report.json: startup)")
+          f"{startup['first_step_from']} start, the step itself {startup['first_step_run_s']:.1f}s "
+          '(report.json: startup)')
 
 
 def _num(x) -> str:

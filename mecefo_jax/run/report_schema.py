@@ -245,18 +245,20 @@ PROGRAMS = Record({
 
 SECONDS = Nullable(FLOAT)
 STARTUP = Record({
-    'init_lower_s': Field(SECONDS, 's', 'the initializer (params, AdamW state) traced and lowered '
-                          'to HLO; null when the state was restored'),
-    'init_compile_s': Field(SECONDS, 's', 'the initializer compiled ahead of time; null when restored'),
+    'init_lower_s': Field(SECONDS, 's', 'the initializer (params, AdamW state) traced and lowered; '
+                          'null when the state was restored'),
+    'init_compile_s': Field(SECONDS, 's', 'the initializer compiled ahead of time; null when '
+                            'restored'),
     'init_run_s': Field(SECONDS, 's', 'the initializer run until the state exists (blocked); '
                         'null when restored'),
     'init_loaded': Field(Nullable(BOOL), '', 'the initializer loaded from the program store '
                          '(init_compile_s is then its load); null when restored'),
     'restore_s': Field(SECONDS, 's', 'a resume: finding and restoring the newest usable snapshot '
                        '(until the state exists; also when none was usable); null without resume'),
-    'first_programs_s': Field(SECONDS, 's', "the first step's programs built (compiled, or "
-                              'loaded from the program store): the fault-free step, or the '
-                              "takeover's at a start with slices down"),
+    'first_programs_s': Field(SECONDS, 's', "the first step's programs compiled or loaded from "
+                              "the program store (the takeover's at a start with slices down)"),
+    'first_step_run_s': Field(SECONDS, 's', 'the first step itself: from the training loop\'s '
+                              'start to its end, blocked on its metrics (data, dispatch, run)'),
     'first_step_s': Field(SECONDS, 's', "wall time from first_step_from to the end of this "
                           "process's first step, blocked on its metrics; null if it trained none"),
     'first_step_from': Field(Choice(ORIGINS), '', "'process': the process start (train.py on "
@@ -313,8 +315,8 @@ SCHEMA = Record({
     'diverged_at_step': Field(Nullable(INT), 'step', 'step whose training loss was not finite '
                               '(the run stopped there, exit code 4); null otherwise'),
     'startup': Field(STARTUP, '', "this process's wait for its first step: compile_s holds "
-                     'init_*, restore_s and first_programs_s; only first_step_s also counts the '
-                     'imports, data and snapshot tiers before them'),
+                     'init_*, restore_s and first_programs_s; first_step_s also the imports, '
+                     'data and snapshot tiers before them and first_step_run_s after'),
     'resumed_from_step': Field(Nullable(INT), 'step', 'step of the snapshot resumed from; null '
                                'for a fresh run'),
     'steps_lost': Field(Nullable(INT), 'steps', 'steps trained again after this resume; null '

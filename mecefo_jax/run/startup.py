@@ -7,7 +7,7 @@ from pathlib import Path
 
 # Filled by step/initializer.create, resume.initial_state and the trainer, in this order.
 KEYS = ('init_lower_s', 'init_compile_s', 'init_run_s', 'init_loaded', 'restore_s',
-        'first_programs_s', 'first_step_s')
+        'first_programs_s', 'first_step_run_s', 'first_step_s')
 # What first_step_s counts from (report_schema.STARTUP documents each).
 ORIGINS = ('process', 'train.py', 'trainer')
 _entry: float | None = None  # time.time() at train.py's first statement, when it runs
@@ -49,11 +49,18 @@ class StartupClock:
   def __init__(self):
     self.origin, self.origin_kind = origin()
     self.seconds: dict[str, float | None] = dict.fromkeys(KEYS)
+    self._loop_start: float | None = None
+
+  def loop_started(self) -> None:
+    """The training loop starts: the first step's own time runs from here."""
+    self._loop_start = time.perf_counter()
 
   def step_done(self) -> None:
     """After a step's metrics were fetched (it is trained): the first one stops the clock."""
     if self.seconds['first_step_s'] is None:
       self.seconds['first_step_s'] = time.time() - self.origin
+      if self._loop_start is not None:
+        self.seconds['first_step_run_s'] = time.perf_counter() - self._loop_start
 
   def report(self) -> dict:
     return {**self.seconds, 'first_step_from': self.origin_kind}

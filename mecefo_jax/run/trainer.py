@@ -183,6 +183,7 @@ class Trainer:
   def run(self) -> dict:
     """Trains to train.steps (or until every slice is down / a stop); returns the report."""
     cfg = self.cfg
+    self.startup.loop_started()
     self._write_run_state('running')
     t_start = time.perf_counter()
     self.tokens_at_start = self.tokens_trained()
