@@ -116,6 +116,18 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
     time.sleep(0.01)
 
 
+def tree(*roots: Path) -> dict[str, tuple[int, str]]:
+  """{path: (size, sha256)} of every file under `roots` (directories as (-1, ''), so that an
+  empty one made or removed shows too): what a start left untouched compares equal."""
+  import hashlib
+  found = {}
+  for root in map(Path, roots):
+    for path in sorted(root.rglob('*')) if root.is_dir() else ():
+      found[str(path)] = ((path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+                          if path.is_file() else (-1, ''))
+  return found
+
+
 def report(out: Path) -> dict:
   return json.loads((Path(out) / 'report.json').read_text())
 

@@ -236,7 +236,8 @@ class Tier:
     problem = verify_manifest(self.step_dir(step)) if check else problem
     if problem is None:
       return True
-    message = f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}'
+    message = (f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}; deleted (it '
+               f'cannot be restored, and the steps trained again are saved under its number)')
     if problem.startswith('no manifest'):
       log.warning(message)  # expected after a crash during a save
     else:
