@@ -1,4 +1,4 @@
-"""The one checked reader (and durable writer) of the files the project reads back (docs/errors.md)."""
+"""The one checked reader (and durable writer) of the files the project reads back (errors.md)."""
 from __future__ import annotations
 
 import json

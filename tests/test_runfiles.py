@@ -1,10 +1,8 @@
-"""Run files that survive being torn: the checked reader (mecefo_jax/files.py), each file's
-contract (docs/errors.md), and a sweep of every file read back, damaged seven ways, through the
-real start paths, in-process, on one run directory made once."""
+"""Run files that survive being torn: the checked reader (mecefo_jax/files.py), and the defects
+it fixed (a torn history.jsonl, a truncated run_state.json, a meta.json without a key); the
+sweep of every file is tests/test_sweep.py."""
 import json
 import logging
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -12,19 +10,12 @@ from mecefo_jax import files
 from mecefo_jax.config import ConfigError, load_config, to_dict
 from mecefo_jax.data import prepare as prep
 from mecefo_jax.data import tokendir
-from mecefo_jax.data.tokenizer import token_chunks
-from mecefo_jax.run import cli, plot, rundir
-from mecefo_jax.run.exits import BAD_INPUT, STOPPED
+from mecefo_jax.run import cli, rundir
+from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.records import RunRecords
-from mecefo_jax.snapshot.manifest import MANIFEST_NAME
-from mecefo_jax.step import cache
-from procs import TINY, error_lines, report, tree
+from procs import TINY, error_lines, tree
 
-# A stopped run (3 of 4 steps) on a prepared token directory without eval rows (no eval
-# program to build); in-memory snapshots 2 and 3, durable checkpoint 2.
 MISSING = object()
-RUN = [*TINY, 'mesh.slice=2', 'train.steps=4', 'train.log_every=1', 'train.plot=false',
-       'snapshot.every=1', 'snapshot.durable_every=2']
 
 
 # ---- the checked reader ------------------------------------------------------------------

@@ -3,25 +3,20 @@ start paths (train.py --out D, --resume, --fresh, the plot, the prepare rerun), 
 one run directory made once; each outcome is the file's contract in docs/errors.md."""
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 
-import jax
 import pytest
 
-from mecefo_jax.config import to_dict
 from mecefo_jax.data import prepare as prep
 from mecefo_jax.data import tokendir
 from mecefo_jax.data.tokenizer import token_chunks
-from mecefo_jax.model import train_state
 from mecefo_jax.run import cli, plot, rundir
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.stop import STOP_FILE
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 from mecefo_jax.snapshot.tier import SnapshotWarning
-from mecefo_jax.step import cache
 from procs import TINY, error_lines, report, tree
 
 KINDS = ('empty', 'cut at 1 byte', 'cut at the middle', 'cut at the last byte',
@@ -66,31 +61,6 @@ def torn_lines(data: bytes, key: str) -> int:
       return True
     return not isinstance(row, dict) or key not in row
   return sum(bad(line) for line in data.decode('utf-8', 'replace').splitlines() if line.strip())
-
-
-@pytest.fixture(scope='module')
-def shared_programs():
-  """Each program (and a new run's state initialiser) compiled once for the module: every start
-  builds the same ones."""
-  built, build = {}, cache.ProgramCache._build
-
-  def once(self, kind, slices, args):
-    key = (json.dumps(to_dict(self.cfg), sort_keys=True), kind, slices, repr(args))
-    if key not in built:
-      built[key] = build(self, kind, slices, args)
-    return built[key]
-
-  def create_sharded(cfg, mesh):  # a fresh state each call, from one compiled initialiser
-    key = (json.dumps(to_dict(cfg), sort_keys=True), mesh)
-    if key not in built:
-      built[key] = jax.jit(lambda: train_state.init_state(cfg),
-                           out_shardings=train_state.state_shardings(cfg, mesh))
-    return built[key]()
-  with pytest.MonkeyPatch.context() as m:
-    m.setattr(cache.ProgramCache, '_build', once)
-    m.setattr(train_state, 'create_sharded', create_sharded)
-    m.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))  # a resume adds the run's devices
-    yield
 
 
 @pytest.fixture(scope='module')
@@ -239,7 +209,8 @@ def _token_dirs(made, kind, capsys) -> None:
     path = made.base / folder / name
     damage(path, kind)
     code = cli.main(['--out', str(made.base / 'tokrun'), '--data',
-                     f'tokens:{made.base / folder}', *TINY, '--no-snapshots', '-q'])
+                     f'tokens:{made.base / folder}', *TINY, '--no-snapshots', '-q',
+                     'train.compile_cache='])
     [line] = error_lines(capsys.readouterr().err)
     assert code == BAD_INPUT and str(path) in line and '--force' in line, line
     if kind == 'a required key missing':

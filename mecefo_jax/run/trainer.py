@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from mecefo_jax import files, multihost
-from mecefo_jax.config import Config, ConfigError
+from mecefo_jax.config import Config
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule
@@ -306,14 +306,16 @@ class Trainer:
     # (maybe_save waited for it) and t+1 started: a crash after it costs at most step t.
     self._snapshot(step + 1)
     guard = self.snapshots and self.snapshots.durable
-    if not (guard and guard.failing):
+    if not (guard and guard.failing):  # the same on every process: they agreed on it
       return None
-    self.checkpoints_failing = True  # the same step on every process: they agreed on it
-    message = (f'{durable.describe_stop(guard)}: the run stopped after step {step + 1}, '
-               f'which its in-memory snapshots hold; once the durable directory works again, '
-               f'resume with {hints.resume(self.out_dir, self.presence.n_hosts)}')
+    self.checkpoints_failing = True
+    before = self._saved[1] if self._saved[0] == step + 1 else []
+    where = before + self._snapshot(step + 1, stop=True)  # the in-memory tier, if not yet
+    self.snapshots.wait_until_finished(agree=True)
+    message = durable.stop_message(guard, step + 1, where,
+                                   hints.resume(self.out_dir, self.presence.n_hosts))
     log.error('%s', message)
-    self.records.history('stop', step=step + 1, why='durable checkpoints failing', saved=[])
+    self.records.history('stop', step=step + 1, why='durable checkpoints failing', saved=where)
     return message
 
   def _after_metrics(self, step, values, rows, t_start) -> None:

@@ -60,7 +60,11 @@ class DurableGuard:
     return started
 
 
-def describe_stop(guard: DurableGuard) -> str:
-  """Why the run stops, for its message."""
+def stop_message(guard: DurableGuard, steps: int, where: list[str], resume: str) -> str:
+  """Why and where the run stops, and how to go on."""
+  saved = ('saved as the ' + ' and the '.join(where) if where else
+           'saved in no snapshot (the in-memory tier fails too; the newest snapshot that was '
+           'written is where a resume starts)')
   return (f'{guard.in_a_row} durable checkpoint(s) in a row failed to save (in '
-          f'{guard.tier.directory}; see the lines above)')
+          f'{guard.tier.directory}; see the lines above): the run stopped after step {steps}, '
+          f'{saved}; once the durable directory works again, resume with {resume}')

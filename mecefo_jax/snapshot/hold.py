@@ -1,4 +1,4 @@
-"""A test hook: one durable save held inside Orbax's commit (its tmp directory on disk) until a gate file appears."""
+"""A test hook: a durable save held inside Orbax's commit (its tmp directory there) until a gate."""
 from __future__ import annotations
 
 import logging
