@@ -206,6 +206,20 @@ def lock(out_dir: Path):
   return os.fdopen(fd, 'r+')
 
 
+def lock_job(out_dir: Path):
+  """lock(), taken by process 0 of a job, whose outcome every process learns (one broadcast)
+  before any of them touches a file: a refusal is raised on all. The lock on process 0, None on
+  the others."""
+  from mecefo_jax import multihost  # (jax: not for light readers)
+  held = []
+
+  def take() -> None:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    held.append(lock(out_dir))
+  multihost.on_chief(take)
+  return held[0] if held else None
+
+
 def in_use_message(out_dir: Path, holder: str) -> str:
   return (f'run directory {str(out_dir)!r} is in use by another training process (pid '
           f'{holder or "?"}); wait for it to end or pass another --out')

@@ -39,19 +39,6 @@ def perplexity(loss: float) -> float:
   return float(np.exp(loss))
 
 
-def lock_run(out_dir: Path):
-  """The run's lock (rundir.lock), taken by process 0 and its outcome told to every process
-  (one broadcast) before any of them touches a file: a refusal is raised on all. The lock on
-  process 0, None on the others."""
-  held = []
-
-  def take() -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    held.append(rundir.lock(out_dir))
-  multihost.on_chief(take)
-  return held[0] if held else None
-
-
 class Trainer:
   """Builds everything once (the first step's programs compiled ahead of time), then trains.
 
@@ -66,12 +53,9 @@ class Trainer:
   plain log lines), 'bar', 'plain' or 'quiet' (see mecefo_jax/progress.py).
 
   `on_log`: optional callback `on_log(row: dict) -> None`, called in the training thread with
-  every metrics row right after it is written to metrics.jsonl (the same dict). Train rows, every
-  train.log_every steps and at the last step: {'kind': 'train', 'step', 'loss', 'grad_norm',
-  'exact_tokens', 'degraded_tokens', 'wall_s', 'live_slices', 'tokens_per_s'}; eval rows, every
-  train.eval_every steps and at the end: {'kind': 'eval', 'step', 'loss', 'perplexity', 'eval_s',
-  'wall_s', 'live_slices'} ('step' is the last step trained before the eval). An exception it
-  raises stops the run. E.g. a notebook's live loss plot.
+  every metrics row right after it is written to metrics.jsonl (the same dict; docs/report.md
+  lists the keys of train and eval rows). An exception it raises stops the run. E.g. a
+  notebook's live loss plot.
 
   `stop`: the run's stop request (run/stop.py; train.py installs its signal handlers).
   `program_store`: compiled programs loaded instead of compiled, and kept for later starts
@@ -91,7 +75,7 @@ class Trainer:
     self.is_chief = jax.process_index() == 0  # the one process that writes the run's files
     # The run's lock before anything: no process of this start opens, creates, cleans or
     # deletes a file under out_dir or the snapshot places until process 0 holds it.
-    self._lock, self.snapshots = lock_run(self.out_dir), None
+    self._lock, self.snapshots = rundir.lock_job(self.out_dir), None
     try:
       self._build(schedule, resume, explicit_resume, replace, replace_finished, host_slot,
                   program_store)
@@ -101,8 +85,7 @@ class Trainer:
 
   def _build(self, schedule, resume, explicit_resume, replace, replace_finished, host_slot,
              program_store) -> None:
-    """Everything but the lock, in the order of __init__'s docstring (the state restored or
-    created, the first programs built); nothing of the run's files is written here."""
+    """All but the lock, the first programs built last; no file of the run is written here."""
     cfg = self.cfg
     # Everything that can refuse the run is checked before any of its files is touched.
     self.presence = presence.find(cfg, self.out_dir, resume, host_slot)
@@ -309,9 +292,7 @@ class Trainer:
     if not (guard and guard.failing):  # the same on every process: they agreed on it
       return None
     self.checkpoints_failing = True
-    before = self._saved[1] if self._saved[0] == step + 1 else []
-    where = before + self._snapshot(step + 1, stop=True)  # the in-memory tier, if not yet
-    self.snapshots.wait_until_finished(agree=True)
+    where = self._save_now(step + 1)  # in the in-memory tier
     message = durable.stop_message(guard, step + 1, where,
                                    hints.resume(self.out_dir, self.presence.n_hosts))
     log.error('%s', message)
@@ -329,10 +310,7 @@ class Trainer:
     if not self._stopping(step + 1):
       return None
     self.stop_reason = self.stop.reason or 'a stop agreed by the job'
-    before = self._saved[1] if self._saved[0] == step + 1 else []
-    where = before + self._snapshot(step + 1, stop=True)
-    if self.snapshots:
-      self.snapshots.wait_until_finished(agree=True)
+    where = self._save_now(step + 1)
     saved = ('saved as the ' + ' and the '.join(where) if where else
              'saved nothing (snapshots are off)' if not self.snapshots else
              'already saved in the snapshots of that step')
@@ -341,6 +319,13 @@ class Trainer:
     log.warning('%s', message)
     self.records.history('stop', step=step + 1, why=self.stop_reason, saved=where)
     return message
+
+  def _save_now(self, steps: int) -> list[str]:
+    """Where the state after `steps` is saved, in every tier (those not saved yet), written."""
+    where = (self._saved[1] if self._saved[0] == steps else []) + self._snapshot(steps, stop=True)
+    if self.snapshots:
+      self.snapshots.wait_until_finished(agree=True)
+    return where
 
   def _stopping(self, steps_done: int) -> bool:
     """Whether the run stops after `steps_done` steps: in a multi-process job, as voted with
