@@ -23,9 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT
+from mecefo_jax.run import rundir
 from mecefo_jax.run.cli import OneLineParser, at_least
-from mecefo_jax.run.exits import ALL_DOWN, JOB_EXITS, STOPPED
+from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, STOPPED
 from mecefo_jax.run.hints import LAUNCH_ENV
 from mecefo_jax.run.stop import STOP_FILE
 
@@ -108,11 +110,11 @@ class Supervisor:
     elapsed = time.monotonic() - self.t0
     print(f'launch [{elapsed:7.1f}s]: {message}', file=sys.stderr, flush=True)
     line = json.dumps({'t': round(time.time(), 3), 'elapsed_s': round(elapsed, 3), 'kind': kind,
-                       **fields}) + '\n'
-    history = self.args.out / 'history.jsonl'
+                       **fields})
+    history = self.args.out / rundir.HISTORY
     for path in [self.args.events] * bool(self.args.events) + [history] * history.parent.is_dir():
-      with open(path, 'a') as f:
-        f.write(line.replace('"kind": "', '"kind": "launch-', 1) if path == history else line)
+      files.append_line(path, line.replace('"kind": "', '"kind": "launch-', 1)
+                        if path == history else line)
 
   def _train_args(self) -> list[str]:
     if not self.resume:
@@ -125,10 +127,13 @@ class Supervisor:
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since = {}, False, None
     self._clear_stop_request()
+    self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
+                      for h in self.hosts}
+    self.starts = self._starts()
     for pid, host in enumerate(self.hosts):
       cmd, env = self.command(pid, host, n, port)
       # Every process logs the same events: process 0 speaks for the job, the others to files.
-      out = None if pid == 0 else open(self.args.log_dir / f'host{host}.log', 'ab')
+      out = None if pid == 0 else open(self._log(host), 'ab')
       self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out,
                                           stderr=subprocess.STDOUT if out else None)
       if out:
@@ -137,6 +142,14 @@ class Supervisor:
     self.say('start', f'started hosts {self.hosts} as a {n}-process job'
                       f'{" resuming the run" if self.resume else ""} (pids {pids})',
              hosts=self.hosts, pids=pids)
+
+  def _log(self, host: int) -> Path:
+    return self.args.log_dir / f'host{host}.log'
+
+  def _starts(self) -> int:
+    """The starts the run's history.jsonl records (a job writes one once it trains)."""
+    history = rundir.read_history(self.args.out) if self.args.out.is_dir() else []
+    return sum(e['kind'] == 'start' for e in history)
 
   # The hooks a controller of remote hosts replaces (deploy/pod_controller.py).
   def _port(self) -> int:
@@ -184,6 +197,9 @@ class Supervisor:
     exited = {h: c for h, c in codes.items() if c is not None}
     if self.stopping:
       return self._stopped(exited, codes)
+    failed = self._failed_start(exited)
+    if failed is not None:
+      return self._start_failed(failed, exited[failed])
     dead = [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and c != STOPPED]
     if dead:
       return self._death(dead[0], exited[dead[0]])
@@ -198,6 +214,33 @@ class Supervisor:
                                'hosts', hosts=ready)
       self._ask_stop(f'the grow-back of host(s) {ready}')
     return None
+
+  def _failed_start(self, exited: dict) -> int | None:
+    """A host whose process failed in start-up: it exited with an input error, or (the run
+    directory being here) with an error of its own, not a signal, before the job trained (no
+    new start in history.jsonl). A restart would fail alike: the job ends. Host 0 first (its
+    lines are on the terminal)."""
+    local = self.args.out.is_dir()
+    failed = sorted((h for h, c in exited.items() if c == BAD_INPUT or local and c > 0 and
+                     c not in JOB_EXITS and c != STOPPED), key=lambda h: h != self.hosts[0])
+    if not failed or (exited[failed[0]] != BAD_INPUT and self._starts() > self.starts):
+      return None
+    return failed[0]
+
+  def _start_failed(self, host: int, code: int) -> int:
+    """Shows that host's `error:` lines (host 0's are on the terminal already), stops the job."""
+    if host != self.hosts[0]:
+      with open(self._log(host), 'rb') as f:
+        f.seek(self.log_sizes.get(host, 0))
+        lines = f.read().decode(errors='replace').splitlines()
+      shown = [line for line in lines if line.startswith('error:')] or lines[-1:]
+      for line in shown:
+        print(line, file=sys.stderr, flush=True)
+    self.kill_all()
+    self.say('end', f'host {host} failed in start-up ({_exit_text(code)}; its output: '
+                    f'{self._log(host) if host != self.hosts[0] else "above"}): the job is '
+                    f'stopped', code=code, host=host)
+    return code
 
   def _ask_stop(self, reason: str | None = None) -> None:
     """Asks the job to stop after its current step: through the run's stop request file
@@ -292,7 +335,12 @@ def serve(sup: Supervisor) -> int:
 
 
 def main(argv=None) -> int:
-  return serve(Supervisor(parse_args(argv)))
+  args = parse_args(argv)
+  holder = rundir.holder(args.out)
+  if holder is not None:  # refused before anything is written (train.py's own check races it)
+    print(f'error: {rundir.in_use_message(args.out, holder)}', file=sys.stderr)
+    return BAD_INPUT
+  return serve(Supervisor(args))
 
 
 if __name__ == '__main__':

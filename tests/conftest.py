@@ -9,7 +9,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from procs import Launcher  # noqa: E402
+from procs import Launcher, sharing_programs  # noqa: E402
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
@@ -47,3 +47,13 @@ def launcher(_session_launcher):
   first = len(_session_launcher.started)
   yield _session_launcher
   _session_launcher.kill_all(since=first)
+
+
+@pytest.fixture(scope='module')
+def shared_programs(devices):
+  """In-process runs of one test file build each program once (procs.sharing_programs); the
+  environment's XLA_FLAGS restored after (a resume adds the run's device count there)."""
+  with pytest.MonkeyPatch.context() as m:
+    m.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
+    sharing_programs(m)
+    yield

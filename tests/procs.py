@@ -86,6 +86,45 @@ class Launcher:
       kill(proc)
 
 
+# What no compiled program depends on: runs that differ only there share their programs.
+NOT_IN_PROGRAMS = {'train': ('data', 'out_dir', 'log_every', 'eval_every', 'plot',
+                             'compile_cache'), 'snapshot': None}
+
+
+def program_key(cfg) -> str:
+  from mecefo_jax.config import to_dict
+  tree = to_dict(cfg)
+  for section, keys in NOT_IN_PROGRAMS.items():
+    tree[section] = {} if keys is None else {k: v for k, v in tree[section].items()
+                                             if k not in keys}
+  return json.dumps(tree, sort_keys=True)
+
+
+def sharing_programs(monkeypatch) -> None:
+  """In-process starts build each program once (and a new run's state initialiser, once per
+  config and mesh): the later ones take what the first compiled, as a program store would."""
+  import jax
+  from mecefo_jax.model import train_state
+  from mecefo_jax.step import cache
+  built, build = {}, cache.ProgramCache._build
+
+  def once(self, kind, slices, args):
+    key = (program_key(self.cfg), kind, slices, repr(args))
+    if key not in built:
+      built[key] = build(self, kind, slices, args)
+    return built[key]
+
+  def create_sharded(cfg, mesh):  # a fresh state each call, from one compiled initialiser
+    key = (json.dumps(to_dict(cfg), sort_keys=True), mesh)
+    if key not in built:
+      built[key] = jax.jit(lambda: train_state.init_state(cfg),
+                           out_shardings=train_state.state_shardings(cfg, mesh))
+    return built[key]()
+  from mecefo_jax.config import to_dict
+  monkeypatch.setattr(cache.ProgramCache, '_build', once)
+  monkeypatch.setattr(train_state, 'create_sharded', create_sharded)
+
+
 def kill(proc: subprocess.Popen) -> None:
   """SIGKILL to the process and everything in its session (its children), then reaps it."""
   if proc.poll() is None:
@@ -114,6 +153,18 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
         f'the process exited ({proc.returncode}) before {what}'
     assert time.monotonic() < deadline, f'no {what} within {timeout} s'
     time.sleep(0.01)
+
+
+def tree(*roots: Path) -> dict[str, tuple[int, str]]:
+  """{path: (size, sha256)} of every file under `roots` (directories as (-1, ''), so that an
+  empty one made or removed shows too): what a start left untouched compares equal."""
+  import hashlib
+  found = {}
+  for root in map(Path, roots):
+    for path in sorted(root.rglob('*')) if root.is_dir() else ():
+      found[str(path)] = ((path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+                          if path.is_file() else (-1, ''))
+  return found
 
 
 def report(out: Path) -> dict:

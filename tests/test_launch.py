@@ -5,16 +5,19 @@ command works as printed, and the run equals a one-process replay of its failure
 import json
 import re
 import shlex
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from mecefo_jax import launch
 from mecefo_jax.run import rundir
-from mecefo_jax.run.exits import STOPPED
+from mecefo_jax.run.cli import TEST_START_ERROR_ENV
+from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.stop import TEST_DEATH_ENV
-from procs import ROOT, report, usage_error
+from procs import ROOT, error_lines, kill, report, usage_error
 
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
 STEPS, DEATH, STOP = 60, 12, 40
@@ -102,3 +105,49 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
 def test_supervisor_input_errors_are_one_line(capsys, argv, expected):
   line = usage_error(capsys, launch.parse_args, argv)
   assert expected in line, line
+
+
+def _supervise(launcher, tmp_path, *train_args, env=None) -> tuple[int, str, float]:
+  """A 3-process job of the supervisor that ends in start-up: (its code, its stderr, seconds
+  from host 2's `error:` line in its log to the supervisor's exit); no process of it is left."""
+  run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
+  proc = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events',
+                         events, '--', '--out', run, 'model.n_layers=1', 'model.seq_len=16',
+                         'train.steps=4', *train_args], env={**launcher.env(), **(env or {})},
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  log, deadline, said = run / 'logs' / 'host2.log', time.monotonic() + 240, None
+  try:
+    while proc.poll() is None and time.monotonic() < deadline:
+      if said is None and log.exists() and 'error:' in log.read_text(errors='replace'):
+        said = time.monotonic()
+      time.sleep(0.05)
+    ended = time.monotonic()
+    assert proc.poll() is not None, 'the supervisor did not end within 240 s'
+  finally:
+    kill(proc)
+  [start] = [e for e in _events(events) if e['kind'] == 'start']
+  left = [pid for pid in start['pids'].values() if Path(f'/proc/{pid}').exists()]
+  assert not left, f'processes of the job left: {left}'
+  assert said is not None, log.read_text(errors='replace')[-3000:]
+  return proc.returncode, proc.stderr.read(), ended - said
+
+
+def test_more_processes_than_slices_is_one_line_naming_the_rule(launcher, tmp_path):
+  """3 processes for 2 slices: host 2 would hold none (it hung in the controller, silently)."""
+  code, err, after = _supervise(launcher, tmp_path, 'mesh.slice=2')
+  assert code == BAD_INPUT and after < 10, (code, after, err[-3000:])
+  lines = error_lines(err)
+  assert lines and all(line == lines[0] for line in lines), err[-3000:]
+  assert lines[0].startswith('error: mesh.slice=2 on 3 processes of 1 device(s): every process '
+                             'of a job holds the same number of whole slices'), lines
+
+
+def test_a_start_up_failure_on_one_host_ends_the_job_with_its_line(launcher, tmp_path):
+  """Host 2 fails in start-up (a test hook) while the others wait for it in a collective: it
+  exits at once, and the supervisor shows its line and ends the job with its code."""
+  code, err, after = _supervise(launcher, tmp_path, 'mesh.slice=3',
+                                env={TEST_START_ERROR_ENV: '2'})
+  assert code == BAD_INPUT and after < 10, (code, after, err[-3000:])
+  assert error_lines(err) == [f'error: {TEST_START_ERROR_ENV}=2: host 2 fails in start-up (a '
+                              'test hook)'], err[-3000:]
+  assert 'host 2 failed in start-up (exit 2 (bad input)' in err

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Each of these was once written in two to four places, which then had to be kept in step.
 ONE_HOME = ['Role', 'split_passes', 'Planner', 'balanced', 'part_len', 'rate_scale',
             'apply_event', 'free_port', 'OneLineParser', 'JOB_EXITS', 'BAD_INPUT', 'STOPPED',
-            'METRICS_FILE', 'read_metrics', 'last_logged_step', 'check_text']
+            'METRICS_FILE', 'read_metrics', 'last_logged_step', 'check_text', 'read_json',
+            'read_jsonl', 'append_line', 'replace_text', 'check_keys']
 
 
 def _targets(target: ast.expr) -> Iterator[str]:

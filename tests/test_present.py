@@ -14,7 +14,7 @@ def test_a_resume_with_devices_for_fewer_slices_keeps_the_runs_slices(devices, t
   cfg = load_config(None, ['mesh.slice=4', 'mesh.fsdp=4'])  # 16 devices: 2 of 4 slices here
   with pytest.raises(ConfigError, match='exceeds the 8 available'):  # a new run: it must fit
     presence.find(cfg, tmp_path, resume=True)
-  rundir.write_run_state(tmp_path, 'stopped', n_slices=4)
+  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', n_slices=4)
   found = presence.find(cfg, tmp_path, resume=True)
   assert (found.n_slices, found.ids, dict(found.mesh.shape)) == (4, (0, 1), {
       'slice': 2, 'fsdp': 4, 'tensor': 1})

@@ -67,7 +67,7 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str | None = None, *
   try:
     progress = _begin(out, identity, command, force)
     if progress is None:
-      return tokendir.read_json(out / tokendir.META, where), False
+      return tokendir.read_record(out / tokendir.META, where), False
     progress = _write(out, documents, tok, progress, chunk_bytes, quiet)
     return _finish(out, progress, tok, tokenizer), True
   finally:
@@ -104,7 +104,7 @@ def _begin(out: Path, identity: dict, command: str, force: bool) -> dict | None:
       (out / name).unlink(missing_ok=True)
   held = {tokendir.META: 'a token stream', tokendir.PROGRESS: 'an unfinished token stream'}
   for name, what in held.items():  # a finished stream first: its progress record may be left
-    record = tokendir.read_json(out / name, where)
+    record = tokendir.read_record(out / name, where)
     if record is None:
       continue
     if record['identity'] != identity:

@@ -84,6 +84,11 @@ class TokenArrayCorpus:
       raise DataError(f'{source}: vocab_size must be in [1, 2**31), got {self.vocab_size}')
     self._key1, self._key2 = _mix64(np.array([seed, seed ^ 0x5EED5EED5EED5EED], np.uint64))
 
+  @property
+  def has_eval(self) -> bool:
+    """Whether the stream holds an eval region (eval_fraction > 0): else the run has no evals."""
+    return self.regions['eval'] is not None
+
   def window_starts(self, sample_ids: np.ndarray) -> np.ndarray:
     """int64 [N]: start offset of each id's window in tokens_1d."""
     ids = check_sample_ids(sample_ids)

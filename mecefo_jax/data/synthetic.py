@@ -36,6 +36,7 @@ def _entr(p: np.ndarray) -> np.ndarray:
 
 class SyntheticCorpus:
   """Built-in corpus with learnable structure and a known entropy floor; no download."""
+  has_eval = True  # held-out rows are drawn from the same process, any number of them
 
   def __init__(self, vocab_size: int = 256, seq_len: int = 64, seed: int = 0,
                n_successors: int = 6, successor_window: int = 8, dirichlet_alpha: float = 0.5,

@@ -9,17 +9,22 @@ import os
 import shutil
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
                                load_config, to_dict)
-from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, DIVERGED, INTERRUPTED, STOPPED
+from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
+                                  STOPPED)
 
 
 # configs/ lies next to train.py in the repository: the default must not depend on the cwd.
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / 'configs' / 'tiny.yaml'
+# A test hook: `HOST` makes the process of logical host HOST fail in its start-up with an
+# `error:` line (tests/test_launch.py: the supervisor ends the job and shows that line).
+TEST_START_ERROR_ENV = 'MECEFO_TEST_START_ERROR'
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -233,10 +238,13 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   """Builds the trainer (in `scratch` for a dry run), then trains."""
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.capacity import SnapshotError
+  job = False  # a process of a multi-process job
   try:
     _no_jax_cache()
     from mecefo_jax import multihost
-    multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_s)
+    job = multihost.initialize(args.coordinator, args.num_processes, args.process_id,
+                               args.heartbeat_s)
+    _test_start_error(args)
     from mecefo_jax.run import trainer
     from mecefo_jax.step import store as program_store
     from mecefo_jax.run import rundir, stop
@@ -251,13 +259,39 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
                           program_store=program_store.open_store(cfg.train.compile_cache,
                                                                  cfg.train.program_store_mb))
   except (ConfigError, DataError, SnapshotError) as e:
-    return _error(e)
+    return _leave(job, _error(e))
+  except Exception:
+    if not job:
+      raise
+    traceback.print_exc()  # what Python prints for it, then the exit below (exit 1)
+    return _leave(job, 1)
   if run.snapshots:  # without them a stop would save nothing: Ctrl-C interrupts at once
     stop_request.install()
   try:
     return _train(args, run, out_dir)
   finally:
     stop_request.uninstall()
+
+
+def _leave(job: bool, code: int) -> int:
+  """`code`; a process of a multi-process job that failed in start-up exits with it at once:
+  jax.distributed's shutdown at exit would wait for the other processes, which wait for this
+  one in their next collective (the supervisor, seeing the exit, stops them)."""
+  if job:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  return code
+
+
+def _test_start_error(args) -> None:
+  """The start-up failure TEST_START_ERROR_ENV asks for, if it is this host's (a test hook)."""
+  spec = os.environ.get(TEST_START_ERROR_ENV)
+  host = args.host_slot if args.host_slot is not None else args.process_id or 0
+  if spec is not None and spec == str(host):
+    raise ConfigError(f'{TEST_START_ERROR_ENV}={spec}: host {host} fails in start-up (a test '
+                      f'hook)')
 
 
 def _no_jax_cache() -> None:
@@ -301,6 +335,8 @@ def _train(args, run, out_dir: Path) -> int:
     return STOPPED
   if report['diverged_at_step'] is not None:
     return DIVERGED
+  if run.checkpoints_failing:
+    return CHECKPOINTS_FAILING
   return ALL_DOWN if report['stopped'] else 0
 
 

@@ -6,6 +6,7 @@ import logging
 import math
 from pathlib import Path
 
+from mecefo_jax import files
 from mecefo_jax.run.rundir import METRICS_FILE, TB_DIR
 
 log = logging.getLogger('mecefo')
@@ -37,17 +38,8 @@ def to_json(obj, **kwargs) -> str:
 
 def read_metrics(out_dir: str | Path) -> list[dict]:
   """The rows of out_dir's metrics.jsonl in file order ([] without one); a line cut by a crash,
-  or one without a step, is skipped."""
-  path = Path(out_dir) / METRICS_FILE
-  rows = []
-  for line in path.read_text().splitlines() if path.is_file() else ():
-    try:
-      row = json.loads(line)
-    except ValueError:
-      continue  # a line cut by a crash
-    if isinstance(row, dict) and 'step' in row:
-      rows.append(row)
-  return rows
+  or one without an integer step, is skipped (one warning)."""
+  return files.read_jsonl(Path(out_dir) / METRICS_FILE, {'step': int})
 
 
 def last_logged_step(out_dir: str | Path) -> int | None:
@@ -87,6 +79,8 @@ class MetricsWriter:
     if fresh:
       for old in self.tb_dir.glob('events.out.tfevents.*'):
         old.unlink()
+    if not fresh:
+      files.ends_a_line(self.path)  # a row cut by a crash stays a line of its own
     self._file = open(self.path, 'w' if fresh else 'a')
     self._tb = _tb_writer(self.tb_dir) if tensorboard else None
     self.tensorboard = self._tb is not None

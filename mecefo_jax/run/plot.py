@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from mecefo_jax import files
 from mecefo_jax.fault.failures import apply_event
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.metrics import read_metrics
 from mecefo_jax.run.rundir import METRICS_FILE
 
+log = logging.getLogger('mecefo')
 PLOT_FILE = 'training.png'
 DOWN_COLOR = 'tab:red'
 
@@ -32,6 +34,33 @@ def read_rows(run_dir: str | Path) -> list[dict]:
     kind = row.get('kind', 'train')
     rows[kind, step] = {**row, 'kind': kind, 't': offset + wall}
   return sorted(rows.values(), key=lambda r: (r['step'], r['kind'] != 'train'))
+
+
+# The keys of report.json a plot reads, where present (files.read_json's check).
+EVENT_KEYS = {'step': int, 'slice': int, 'kind': str, 'live': int}
+REPORT_KEYS = {'failure_events': list, 'entropy_floor': (*files.NUMBER, type(None)),
+               'goodput': dict, 'resumed_from_step': (int, type(None)), 'mesh': dict,
+               'final_loss': (*files.NUMBER, type(None)), 'eval_loss': (*files.NUMBER, type(None)),
+               'tokens_per_s': files.NUMBER, 'steps': int, 'failures': str, 'takeover': str}
+
+
+def read_report(run_dir: Path) -> dict:
+  """report.json of the run, {} without one; one that cannot be read (torn, another type, a
+  key of another type) is left out of the plot with a warning: the curves need only metrics."""
+  path = Path(run_dir) / 'report.json'
+  try:
+    report = files.read_json(path, optional=REPORT_KEYS, remedy='plotted without it') or {}
+    events, goodput = report.get('failure_events', []), report.get('goodput', {})
+    problem = next((p for p in (files.check_keys(e, EVENT_KEYS, f'{path}: a failure event')
+                                for e in events) if p), None)
+    if problem is None and not all(files.has_type(v, files.NUMBER) for v in goodput.values()):
+      problem = f'{path}: goodput holds a value that is not a number'
+    if problem:
+      raise files.FileError(f'{problem}; plotted without it')
+  except files.FileError as err:
+    log.warning('%s', err)
+    return {}
+  return report
 
 
 def failure_windows(events: list[dict], last_step: int) -> list[dict]:
@@ -152,8 +181,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
   run_dir = Path(run_dir)
   out = Path(out) if out else run_dir / PLOT_FILE
-  report_path = run_dir / 'report.json'
-  report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+  report = read_report(run_dir)
   rows = read_rows(run_dir)
   train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
   evals = [r for r in rows if r['kind'] == 'eval']

@@ -77,6 +77,7 @@ def _job(cfg: Config, recorded: dict, host_slot: int | None) -> Presence:
   slots = host_slots(host_slot, n_hosts)
   if not recorded.get('n_slices'):  # a new run: every process is its own host
     mesh = sharding.make_mesh(cfg.mesh)
+    check_job(cfg, mesh)
     return Presence(mesh, mesh.shape['slice'], tuple(range(mesh.shape['slice'])), slots, n_hosts)
   n_slices, in_slice = recorded['n_slices'], cfg.mesh.fsdp * cfg.mesh.tensor
   per_host = n_slices // n_hosts
@@ -96,6 +97,20 @@ def _job(cfg: Config, recorded: dict, host_slot: int | None) -> Presence:
                 '(faults.takeover=%s)', len(slots), n_hosts, absent,
                 sorted(set(range(n_slices)) - set(ids)), cfg.faults.takeover)
   return Presence(mesh, n_slices, ids, slots, n_hosts)
+
+
+def check_job(cfg: Config, mesh: Mesh) -> None:
+  """A new run of a multi-process job: every process holds the same number of whole slices,
+  and every device of the job is used (one line naming the rule otherwise)."""
+  processes, devices = jax.process_count(), jax.device_count()
+  n = mesh.shape['slice']
+  if n % processes or mesh.devices.size != devices:
+    per_slice = cfg.mesh.fsdp * cfg.mesh.tensor
+    raise ConfigError(
+        f'mesh.slice={cfg.mesh.slice} on {processes} processes of {devices // processes} '
+        f'device(s): every process of a job holds the same number of whole slices, so mesh.slice '
+        f'x mesh.fsdp x mesh.tensor must be the job\'s {devices} devices and mesh.slice a '
+        f'multiple of {processes} (e.g. mesh.slice={devices // per_slice})')
 
 
 def host_slots(host_slot: int | None, n_hosts: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ SCHEMA_VERSION = 7  # 2: precompile section; 3: programs section; 4: programs.st
 # 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request;
 # 6: snapshot_interval, compute_dtype (model.compute_dtype resolved on the run's backend);
 # 7: startup section (the start-up clock), startup.init_loaded, programs.scan_unroll,
-# programs.other_compiles and other_compile_s
+# programs.other_compiles and other_compile_s, snapshots.durable_failed
 
 
 class ReportError(ValueError):
@@ -204,6 +204,8 @@ SNAPSHOTS = Record({
     'durable_dir': Field(Nullable(STR), '', 'durable checkpoint directory; null if none'),
     'durable_every': Field(INT, 'steps', 'snapshot.durable_every; 0 if no durable tier'),
     'durable_saved': Field(INT, '', 'durable checkpoints written by this process'),
+    'durable_failed': Field(INT, '', 'durable checkpoints that failed to save, with a line each; '
+                            'training went on (3 in a row stop the run, exit 5)'),
     'durable_retained_steps': Field(ListOf(INT), 'steps', 'durable checkpoints on disk at the end'),
 })
 SNAPSHOT_INTERVAL = Record({
@@ -279,7 +281,8 @@ SCHEMA = Record({
     'compile_s': Field(FLOAT, 's', 'start-up: build the state and compile the fault-free step'),
     'throughput': Field(THROUGHPUT, '', 'rates of this process, eval time left out'),
     'eval_loss': Field(Nullable(FLOAT), LOSS, 'held-out loss after the last step; null if the '
-                       'run stopped early'),
+                       'run stopped early or its data has no eval rows (eval_fraction=0: '
+                       'evals off)'),
     'eval_perplexity': Field(Nullable(FLOAT), '', 'exp(eval_loss)'),
     'evals': Field(ListOf(EVAL), '', 'every eval (train.eval_every and the end), oldest first'),
     'params_sha256': Field(Nullable(STR), '', 'sha256 of every parameter (path, dtype, shape, '

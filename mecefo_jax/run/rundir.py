@@ -23,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, to_dict
 from mecefo_jax.run.stop import STOP_FILE
 
@@ -47,45 +48,49 @@ SAFE_ON_RESUME = ('model.compute_dtype', 'train.steps', 'train.log_every', 'trai
 
 # ---- run files ------------------------------------------------------------------------------
 
+# run_state.json's keys a start relies on, and their types (files.read_json)
+RUN_STATE_KEYS = {'status': str, 'run_id': str}
+RUN_STATE_OPTIONAL = {'config': dict, 'n_slices': int, 'n_hosts': int, 'host_devices': int,
+                      'all_down_at': int, 'platform': str, 'compute_dtype': str}
+HISTORY_KEYS = {'kind': str}
+
+
 def read_run_state(out_dir: Path) -> dict:
-  """The run_state.json of `out_dir`, {} if there is none."""
+  """The run_state.json of `out_dir`, {} if there is none; one that cannot be read is a
+  ConfigError naming the file and what to do (its snapshots and checkpoints are left alone)."""
   path = Path(out_dir) / RUN_STATE
-  return json.loads(path.read_text()) if path.is_file() else {}
+  remedy = (f'the run\'s snapshots and checkpoints are still there, but this start cannot tell '
+            f'which run they are: restore the file, or start anew with --fresh (or another '
+            f'--out)')
+  return files.read_json(path, RUN_STATE_KEYS, remedy=remedy, error=ConfigError,
+                         optional=RUN_STATE_OPTIONAL) or {}
 
 
 def write_run_state(out_dir: Path, status: str, **extra) -> None:
   """`running` until the run ends; a `running` or `stopped` run is resumed automatically."""
-  _replace(Path(out_dir) / RUN_STATE, json.dumps({'status': status, **extra}))
+  files.replace_text(Path(out_dir) / RUN_STATE, json.dumps({'status': status, **extra}))
 
 
 def unfinished(out_dir: Path) -> bool:
   return read_run_state(out_dir).get('status') in ('running', 'stopped')
 
 
-def _replace(path: Path, text: str) -> None:
-  tmp = path.with_name(path.name + '.tmp')
-  tmp.write_text(text)
-  tmp.replace(path)
-
-
 def write_failures(out_dir: Path, events: list[dict], replay_flags: str) -> None:
   """failures.txt: `events` (FailureEvent.to_dict() rows) as a trace FailureSchedule.from_trace
   reads back, headed by the flags its one-process replay needs."""
   lines = [f"{e['step']} {e['slice']} {e['kind']}  # {e['source']}\n" for e in events]
-  _replace(Path(out_dir) / FAILURES, f'# replay: {replay_flags}\n' + ''.join(lines))
+  files.replace_text(Path(out_dir) / FAILURES, f'# replay: {replay_flags}\n' + ''.join(lines))
 
 
 def append_history(out_dir: Path, kind: str, **fields) -> None:
-  """One line of history.jsonl (never rewritten): what happened, when."""
-  line = json.dumps({'t': round(time.time(), 3), 'kind': kind, **fields})
-  with open(Path(out_dir) / HISTORY, 'a') as f:
-    f.write(line + '\n')
+  """One line of history.jsonl (never rewritten, fsynced): what happened, when."""
+  files.append_line(Path(out_dir) / HISTORY,
+                    json.dumps({'t': round(time.time(), 3), 'kind': kind, **fields}))
 
 
 def read_history(out_dir: Path) -> list[dict]:
-  path = Path(out_dir) / HISTORY
-  lines = path.read_text().splitlines() if path.is_file() else []
-  return [json.loads(line) for line in lines if line.strip()]
+  """history.jsonl's records; a line cut by a crash is skipped with a warning."""
+  return files.read_jsonl(Path(out_dir) / HISTORY, HISTORY_KEYS)
 
 
 class Reached:
@@ -104,9 +109,15 @@ class Reached:
 
 
 def read_reached(out_dir: Path) -> int | None:
+  """The steps .reached records, None without it; a damaged one is ignored with a warning (the
+  steps lost are then counted from metrics.jsonl alone)."""
   path = Path(out_dir) / REACHED
-  text = path.read_text().strip() if path.is_file() else ''
-  return int(text) if text.isdigit() else None
+  text = (files.read_text(path) or '').strip()
+  if text.isascii() and text.isdigit():
+    return int(text)
+  if text:
+    log.warning('%s holds %r, not a step count: ignored', path, text[:20])
+  return None
 
 
 def replay_base(failures: str) -> tuple[dict, int] | None:
@@ -171,20 +182,63 @@ def remove_empty_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> None:
 
 def lock(out_dir: Path):
   """An exclusive lock on `out_dir` held until the returned file is closed; the kernel drops it
-  when its process dies (SIGKILL included), so a stale lock is simply taken over."""
+  when its process dies (SIGKILL included), so a stale lock is simply taken over.
+
+  What it guarantees (Linux): two starts on one machine never both hold it. On an NFS `--out`
+  (docs/tpu.md) the kernel turns flock() into an NFS byte-range lock held by the server, so
+  starts on different machines exclude each other too, with NFS's caveats: a mount with
+  `local_lock=flock` (or `nolock`) locks on each machine alone; a machine that dies or loses
+  the server keeps the lock until the server's lease runs out (NFSv4: 90 s by default), and one
+  cut off longer than that loses it without being told while its process may still write;
+  and, a POSIX lock there, closing any other descriptor of .lock in the process would drop it
+  (nothing else opens that file). Windows and macOS are out of scope."""
   fd = os.open(Path(out_dir) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
   holder = os.read(fd, 32).decode(errors='replace').strip()
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
     os.close(fd)
-    raise ConfigError(f'run directory {str(out_dir)!r} is in use by another training process '
-                      f'(pid {holder or "?"}); wait for it to end or pass another --out') from None
+    raise ConfigError(in_use_message(out_dir, holder)) from None
   if holder and holder != str(os.getpid()):
     log.info('run directory lock of pid %s (no longer running) taken over', holder)
   os.ftruncate(fd, 0)
   os.pwrite(fd, str(os.getpid()).encode(), 0)
   return os.fdopen(fd, 'r+')
+
+
+def lock_job(out_dir: Path):
+  """lock(), taken by process 0 of a job, whose outcome every process learns (one broadcast)
+  before any of them touches a file: a refusal is raised on all. The lock on process 0, None on
+  the others."""
+  from mecefo_jax import multihost  # (jax: not for light readers)
+  held = []
+
+  def take() -> None:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    held.append(lock(out_dir))
+  multihost.on_chief(take)
+  return held[0] if held else None
+
+
+def in_use_message(out_dir: Path, holder: str) -> str:
+  return (f'run directory {str(out_dir)!r} is in use by another training process (pid '
+          f'{holder or "?"}); wait for it to end or pass another --out')
+
+
+def holder(out_dir: Path) -> str | None:
+  """The pid that holds `out_dir`'s lock ('' if unknown), None if none does: a look (the
+  supervisor's, before it writes anything) that takes nothing and creates nothing."""
+  try:
+    fd = os.open(Path(out_dir) / LOCK, os.O_RDONLY)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a start holds it
+    return None
+  except BlockingIOError:
+    return os.read(fd, 32).decode(errors='replace').strip()
+  finally:
+    os.close(fd)
 
 
 def unlock(held) -> None:
@@ -197,8 +251,14 @@ def unlock(held) -> None:
 def check_start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
                 replace_finished: bool = False) -> dict:
   """What start() will do, checked without touching a file: {'previous': the recorded
-  run_state.json, 'run_id': the id to train under (the recorded run's when resuming)}."""
-  previous = read_run_state(out_dir)
+  run_state.json, 'run_id': the id to train under (the recorded run's when resuming)}.
+  `replace` (--fresh) replaces a run whose run_state.json cannot be read, too."""
+  try:
+    previous = read_run_state(out_dir)
+  except ConfigError as err:
+    if resume or not replace:
+      raise
+    return {'previous': {}, 'run_id': uuid.uuid4().hex[:12], 'unreadable': str(err)}
   if resume:
     if not previous.get('run_id'):
       raise ConfigError(f'--resume: there is no run in {str(out_dir)!r} to resume (no '
@@ -219,19 +279,25 @@ def start(out_dir: Path, checked: dict) -> None:
   previous = checked['previous']
   if previous.get('run_id') == checked['run_id']:
     return
-  if previous or (Path(out_dir) / METRICS_FILE).exists():
-    clear(out_dir, previous)
+  if previous or checked.get('unreadable') or (Path(out_dir) / METRICS_FILE).exists():
+    clear(out_dir, previous, checked.get('unreadable'))
 
 
-def clear(out_dir: Path, previous: dict) -> None:
+def clear(out_dir: Path, previous: dict, unreadable: str | None = None) -> None:
   """Removes the outputs, snapshots and checkpoints of the run recorded in `out_dir` (and
-  nothing else of the directory)."""
+  nothing else of the directory). `unreadable`: why its run_state.json could not be read; its
+  snapshots and checkpoints, which that file names, are then left where they are."""
   run_id = previous.get('run_id')
   if run_id and previous.get('config'):
     remove_snapshots(recorded_snapshot_config(previous), out_dir, run_id, durable=True)
   for name in OUTPUTS:
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+  if unreadable:
+    log.warning('a new run: removed the outputs of the previous run in %s, whose %s could not '
+                'be read: its snapshots and checkpoints, if any, are left where they are '
+                '(remove them by hand)', out_dir, RUN_STATE)
+    return
   log.warning('a new run: removed the outputs, snapshots and checkpoints of the previous run '
               '%s in %s (pass --out to keep runs apart)', run_id or '(unknown id)', out_dir)
 

@@ -11,6 +11,8 @@ import os
 import signal
 from pathlib import Path
 
+from mecefo_jax import files
+
 log = logging.getLogger('mecefo')
 # Tests place a real death at an exact step: `HOST:STEPS` makes the process of logical host HOST
 # SIGKILL itself once STEPS steps are trained and their snapshot is written (tests/test_launch.py).
@@ -42,8 +44,9 @@ class StopRequest:
     """Whether to stop after `steps_done` steps (this process's view)."""
     if self.after_step is not None and steps_done >= self.after_step:
       self.request(f'--stop-after {self.after_step}')
-    if self.file is not None and self.file.exists():
-      self.request(self.file.read_text().strip() or 'a stop request')
+    text = files.read_text(self.file) if self.file is not None else None
+    if text is not None:  # whatever it holds (a damaged request is a request too)
+      self.request(text.strip()[:200] or 'a stop request')
       self.file.unlink(missing_ok=True)  # honoured: the next start must not stop again
     return bool(self)
 

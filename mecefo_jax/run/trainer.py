@@ -10,8 +10,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from mecefo_jax import multihost
-from mecefo_jax.config import Config, ConfigError
+from mecefo_jax import files, multihost
+from mecefo_jax.config import Config
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule
@@ -23,7 +23,7 @@ from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.resume import Start, carried_state, initial_state
 from mecefo_jax.run.startup import StartupClock
 from mecefo_jax.run.stop import STOP_FILE, StopRequest, test_death
-from mecefo_jax.snapshot import recovery
+from mecefo_jax.snapshot import durable, recovery
 from mecefo_jax.snapshot.interval import IntervalTuner
 from mecefo_jax.snapshot.store import state_nbytes
 from mecefo_jax.step import train_step
@@ -54,12 +54,9 @@ class Trainer:
   plain log lines), 'bar', 'plain' or 'quiet' (see mecefo_jax/progress.py).
 
   `on_log`: optional callback `on_log(row: dict) -> None`, called in the training thread with
-  every metrics row right after it is written to metrics.jsonl (the same dict). Train rows, every
-  train.log_every steps and at the last step: {'kind': 'train', 'step', 'loss', 'grad_norm',
-  'exact_tokens', 'degraded_tokens', 'wall_s', 'live_slices', 'tokens_per_s'}; eval rows, every
-  train.eval_every steps and at the end: {'kind': 'eval', 'step', 'loss', 'perplexity', 'eval_s',
-  'wall_s', 'live_slices'} ('step' is the last step trained before the eval). An exception it
-  raises stops the run. E.g. a notebook's live loss plot.
+  every metrics row right after it is written to metrics.jsonl (the same dict; docs/report.md
+  lists the keys of train and eval rows). An exception it raises stops the run. E.g. a
+  notebook's live loss plot.
 
   `stop`: the run's stop request (run/stop.py; train.py installs its signal handlers).
   `program_store`: compiled programs loaded instead of compiled, and kept for later starts
@@ -78,17 +75,34 @@ class Trainer:
     self.stop = stop if stop is not None else StopRequest()
     if jax.process_index() == 0 and self.stop.file is None:
       self.stop.file = self.out_dir / STOP_FILE
+    self.is_chief = jax.process_index() == 0  # the one process that writes the run's files
+    # The run's lock before anything: no process of this start opens, creates, cleans or
+    # deletes a file under out_dir or the snapshot places until process 0 holds it.
+    self._lock, self.snapshots = rundir.lock_job(self.out_dir), None
+    try:
+      self._build(schedule, resume, explicit_resume, replace, replace_finished, host_slot,
+                  program_store)
+    except BaseException:  # re-raised: only the lock and this start's empty folders go
+      self._release(remove_empty=True)
+      raise
+
+  def _build(self, schedule, resume, explicit_resume, replace, replace_finished, host_slot,
+             program_store) -> None:
+    """All but the lock, the first programs built last; no file of the run is written here."""
+    cfg = self.cfg
     # Everything that can refuse the run is checked before any of its files is touched.
     self.presence = presence.find(cfg, self.out_dir, resume, host_slot)
     self.mesh, self.n_slices = self.presence.mesh, self.presence.n_slices
     if multihost.is_multiprocess():
       multihost.check_slices_within_processes(self.mesh)
-    self.is_chief = jax.process_index() == 0  # the one process that writes the run's files
     self.records = RunRecords(self.out_dir, self.is_chief)
     self.host = self.presence.slots[jax.process_index()]
     m = cfg.model
     self.corpus = load_corpus(cfg.train.data, seq_len=m.seq_len, seed=cfg.train.seed,
                               vocab_size=m.vocab_size)
+    if not self.corpus.has_eval:
+      log.warning('%s holds no eval rows (eval_fraction=0): evals are off, the final one too '
+                  '(eval_loss null in report.json)', cfg.train.data)
     self.graphdef, _, _ = llama.abstract(m)
     f = cfg.faults
     self.schedule = schedule or FailureSchedule.from_spec(
@@ -96,24 +110,16 @@ class Trainer:
     if self.n_slices == 1 and f.failures != 'none':
       log.warning('one slice: a failure leaves no live slice to take over its micro-batch, so '
                   'the run stops at the first failure (use mesh.slice >= 2 to survive failures)')
-    checked = multihost.on_chief(lambda: rundir.check_start(
+    self._checked = multihost.on_chief(lambda: rundir.check_start(
         self.out_dir, cfg, resume=resume, replace=replace, replace_finished=replace_finished))
-    self.run_id, previous = checked['run_id'], checked['previous']
+    self.run_id, previous = self._checked['run_id'], self._checked['previous']
     self.snapshots = recovery.open_manager(
         cfg, *rundir.snapshot_dirs(cfg.snapshot, self.out_dir, self.run_id),
         state_nbytes(train_state.abstract_state(cfg)), self.presence.slots)
-    self.out_dir.mkdir(parents=True, exist_ok=True)
-    self._lock = rundir.lock(self.out_dir) if self.is_chief else None
-    if self.is_chief:
-      rundir.start(self.out_dir, checked)
     t0 = time.perf_counter()
-    try:
-      start = initial_state(cfg, self.presence, self.snapshots, self.out_dir, resume=resume,
-                            explicit=explicit_resume, times=self.startup.seconds,
-                            program_store=program_store)
-    except ConfigError:  # nothing to resume: leave no trace of this start
-      self._release(remove_empty=True)
-      raise
+    start = initial_state(cfg, self.presence, self.snapshots, self.out_dir, resume=resume,
+                          explicit=explicit_resume, times=self.startup.seconds,
+                          program_store=program_store)
     sn = cfg.snapshot
     self.tuner = (IntervalTuner(sn.overhead_budget, sn.max_every)
                   if self.snapshots and sn.every == 'auto' else None)
@@ -144,6 +150,7 @@ class Trainer:
     self.losses, self.evals = [], []  # evals: {step, loss, perplexity}, carried over resumes
     self.eval_s, self.diverged_at, self.stop_reason = 0.0, None, None
     self._stop_agreed, self._saved = False, (None, [])  # _saved: (step, where) of the last save
+    self.checkpoints_failing = False  # stopped by durable saves that kept failing
     c = self.controller
     if start.meta is not None:
       c.load_meta(start.meta['controller'])
@@ -155,7 +162,7 @@ class Trainer:
         self._carried_state['all_down_at'] = all_down_at
         if start.step <= all_down_at:  # every slice was down there; a resume means they are back
           c.devices_back_at = all_down_at
-    self.records.start(start, c.events, self.presence.slots, c.live())
+    self._initial = start
 
   @property
   def state(self):
@@ -184,6 +191,11 @@ class Trainer:
     """Trains to train.steps (or until every slice is down / a stop); returns the report."""
     cfg = self.cfg
     self.startup.loop_started()
+    # The run's files change from here on only: a start that failed before left them as they were.
+    if self.is_chief:
+      rundir.start(self.out_dir, self._checked)  # a new run: its predecessor's files go
+    self.records.start(self._initial, self.controller.events, self.presence.slots,
+                       self.controller.live())
     self._write_run_state('running')
     t_start = time.perf_counter()
     self.tokens_at_start = self.tokens_trained()
@@ -195,7 +207,8 @@ class Trainer:
       with writer, progress:
         self._writer, self._progress = writer, progress
         steps_done, stopped = self._loop(t_start)
-        if not stopped and not (self.evals and self.evals[-1]['step'] == cfg.train.steps - 1):
+        if (self.corpus.has_eval and not stopped
+            and not (self.evals and self.evals[-1]['step'] == cfg.train.steps - 1)):
           self._emit(self._eval_row(cfg.train.steps - 1, t_start))  # the final eval
     finally:
       self.records.close_reached()
@@ -204,11 +217,11 @@ class Trainer:
     if not stopped:  # the final state as a durable checkpoint too: a later --resume extends it
       self._snapshot(cfg.train.steps, stop=True)
     if self.snapshots:
-      self.snapshots.wait_until_finished()
+      self.snapshots.wait_until_finished(agree=True)
     result = report.build(self, steps_done, wall_s, stopped, tensorboard=writer.tensorboard)
     status = 'stopped' if stopped else 'finished'
     if self.is_chief:
-      (self.out_dir / rundir.REPORT).write_text(to_json(result, indent=2))
+      files.replace_text(self.out_dir / rundir.REPORT, to_json(result, indent=2))
     self.records.history('end', status=status, step=steps_done,
                          why=stopped or 'trained train.steps')
     self._write_run_state(status)
@@ -268,14 +281,24 @@ class Trainer:
     return None
 
   def _after_eval(self, step, values, rows, t_start) -> None:
-    every = self.cfg.train.eval_every
+    every = self.cfg.train.eval_every if self.corpus.has_eval else 0
     if every and (step + 1) % every == 0 and not self._stopping(step + 1):
       rows.append(self._eval_row(step, t_start))
 
-  def _after_snapshot(self, step, values, rows, t_start) -> None:
+  def _after_snapshot(self, step, values, rows, t_start) -> str | None:
     # With snapshot.every=1 the line of step t is written once snapshot t is complete
     # (maybe_save waited for it) and t+1 started: a crash after it costs at most step t.
     self._snapshot(step + 1)
+    guard = self.snapshots and self.snapshots.durable
+    if not (guard and guard.failing):  # the same on every process: they agreed on it
+      return None
+    self.checkpoints_failing = True
+    where = self._save_now(step + 1)  # in the in-memory tier
+    message = durable.stop_message(guard, step + 1, where,
+                                   hints.resume(self.out_dir, self.presence.n_hosts))
+    log.error('%s', message)
+    self.records.history('stop', step=step + 1, why='durable checkpoints failing', saved=where)
+    return message
 
   def _after_metrics(self, step, values, rows, t_start) -> None:
     if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps - 1:
@@ -288,10 +311,7 @@ class Trainer:
     if not self._stopping(step + 1):
       return None
     self.stop_reason = self.stop.reason or 'a stop agreed by the job'
-    before = self._saved[1] if self._saved[0] == step + 1 else []
-    where = before + self._snapshot(step + 1, stop=True)
-    if self.snapshots:
-      self.snapshots.wait_until_finished()
+    where = self._save_now(step + 1)
     saved = ('saved as the ' + ' and the '.join(where) if where else
              'saved nothing (snapshots are off)' if not self.snapshots else
              'already saved in the snapshots of that step')
@@ -300,6 +320,13 @@ class Trainer:
     log.warning('%s', message)
     self.records.history('stop', step=step + 1, why=self.stop_reason, saved=where)
     return message
+
+  def _save_now(self, steps: int) -> list[str]:
+    """Where the state after `steps` is saved, in every tier (those not saved yet), written."""
+    where = (self._saved[1] if self._saved[0] == steps else []) + self._snapshot(steps, stop=True)
+    if self.snapshots:
+      self.snapshots.wait_until_finished(agree=True)
+    return where
 
   def _stopping(self, steps_done: int) -> bool:
     """Whether the run stops after `steps_done` steps: in a multi-process job, as voted with
@@ -383,20 +410,25 @@ class Trainer:
   def close(self) -> None:
     if self.controller.precompiler:
       self.controller.precompiler.stop()
-    # A finished run needs no in-memory snapshots: free the tmpfs (durable ones stay).
-    self._release(remove_memory=self._finished and not self.cfg.snapshot.keep_when_finished)
+    # A finished run needs no in-memory snapshots: free the tmpfs (durable ones stay), unless
+    # its final durable save failed (the in-memory tier then holds the only copy).
+    guard = self.snapshots and self.snapshots.durable
+    kept = self.cfg.snapshot.keep_when_finished or bool(guard and not guard.last_ok)
+    self._release(remove_memory=self._finished and not kept)
 
   def _release(self, remove_memory: bool = False, remove_empty: bool = False) -> None:
     """Closes the snapshot tiers (`remove_memory`: and deletes this host's in-memory ones;
     `remove_empty`: and the tiers' directories if nothing is in them), unlocks the run."""
-    if self.snapshots:
-      self.snapshots.close()
-      if remove_memory:
-        host = self.host if multihost.is_multiprocess() else None
-        rundir.remove_snapshots(self.cfg.snapshot, self.out_dir, self.run_id, durable=False,
-                                host=host)
-      if remove_empty:
-        rundir.remove_empty_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
-    if self._lock is not None:
-      rundir.unlock(self._lock)  # releases the run directory
-      self._lock = None
+    try:
+      if self.snapshots:
+        self.snapshots.close()
+        if remove_memory:
+          host = self.host if multihost.is_multiprocess() else None
+          rundir.remove_snapshots(self.cfg.snapshot, self.out_dir, self.run_id, durable=False,
+                                  host=host)
+        if remove_empty:
+          rundir.remove_empty_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
+    finally:
+      if self._lock is not None:
+        rundir.unlock(self._lock)  # releases the run directory
+        self._lock = None

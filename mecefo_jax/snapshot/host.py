@@ -25,6 +25,7 @@ from mecefo_jax import multihost
 from mecefo_jax.model.train_state import abstract_state
 from mecefo_jax.snapshot import image, interval, parity
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
+from mecefo_jax.snapshot.durable import DurableGuard
 from mecefo_jax.snapshot.manifest import verify_manifest
 from mecefo_jax.snapshot.store import OFF_DURABLE
 from mecefo_jax.snapshot.tier import Tier, is_per_block, private_copy
@@ -62,6 +63,8 @@ class HostSnapshots:
     self._tier = Tier('memory', self.directory, keep, compress=False, local=True)
     self._durable = (Tier('durable', durable_dir, sn.durable_keep)
                      if durable_dir and sn.durable_every else None)
+    self.durable = (DurableGuard(self._durable, agree=multihost.allgather_json)
+                    if self._durable else None)
     self.saved = self.durable_saved = 0  # by this process
     self.per_block: list[str] = []  # in-memory parts of the per-block layout passed over
     self._image = np.zeros(self.part_len * n, np.uint8)  # packed state + zero padding
@@ -91,9 +94,11 @@ class HostSnapshots:
     if (stop or step % self.every == 0) and self._save_part(step, state, meta):
       started += ('memory',)
     if self._durable and (stop or step % self.durable_every == 0):
+      self.durable.settle()  # every process, at the same step: they agree on its outcome
+    if self._durable and (stop or step % self.durable_every == 0) and not self.durable.failing:
       # A private copy (one replica) that no train step donates, written in the background.
       copy = jax.block_until_ready(private_copy(state))
-      if self._durable.save(step, copy, meta):  # Orbax's D2H copy here, its writes async
+      if self.durable.save(step, copy, meta):  # Orbax's D2H copy here, its writes async
         self.durable_saved += 1
         started += ('durable',)
     return started
@@ -122,8 +127,8 @@ class HostSnapshots:
 
   def report(self) -> dict:
     """report.json's `snapshots` section: this host's part, and the durable tier."""
-    durable = (self._durable.report('durable_', self.durable_every, self.durable_saved)
-               if self._durable else OFF_DURABLE)
+    durable = (self._durable.report('durable_', self.durable_every, self.durable_saved,
+                                    self.durable.failed) if self._durable else OFF_DURABLE)
     return {'enabled': True, **self._tier.report('', self.every, self.saved), 'skipped': 0,
             **durable}
 
@@ -207,14 +212,16 @@ class HostSnapshots:
     """Whether this host's part is still being written in the background."""
     return self._tier.busy()
 
-  def wait_until_finished(self) -> None:
+  def wait_until_finished(self, agree: bool = False) -> None:
+    """`agree`: every process calls it now, and they agree on the durable save's outcome."""
     self._tier.wait()
     if self._durable:
-      self._durable.wait()
+      self.durable.settle(agree=agree)
 
   def close(self) -> None:
     self._tier.close()
     if self._durable:
+      self.durable.settle(agree=False)
       self._durable.close()
 
 

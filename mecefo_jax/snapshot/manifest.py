@@ -8,6 +8,8 @@ import os
 import xxhash
 from etils import epath
 
+from mecefo_jax import files
+
 MANIFEST_NAME = 'mecefo_manifest.json'
 _HASH_BLOCK = 1 << 22
 # Every-step snapshots hash the whole state each step: XXH3 of a mapped 326 MB tmpfs file costs
@@ -56,16 +58,18 @@ def verify_manifest(step_dir: str | os.PathLike) -> str | None:
   """None if every file listed in the manifest is present and intact, else what is wrong."""
   step_dir = epath.Path(step_dir)
   manifest = step_dir / MANIFEST_NAME
-  if not manifest.exists():
-    return 'no manifest (incomplete snapshot)'
   try:
-    content = json.loads(manifest.read_text())
-    if content.get('format') != _FORMAT:
-      raise ValueError(f"format {content.get('format')}, this version reads {_FORMAT}")
-    files = content['files']
-  except (ValueError, KeyError, AttributeError) as e:
+    content = files.read_json(manifest, {'format': int, 'files': dict}, remedy='')
+  except files.FileError as e:
     return f'unreadable manifest ({e})'
-  for name, expected in files.items():
+  if content is None:
+    return 'no manifest (incomplete snapshot)'
+  if content['format'] != _FORMAT:
+    return f"unreadable manifest (format {content['format']}, this version reads {_FORMAT})"
+  for name, expected in content['files'].items():
+    problem = files.check_keys(expected, {'bytes': int, _KEY: str}, f'its entry {name!r}')
+    if problem:
+      return f'unreadable manifest ({problem})'
     path = step_dir / name
     if not path.exists():
       return f'{name} is missing'

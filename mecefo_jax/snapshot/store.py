@@ -15,12 +15,13 @@ import numpy as np
 from mecefo_jax import sharding
 from mecefo_jax.snapshot import image
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
+from mecefo_jax.snapshot.durable import DurableGuard
 from mecefo_jax.snapshot.tier import PerBlockLayout, Tier, _on_cpu, private_copy
 
 log = logging.getLogger(__name__)
 
 # report.json's `snapshots` section of a run without snapshots, or its durable part without that tier.
-OFF_DURABLE = {'durable_dir': None, 'durable_every': 0, 'durable_saved': 0,
+OFF_DURABLE = {'durable_dir': None, 'durable_every': 0, 'durable_saved': 0, 'durable_failed': 0,
                'durable_retained_steps': []}
 OFF = {'enabled': False, 'dir': None, 'every': 0, 'saved': 0, 'skipped': 0, 'retained_steps': [],
        **OFF_DURABLE}
@@ -63,8 +64,10 @@ class SnapshotManager:
     self._capacity_checked = state_bytes is not None
     self._memory = Tier('memory', directory, keep, compress=False, packed=True)
     self._durable = Tier('durable', durable_dir, durable_keep) if durable_dir else None
+    self.durable = DurableGuard(self._durable) if self._durable else None
     self.started = dict.fromkeys(('memory', 'durable'), 0)  # saves started by this manager
     self.skipped = 0  # in-memory snapshots lost to write errors
+    self._memory_ok = True  # the last in-memory save was not skipped
     self._sources: tuple = (None, None)  # (slices' device ids, split_sources) of the last save
     self.per_block: list[str] = []  # in-memory snapshots of the per-block layout passed over
 
@@ -114,10 +117,13 @@ class SnapshotManager:
     if memory_due and not self._save_memory(step, replicas, meta):
       memory_due = False
     if durable_due:
+      self.durable.settle(memory_ok=self._memory_ok)
+      durable_due = not self.durable.failing
+    if durable_due:
       copy = self.copy_before_save if self.copy_before_save is not None else _on_cpu(state)
       # The copy is complete before the next train step can donate what it was copied from.
       snapshot = jax.block_until_ready(private_copy(state)) if copy else state
-      durable_due = self._durable.save(step, snapshot, meta, background=copy)
+      durable_due = self.durable.save(step, snapshot, meta, background=copy)
     started = ('memory',) * memory_due + ('durable',) * durable_due
     for tier in started:
       self.started[tier] += 1
@@ -128,10 +134,12 @@ class SnapshotManager:
     snapshot with a warning and training goes on with the durable tier and the next one."""
     self._memory_wait()
     try:
-      return self._memory.save(step, state, meta, sources=self._split_sources(state))
+      saved = self._memory.save(step, state, meta, sources=self._split_sources(state))
     except (SnapshotError, OSError) as err:
       self._skip(err)
       return False
+    self._memory_ok = self._memory_ok or saved
+    return saved
 
   def _split_sources(self, state: Any) -> list:
     """image.split_sources of `state`, kept while its slices stay the same."""
@@ -148,7 +156,7 @@ class SnapshotManager:
       self._skip(err)
 
   def _skip(self, err: BaseException) -> None:
-    self.skipped += 1
+    self.skipped, self._memory_ok = self.skipped + 1, False
     log.warning('in-memory snapshot skipped (%d so far), training goes on: %s', self.skipped, err)
 
   def restore_latest(self, target: Any) -> tuple[int, Any, dict, str] | None:
@@ -180,8 +188,8 @@ class SnapshotManager:
 
   def report(self) -> dict:
     """report.json's `snapshots` section (docs/report.md)."""
-    durable = (self._durable.report('durable_', self.durable_every, self.started['durable'])
-               if self._durable else OFF_DURABLE)
+    durable = (self._durable.report('durable_', self.durable_every, self.started['durable'],
+                                    self.durable.failed) if self._durable else OFF_DURABLE)
     return {'enabled': True, **self._memory.report('', self.every, self.started['memory']),
             'skipped': self.skipped, **durable}
 
@@ -189,14 +197,16 @@ class SnapshotManager:
     """Whether the in-memory snapshot is still being written in the background."""
     return self._memory.busy()
 
-  def wait_until_finished(self) -> None:
-    """Blocks until every started snapshot is written and has its manifest."""
+  def wait_until_finished(self, agree: bool = False) -> None:
+    """Blocks until every started snapshot is written and has its manifest (a failed one is
+    a line: the memory tier's a skip, the durable tier's a failure). `agree`: ignored (one
+    process)."""
     self._memory_wait()
     if self._durable:
-      self._durable.wait()
+      self.durable.settle(memory_ok=self._memory_ok)
 
   def close(self) -> None:
-    self._memory_wait()  # a failed in-memory save is a warning here too
+    self.wait_until_finished()
     for tier in self.tiers:
       tier.close()
 

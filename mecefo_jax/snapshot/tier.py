@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from mecefo_jax.model import layout as param_layout
-from mecefo_jax.snapshot import image
+from mecefo_jax.snapshot import hold, image
 from mecefo_jax.snapshot.capacity import SnapshotError
 from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
 
@@ -100,6 +100,12 @@ class Tier:
                                                      use_replica_parallel=False)))}
     if local or shared:
       self.directory.mkdir(parents=True, exist_ok=True)  # Orbax's create= is refused here
+    self._hold = hold.from_env() if name == 'durable' else None  # a test hook
+    if self._hold:
+      manager_kwargs['async_options'] = ocp.AsyncOptions(
+          post_finalization_callback=lambda: self._hold.in_commit(self._last_saved))
+    # Cleans up the *.orbax-checkpoint-tmp directories a killed save left: only ever opened
+    # with the run's lock held (run/trainer.py), so never a running trainer's save in flight.
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                            create=not (local or shared),
                                            cleanup_tmp_directories=True,
@@ -157,7 +163,11 @@ class Tier:
       items['state'] = ocp.args.PyTreeSave(state)
     args = ocp.args.Composite(**items)
     if not background:
-      self._start_save(step, args)  # returns once the D2H copy is done
+      try:
+        self._start_save(step, args)  # returns once the D2H copy is done
+      except Exception as e:  # noqa: BLE001 -- a failed save, raised by wait() like _finish's
+        self._error = e
+        return True
     self._finisher = self._worker.submit(self._finish, step, args if background else None)
     return True
 
@@ -180,6 +190,8 @@ class Tier:
     return self._finisher is not None and not self._finisher.done()
 
   def wait(self) -> None:
+    if self._hold and self._finisher is not None:
+      self._hold.before_wait(self._last_saved)
     if self._finisher is not None:
       self._finisher.result()  # _finish keeps its error for below
       self._finisher = None
@@ -255,7 +267,8 @@ class Tier:
     problem = verify_manifest(self.step_dir(step)) if check else problem
     if problem is None:
       return True
-    message = f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}'
+    message = (f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}; deleted (it '
+               f'cannot be restored, and the steps trained again are saved under its number)')
     if problem.startswith('no manifest'):
       log.warning(message)  # expected after a crash during a save
     else:
@@ -263,10 +276,11 @@ class Tier:
     self.delete(step)
     return False
 
-  def report(self, prefix: str, every: int, saved: int) -> dict:
-    """This tier's part of report.json's `snapshots` section."""
+  def report(self, prefix: str, every: int, saved: int, failed: int | None = None) -> dict:
+    """This tier's part of report.json's `snapshots` section (`failed`: the durable tier's)."""
     return {f'{prefix}dir': str(self.directory), f'{prefix}every': every,
-            f'{prefix}saved': saved, f'{prefix}retained_steps': sorted(self.steps())}
+            f'{prefix}saved': saved, **({} if failed is None else {f'{prefix}failed': failed}),
+            f'{prefix}retained_steps': sorted(self.steps())}
 
   def close(self) -> None:
     try:

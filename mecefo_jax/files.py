@@ -1,0 +1,144 @@
+"""The one checked reader (and durable writer) of the files the project reads back (errors.md)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger('mecefo')
+NUMBER = (int, float)  # a float field accepts a JSON integer; bool is refused for both
+
+
+class FileError(ValueError):
+  """A file that cannot be read as its reader expects; raised as the caller's error class."""
+
+
+def _type_name(value) -> str:
+  return {dict: 'an object', list: 'a list', str: 'a string', bool: 'a boolean',
+          type(None): 'null'}.get(type(value), 'a number')
+
+
+def has_type(value, types) -> bool:
+  types = types if isinstance(types, tuple) else (types,)
+  if isinstance(value, bool) and bool not in types:
+    return False  # JSON true is no number here
+  return isinstance(value, types)
+
+
+def check_keys(record: Any, keys: dict, where: str, optional: dict | None = None) -> str | None:
+  """What is wrong with `record`, a JSON object with `keys` and maybe `optional` ones (each
+  {name: type or types}), or None."""
+  if not isinstance(record, dict):
+    return f'{where} holds {_type_name(record)}, not a JSON object'
+  for key, types in {**keys, **(optional or {})}.items():
+    if key not in record:
+      if key in keys:
+        return f'{where} lacks the key {key!r}'
+      continue
+    if not has_type(record[key], types):
+      names = ' or '.join(_type_name(t()) if t is not type(None) else 'null'
+                          for t in (types if isinstance(types, tuple) else (types,)))
+      return f'{where}: key {key!r} is {_type_name(record[key])}, not {names}'
+  return None
+
+
+def read_bytes(path) -> bytes | None:
+  """The bytes of `path` (a Path or an etils path), None if there is no such file."""
+  try:
+    return path.read_bytes() if hasattr(path, 'read_bytes') else Path(path).read_bytes()
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+
+
+def read_json(path, keys: dict | None = None, *, remedy: str,
+              error: Callable[[str], Exception] = FileError,
+              optional: dict | None = None):
+  """The JSON object in `path` with `keys` ({name: type or types}; `optional` ones of their type
+  where present), None if there is no file.
+  Anything else (unreadable, cut, not an object, a key missing or of another type) raises
+  `error` in one line naming the file, what is wrong and `remedy`."""
+  tail = f'; {remedy}' if remedy else ''
+  try:
+    data = read_bytes(path)
+  except OSError as err:
+    raise error(f'{path} cannot be read ({err.strerror or err}){tail}') from None
+  if data is None:
+    return None
+  try:
+    record = json.loads(data.decode('utf-8'))
+  except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+    what = 'is empty' if not data.strip() else f'is not valid JSON ({err})'
+    raise error(f'{path} {what}{tail}') from None
+  problem = check_keys(record, keys or {}, str(path), optional)
+  if problem:
+    raise error(problem + tail)
+  return record
+
+
+def read_jsonl(path, keys: dict | None = None) -> list[dict]:
+  """The JSON objects of `path`, one a line ([] without the file). Lines that are not such an
+  object (cut by a crash, or damaged) are skipped, with one warning for the file."""
+  data = read_bytes(path)
+  rows, bad = [], []
+  for number, line in enumerate((data or b'').decode('utf-8', 'replace').splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except ValueError:
+      row = None
+    if row is None or check_keys(row, keys or {}, '') is not None:
+      bad.append(number)
+      continue
+    rows.append(row)
+  if bad:
+    log.warning('%s: skipped %d unreadable line(s) (line %s; a write cut by a crash?)', path,
+                len(bad), ', '.join(map(str, bad[:5])) + (', ...' if len(bad) > 5 else ''))
+  return rows
+
+
+def read_text(path) -> str | None:
+  """The text of `path` (undecodable bytes replaced), None if there is no such file."""
+  data = read_bytes(path)
+  return None if data is None else data.decode('utf-8', 'replace')
+
+
+def append_line(path: Path, line: str) -> None:
+  """Appends `line` to `path`, flushed and fsynced: on a new line even if the file ends in a
+  line cut by a crash (which then stays one unreadable line of its own)."""
+  fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    size = os.fstat(fd).st_size
+    torn = size > 0 and os.pread(fd, 1, size - 1) != b'\n'
+    os.write(fd, (('\n' if torn else '') + line + '\n').encode())
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def ends_a_line(path: Path) -> None:
+  """Ends the last line of `path` if a crash cut it, so that the next append starts its own."""
+  try:
+    with open(path, 'rb+') as f:
+      if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b'\n':
+        f.write(b'\n')
+  except FileNotFoundError:
+    pass
+
+
+def replace_text(path: Path, text: str) -> None:
+  """Replaces `path` atomically and durably: a crash leaves the old text or the new one."""
+  path = Path(path)
+  tmp = path.with_name(path.name + '.tmp')
+  with open(tmp, 'w') as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  fd = os.open(path.parent, os.O_RDONLY)
+  try:
+    os.fsync(fd)  # the rename itself survives a power loss
+  finally:
+    os.close(fd)

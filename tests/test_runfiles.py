@@ -1,0 +1,105 @@
+"""Run files that survive being torn: the checked reader (mecefo_jax/files.py), and the defects
+it fixed (a torn history.jsonl, a truncated run_state.json, a meta.json without a key); the
+sweep of every file is tests/test_sweep.py."""
+import json
+import logging
+
+import pytest
+
+from mecefo_jax import files
+from mecefo_jax.config import ConfigError, load_config, to_dict
+from mecefo_jax.data import prepare as prep
+from mecefo_jax.data import tokendir
+from mecefo_jax.run import cli, rundir
+from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.run.records import RunRecords
+from procs import TINY, error_lines, tree
+
+MISSING = object()
+
+
+# ---- the checked reader ------------------------------------------------------------------
+
+def test_read_json_names_the_file_what_is_wrong_and_the_remedy(tmp_path):
+  path = tmp_path / 'r.json'
+  read = lambda: files.read_json(path, {'n': int}, remedy='do X', error=ConfigError)
+  assert read() is None
+  for text, wrong in [('', 'is empty'), ('{"n": 1', 'is not valid JSON'),
+                      ('[1]', 'holds a list, not a JSON object'), ('{}', "lacks the key 'n'"),
+                      ('{"n": true}', "key 'n' is a boolean, not a number"),
+                      ('{"n": "1"}', "key 'n' is a string")]:
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f'^{path}.*{wrong}.*; do X$'):
+      read()
+  path.write_bytes(b'\xff{"n": 1}')
+  with pytest.raises(ConfigError, match='is not valid JSON'):
+    read()
+  path.write_text('{"n": 3}')
+  assert read() == {'n': 3}
+
+
+def test_read_jsonl_skips_torn_lines_with_one_warning_and_appends_on_a_new_line(tmp_path,
+                                                                                   caplog):
+  path = tmp_path / 'h.jsonl'
+  path.write_bytes(b'{"kind": "a"}\n[1]\n{"t": 1}\n\xff\n{"kind": "b"}\n{"kind": "sta')
+  with caplog.at_level(logging.WARNING, 'mecefo'):
+    assert files.read_jsonl(path, {'kind': str}) == [{'kind': 'a'}, {'kind': 'b'}]
+  assert caplog.messages == [f'{path}: skipped 4 unreadable line(s) (line 2, 3, 4, 6; a write '
+                             'cut by a crash?)']
+  files.append_line(path, '{"kind": "c"}')
+  caplog.clear()
+  assert files.read_jsonl(path, {'kind': str})[-1] == {'kind': 'c'}
+  assert path.read_bytes().endswith(b'"sta\n{"kind": "c"}\n')
+
+
+def test_a_torn_history_line_is_skipped_and_the_records_count_on(tmp_path, caplog):
+  """Defect 4: a torn last line in history.jsonl (a crash mid-append) made every resumed run
+  die in report.build -> steps_lost_total with a JSONDecodeError."""
+  records = RunRecords(tmp_path, True)
+  records.history('thrown_away', from_step=3, to_step=5)
+  with open(tmp_path / rundir.HISTORY, 'a') as f:
+    f.write('{"t": 1.0, "kind": "thrown_aw')  # what a crash mid-write leaves
+  with caplog.at_level(logging.WARNING, 'mecefo'):
+    assert records.steps_lost_total() == 2
+  records.history('thrown_away', from_step=7, to_step=8)  # on a line of its own
+  assert records.steps_lost_total() == 3
+  assert [m for m in caplog.messages if 'unreadable line' in m] == 2 * [  # one a read
+      f'{tmp_path / rundir.HISTORY}: skipped 1 unreadable line(s) (line 2; a write cut by a '
+      'crash?)']
+
+
+def test_a_truncated_run_state_is_one_line_naming_it_and_stays_as_it_was(tmp_path, capsys):
+  """Defect 5: a truncated run_state.json was a JSONDecodeError traceback on every start."""
+  out = tmp_path / 'run'
+  out.mkdir()
+  rundir.write_run_state(out, 'stopped', run_id='abc', n_slices=1, n_hosts=1,
+                         config=to_dict(load_config(None, TINY)))
+  path = out / rundir.RUN_STATE
+  path.write_bytes(path.read_bytes()[:40])
+  before = tree(out)
+  for flags in ([], ['--resume']):
+    assert cli.main(['--out', str(out), *flags, 'train.compile_cache=']) == BAD_INPUT
+    [line] = error_lines(capsys.readouterr().err)
+    assert line.startswith(f'error: {path} is not valid JSON') and '--fresh' in line, line
+    assert "snapshots and checkpoints are still there" in line
+    assert tree(out) == before
+
+
+def test_a_meta_json_without_a_key_is_one_line_naming_the_file_and_the_key(tmp_path, capsys):
+  """Defect 6: a meta.json that parses but lacks vocab_size was a KeyError traceback."""
+  (tmp_path / 'a.txt').write_text('some text to tokenize, ' * 40)
+  tok = tmp_path / 'tok'
+  prep.prepare([str(tmp_path / 'a.txt')], tok)
+  meta = json.loads((tok / tokendir.META).read_text())
+  for key, value in [('vocab_size', MISSING), ('token_max', MISSING), ('tokenizer', MISSING),
+                     ('command', MISSING), ('token_count', 'many')]:
+    record = {**meta, key: value}
+    (tok / tokendir.META).write_text(json.dumps({k: v for k, v in record.items()
+                                                 if v is not MISSING}))
+    code = cli.main(['--out', str(tmp_path / 'run'), '--data', f'tokens:{tok}', *TINY,
+                     'train.compile_cache=', '--no-snapshots'])
+    [line] = error_lines(capsys.readouterr().err)
+    assert code == BAD_INPUT and f'{tok / tokendir.META}' in line and repr(key) in line, line
+    assert prep.main([str(tmp_path / 'a.txt'), '--out', str(tok)]) == BAD_INPUT
+    [line] = error_lines(capsys.readouterr().err)
+    assert f'{tok / tokendir.META}' in line and repr(key) in line and '--force' in line, line
