@@ -8,6 +8,10 @@ with `xla_gpu_autotune_level=0` (and no cache). On CPU the options do nothing (a
 """
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
 import shutil
 import time
 from pathlib import Path

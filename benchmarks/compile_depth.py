@@ -8,6 +8,10 @@ report.json's `startup` where the tree writes one, the wall time and the CPU sec
 """
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
 import argparse
 import json
 import os

@@ -9,6 +9,10 @@ steps 1-2 (metrics.jsonl wall_s). Where the tree writes `startup`, its figures a
 """
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
 import argparse
 import json
 import os
