@@ -9,6 +9,10 @@ jaxlib, a CUDA plugin or libtpu), `part JSON NAME KIND ...` (one part's status a
 """
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
 import argparse
 import datetime
 import json
