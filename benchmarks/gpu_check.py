@@ -132,6 +132,8 @@ def _benchmark_figures(kind: str, data: dict) -> dict:
                                                     data['memory'].items()},
             **{k: data[k] for k in ('time_ratio', 'memory_ratio', 'naive_time_ratio',
                                     'naive_memory_ratio', 'micro_batch', 'seq_len')}}
+  if kind == 'compile':
+    return data['rows'][0]
   if kind == 'mfu':
     return {'rows': data['rows'], 'peak_tflops': data['peak_tflops'],
             'compute_dtype': data['compute_dtype'], 'best_mfu': data['best_mfu']}
@@ -173,7 +175,8 @@ def main(argv=None) -> int:
   p.add_argument('command', choices=('start', 'imports', 'wheels', 'part', 'finish'))
   p.add_argument('path', help='the result JSON (wheels: the wheel folder)')
   p.add_argument('name', nargs='?')
-  p.add_argument('kind', nargs='?', choices=('imports', 'train', 'step_cost', 'mfu', 'snapshot'))
+  p.add_argument('kind', nargs='?', choices=('imports', 'train', 'step_cost', 'compile', 'mfu',
+                                                     'snapshot'))
   p.add_argument('--expect', type=int, default=0, help='part: the exit code that also means done')
   p.add_argument('--rc', type=int, default=None)
   p.add_argument('--seconds', type=float, default=0.0)

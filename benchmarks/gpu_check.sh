@@ -12,6 +12,8 @@
 # Parts and their limits (seconds; GPU_CHECK_LIMIT_<PART> overrides): imports 30, quickstart 45,
 # first_step_cold and first_step_warm 60 each (llama_350m, train.py stopped after its first step:
 # a fresh HOME and an empty program store, then the same again), step_cost 55 (llama_350m),
+# compile_degraded_empty/warm/off 40 each (llama_350m's degraded step compiled with XLA's autotune
+# cache empty, warm, autotuning off),
 # mfu_mb4 and mfu_mb8 50 each (llama_1b, model.vocab_size=32000 model.seq_len=2048), snapshot 50
 # (every-step snapshot overhead, llama_350m). A part that would run past the total is cut short.
 # A CPU smoke test swaps the models (tests/test_gpu_check.py): GPU_CHECK_MODEL (the 350M parts),
@@ -33,7 +35,8 @@ mfu_overrides=${GPU_CHECK_MFU_OVERRIDES-model.vocab_size=32000 model.seq_len=204
 overrides=${GPU_CHECK_OVERRIDES-} repeats=${GPU_CHECK_REPEATS:-5}
 declare -A limit=([imports]=${GPU_CHECK_LIMIT_IMPORTS:-30} [quickstart]=${GPU_CHECK_LIMIT_QUICKSTART:-45}
   [first_step]=${GPU_CHECK_LIMIT_FIRST_STEP:-60} [step_cost]=${GPU_CHECK_LIMIT_STEP_COST:-55}
-  [mfu]=${GPU_CHECK_LIMIT_MFU:-50} [snapshot]=${GPU_CHECK_LIMIT_SNAPSHOT:-50})
+  [compile]=${GPU_CHECK_LIMIT_COMPILE:-40} [mfu]=${GPU_CHECK_LIMIT_MFU:-50}
+  [snapshot]=${GPU_CHECK_LIMIT_SNAPSHOT:-50})
 
 say() { echo "$*" | tee -a "$log"; }
 book() { "$py" -m benchmarks.gpu_check "$@" 2>&1 | tee -a "$log"; }
@@ -98,6 +101,13 @@ done
 pjson=$work/step_cost.json
 part step_cost step_cost "${limit[step_cost]}" "$py" -m benchmarks.step_cost --config "$m350" \
   --repeats "$repeats" --json "$pjson" $overrides
+# The degraded step's compile (llama_350m) with XLA's autotune cache empty, then warm (what the
+# program store keeps on GPU), then with autotuning off: one process each.
+for mode in empty warm off; do
+  pjson=$work/compile_$mode.json
+  part "compile_degraded_$mode" compile "${limit[compile]}" "$py" -m benchmarks.compile_autotune \
+    --config "$m350" --cache "$work/autotune" --mode "$mode" --json "$pjson" $overrides
+done
 for mb in 4 8; do
   pjson=$work/mfu_$mb.json
   part "mfu_mb$mb" mfu "${limit[mfu]}" "$py" -m benchmarks.mfu --config "$m1b" --micro-batches "$mb" \

@@ -12,7 +12,8 @@ from mecefo_jax import install
 from procs import ROOT, TINY
 
 SCRIPT = ROOT / 'benchmarks' / 'gpu_check.sh'
-PARTS = ['imports', 'quickstart', 'first_step_cold', 'first_step_warm', 'step_cost', 'mfu_mb4',
+PARTS = ['imports', 'quickstart', 'first_step_cold', 'first_step_warm', 'step_cost',
+         'compile_degraded_empty', 'compile_degraded_warm', 'compile_degraded_off', 'mfu_mb4',
          'mfu_mb8', 'snapshot']
 
 
@@ -53,6 +54,9 @@ def test_every_part_runs_with_tiny_models_and_lands_in_one_json(launcher, tmp_pa
   cost = parts['step_cost']['figures']
   assert set(cost['temp_bytes']) == {'normal_1', 'degraded_2', 'naive_2'} and cost['time_ratio'] > 0
   assert parts['snapshot']['figures']['overhead_pct'] is not None
+  modes = [parts[f'compile_degraded_{m}']['figures'] for m in ('empty', 'warm', 'off')]
+  assert [f['mode'] for f in modes] == ['empty', 'warm', 'off'] and all(f['compile_s'] > 0
+                                                                          for f in modes)
   assert parts['quickstart']['figures']['steps'] == 20
 
 
