@@ -217,9 +217,11 @@ class Supervisor:
 
   def _failed_start(self, exited: dict) -> int | None:
     """A host whose process failed in start-up: it exited with an input error, or (the run
-    directory being here) with an error of its own, not a signal, before the job trained (no
-    new start in history.jsonl). A restart would fail alike: the job ends. Host 0 first (its
-    lines are on the terminal)."""
+    directory being here) with an error of its own before the job trained (no new start in
+    history.jsonl) and no process was killed (a death: restarted). A restart would fail alike:
+    the job ends. Host 0 first (its lines are on the terminal)."""
+    if any(c < 0 for c in exited.values()):
+      return None
     local = self.args.out.is_dir()
     failed = sorted((h for h, c in exited.items() if c == BAD_INPUT or local and c > 0 and
                      c not in JOB_EXITS and c != STOPPED), key=lambda h: h != self.hosts[0])

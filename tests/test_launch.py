@@ -113,7 +113,8 @@ def _supervise(launcher, tmp_path, *train_args, env=None) -> tuple[int, str, flo
   run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
   proc = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events',
                          events, '--', '--out', run, 'model.n_layers=1', 'model.seq_len=16',
-                         'train.steps=4', *train_args], env={**launcher.env(), **(env or {})},
+                         'train.steps=4', f'snapshot.dir={tmp_path / "shm"}', *train_args],
+                        env={**launcher.env(), **(env or {})},
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   log, deadline, said = run / 'logs' / 'host2.log', time.monotonic() + 240, None
   try:
