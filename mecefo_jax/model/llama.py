@@ -170,9 +170,10 @@ class LLaMA(nnx.Module):
     return self.head(self.final_norm(h))
 
 
-def create(cfg: ModelConfig, seed: int = 0):
-  """(graphdef, params as a pure dict) for a freshly initialised model."""
-  graphdef, state = nnx.split(LLaMA(cfg, nnx.Rngs(params=seed)))
+def create(cfg: ModelConfig, seed: int | jax.Array = 0):
+  """(graphdef, params as a pure dict) for a freshly initialised model; `seed` may be traced
+  (the initializer takes it as an argument: train_state.lower_init)."""
+  graphdef, state = nnx.split(LLaMA(cfg, nnx.Rngs(params=jax.random.key(seed))))
   return graphdef, nnx.to_pure_dict(state)
 
 

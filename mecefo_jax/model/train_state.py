@@ -65,10 +65,12 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(o.grad_clip), parts) if o.grad_clip > 0 else parts
 
 
-def init_state(cfg: Config, graphdef=None) -> TrainState:
-  """Fresh state; jit it with out_shardings=state_shardings(...) to create it sharded."""
-  rng = jax.random.PRNGKey(cfg.train.seed)
-  _, params = llama.create(cfg.model, cfg.train.seed)
+def init_state(cfg: Config, seed: int | jax.Array | None = None) -> TrainState:
+  """Fresh state from `seed` (cfg.train.seed by default; may be traced); jit it with
+  out_shardings=state_shardings(...) to create it sharded (lower_init)."""
+  seed = cfg.train.seed if seed is None else seed
+  rng = jax.random.PRNGKey(seed)
+  _, params = llama.create(cfg.model, seed)
   opt_state = make_optimizer(cfg).init(params)
   stored = jax.eval_shape(lambda: bases.kind(cfg).stored(params, cfg, rng))
   state_bases = jax.tree.map(jnp.zeros_like, stored)  # computed at the first degraded step
@@ -93,14 +95,22 @@ def lower_init(cfg: Config, mesh: Mesh) -> jax.stages.Lowered:
   on `mesh` (no host copy, no unsharded copy). Its random draws are one block's, vmapped over
   the layers (llama._stacked_blocks); on GPU threefry lowers to XLA's kernel, not to unrolled
   rounds at each draw (jax's `jax_threefry_gpu_kernel_lowering`; no effect elsewhere)."""
-  jitted = jax.jit(lambda: init_state(cfg), out_shardings=state_shardings(cfg, mesh))
+  # The seed is an argument, not a constant: with every input constant XLA would fold the whole
+  # random initialisation at compile time (compile time then grows with the parameter count).
+  jitted = jax.jit(lambda seed: init_state(cfg, seed), in_shardings=replicated(mesh),
+                   out_shardings=state_shardings(cfg, mesh))
   with _threefry_kernel():
-    return jitted.lower()
+    return jitted.lower(jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def init_seed(cfg: Config, mesh: Mesh) -> jax.Array:
+  """The initializer's argument: cfg.train.seed on `mesh`."""
+  return jax.device_put(np.int32(cfg.train.seed), replicated(mesh))
 
 
 def create_sharded(cfg: Config, mesh: Mesh) -> TrainState:
   """A fresh state created directly in its shardings on `mesh`."""
-  return lower_init(cfg, mesh).compile()()
+  return lower_init(cfg, mesh).compile()(init_seed(cfg, mesh))
 
 
 def params_sha256(params) -> str:

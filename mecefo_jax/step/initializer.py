@@ -47,7 +47,7 @@ def create(cfg: Config, mesh: Mesh, program_store: store.ProgramStore | None = N
   t1 = time.perf_counter()
   compiled, loaded = compile_or_load(lowered, list(mesh.devices.flat), program_store)
   t2 = time.perf_counter()
-  state = jax.block_until_ready(compiled())
+  state = jax.block_until_ready(compiled(train_state.init_seed(cfg, mesh)))
   if times is not None:
     times.update(init_lower_s=t1 - t0, init_compile_s=t2 - t1,
                  init_run_s=time.perf_counter() - t2, init_loaded=loaded)
