@@ -66,7 +66,8 @@ def measure(cfg, repeats: int, warmup: int) -> dict:
   runners = common.donating_runners(programs, states, common.random_tokens(cfg, roles))
   times = common.interleaved_times(runners, repeats, warmup)
   memory = {n: train_step.memory_summary(p) for n, p in programs.items()}
-  flops = {n: float(common.cost_analysis(p).get('flops', 0.0)) for n, p in programs.items()}
+  flops = {n: common.unrolled_flops(lambda n=n: train_step.lower_step(
+      cfg, mesh, roles[n], graphdef, VARIANTS[n][2])) for n in programs}
   return {'times': times, 'memory': memory, 'flops': flops,
           'roles': {n: vars(r) for n, r in roles.items()}}
 

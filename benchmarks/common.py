@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mecefo_jax.model import llama
 from mecefo_jax.step import train_step
 
 
@@ -112,6 +113,14 @@ def emit(result: dict, table: str, json_path: str | None) -> None:
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2))
     print(f'wrote {json_path}')
+
+
+def unrolled_flops(lower: Callable[[], 'jax.stages.Lowered']) -> float:
+  """XLA's FLOP count of the program `lower()` lowers, traced with the blocks unrolled
+  (llama.unrolled) and not compiled: a compiled program's count holds the body of the scan
+  over the blocks once, whatever n_layers."""
+  with llama.unrolled():
+    return float(cost_analysis(lower()).get('flops', 0.0))
 
 
 def cost_analysis(compiled) -> dict:

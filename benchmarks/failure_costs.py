@@ -94,7 +94,12 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
   programs = {'fused_normal': fused, 'update': update,
               **({'refresh': refresh} if svd else {}),
               **{role_name(r): g for r, g in groups.items()}}
-  flops = {name: float(common.cost_analysis(p).get('flops', 0.0)) for name, p in programs.items()}
+  lowerers = {'fused_normal': lambda: train_step.lower_step(cfg, mesh, Role(b), graphdef),
+              'update': lambda: slice_steps.lower_update(cfg, mesh),
+              'refresh': lambda: train_step.lower_refresh(cfg, mesh, warm=warm),
+              **{role_name(r): (lambda r=r: slice_steps.lower_group(cfg, mesh, r, graphdef))
+                 for r in groups}}
+  flops = {name: common.unrolled_flops(lowerers[name]) for name in programs}
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(host_state))
   moves = time_moves({**programs, 'eval': evaluate, **({'refresh_full': full} if warm else {})},
                      repeats)

@@ -60,7 +60,9 @@ def measure(cfg: Config, micro_batches: list[int], repeats: int) -> dict:
                                     state_of=lambda b: 'shared')
   times = common.interleaved_times(runners, repeats)
   return {b: {'time': times[b], 'memory': train_step.memory_summary(compiled[b]),
-              'xla_flops': common.cost_analysis(compiled[b]).get('flops')} for b in roles}
+              'xla_flops': common.unrolled_flops(
+                  lambda b=b: train_step.lower_step(cfg, mesh, roles[b], graphdef)) or None}
+          for b in roles}
 
 
 def rows(cfg: Config, measured: dict, peak: float | None) -> list[dict]:

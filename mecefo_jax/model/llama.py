@@ -1,6 +1,8 @@
 """LLaMA-style decoder in Flax NNX: thin modules owning parameters and their logical axes."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -19,6 +21,18 @@ BLOCKS = 'blocks'
 # lax.scan's unroll over the blocks, the same at every depth: 1 keeps one block body in every
 # program, so that compile time does not grow with n_layers (report.json: programs.scan_unroll).
 SCAN_UNROLL = 1
+_unroll: contextvars.ContextVar[int | bool] = contextvars.ContextVar('scan_unroll')
+
+
+@contextlib.contextmanager
+def unrolled():
+  """Programs traced inside run the blocks unrolled (lax.scan unroll=True): only for XLA's cost
+  analysis, which counts a loop's body once whatever its trip count (benchmarks/mfu.py)."""
+  token = _unroll.set(True)
+  try:
+    yield
+  finally:
+    _unroll.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +180,7 @@ class LLaMA(nnx.Module):
       return nnx.merge(graphdef, params)(h_BxLxD, degraded, layer_bases, remat), None
 
     layer_bases = bases[BLOCKS] if bases is not None else None
-    h, _ = jax.lax.scan(layer, h, (stacked, layer_bases), unroll=SCAN_UNROLL)
+    h, _ = jax.lax.scan(layer, h, (stacked, layer_bases), unroll=_unroll.get(SCAN_UNROLL))
     return self.head(self.final_norm(h))
 
 
