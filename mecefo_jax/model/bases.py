@@ -35,16 +35,20 @@ def _layer_keys(key, n_layers: int):
 def svd_bases(params, cfg: Config, key, previous: dict | None = None) -> dict:
   """Paper's bases: top singular input subspace of every FFN matrix (randomized SVD), or, given
   the `previous` bases, one warm-started subspace iteration from them (mecefo.refresh=warm);
-  computed for all layers at once (vmapped over the stacked kernels)."""
+  layer by layer over the stacked kernels (lax.map), each with its own key."""
   r = ranks(cfg.model, cfg.mecefo)
   ffn = params[llama.BLOCKS]['ffn']
+  # lax.map (a scan), not vmap: one layer's QR/SVD in the program whatever the depth, and no
+  # batched LAPACK calls (vmapped, the refresh of llama_60m's width never returned on CPU).
   if previous is not None:
     old = previous[llama.BLOCKS]
-    return {llama.BLOCKS: {name: jax.vmap(ops.refine_basis)(ffn[name]['kernel'], old[name])
+    return {llama.BLOCKS: {name: jax.lax.map(lambda wv: ops.refine_basis(*wv),
+                                             (ffn[name]['kernel'], old[name]))
                            for name in FFN_MATRICES}}
   keys = _layer_keys(key, cfg.model.n_layers)
-  one = lambda name, k: jax.vmap(
-      lambda w, kk: ops.svd_basis(w, r[name], kk, cfg.mecefo.power_iters))(ffn[name]['kernel'], k)
+  one = lambda name, k: jax.lax.map(
+      lambda wk: ops.svd_basis(wk[0], r[name], wk[1], cfg.mecefo.power_iters),
+      (ffn[name]['kernel'], k))
   return {llama.BLOCKS: {name: one(name, keys[:, j]) for j, name in enumerate(FFN_MATRICES)}}
 
 
