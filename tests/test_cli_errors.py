@@ -273,7 +273,7 @@ def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplo
     os.kill(os.getpid(), signal.SIGINT)  # the handler runs in this thread, here
     wait_for(lambda: request, 5, 'the first SIGINT handled')
     assert request.reason == 'SIGINT (Ctrl-C)' and request.due(1)
-    assert caplog.messages == ['SIGINT (Ctrl-C): stopping after this step, with a snapshot of it']
+    assert caplog.messages == ['SIGINT (Ctrl-C): stopping after this step']
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(5)

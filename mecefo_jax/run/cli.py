@@ -206,13 +206,17 @@ def main(argv=None) -> int:
   scratch = Path(tempfile.mkdtemp(prefix='mecefo-dry-run-')) if args.dry_run else None
   try:
     return _main(args, scratch)
-  except KeyboardInterrupt:  # before the handlers are in place, without snapshots, or twice
-    print('error: interrupted (Ctrl-C) without a final snapshot; --resume continues from the '
-          'last snapshot, if any', file=sys.stderr)
-    return INTERRUPTED
+  except KeyboardInterrupt:  # before the handlers are in place, or twice
+    return _interrupted()
   finally:
     if scratch is not None:
       shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _interrupted() -> int:
+  print('error: interrupted (Ctrl-C) without a final snapshot; --resume continues from the '
+        'last snapshot, if any', file=sys.stderr)
+  return INTERRUPTED
 
 
 def _error(err: Exception) -> int:
@@ -265,8 +269,9 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
       raise
     traceback.print_exc()  # what Python prints for it, then the exit below (exit 1)
     return _leave(job, 1)
-  if run.snapshots:  # without them a stop would save nothing: Ctrl-C interrupts at once
-    stop_request.install()
+  # Installed with or without snapshots: a KeyboardInterrupt raised by Python's own handler can
+  # land in a garbage-collection callback (jax's), which swallows it and training goes on.
+  stop_request.install()
   try:
     return _train(args, run, out_dir)
   finally:
@@ -331,6 +336,9 @@ def _train(args, run, out_dir: Path) -> int:
     log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
              report['samples'])
     log.info('%s', _first_step(report['startup']))
+  from mecefo_jax.run.stop import SIGINT_REASON
+  if report['preempted'] and not run.snapshots and run.stop.reason == SIGINT_REASON:
+    return _interrupted()  # nothing saved: not a resumable stop
   if report['preempted']:  # SIGTERM, Ctrl-C or --stop-after: snapshotted, resumable
     return STOPPED
   if report['diverged_at_step'] is not None:

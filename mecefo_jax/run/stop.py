@@ -21,6 +21,7 @@ TEST_DEATH_ENV = 'MECEFO_TEST_SIGKILL'
 # The supervisor writes it to grow the job back: unlike a signal it cannot arrive before a
 # process can honour it, so where the job stops does not depend on timing.
 STOP_FILE = 'stop_request'
+SIGINT_REASON = 'SIGINT (Ctrl-C)'
 
 
 class StopRequest:
@@ -61,9 +62,9 @@ class StopRequest:
   def _on_signal(self, signum, frame) -> None:
     if signum == signal.SIGINT and self:
       raise KeyboardInterrupt
-    name = 'SIGINT (Ctrl-C)' if signum == signal.SIGINT else signal.Signals(signum).name
+    name = SIGINT_REASON if signum == signal.SIGINT else signal.Signals(signum).name
     self.request(name)
-    log.warning('%s: stopping after this step, with a snapshot of it', name)
+    log.warning('%s: stopping after this step', name)
 
   def uninstall(self) -> None:
     for signum, previous in self._previous:

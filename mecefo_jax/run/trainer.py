@@ -315,8 +315,9 @@ class Trainer:
     saved = ('saved as the ' + ' and the '.join(where) if where else
              'saved nothing (snapshots are off)' if not self.snapshots else
              'already saved in the snapshots of that step')
-    message = (f'stopped by {self.stop_reason} after step {step + 1}, {saved}; resume with '
-               f'{hints.resume(self.out_dir, self.presence.n_hosts)}')
+    message = f'stopped by {self.stop_reason} after step {step + 1}, {saved}'
+    if self.snapshots:
+      message += f'; resume with {hints.resume(self.out_dir, self.presence.n_hosts)}'
     log.warning('%s', message)
     self.records.history('stop', step=step + 1, why=self.stop_reason, saved=where)
     return message
