@@ -13,6 +13,7 @@ agreed step (SIGTERM) and restarted with it. Exit code: the job's.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shlex
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from mecefo_jax import files
-from mecefo_jax.config import DEFAULT_OUT
+from mecefo_jax.config import DEFAULT_OUT, ConfigError
 from mecefo_jax.run import rundir
 from mecefo_jax.run.cli import OneLineParser, at_least
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, STOPPED
@@ -34,6 +35,7 @@ from mecefo_jax.run.stop import STOP_FILE
 ROOT = Path(__file__).resolve().parents[1]
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
 _POLL_S, _GRACE_S = 0.1, 60.0
+_GPU_DEVICES = '/dev/nvidia[0-9]*'  # one device file per NVIDIA GPU the machine shows
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,18 +49,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='give process of host h the GPUs h*K .. h*K+K-1 (CUDA_VISIBLE_DEVICES)')
   p.add_argument('--rejoin-after', type=at_least(0, float), default=None, metavar='SECONDS',
                  help='start a replacement for a dead host this long after its death')
-  p.add_argument('--max-restarts', type=int, default=10, help='give up after this many restarts')
+  p.add_argument('--max-restarts', type=at_least(0), default=10,
+                 help='give up after this many restarts')
   p.add_argument('--log-dir', default=None,
                  help='output of the processes other than process 0 (whose output is shown): '
                       'host<h>.log files (default: <--out>/logs, or runs/launch_logs)')
   p.add_argument('--events', default=None, metavar='FILE',
                  help='also write each event as a JSON line (time, kind, hosts) to FILE')
   p.add_argument('train_args', nargs=argparse.REMAINDER, help='-- then train.py arguments')
-  args = p.parse_args(argv)
+  args, unknown = p.parse_known_args(argv)
+  if unknown:  # a train.py flag before `--`: argparse alone would not say where it goes
+    p.error(f'unrecognized arguments: {" ".join(unknown)}; train.py\'s arguments go after --, '
+            f'e.g. -- {shlex.join(unknown + args.train_args)}')
   args.train_args = args.train_args[1:] if args.train_args[:1] == ['--'] else args.train_args
   if args.num_processes < 2 or args.devices_per_process < 1:
     p.error('need -n >= 2 (a lone process has no peer to hold its snapshot parity) and '
             '--devices-per-process >= 1')
+  if args.gpus:
+    _check_gpus(p, args.num_processes * args.devices_per_process)
   own = [a for a in args.train_args if a.split('=')[0] in _OWN_FLAGS]
   if own:
     p.error(f'{own[0].split("=")[0]} is set by the supervisor; leave it out of the train.py '
@@ -67,6 +75,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.log_dir = Path(args.log_dir or args.out / 'logs')
   args.argv = list(sys.argv[1:] if argv is None else argv)
   return args
+
+
+def _check_gpus(p, needed: int) -> None:
+  """--gpus on a machine without that many NVIDIA GPUs: refused (jax would fall back to the
+  CPU without a word, and the job would train there)."""
+  found = len(glob.glob(_GPU_DEVICES))
+  if found < needed:
+    p.error(f'--gpus: the job needs {needed} GPU(s) (-n x --devices-per-process) and this machine '
+            f'shows {found} ({_GPU_DEVICES.split("[")[0]}N); leave --gpus out to run on CPU devices')
 
 
 def _train_out(train_args: list[str]) -> Path | None:
@@ -102,7 +119,7 @@ class Supervisor:
     self.procs: dict[int, subprocess.Popen] = {}
     self.deaths = self.rejoins = self.restarts = 0
     self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
-    self.interrupted = False
+    self.interrupted: str | None = None  # the signal that stops the job
     self.resume = False
 
   def say(self, kind: str, message: str, **fields) -> None:
@@ -140,8 +157,19 @@ class Supervisor:
         out.close()  # the child holds it
     pids = {h: p.pid for h, p in self.procs.items()}
     self.say('start', f'started hosts {self.hosts} as a {n}-process job'
-                      f'{" resuming the run" if self.resume else ""} (pids {pids})',
+                      f'{" resuming the run" if self._resuming() else ""} (pids {pids})',
              hosts=self.hosts, pids=pids)
+
+  def _resuming(self) -> bool:
+    """Whether the job started resumes the run: a restart, --resume, or an unfinished run in
+    --out (train.py resumes it on its own)."""
+    args = self._train_args()
+    if '--resume' in args or '--fresh' in args:
+      return '--resume' in args
+    try:
+      return rundir.unfinished(self.args.out)
+    except ConfigError:  # a damaged run_state.json: train.py says so in its own line
+      return False
 
   def _log(self, host: int) -> Path:
     return self.args.log_dir / f'host{host}.log'
@@ -167,6 +195,7 @@ class Supervisor:
            f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
     if self.args.gpus:
       env['CUDA_VISIBLE_DEVICES'] = ','.join(str(host * k + i) for i in range(k))
+      env.setdefault('JAX_PLATFORMS', 'cuda')  # no silent fall-back to the CPU
     else:
       env.setdefault('JAX_PLATFORMS', 'cpu')
       cmd.append(f'--host-devices={k}')
@@ -262,7 +291,11 @@ class Supervisor:
         self.kill_all()  # a process stuck in a collective with one that already left
       return None
     if self.interrupted:
-      return max(exited.values(), key=abs) or 0
+      code = max(exited.values(), key=abs) or 0
+      self.say('end', f'job stopped by {self.interrupted} ({_exit_text(code)}) after '
+                      f'{self.deaths} death(s), {self.rejoins} rejoin(s), {self.restarts} '
+                      f'restart(s); resume it with the same command', code=code)
+      return code
     if all(c == 0 for c in exited.values()):
       return self._finished(exited)
     ready = self._ready()
@@ -325,8 +358,8 @@ class Supervisor:
 def serve(sup: Supervisor) -> int:
   """Runs `sup` to its end; SIGTERM and Ctrl-C stop its job at an agreed step."""
   def on_signal(signum, frame):  # pass it on: the job stops at an agreed step, resumable
-    sup.interrupted = True
-    sup.say('signal', f'{signal.Signals(signum).name}: stopping the job at its next step')
+    sup.interrupted = signal.Signals(signum).name
+    sup.say('signal', f'{sup.interrupted}: stopping the job at its next step')
     sup._ask_stop()
   signal.signal(signal.SIGTERM, on_signal)
   signal.signal(signal.SIGINT, on_signal)

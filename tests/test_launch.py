@@ -152,3 +152,67 @@ def test_a_start_up_failure_on_one_host_ends_the_job_with_its_line(launcher, tmp
   assert error_lines(err) == [f'error: {TEST_START_ERROR_ENV}=2: host 2 fails in start-up (a '
                               'test hook)'], err[-3000:]
   assert 'host 2 failed in start-up (exit 2 (bad input)' in err
+
+
+@pytest.mark.parametrize('argv, expected', [
+    (['-n', '2', '--max-restarts', '-1'], 'argument --max-restarts: must be >= 0, got -1'),
+    (['-n', '2', '--out', 'D'], "unrecognized arguments: --out; train.py's arguments go after "
+                                '--, e.g. -- --out D')])
+def test_supervisor_refuses_a_negative_restart_limit_and_hints_at_the_dashes(capsys, argv,
+                                                                            expected):
+  assert usage_error(capsys, launch.parse_args, argv).startswith(f'error: {expected}')
+
+
+def test_gpus_without_enough_gpus_is_refused(capsys, tmp_path, monkeypatch):
+  monkeypatch.setattr(launch, '_GPU_DEVICES', str(tmp_path / 'nvidia[0-9]*'))
+  line = usage_error(capsys, launch.parse_args, ['-n', '2', '--gpus'])
+  assert line.startswith('error: --gpus: the job needs 2 GPU(s) (-n x --devices-per-process) '
+                         'and this machine shows 0'), line
+  for i in range(4):
+    (tmp_path / f'nvidia{i}').touch()
+  monkeypatch.delenv('JAX_PLATFORMS', raising=False)
+  args = launch.parse_args(['-n', '2', '--devices-per-process', '2', '--gpus', '--', '--out',
+                            str(tmp_path / 'run')])
+  _, env = launch.Supervisor(args).command(1, 1, 2, 1234)
+  assert env['CUDA_VISIBLE_DEVICES'] == '2,3' and env['JAX_PLATFORMS'] == 'cuda'
+
+
+class _Exited:
+  """A process of the job that has exited with `code` (for the supervisor's bookkeeping)."""
+
+  def __init__(self, code: int, pid: int = 1):
+    self.returncode, self.pid = code, pid
+
+  def poll(self):
+    return self.returncode
+
+  wait = poll
+
+
+def test_a_stop_by_ctrl_c_ends_with_a_closing_line_and_a_history_row(tmp_path, capsys):
+  run = tmp_path / 'run'
+  run.mkdir()
+  sup = launch.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run)]))
+  sup.procs = {0: _Exited(STOPPED), 1: _Exited(STOPPED)}
+  sup.interrupted = 'SIGINT'
+  sup._ask_stop()
+  assert sup._watch() == STOPPED
+  last = capsys.readouterr().err.splitlines()[-1]
+  assert 'job stopped by SIGINT (exit 143) after 0 death(s), 0 rejoin(s), 0 restart(s); resume ' \
+         'it with the same command' in last, last
+  [end] = [e for e in rundir.read_history(run) if e['kind'] == 'launch-end']
+  assert end['code'] == STOPPED
+
+
+@pytest.mark.parametrize('state, train_args, resuming', [
+    (None, [], False), ('stopped', [], True), ('finished', [], False),
+    ('stopped', ['--fresh'], False), (None, ['--resume'], True)])
+def test_a_start_line_says_when_the_job_resumes_the_run(tmp_path, state, train_args, resuming):
+  run = tmp_path / 'run'
+  run.mkdir()
+  if state:
+    rundir.write_run_state(run, state, run_id='r')
+  sup = launch.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run), *train_args]))
+  assert sup._resuming() is resuming
+  sup.resume = True  # a restart after a death always resumes
+  assert sup._resuming()
