@@ -245,7 +245,11 @@ def check_text(data: bytes, path: Path, what: str, *, final: bool = True,
 
 
 def read_text(path: Path, what: str) -> str:
-  """The UTF-8 text of `path`; unreadable or binary files as one ConfigError line."""
+  """The UTF-8 text of `path`; missing, a directory, unreadable or binary: one ConfigError line."""
+  if path.is_dir():
+    raise ConfigError(f'{what} {str(path)!r} is a directory; give the file itself')
+  if not path.is_file():
+    raise ConfigError(f'{what} {str(path)!r} not found')
   try:
     data = path.read_bytes()
   except OSError as err:
@@ -365,8 +369,6 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
   cfg = _apply(Config(), base) if base else Config()
   if path is not None:
     path = Path(path)
-    if not path.is_file():
-      raise ConfigError(f"config file {str(path)!r} not found")
     data = _yaml_load(read_text(path, 'config file'), f'config file {str(path)!r}') or {}
     if not isinstance(data, dict):
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")

@@ -74,6 +74,22 @@ def test_binary_config_trace_and_text_data_fail_in_one_line(tmp_path, capsys):
              f"text:{blob}: file '{blob}' is not UTF-8 text (byte 0); is it a binary file?")
 
 
+def test_a_directory_as_config_or_trace_says_so_and_a_traces_slice_names_its_line(tmp_path,
+                                                                                  capsys):
+  from mecefo_jax.fault.failures import FailureSchedule
+  _one_error(_main(capsys, '--config', tmp_path, '--print-config'),
+             f"config file '{tmp_path}' is a directory; give the file itself")
+  with pytest.raises(ConfigError, match=re.escape(f"failure trace '{tmp_path}' is a directory")):
+    FailureSchedule.from_trace(tmp_path, 2)
+  with pytest.raises(ConfigError, match=re.escape(f"failure trace '{tmp_path / 'no'}' not found")):
+    FailureSchedule.from_trace(tmp_path / 'no', 2)
+  trace = tmp_path / 'trace.txt'
+  trace.write_text('# step slice kind\n3 1 fail\n5 2 fail\n')
+  with pytest.raises(ConfigError) as err:
+    FailureSchedule.from_trace(trace, 2)
+  assert str(err.value) == f'{trace}:3: failure event slice 2 out of range [0, 2)'
+
+
 @pytest.mark.parametrize('override, needle', [
     ('train.seed=-1', "'train.seed' must be in [0, 2**63), got -1"),
     ('optimizer.lr=0', "'optimizer.lr' must be in (0, inf), got 0.0"),

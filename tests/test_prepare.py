@@ -133,6 +133,36 @@ def test_prepare_sources_and_their_errors(corpus, tmp_path, capsys):
   assert (prep.EXIT_BAD_SOURCE, prep.EXIT_INTERRUPTED) == (exits.BAD_INPUT, exits.INTERRUPTED)
 
 
+def test_prepare_refusals_name_the_change_leave_nothing_and_usage_is_one_line(tmp_path,
+                                                                             capsys):
+  text = tmp_path / 'a.txt'
+  text.write_text('hello world\n')
+  prep.prepare([str(text)], tmp_path / 'tok')
+  text.write_text('hello world, and more\n')
+  with pytest.raises(DataError) as err:
+    prep.prepare([str(text)], tmp_path / 'tok')
+  assert "(changed: sources.bytes 12 -> 22, sources.listing_sha256 (the files' names or sizes); " \
+         f'made by `python -m mecefo_jax.data.prepare {text} --out {tmp_path / "tok"}`)' in \
+         str(err.value)
+  blob = tmp_path / 'blob.txt'
+  blob.write_bytes(bytes(range(256)))
+  with pytest.raises(DataError, match='is not UTF-8 text'):
+    prep.prepare([str(blob)], tmp_path / 'new' / 'tok')
+  assert not (tmp_path / 'new').exists()  # neither the directory nor its parent stays
+  (tmp_path / 'empty').mkdir()
+  with pytest.raises(DataError, match='is not UTF-8 text'):
+    prep.prepare([str(blob)], tmp_path / 'empty')
+  assert list((tmp_path / 'empty').iterdir()) == []  # a directory given stays, empty
+  for argv, needle in (([], 'the following arguments are required: SOURCE, --out'),
+                       (['x', '--out', 'y', '--chunk-mb', 'z'], "argument --chunk-mb: invalid")):
+    with pytest.raises(SystemExit) as stop:
+      prep.main(argv)
+    assert stop.value.code == exits.BAD_INPUT
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f'error: {needle}') and line.endswith(
+        '(see python -m mecefo_jax.data.prepare --help)'), line
+
+
 def test_the_docs_state_the_limits_the_code_has():
   from mecefo_jax.data import sources
   readme = ' '.join((ROOT / 'README.md').read_text().split())

@@ -62,6 +62,8 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str | None = None, *
               'dtype': tok.dtype.name, 'piece_bytes': PIECE_BYTES}
   command = tokendir.prepare_command(sources, out, tokenizer)
   _check_foreign(out)
+  before = set(os.listdir(out)) if out.exists() else set()
+  made = [d for d in (out, *out.absolute().parents) if not d.exists()]  # deepest first
   out.mkdir(parents=True, exist_ok=True)
   lock = _lock(out)
   try:
@@ -70,8 +72,19 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str | None = None, *
       return tokendir.read_record(out / tokendir.META, where), False
     progress = _write(out, documents, tok, progress, chunk_bytes, quiet)
     return _finish(out, progress, tok, tokenizer), True
+  except DataError:  # refused (a binary file, no text): what this call made goes
+    _remove_new(out, before, made)
+    raise
   finally:
     os.close(lock)
+
+
+def _remove_new(out: Path, before: set[str], made: list[Path]) -> None:
+  """Removes our files that were not in `out` before, and the directories this call `made`."""
+  for name in _OURS - before:
+    (out / name).unlink(missing_ok=True)
+  for directory in made:
+    directory.rmdir()
 
 
 def _check_foreign(out: Path) -> None:
@@ -108,13 +121,28 @@ def _begin(out: Path, identity: dict, command: str, force: bool) -> dict | None:
     if record is None:
       continue
     if record['identity'] != identity:
-      raise DataError(f'{where}: holds {what} of other sources or another tokenizer '
-                      f'(`{record["command"]}`); replace it with --force, or give another --out')
+      raise DataError(f'{where}: holds {what} of other sources or another tokenizer (changed: '
+                      f'{", ".join(_changed(record["identity"], identity))}; made by '
+                      f'`{record["command"]}`); replace it with --force, or give another --out')
     return None if name == tokendir.META else record
   (out / tokendir.TOKENS).write_bytes(b'')
   return {'format': tokendir.FORMAT, 'identity': identity, 'command': command,
           'cursor': dataclasses.asdict(Cursor()), 'tokens': 0, 'token_min': None,
           'token_max': None}
+
+
+def _changed(old: dict, new: dict, prefix: str = '') -> list[str]:
+  """What differs between two identities, e.g. `sources.bytes 1200 -> 1300`."""
+  diffs = []
+  for key in sorted(old.keys() | new.keys()):
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      diffs += _changed(a, b, f'{prefix}{key}.')
+    elif key == 'listing_sha256' and a != b:
+      diffs.append(f"{prefix}{key} (the files' names or sizes)")
+    elif a != b:
+      diffs.append(f'{prefix}{key} {a!r:.80} -> {b!r:.80}')
+  return diffs
 
 
 def _write(out: Path, documents: Documents, tok, progress: dict, chunk_bytes: int,
@@ -163,8 +191,16 @@ def _finish(out: Path, progress: dict, tok, tokenizer: str | None) -> dict:
   return meta
 
 
+class _Parser(argparse.ArgumentParser):
+  """Usage errors in one `error: ...` line, as train.py's (run/cli.OneLineParser, a layer up)."""
+
+  def error(self, message):
+    print(f'error: {message} (see {self.prog} --help)', file=sys.stderr)
+    sys.exit(EXIT_BAD_SOURCE)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
+  p = _Parser(
       prog='python -m mecefo_jax.data.prepare', description=__doc__.splitlines()[0].split(': ')[1],
       epilog='then: python train.py --data tokens:DIR model.vocab_size=V (V: meta.json\'s '
              'vocab_size; 256 for bytes)')

@@ -137,8 +137,6 @@ class FailureSchedule:
   def from_trace(cls, path: str | Path, n_slices: int) -> 'FailureSchedule':
     """One event per line: `step slice fail|repair`; blank lines and # comments ignored."""
     path = Path(path)
-    if not path.is_file():
-      raise ConfigError(f'failure trace {str(path)!r} not found')
     sched = cls(n_slices)
     for lineno, line in enumerate(read_text(path, 'failure trace').splitlines(), 1):
       fields = line.split('#', 1)[0].split()
@@ -148,7 +146,11 @@ class FailureSchedule:
       if len(fields) != 3 or fields[2] not in KINDS or not numbers:
         raise ConfigError(f"{path}:{lineno}: expected 'step slice fail|repair', got {line.strip()!r}")
       step, slice_ = int(fields[0]), int(fields[1])
-      (sched.fail_at if fields[2] == 'fail' else sched.repair_at)(slice_, step, f'trace:{path.name}')
+      try:
+        (sched.fail_at if fields[2] == 'fail' else sched.repair_at)(slice_, step,
+                                                                    f'trace:{path.name}')
+      except ConfigError as err:  # a slice the run does not have: where it is written
+        raise ConfigError(f'{path}:{lineno}: {err}') from None
     sched._warn_no_ops(f'failure trace {path}')
     return sched
 

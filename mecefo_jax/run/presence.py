@@ -53,6 +53,7 @@ def find(cfg: Config, out_dir: Path, resume: bool, host_slot: int | None = None)
   n_slices = recorded.get('n_slices')
   if not n_slices:
     mesh = sharding.make_mesh(cfg.mesh)
+    _warn_idle(cfg, mesh)
     return Presence(mesh, mesh.shape['slice'], tuple(range(mesh.shape['slice'])))
   mesh = sharding.present_mesh(cfg.mesh, n_slices)
   present = mesh.shape['slice']
@@ -61,6 +62,16 @@ def find(cfg: Config, out_dir: Path, resume: bool, host_slot: int | None = None)
                 'their micro-batches taken over (faults.takeover=%s)', present, n_slices,
                 list(range(present, n_slices)), cfg.faults.takeover)
   return Presence(mesh, n_slices, tuple(range(present)))
+
+
+def _warn_idle(cfg: Config, mesh: Mesh) -> None:
+  """A new run whose mesh leaves devices of this process unused says so (they would idle)."""
+  idle, in_slice = jax.device_count() - mesh.devices.size, cfg.mesh.fsdp * cfg.mesh.tensor
+  if idle:
+    log.warning('the mesh uses %d of the %d devices: %d stay idle (mesh.slice=%d x mesh.fsdp=%d '
+                'x mesh.tensor=%d); mesh.slice=%d would use them all', mesh.devices.size,
+                jax.device_count(), idle, mesh.shape['slice'], cfg.mesh.fsdp, cfg.mesh.tensor,
+                jax.device_count() // in_slice)
 
 
 def _recorded(out_dir: Path) -> dict:
