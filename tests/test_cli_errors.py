@@ -90,6 +90,26 @@ def test_a_directory_as_config_or_trace_says_so_and_a_traces_slice_names_its_lin
   assert str(err.value) == f'{trace}:3: failure event slice 2 out of range [0, 2)'
 
 
+def test_refused_starts_leave_no_directory_they_made(tmp_path, capsys):
+  from mecefo_jax.config import to_dict
+  from mecefo_jax.run.trainer import Trainer
+  _one_error(_main(capsys, '--out', tmp_path / 'a' / 'run', '--data', f'text:{tmp_path / "no"}',
+                   f'snapshot.dir={tmp_path / "shm"}', 'train.steps=2', *RUN), 'path not found')
+  assert sorted(tmp_path.iterdir()) == []  # neither the run directory nor its parent
+  # A refusal after the snapshot tiers were opened (their run's directories made): none stays.
+  cfg = load_config(None, [*RUN, f'snapshot.dir={tmp_path / "shm"}', 'train.steps=2'])
+  run = tmp_path / 'run'
+  run.mkdir()
+  rundir.write_run_state(run, 'stopped', run_id='abc', config=to_dict(cfg))
+  with pytest.raises(ConfigError, match='^resume=True: no usable snapshot or checkpoint'):
+    Trainer(cfg, run, resume=True, explicit_resume=True, progress='quiet')
+  assert sorted(p.name for p in run.iterdir()) == ['.lock', 'run_state.json']  # no checkpoints/
+  assert not (tmp_path / 'shm').exists()
+  with pytest.raises(ConfigError, match='^resume=True: there is no run in'):
+    Trainer(cfg, tmp_path / 'new', resume=True, explicit_resume=True, progress='quiet')
+  assert not (tmp_path / 'new').exists()
+
+
 @pytest.mark.parametrize('override, needle', [
     ('train.seed=-1', "'train.seed' must be in [0, 2**63), got -1"),
     ('optimizer.lr=0', "'optimizer.lr' must be in (0, inf), got 0.0"),
@@ -149,6 +169,16 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
   proc = _main(capsys, '--resume', '--quiet', *run)
   assert proc.returncode == 0 and proc.stderr.splitlines()[-1].startswith('done: 2 steps, ')
   assert rundir.read_run_state(tmp_path / 'run')['status'] == 'finished'
+
+
+def test_the_closing_line_says_whether_the_run_finished_or_stopped(tmp_path):
+  report = {'steps': 40, 'first_loss': 5.0, 'final_loss': 3.0, 'eval_loss': None,
+            'eval_perplexity': None, 'entropy_floor': None, 'wall_s': 2.0, 'tokens_per_s': 10.0,
+            'stopped': None, 'config': {'train': {'steps': 40}}}
+  assert cli._summary(report, tmp_path).startswith('done: 40 steps, loss 5.0000 -> 3.0000, ')
+  report.update(stopped='stopped by SIGINT (Ctrl-C) after step 40, ...',
+                config={'train': {'steps': 60}})
+  assert cli._summary(report, tmp_path).startswith('stopped: 40 of 60 steps, loss 5.0000 -> ')
 
 
 def test_resume_and_fresh_together_are_refused(capsys):
@@ -245,7 +275,7 @@ def test_plot_several_runs_need_out(tmp_path, capsys):
   assert plot.main([str(a), str(b)]) == 2
   assert capsys.readouterr().err.strip() == 'error: comparing 2 runs needs --out PNG'
   assert plot.main([str(a), str(tmp_path / 'missing'), '--out', str(tmp_path / 'x.png')]) == 2
-  assert 'has no training rows' in capsys.readouterr().err
+  assert f'{tmp_path / "missing"}: no such run directory' in capsys.readouterr().err
 
 
 def test_a_benchmark_run_as_a_file_says_in_one_line_to_run_it_as_a_module(monkeypatch):

@@ -183,10 +183,19 @@ def test_plot_written_by_the_run_and_by_the_cli(run, tmp_path, capsys):
   assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20_000
 
 
-def test_plot_cli_one_line_error_without_metrics(tmp_path, capsys):
-  assert plot.main([str(tmp_path)]) == 2
-  assert capsys.readouterr().err.splitlines() == [
-      f'error: {tmp_path / "metrics.jsonl"} has no training rows to plot']
+def test_plot_cli_one_line_errors_a_missing_run_no_rows_and_an_unwritable_out(tmp_path, capsys):
+  def error(*argv):
+    assert plot.main([str(a) for a in argv]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    return line
+  assert error(tmp_path / 'missing') == f'error: {tmp_path / "missing"}: no such run directory'
+  assert error(tmp_path) == (f'error: {tmp_path}: holds no metrics.jsonl (not a run directory, '
+                             'or a run that has not logged a step yet)')
+  (tmp_path / 'metrics.jsonl').write_text('{"kind": "eval", "step": 0, "loss": 1.0}\n')
+  assert error(tmp_path) == f'error: {tmp_path / "metrics.jsonl"} has no training rows to plot'
+  (tmp_path / 'metrics.jsonl').write_text('{"kind": "train", "step": 0, "loss": 1.0}\n')
+  out = tmp_path / 'no' / 'such' / 'x.png'
+  assert error(tmp_path, '--out', out) == f'error: cannot write {out}: No such file or directory'
 
 
 def test_failure_windows_per_slice():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import ConfigError, load_config, to_dict
-from mecefo_jax.run import cli, rundir
+from mecefo_jax.run import cli, hints, rundir
 
 from procs import ROOT, TINY, report
 
@@ -63,8 +63,16 @@ def test_resume_refuses_a_changed_config_naming_the_keys(tmp_path):
   # Longer, and logging: safe; the run keeps its id.
   assert rundir.check_start(tmp_path, cfg('train.steps=6', 'train.log_every=2'), resume=True,
                             replace=False)['run_id'] == run_id
-  with pytest.raises(ConfigError, match='holds another run .stopped.; resume it with --resume'):
+  # In Python (a Trainer) the refusal names the Trainer's arguments; under train.py its flags.
+  with pytest.raises(ConfigError, match='holds another run .stopped.; resume it with '
+                                        'resume=True, replace it with replace=True, or pass '
+                                        'another out_dir$'):
     rundir.check_start(tmp_path, cfg(), resume=False, replace=False)
+  with hints.command_line(), pytest.raises(ConfigError, match='resume it with --resume, '
+                                           'replace it with --fresh, or pass another --out$'):
+    rundir.check_start(tmp_path, cfg(), resume=False, replace=False)
+  with pytest.raises(ConfigError, match='^resume=True: there is no run in'):
+    rundir.check_start(tmp_path / 'none', cfg(), resume=True, replace=False)
 
 
 def test_a_second_process_cannot_use_a_locked_run_directory(launcher, tmp_path):

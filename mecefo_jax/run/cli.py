@@ -15,6 +15,7 @@ from pathlib import Path
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
                                load_config, to_dict)
+from mecefo_jax.run import hints
 from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
                                   STOPPED)
 
@@ -186,18 +187,30 @@ def _check_out_dir(out_dir: Path) -> None:
     raise ConfigError(f'run directory {str(out_dir)!r} (--out) is not writable')
 
 
+def _new_dirs(out_dir: Path) -> list[Path]:
+  """The directories that creating `out_dir` would make, deepest first."""
+  path = out_dir.absolute()
+  return [d for d in (path, *path.parents) if not d.exists()]
+
+
+def _remove_dirs(made: list[Path]) -> None:
+  """Removes the directories `made` (deepest first) while they are empty."""
+  for directory in made:
+    try:
+      directory.rmdir()
+    except FileNotFoundError:
+      continue  # removed already (the trainer's run directory)
+    except OSError:
+      break  # not ours any more (something wrote into it), or never made
+
+
 def _probe_out_dir(out_dir: Path) -> None:
   """A dry run's check of the run directory: created as a real run would, then removed."""
-  path = out_dir.absolute()
-  created = [d for d in (path, *path.parents) if not d.exists()]  # deepest first
+  made = _new_dirs(out_dir)
   try:
     _check_out_dir(out_dir)
   finally:
-    for directory in created:
-      try:
-        directory.rmdir()
-      except OSError:
-        break  # not ours any more (something wrote into it), or never made
+    _remove_dirs(made)
 
 
 def main(argv=None) -> int:
@@ -205,7 +218,8 @@ def main(argv=None) -> int:
   _setup_process(args)
   scratch = Path(tempfile.mkdtemp(prefix='mecefo-dry-run-')) if args.dry_run else None
   try:
-    return _main(args, scratch)
+    with hints.command_line():  # refusals name train.py's flags
+      return _main(args, scratch)
   except KeyboardInterrupt:  # before the handlers are in place, or twice
     return _interrupted()
   finally:
@@ -227,6 +241,7 @@ def _error(err: Exception) -> int:
 def _main(args, scratch: Path | None) -> int:
   try:  # config and --out first: their errors need no jax import (seconds)
     cfg, out_dir = _config(args)
+    made = _new_dirs(out_dir)
     if not args.print_config:
       (_check_out_dir if scratch is None else _probe_out_dir)(out_dir)
   except ConfigError as e:
@@ -235,7 +250,10 @@ def _main(args, scratch: Path | None) -> int:
     import yaml
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return 0
-  return _start(args, cfg, out_dir, scratch)
+  code = _start(args, cfg, out_dir, scratch)
+  if code == BAD_INPUT:  # a refused start leaves no directory it made (the trainer's are gone)
+    _remove_dirs(made)
+  return code
 
 
 def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
@@ -364,7 +382,9 @@ def _num(x) -> str:
 def _summary(report: dict, out_dir: Path) -> str:
   """The one line a run ends with (also under --quiet)."""
   ppl = report['eval_perplexity']
-  return (f"done: {report['steps']} steps, loss {_num(report['first_loss'])} -> "
+  head = (f"done: {report['steps']} steps" if report['stopped'] is None else  # trained them all
+          f"stopped: {report['steps']} of {report['config']['train']['steps']} steps")
+  return (f"{head}, loss {_num(report['first_loss'])} -> "
           f"{_num(report['final_loss'])}, eval {_num(report['eval_loss'])} (perplexity "
           f"{'n/a' if ppl is None else f'{ppl:.3f}'}; entropy floor {_num(report['entropy_floor'])})"
           f" in {report['wall_s']:.1f}s, {report['tokens_per_s']:.0f} tok/s; outputs in {out_dir}")

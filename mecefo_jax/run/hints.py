@@ -1,6 +1,7 @@
 """Every command the product prints for the user to run next, from one place (tests run each)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 from pathlib import Path
@@ -8,6 +9,26 @@ from pathlib import Path
 # The supervisor's own command line, which it hands to the processes it starts: a run it made
 # is resumed by rerunning it (the restarts are its job, --host-slot and all).
 LAUNCH_ENV = 'MECEFO_LAUNCH_ARGS'
+# A refusal names train.py's flags while its command line runs (cli.main), else the Trainer's
+# own arguments (a notebook has no --resume to pass).
+_ARGUMENTS = {'--resume': 'resume=True', '--fresh': 'replace=True', '--out': 'out_dir'}
+_command_line = False
+
+
+@contextlib.contextmanager
+def command_line():
+  """While train.py's command line runs: refusals name its flags."""
+  global _command_line
+  saved, _command_line = _command_line, True
+  try:
+    yield
+  finally:
+    _command_line = saved
+
+
+def flag(name: str) -> str:
+  """train.py's flag `name` (--resume, --fresh, --out), or the Trainer argument it stands for."""
+  return name if _command_line else _ARGUMENTS[name]
 
 
 def _train(*args) -> str:

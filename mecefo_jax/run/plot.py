@@ -63,6 +63,29 @@ def read_report(run_dir: Path) -> dict:
   return report
 
 
+def _train_and_evals(run_dir: Path) -> tuple[list[dict], list[dict]]:
+  """(train rows, eval rows) of the run in `run_dir`; a missing run, or one with no training
+  rows, is a ValueError in one line."""
+  if not run_dir.is_dir():
+    raise ValueError(f'{run_dir}: no such run directory')
+  if not (run_dir / METRICS_FILE).is_file():
+    raise ValueError(f'{run_dir}: holds no {METRICS_FILE} (not a run directory, or a run that '
+                     'has not logged a step yet)')
+  rows = read_rows(run_dir)
+  train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
+  if not train:
+    raise ValueError(f'{run_dir / METRICS_FILE} has no training rows to plot')
+  return train, [r for r in rows if r['kind'] == 'eval']
+
+
+def _save(fig, out: Path) -> Path:
+  try:
+    fig.savefig(out, dpi=100)
+  except OSError as err:  # a missing or read-only directory: one line, not matplotlib's trace
+    raise ValueError(f'cannot write {out}: {err.strerror or err}') from None
+  return out
+
+
 def failure_windows(events: list[dict], last_step: int) -> list[dict]:
   """{slice, start, end (steps), start_s, end_s (wall, None if unknown)} per failure, from
   report['failure_events']; a slice still down at the end is back at last_step + 1."""
@@ -181,12 +204,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
   run_dir = Path(run_dir)
   out = Path(out) if out else run_dir / PLOT_FILE
+  train, evals = _train_and_evals(run_dir)
   report = read_report(run_dir)
-  rows = read_rows(run_dir)
-  train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
-  evals = [r for r in rows if r['kind'] == 'eval']
-  if not train:
-    raise ValueError(f'{run_dir / METRICS_FILE} has no training rows to plot')
   steps, times = [r['step'] for r in train], [r['t'] for r in train]
   events = report.get('failure_events', [])
   windows = failure_windows(events, steps[-1])
@@ -222,8 +241,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
   handles = [h for axis in (c, live) if axis for h in axis.get_legend_handles_labels()[0]]
   c.legend(handles=handles, fontsize=8, loc='lower left')
   fig.suptitle(_title(report), fontsize=11)
-  fig.savefig(out, dpi=100)
-  return out
+  return _save(fig, out)
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
@@ -243,20 +261,15 @@ def plot_compare(run_dirs, out: str | Path) -> Path:
   FigureCanvasAgg(fig)
   ax = fig.subplots()
   for run_dir, label in zip(run_dirs, _labels(run_dirs)):
-    rows = read_rows(run_dir)
-    train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
-    if not train:
-      raise ValueError(f'{run_dir / METRICS_FILE} has no training rows to plot')
+    train, evals = _train_and_evals(run_dir)
     line, = ax.plot([r['step'] for r in train], _losses(train), lw=1.2, label=label)
-    evals = [r for r in rows if r['kind'] == 'eval']
     ax.plot([r['step'] for r in evals], _losses(evals), 'o', ms=5, color=line.get_color())
   ax.set_xlabel('step')
   ax.set_ylabel('loss (nats/token); dots: eval loss')
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8, loc='upper right')
   ax.set_title(f'training loss of {len(run_dirs)} runs', fontsize=11)
-  fig.savefig(out, dpi=100)
-  return Path(out)
+  return _save(fig, Path(out))
 
 
 def main(argv=None) -> int:

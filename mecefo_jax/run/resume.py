@@ -66,7 +66,7 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
                         f'kept) and no durable checkpoint: resume it with that version, or start '
                         f'anew with {hints.fresh(out_dir)}')
     if explicit:
-      raise ConfigError(f'--resume: no usable snapshot or checkpoint of the run in {out_dir} '
+      raise ConfigError(f'{hints.flag("--resume")}: no usable snapshot or checkpoint of the run in {out_dir} '
                         f'({"snapshots are off" if not snapshots else "none intact"}); nothing '
                         f'was started. Start it anew with {hints.fresh(out_dir)}')
     log.warning('resume: no intact snapshot or checkpoint of the run in %s found; starting '

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, to_dict
+from mecefo_jax.run import hints
 from mecefo_jax.run.stop import STOP_FILE
 
 log = logging.getLogger('mecefo')
@@ -178,6 +179,15 @@ def remove_empty_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> None:
     memory.parent.rmdir()
 
 
+def remove_if_only_lock(out_dir: Path) -> None:
+  """Removes `out_dir` if it holds nothing but its lock file, which the caller holds (so no
+  other start uses it): what a refused start leaves otherwise."""
+  with contextlib.suppress(OSError):
+    if [p.name for p in Path(out_dir).iterdir()] == [LOCK]:
+      (Path(out_dir) / LOCK).unlink()
+      Path(out_dir).rmdir()
+
+
 # ---- the run's identity and lock -------------------------------------------------------------
 
 def lock(out_dir: Path):
@@ -261,15 +271,16 @@ def check_start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
     return {'previous': {}, 'run_id': uuid.uuid4().hex[:12], 'unreadable': str(err)}
   if resume:
     if not previous.get('run_id'):
-      raise ConfigError(f'--resume: there is no run in {str(out_dir)!r} to resume (no '
-                        f'{RUN_STATE}); nothing was started')
+      raise ConfigError(f'{hints.flag("--resume")}: there is no run in {str(out_dir)!r} to '
+                        f'resume (no {RUN_STATE}); nothing was started')
     _check_same_config(previous.get('config', {}), to_dict(cfg))
     return {'previous': previous, 'run_id': previous['run_id']}
   if previous or (Path(out_dir) / METRICS_FILE).exists():
     if not (replace or replace_finished and previous.get('status') == 'finished'):
       status = previous.get('status', 'unknown')
       raise ConfigError(f'run directory {str(out_dir)!r} holds another run ({status}); resume '
-                        'it with --resume, replace it with --fresh, or pass another --out')
+                        f'it with {hints.flag("--resume")}, replace it with '
+                        f'{hints.flag("--fresh")}, or pass another {hints.flag("--out")}')
   return {'previous': previous, 'run_id': uuid.uuid4().hex[:12]}
 
 

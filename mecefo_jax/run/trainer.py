@@ -431,5 +431,7 @@ class Trainer:
           rundir.remove_empty_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
     finally:
       if self._lock is not None:
+        if remove_empty:  # a refused start: its lock file alone is no run to keep
+          rundir.remove_if_only_lock(self.out_dir)
         rundir.unlock(self._lock)  # releases the run directory
         self._lock = None
