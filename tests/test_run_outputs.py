@@ -271,10 +271,12 @@ def test_plain_lines_are_shown_when_logging_is_not_configured():
     stream = io.StringIO()
     with progress.Progress(20, 0, 2, 'neighbor', mode='plain', stream=stream) as p:
       p.train_row(ROW)
+      log.info('compiling the %s', 'fused program onto slices [0]')  # as step/cache.py says
       p.eval_row(EVAL)
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 2 and 'step 4/20 loss 3.2500' in lines[0], lines
-    assert 'eval after step' in lines[1], lines
+    assert len(lines) == 3 and 'step 4/20 loss 3.2500' in lines[0], lines
+    assert lines[1].endswith('compiling the fused program onto slices [0]'), lines
+    assert 'eval after step' in lines[2], lines
     assert not log.isEnabledFor(logging.INFO) and log.propagate and log.handlers == handlers
   finally:
     log.setLevel(saved[0])
@@ -307,3 +309,24 @@ def test_quiet_shows_no_step_or_eval_lines(caplog):
   mode, messages = _show('quiet', stream, caplog)
   assert mode == 'quiet' and stream.getvalue() == ''
   assert messages == ['step 5: slice 1 FAILED']
+
+
+def test_the_bar_and_the_plain_log_say_when_a_program_is_built(caplog):
+  """The program cache's line before a compile (or a wait for the background one) in the
+  training thread is the bar's state until the step is done (the plain log shows the line:
+  test_plain_lines_are_shown_when_logging_is_not_configured)."""
+  pytest.importorskip('tqdm')
+  import threading
+  stream, log = FakeTTY(), logging.getLogger('mecefo')
+  with caplog.at_level(logging.INFO, logger='mecefo'):
+    with progress.Progress(20, 0, 2, 'spread', mode='bar', stream=stream) as p:
+      p.step(2)
+      log.info('compiling the %s', 'fused program onto slices [0]')
+      assert stream.getvalue().endswith('compiling the fused program onto slices [0] ...]')
+      elsewhere = threading.Thread(target=log.info, args=('compiling the %s', 'eval (background)'))
+      elsewhere.start()
+      elsewhere.join()
+      assert 'eval (background)' not in stream.getvalue()  # another thread's build: not ours
+      p.step(1)
+      assert not stream.getvalue().endswith('...]') and 'live 1/2' in stream.getvalue()
+

@@ -5,10 +5,14 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 
 log = logging.getLogger('mecefo')
 
 MODES = ('auto', 'bar', 'plain', 'quiet')
+# The program cache's lines (step/cache.py) that start a wait for a program in the training
+# thread: the bar shows them as its state until the next step is done.
+BUILDING = ('compiling the ', 'waiting for the background compile')
 
 
 def resolve_mode(mode: str, stream) -> str:
@@ -80,6 +84,9 @@ class Progress:
           tqdm(total=self.total, initial=self._initial, unit='step', desc='train',
                file=self.stream, leave=True, **size))
       self._stack.enter_context(logging_redirect_tqdm())
+      watch = _Building(self)
+      log.addHandler(watch)
+      self._stack.callback(log.removeHandler, watch)
     return self
 
   @staticmethod
@@ -95,13 +102,21 @@ class Progress:
   def _mode(self, live: int) -> str:
     return 'normal' if live == self.n_slices else f'{self.takeover} takeover'
 
+  def building(self, what: str) -> None:
+    """A program is being built for the next step (`what`: the cache's line): the bar says so
+    at once, until that step is done (the plain log has the line itself)."""
+    if self._bar is not None:
+      self._fields['state'] = what.rstrip('.') + ' ...'
+      self._show(refresh=True)
+
   def step(self, live: int) -> None:
     """One training step done with `live` slices up (cheap: no device sync)."""
     if self._bar is None:
       return
+    built = self._fields.pop('state', None) is not None
     self._fields.update(live=f'live {live}/{self.n_slices}', mode=self._mode(live))
     self._bar.update(1)
-    self._show()
+    self._show(refresh=built)  # at once after a build: the bar said it was building
 
   def train_row(self, row: dict) -> None:
     if self.mode == 'plain':
@@ -124,6 +139,18 @@ class Progress:
     log.info('eval after step %d: loss %.4f perplexity %.3f (%.1fs)', row['step'], row['loss'],
              row['perplexity'], row['eval_s'])
 
-  def _show(self) -> None:
+  def _show(self, refresh: bool = False) -> None:
     text = ' | '.join(v for v in self._fields.values() if v)
-    self._bar.set_postfix_str(text, refresh=False)
+    self._bar.set_postfix_str(text, refresh=refresh)
+
+
+class _Building(logging.Handler):
+  """Passes the program cache's BUILDING lines of the thread that trains to Progress.building."""
+
+  def __init__(self, progress: Progress):
+    super().__init__(logging.INFO)
+    self.progress, self.thread = progress, threading.get_ident()
+
+  def emit(self, record: logging.LogRecord) -> None:
+    if record.thread == self.thread and str(record.msg).startswith(BUILDING):
+      self.progress.building(record.getMessage())
