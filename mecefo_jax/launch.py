@@ -83,7 +83,7 @@ def _check_gpus(p, needed: int) -> None:
   found = len(glob.glob(_GPU_DEVICES))
   if found < needed:
     p.error(f'--gpus: the job needs {needed} GPU(s) (-n x --devices-per-process) and this machine '
-            f'shows {found} ({_GPU_DEVICES.split("[")[0]}N); leave --gpus out to run on CPU devices')
+            f'shows {found} (/dev/nvidiaN); leave --gpus out to run on CPU devices')
 
 
 def _train_out(train_args: list[str]) -> Path | None:

@@ -237,6 +237,52 @@ def test_read_rows_stitches_a_resumed_run(tmp_path):
   assert [r['t'] for r in got] == [1.0, 2.5, 2.7]
 
 
+def _history(run_dir, *events):
+  (run_dir / 'history.jsonl').write_text(''.join(json.dumps(e) + '\n' for e in events))
+
+
+def test_read_rows_counts_a_supervised_restart_on_the_time_axis(tmp_path):
+  """The gap from a process's last row to the restarted loop counts where a death lies in it
+  (rows stamped with `time`); a stop and resume, and rows of before `time`, keep no gap."""
+  rows = [{'step': 0, 'loss': 5.0, 'wall_s': 1.0, 'time': 1001.0},
+          {'step': 4, 'loss': 4.0, 'wall_s': 2.0, 'time': 1002.0},
+          {'step': 4, 'loss': 3.9, 'wall_s': 0.5, 'time': 1030.5},  # its loop started at 1030
+          {'step': 8, 'loss': 3.5, 'wall_s': 1.5, 'time': 1031.5}]
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  _history(tmp_path, {'t': 1000.0, 'kind': 'start'}, {'t': 1010.0, 'kind': 'launch-death'},
+           {'t': 1011.0, 'kind': 'launch-start'})
+  assert [r['t'] for r in plot.read_rows(tmp_path)] == [1.0, 30.5, 31.5]  # 2 + 28 s of restart
+  _history(tmp_path, {'t': 1000.0, 'kind': 'start'}, {'t': 1010.0, 'kind': 'stop'})
+  assert [r['t'] for r in plot.read_rows(tmp_path)] == [1.0, 2.5, 3.5]
+
+
+def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tmp_path):
+  import time
+  import types
+
+  from mecefo_jax.fault.goodput import Goodput
+  from mecefo_jax.run import restart
+  now = time.time()
+  history = [{'t': now - 60, 'kind': 'start'}, {'t': now - 20, 'kind': 'launch-death'},
+             {'t': now - 19, 'kind': 'launch-death'}, {'t': now - 18, 'kind': 'launch-start'}]
+  assert restart.death_before_start(history) == now - 20  # the first death since the start
+  assert restart.death_before_start(history + [{'t': now, 'kind': 'start'}]) is None
+  assert restart.death_before_start([{'t': now, 'kind': 'launch-death'}]) == now
+  _history(tmp_path, *history)
+  saved = {'compile': 3.0, 'normal_productive': 9.0}  # the snapshot's ledger (no 'restart')
+  ledger = Goodput(saved)
+  ledger.book('compile', 5.0)  # this start's compiles
+  run = types.SimpleNamespace(out_dir=tmp_path, controller=types.SimpleNamespace(ledger=ledger),
+                              _initial=types.SimpleNamespace(
+                                  meta={'controller': {'goodput': saved}}))
+  restart.book(run)
+  assert ledger.seconds['restart'] == pytest.approx(15.0, abs=1.0)
+  assert ledger.seconds['compile'] == 8.0
+  run._initial.meta = None  # a start from step 0 restarts nothing
+  restart.book(run)
+  assert ledger.seconds['restart'] == pytest.approx(15.0, abs=1.0)
+
+
 # ---- terminal progress ----------------------------------------------------------------------
 
 ROW = {'kind': 'train', 'step': 4, 'loss': 3.25, 'grad_norm': 0.5, 'tokens_per_s': 12345.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 # Time categories of the goodput breakdown (seconds).
-KEYS = ('normal_productive', 'degraded_productive', 'compile', 'rejoin', 'lost')
+KEYS = ('normal_productive', 'degraded_productive', 'compile', 'rejoin', 'lost', 'restart')
 
 
 class Goodput:

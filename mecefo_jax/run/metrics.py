@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 from mecefo_jax import files
@@ -86,6 +87,8 @@ class MetricsWriter:
     self.tensorboard = self._tb is not None
 
   def write(self, row: dict) -> None:
+    """Writes `row`, stamped with its Unix `time` (the plot's time axis across restarts)."""
+    row.setdefault('time', round(time.time(), 3))
     if self._file is None:
       return
     self._file.write(to_json(row) + '\n')

@@ -12,7 +12,8 @@ from mecefo_jax import files
 from mecefo_jax.fault.failures import apply_event
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.metrics import read_metrics
-from mecefo_jax.run.rundir import METRICS_FILE
+from mecefo_jax.run import restart
+from mecefo_jax.run.rundir import METRICS_FILE, read_history
 
 log = logging.getLogger('mecefo')
 PLOT_FILE = 'training.png'
@@ -20,20 +21,32 @@ DOWN_COLOR = 'tab:red'
 
 
 def read_rows(run_dir: str | Path) -> list[dict]:
-  """metrics.jsonl rows with a run-long wall time 't' (resumed processes restart wall_s at 0);
-  a step trained again after a resume keeps its last row."""
-  rows, offset, last_wall = {}, 0.0, 0.0
+  """metrics.jsonl rows with a run-long wall time 't' (resumed processes restart wall_s at 0;
+  after a death the supervisor recorded, the time to the restarted loop counts too, where the
+  rows hold their Unix `time`); a step trained again after a resume keeps its last row."""
+  rows, offset, last = {}, 0.0, {'wall_s': 0.0}
+  died = restart.deaths(read_history(run_dir))
   for row in read_metrics(run_dir):
     try:
       step, wall = int(row['step']), float(row.get('wall_s', 0.0))
     except (ValueError, TypeError):
       continue  # a step or wall time that is not a number
-    if wall < last_wall:
-      offset += last_wall  # a new process (resume): its clock starts again
-    last_wall = wall
+    if wall < last['wall_s']:  # a new process (resume): its clock starts again
+      offset += last['wall_s'] + _restart_gap(last, row, died)
+    last = {**row, 'wall_s': wall}
     kind = row.get('kind', 'train')
     rows[kind, step] = {**row, 'kind': kind, 't': offset + wall}
   return sorted(rows.values(), key=lambda r: (r['step'], r['kind'] != 'train'))
+
+
+def _restart_gap(last: dict, first: dict, died: list[float]) -> float:
+  """Seconds from a process's `last` row to the loop start of the next process (its `first`
+  row) where a death lies between them; 0 for a stop and resume, or rows without `time`."""
+  try:
+    end, start = float(last['time']), float(first['time']) - float(first['wall_s'])
+  except (KeyError, ValueError, TypeError):
+    return 0.0
+  return max(0.0, start - end) if any(end <= t <= start for t in died) else 0.0
 
 
 # The keys of report.json a plot reads, where present (files.read_json's check).
@@ -163,7 +176,7 @@ def _goodput_panel(ax, goodput: dict) -> None:
   names, seconds = list(goodput), [float(v) for v in goodput.values()]
   total = sum(seconds) or 1.0
   bars = ax.barh(names, seconds, color=['tab:blue', 'tab:cyan', 'tab:purple', 'tab:olive',
-                                        DOWN_COLOR][:len(names)])
+                                        DOWN_COLOR, 'tab:brown'][:len(names)])
   for bar, s in zip(bars, seconds):
     ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f' {s:.2f}s ({100 * s / total:.0f}%)',
             va='center', fontsize=8)

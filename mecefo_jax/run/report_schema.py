@@ -13,11 +13,11 @@ from mecefo_jax.config import COMPUTE_DTYPES
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.startup import ORIGINS
 
-SCHEMA_VERSION = 7  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
+SCHEMA_VERSION = 8  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
 # 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request;
 # 6: snapshot_interval, compute_dtype (model.compute_dtype resolved on the run's backend);
 # 7: startup section (the start-up clock), startup.init_loaded, programs.scan_unroll,
-# programs.other_compiles and other_compile_s, snapshots.durable_failed
+# programs.other_compiles and other_compile_s, snapshots.durable_failed; 8: goodput.restart
 
 
 class ReportError(ValueError):
@@ -165,6 +165,7 @@ GOODPUT_DOC = {
     'compile': 'compiling programs: the fault-free step at start-up, new live sets, evals',
     'rejoin': 'copying the state to repaired slices',
     'lost': 'share of steps under failure standing for samples dropped (`drop` policy)',
+    'restart': "after a death (the supervisor's): from it to the restarted loop, less its compiles",
 }
 
 EVAL = Record({
@@ -368,8 +369,7 @@ def rows(record: Record = SCHEMA, prefix: str = ''):
 
 def markdown() -> str:
   lines = ['| key | type | unit | meaning |', '|---|---|---|---|']
-  lines += [f'| `{k}` | {t} | {u} | {d} |' for k, t, u, d in rows()]
-  return '\n'.join(lines)
+  return '\n'.join(lines + [f'| `{k}` | {t} | {u} | {d} |' for k, t, u, d in rows()])
 
 
 def _bare_constant(name: str):

@@ -179,15 +179,6 @@ def remove_empty_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> None:
     memory.parent.rmdir()
 
 
-def remove_if_only_lock(out_dir: Path) -> None:
-  """Removes `out_dir` if it holds nothing but its lock file, which the caller holds (so no
-  other start uses it): what a refused start leaves otherwise."""
-  with contextlib.suppress(OSError):
-    if [p.name for p in Path(out_dir).iterdir()] == [LOCK]:
-      (Path(out_dir) / LOCK).unlink()
-      Path(out_dir).rmdir()
-
-
 # ---- the run's identity and lock -------------------------------------------------------------
 
 def lock(out_dir: Path):
@@ -251,9 +242,16 @@ def holder(out_dir: Path) -> str | None:
     os.close(fd)
 
 
-def unlock(held) -> None:
+def unlock(held, refused: Path | None = None) -> None:
   """Releases a lock() at a clean exit, its pid erased first: the next start then finds no
-  holder to report (a killed process leaves its pid, and the next start takes it over)."""
+  holder to report (a killed process leaves its pid, and the next start takes it over).
+  `refused`: the run directory of a refused start, removed (still held: no other start uses
+  it) if it holds nothing but the lock file."""
+  if refused is not None:
+    with contextlib.suppress(OSError):
+      if [p.name for p in Path(refused).iterdir()] == [LOCK]:
+        (Path(refused) / LOCK).unlink()
+        Path(refused).rmdir()
   held.truncate(0)
   held.close()
 

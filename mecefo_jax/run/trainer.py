@@ -16,7 +16,7 @@ from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.fault.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.run import evaluation, hints, presence, report, rundir
+from mecefo_jax.run import evaluation, hints, presence, report, restart, rundir
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.records import RunRecords
@@ -194,11 +194,11 @@ class Trainer:
     # The run's files change from here on only: a start that failed before left them as they were.
     if self.is_chief:
       rundir.start(self.out_dir, self._checked)  # a new run: its predecessor's files go
+    restart.book(self)  # before this start's own line in history.jsonl
     self.records.start(self._initial, self.controller.events, self.presence.slots,
                        self.controller.live())
     self._write_run_state('running')
-    t_start = time.perf_counter()
-    self.tokens_at_start = self.tokens_trained()
+    t_start, self.tokens_at_start = time.perf_counter(), self.tokens_trained()
     progress = Progress(cfg.train.steps, self.start_step, self.n_slices, cfg.faults.takeover,
                         self.progress_mode)
     writer = MetricsWriter(self.out_dir, fresh=self.start_step == 0, enabled=self.is_chief)
@@ -430,8 +430,6 @@ class Trainer:
         if remove_empty:
           rundir.remove_empty_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
     finally:
-      if self._lock is not None:
-        if remove_empty:  # a refused start: its lock file alone is no run to keep
-          rundir.remove_if_only_lock(self.out_dir)
-        rundir.unlock(self._lock)  # releases the run directory
+      if self._lock is not None:  # releases the run directory (a refused start's empty one goes)
+        rundir.unlock(self._lock, self.out_dir if remove_empty else None)
         self._lock = None

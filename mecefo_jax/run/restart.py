@@ -1,0 +1,33 @@
+"""The restart after a death: its seconds in the goodput (`restart`) and on the plot's time axis."""
+from __future__ import annotations
+
+import time
+
+from mecefo_jax import files
+
+
+def deaths(history: list[dict]) -> list[float]:
+  """The times of the deaths the supervisor recorded in history.jsonl (launch-death lines)."""
+  return [e['t'] for e in history
+          if e['kind'] == 'launch-death' and files.has_type(e.get('t'), files.NUMBER)]
+
+
+def death_before_start(history: list[dict]) -> float | None:
+  """When the death that this start restarts after happened: the first launch-death line since
+  the run's last start line; None where none is (a first start, a stop, a resume by hand)."""
+  starts = [i for i, e in enumerate(history) if e['kind'] == 'start']
+  return next(iter(deaths(history[starts[-1] + 1:] if starts else history)), None)
+
+
+def book(run) -> None:
+  """Books in `run`'s goodput the restart this start (Trainer `run`, its loop about to start)
+  ends: from the death to now, less the compiles the start booked already (in `compile`)."""
+  from mecefo_jax import multihost
+  from mecefo_jax.run import rundir
+  meta = run._initial.meta
+  death = multihost.on_chief(lambda: death_before_start(rundir.read_history(run.out_dir)))
+  if death is None or meta is None:
+    return
+  ledger = run.controller.ledger
+  compiled = ledger.seconds['compile'] - meta['controller']['goodput'].get('compile', 0.0)
+  ledger.book('restart', max(0.0, time.time() - death - compiled))
