@@ -314,7 +314,7 @@ def test_goodput_books_compiles_apart_and_splits_a_failed_step_by_its_rows(monke
   g.start_step()
   g.end_step(8, 8, failed=False)  # t=19
   assert g.seconds == {'normal_productive': 7.0 + 3.0, 'degraded_productive': 3.0,
-                       'compile': 3.0, 'rejoin': 0.0, 'lost': 1.0}
+                       'compile': 3.0, 'rejoin': 0.0, 'lost': 1.0, 'restart': 0.0}
   assert goodput.Goodput(g.seconds).seconds == g.seconds  # restored from a snapshot's meta
 
 
