@@ -152,6 +152,9 @@ def test_readme_layers_snippet_runs():
   text = (ROOT / 'README.md').read_text()
   section = text[text.index('## Importing the layers'):]
   start = section.index('```python\n') + len('```python\n')
+  # from another folder the package must be installed: -r requirements.txt is not enough
+  assert 'pip install /path/to/mecefo-jax' in section[:start] and '`pip install .`' in \
+      section[:start]
   code = section[start:section.index('\n```', start)]
   assert 'MeCeFOLinear(' in code and 'nnx.grad' in code
   exec(compile(code, 'README.md', 'exec'), {})
