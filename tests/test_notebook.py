@@ -41,6 +41,12 @@ def test_notebook_is_committed_without_outputs():
                      'them before committing (see colab/README.md)')
 
 
+def test_the_notebook_leaves_jax_persistent_cache_off_as_train_py_does():
+  code = '\n'.join(c.source for c in read_notebook().cells if c.cell_type == 'code')
+  assert 'jax_compilation_cache_dir' not in code
+  assert "jax.config.update('jax_enable_compilation_cache', False)" in code
+
+
 def test_section_5_names_the_takeover_policy_its_code_runs():
   cells = read_notebook().cells
   i = next(i for i, c in enumerate(cells) if c.source.startswith('## 5.'))
@@ -118,8 +124,11 @@ def _text(nb) -> str:
 def test_notebook_runs_on_cpu(launcher, tmp_path, monkeypatch):
   monkeypatch.setenv('JUPYTER_PATH', str(_kernelspec(tmp_path)))
   # The kernel's environment: no conftest's 8 devices (the notebook picks 4), no repo URL.
+  # The one-accelerator path, forced on the CPU: the device part runs tiny (llama_60m on a GPU).
   env = launcher.env(MECEFO_NOTEBOOK_STEPS=str(STEPS), MECEFO_NOTEBOOK_DIR=str(tmp_path),
-                     PYTHONPATH=str(ROOT))
+                     PYTHONPATH=str(ROOT), MECEFO_NOTEBOOK_ONE_DEVICE='1',
+                     MECEFO_NOTEBOOK_DEVICE_MODEL='configs/tiny.yaml',
+                     MECEFO_NOTEBOOK_DEVICE_STEPS='10')
   env.pop('MECEFO_REPO_URL', None)
   committed = NOTEBOOK.read_bytes()
   nb = read_notebook()
@@ -140,6 +149,14 @@ def test_notebook_runs_on_cpu(launcher, tmp_path, monkeypatch):
   assert f'python: {sys.executable}' in text, 'the kernel is not this interpreter'
   assert 'runtime packages installed at allowed versions' in text, 'the install cell ran pip'
   assert 'mesh of 4 slices' in text
+  assert 'MECEFO_NOTEBOOK_ONE_DEVICE=1: the one-device path, with the CPU as the device' in text
+  assert 'the failure demos need >= 2 data-parallel slices, which one device cannot give, so ' \
+         'they run on 4 simulated CPU devices' in text
+  cost = re.search(r'degraded step on 2 micro-batches vs normal on 1: time ([\d.]+)x, temp '
+                   r'memory ([\d.]+)x', text)
+  assert cost and float(cost.group(1)) > 0 and float(cost.group(2)) > 0, text[-3000:]
+  assert re.search(r'normal step, 1 micro-batch +[\d.]+ ms +[\d.]+ MiB temp memory', text)
+  assert 'trained 10 steps of configs/tiny.yaml on cpu: loss ' in text
   assert 'relative difference (with failure vs fault-free)' in text
   assert 'slice 1 FAILED' in text and 'slice 1 repaired' in text
   assert 'max |low-rank - V Vᵀ exact|' in text
@@ -149,5 +166,5 @@ def test_notebook_runs_on_cpu(launcher, tmp_path, monkeypatch):
   assert 'live plot through on_log' in text
   images = sum('image/png' in out.get('data', {}) for cell in nb.cells
                for out in cell.get('outputs', []))
-  assert images >= 5, f'{images} plots'  # the loss plots of the 4 runs and the toy model's
+  assert images >= 6, f'{images} plots'  # the device run's, the 4 runs' and the toy model's
   assert NOTEBOOK.read_bytes() == committed, 'the committed notebook was modified'
