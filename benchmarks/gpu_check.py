@@ -134,6 +134,8 @@ def _benchmark_figures(kind: str, data: dict) -> dict:
                                     'naive_memory_ratio', 'micro_batch', 'seq_len')}}
   if kind == 'compile':
     return data['rows'][0]
+  if kind == 'notebook':
+    return data
   if kind == 'mfu':
     return {'rows': data['rows'], 'peak_tflops': data['peak_tflops'],
             'compute_dtype': data['compute_dtype'], 'best_mfu': data['best_mfu']}
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
   p.add_argument('path', help='the result JSON (wheels: the wheel folder)')
   p.add_argument('name', nargs='?')
   p.add_argument('kind', nargs='?', choices=('imports', 'train', 'step_cost', 'compile', 'mfu',
-                                                     'snapshot'))
+                                             'snapshot', 'notebook'))
   p.add_argument('--expect', type=int, default=0, help='part: the exit code that also means done')
   p.add_argument('--rc', type=int, default=None)
   p.add_argument('--seconds', type=float, default=0.0)
@@ -222,6 +224,12 @@ def headline(entry: dict) -> str:
             f"{row['xla_tflops_per_s']} TFLOP/s")
   if 'time_ratio' in f:
     return f"degraded/normal time {f['time_ratio']:.3f}, temp memory {f['memory_ratio']:.3f}"
+  if 'one_device' in f:
+    device = f['one_device']
+    return f"notebook in {f['seconds']:.0f}s" + (
+        f"; on one device degraded/normal time {device['time_ratio']:.3f}, temp memory "
+        f"{device['memory_ratio']:.3f}" if device else '') + (f"; error: {f['error']}"
+                                                             if f['error'] else '')
   if 'overhead_pct' in f:
     return f"every-step snapshot overhead {f['overhead_pct']}%"
   return ''

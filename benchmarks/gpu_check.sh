@@ -9,7 +9,9 @@
 # a machine without network), only when the imports fail, with pip --no-index --no-deps into a
 # fresh target directory put first on PYTHONPATH; never jax, jaxlib, a CUDA plugin or nvidia-*:
 # the image's accelerator stack is what it measures.
-# Parts and their limits (seconds; GPU_CHECK_LIMIT_<PART> overrides): imports 30, quickstart 45,
+# Parts and their limits (seconds; GPU_CHECK_LIMIT_<PART> overrides; 0 skips a part): imports 30,
+# quickstart 45, notebook 60 (colab/mecefo_quickstart.ipynb executed on the machine, short
+# settings: on one device its llama_60m step cost and training run; needs nbclient and ipykernel),
 # first_step_cold and first_step_warm 60 each (llama_350m, train.py stopped after its first step:
 # a fresh HOME and an empty program store, then the same again), step_cost 55 (llama_350m),
 # compile_degraded_empty/warm/off 40 each (llama_350m's degraded step compiled with XLA's autotune
@@ -34,6 +36,7 @@ m350=${GPU_CHECK_MODEL:-configs/llama_350m.yaml} m1b=${GPU_CHECK_MODEL_1B:-confi
 mfu_overrides=${GPU_CHECK_MFU_OVERRIDES-model.vocab_size=32000 model.seq_len=2048}
 overrides=${GPU_CHECK_OVERRIDES-} repeats=${GPU_CHECK_REPEATS:-5}
 declare -A limit=([imports]=${GPU_CHECK_LIMIT_IMPORTS:-30} [quickstart]=${GPU_CHECK_LIMIT_QUICKSTART:-45}
+  [notebook]=${GPU_CHECK_LIMIT_NOTEBOOK:-60}
   [first_step]=${GPU_CHECK_LIMIT_FIRST_STEP:-60} [step_cost]=${GPU_CHECK_LIMIT_STEP_COST:-55}
   [compile]=${GPU_CHECK_LIMIT_COMPILE:-40} [mfu]=${GPU_CHECK_LIMIT_MFU:-50}
   [snapshot]=${GPU_CHECK_LIMIT_SNAPSHOT:-50})
@@ -52,7 +55,7 @@ part() {
   local args=(part "$json" "$name" "$kind" --cmd "$*" --limit "$secs" --expect "$expect")
   [ -n "$pjson" ] && args+=(--json "$pjson")
   [ -n "$prun" ] && args+=(--run-dir "$prun")
-  if ((left < 5)); then
+  if ((left < 5 || secs <= 0)); then
     book "${args[@]}"  # skipped: no --rc
   else
     say "== $name (limit ${secs}s): $*"
@@ -86,6 +89,10 @@ fi
 prun=$work/quickstart
 # shellcheck disable=SC2086  # the override lists are word lists
 part quickstart train "${limit[quickstart]}" "$py" train.py --out "$prun" ${GPU_CHECK_QUICKSTART_ARGS:-}
+
+# The Colab notebook as a user runs it on this machine (one device: llama_60m on it).
+pjson=$work/notebook.json
+part notebook notebook "${limit[notebook]}" "$py" -m benchmarks.notebook_run --json "$pjson"
 
 # The first step of a new user's 350M run: a fresh HOME (no program store, no CUDA caches), then
 # the same command again (its programs from the store). train.py stops after step 1 (exit 143).

@@ -12,7 +12,7 @@ from mecefo_jax import install
 from procs import ROOT, TINY
 
 SCRIPT = ROOT / 'benchmarks' / 'gpu_check.sh'
-PARTS = ['imports', 'quickstart', 'first_step_cold', 'first_step_warm', 'step_cost',
+PARTS = ['imports', 'quickstart', 'notebook', 'first_step_cold', 'first_step_warm', 'step_cost',
          'compile_degraded_empty', 'compile_degraded_warm', 'compile_degraded_off', 'mfu_mb4',
          'mfu_mb8', 'snapshot']
 
@@ -34,9 +34,10 @@ def test_every_part_runs_with_tiny_models_and_lands_in_one_json(launcher, tmp_pa
                   GPU_CHECK_MODEL_1B='configs/tiny.yaml',
                   GPU_CHECK_MFU_OVERRIDES='model.seq_len=32',
                   GPU_CHECK_OVERRIDES=' '.join(TINY), GPU_CHECK_QUICKSTART_ARGS='train.steps=20',
-                  GPU_CHECK_REPEATS='1')
+                  GPU_CHECK_REPEATS='1', GPU_CHECK_LIMIT_NOTEBOOK='0')  # tests/test_notebook.py
   parts = result['parts']
-  assert {n: p['status'] for n, p in parts.items()} == dict.fromkeys(PARTS, 'ok'), parts
+  assert {n: p['status'] for n, p in parts.items()} == {**dict.fromkeys(PARTS, 'ok'),
+                                                        'notebook': 'skipped'}, parts
   assert result['device'] == {'platform': 'cpu', 'device_kind': 'cpu', 'device_count': 1}
   assert result['versions']['jax'] == metadata.version('jax')
   assert result['versions']['flax'] == metadata.version('flax') and result['wheels'] is None
@@ -104,3 +105,17 @@ def test_a_part_is_recorded_with_its_status(tmp_path, capsys, rc, log, expect, s
   assert (entry['status'], entry['rc'], entry['limit_s']) == (status, rc, 50)
   assert entry['command'] == 'python -m benchmarks.mfu' and 'figures' not in entry
   assert f'== mfu_mb8: {status}' in capsys.readouterr().out
+
+
+def test_the_notebook_part_keeps_the_one_device_figures(tmp_path, capsys):
+  figures = {'seconds': 41.5, 'error': None,
+             'one_device': {'time_ratio': 1.1, 'memory_ratio': 0.7, 'train': {'steps': 20}}}
+  (tmp_path / 'notebook.json').write_text(json.dumps(figures))
+  path = tmp_path / 'check.json'
+  gpu_check.main(['part', str(path), 'notebook', 'notebook', '--rc', '0', '--seconds', '42',
+                  '--limit', '60', '--json', str(tmp_path / 'notebook.json')])
+  entry = json.loads(path.read_text())['parts']['notebook']
+  assert entry['status'] == 'ok' and entry['figures'] == figures
+  assert gpu_check.headline(entry) == ('notebook in 42s; on one device degraded/normal time '
+                                       '1.100, temp memory 0.700')
+

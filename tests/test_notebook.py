@@ -2,20 +2,18 @@
 top to bottom on CPU.
 
 The run uses the notebook's tiny setting (MECEFO_NOTEBOOK_STEPS), a kernel of this interpreter
-(a kernelspec written into a temp JUPYTER_PATH), 4 simulated CPU devices, and an in-memory
+(a kernelspec written into a temp JUPYTER_PATH: benchmarks/notebook_run.py), 4 simulated CPU devices, and an in-memory
 copy of the notebook: the committed file is never written.
 """
-import json
 import re
 import sys
-import time
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 from packaging.requirements import Requirement
 
+from benchmarks import notebook_run
 from mecefo_jax import install
 from mecefo_jax.config import FaultConfig
 
@@ -99,30 +97,7 @@ def test_imported_names_the_modules_a_kernel_would_keep_at_their_old_version():
   assert install.imported(['no-such-distribution-mecefo>=1']) == []
 
 
-def _kernelspec(tmp_path: Path) -> Path:
-  """A 'python3' kernelspec that runs this interpreter (found before any user-wide one)."""
-  jupyter = tmp_path / 'jupyter'
-  spec = jupyter / 'kernels' / 'python3'
-  spec.mkdir(parents=True)
-  (spec / 'kernel.json').write_text(json.dumps({
-      'argv': [sys.executable, '-m', 'ipykernel_launcher', '-f', '{connection_file}'],
-      'display_name': 'Python 3 (tests)', 'language': 'python'}))
-  return jupyter
-
-
-def _text(nb) -> str:
-  parts = []
-  for cell in nb.cells:
-    for out in cell.get('outputs', []):
-      if out.output_type == 'stream':
-        parts.append(out.text)
-      elif 'data' in out:
-        parts.append(out.data.get('text/plain', ''))
-  return ''.join(parts)
-
-
-def test_notebook_runs_on_cpu(launcher, tmp_path, monkeypatch):
-  monkeypatch.setenv('JUPYTER_PATH', str(_kernelspec(tmp_path)))
+def test_notebook_runs_on_cpu(launcher, tmp_path):
   # The kernel's environment: no conftest's 8 devices (the notebook picks 4), no repo URL.
   # The one-accelerator path, forced on the CPU: the device part runs tiny (llama_60m on a GPU).
   env = launcher.env(MECEFO_NOTEBOOK_STEPS=str(STEPS), MECEFO_NOTEBOOK_DIR=str(tmp_path),
@@ -131,21 +106,13 @@ def test_notebook_runs_on_cpu(launcher, tmp_path, monkeypatch):
                      MECEFO_NOTEBOOK_DEVICE_STEPS='10')
   env.pop('MECEFO_REPO_URL', None)
   committed = NOTEBOOK.read_bytes()
-  nb = read_notebook()
-  client = NotebookClient(nb, kernel_name='python3', timeout=CELL_TIMEOUT_S,
-                          resources={'metadata': {'path': str(ROOT / 'colab')}})
-  t0 = time.perf_counter()
-  try:
-    client.execute(env=env)
-  finally:
-    nbformat.write(nb, tmp_path / 'executed.ipynb')  # to look at when it fails
-  elapsed = time.perf_counter() - t0
+  nb, elapsed, error = notebook_run.execute(env, tmp_path, CELL_TIMEOUT_S)
   print(f'notebook executed in {elapsed:.1f} s ({tmp_path / "executed.ipynb"})')
-
+  assert error is None, error
   errors = [out for cell in nb.cells for out in cell.get('outputs', [])
             if out.output_type == 'error']
   assert not errors, errors
-  text = _text(nb)
+  text = notebook_run.text(nb)
   assert f'python: {sys.executable}' in text, 'the kernel is not this interpreter'
   assert 'runtime packages installed at allowed versions' in text, 'the install cell ran pip'
   assert 'mesh of 4 slices' in text
@@ -157,6 +124,9 @@ def test_notebook_runs_on_cpu(launcher, tmp_path, monkeypatch):
   assert cost and float(cost.group(1)) > 0 and float(cost.group(2)) > 0, text[-3000:]
   assert re.search(r'normal step, 1 micro-batch +[\d.]+ ms +[\d.]+ MiB temp memory', text)
   assert 'trained 10 steps of configs/tiny.yaml on cpu: loss ' in text
+  device = notebook_run.device_figures(tmp_path)  # gpu_check.sh's notebook part records them
+  assert device['train']['steps'] == 10 and device['time_ratio'] > 0 and device['device'][
+      'platform'] == 'cpu' and device['temp_bytes']['degraded_2'] > 0
   assert 'relative difference (with failure vs fault-free)' in text
   assert 'slice 1 FAILED' in text and 'slice 1 repaired' in text
   assert 'max |low-rank - V Vᵀ exact|' in text
