@@ -186,6 +186,21 @@ def test_plot_written_by_the_run_and_by_the_cli(run, tmp_path, capsys):
   assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20_000
 
 
+def test_an_old_report_and_its_rows_still_plot_and_compare(tmp_path, capsys):
+  """A run of report schema 6 (no goodput.restart, rows without `time`): plotted and compared
+  with a run of today's schema."""
+  old = ROOT / 'tests' / 'fixtures' / 'old_layout' / 'run'
+  assert json.loads((old / 'report.json').read_text())['schema_version'] == 6
+  assert 'time' not in (old / 'metrics.jsonl').read_text()
+  assert plot.main([str(old), '--out', str(tmp_path / 'old.png')]) == 0
+  new = tmp_path / 'new'
+  new.mkdir()
+  (new / 'metrics.jsonl').write_text('{"kind": "train", "step": 0, "loss": 5.0, "wall_s": 1.0, '
+                                     '"time": 1000.0}\n')
+  assert plot.main([str(old), str(new), '--out', str(tmp_path / 'both.png')]) == 0
+  assert (tmp_path / 'old.png').stat().st_size > 20_000 and (tmp_path / 'both.png').exists()
+
+
 def test_plot_cli_one_line_errors_a_missing_run_no_rows_and_an_unwritable_out(tmp_path, capsys):
   def error(*argv):
     assert plot.main([str(a) for a in argv]) == 2
