@@ -10,6 +10,7 @@ not rewrite it unless given --force.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -84,7 +85,8 @@ def _remove_new(out: Path, before: set[str], made: list[Path]) -> None:
   for name in _OURS - before:
     (out / name).unlink(missing_ok=True)
   for directory in made:
-    directory.rmdir()
+    with contextlib.suppress(OSError):  # not empty any more: someone else's now
+      directory.rmdir()
 
 
 def _check_foreign(out: Path) -> None:

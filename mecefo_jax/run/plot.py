@@ -10,9 +10,9 @@ import numpy as np
 
 from mecefo_jax import files
 from mecefo_jax.fault.failures import apply_event
+from mecefo_jax.run import restart
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.metrics import read_metrics
-from mecefo_jax.run import restart
 from mecefo_jax.run.rundir import METRICS_FILE, read_history
 
 log = logging.getLogger('mecefo')
