@@ -77,9 +77,10 @@ def read_json(path, keys: dict | None = None, *, remedy: str,
   return record
 
 
-def read_jsonl(path, keys: dict | None = None) -> list[dict]:
+def read_jsonl(path, keys: dict | None = None, warn: bool = True) -> list[dict]:
   """The JSON objects of `path`, one a line ([] without the file). Lines that are not such an
-  object (cut by a crash, or damaged) are skipped, with one warning for the file."""
+  object (cut by a crash, or damaged) are skipped, with one warning for the file (`warn`: a
+  second reader of a file that another read warns about says nothing)."""
   data = read_bytes(path)
   rows, bad = [], []
   for number, line in enumerate((data or b'').decode('utf-8', 'replace').splitlines(), 1):
@@ -93,7 +94,7 @@ def read_jsonl(path, keys: dict | None = None) -> list[dict]:
       bad.append(number)
       continue
     rows.append(row)
-  if bad:
+  if bad and warn:
     log.warning('%s: skipped %d unreadable line(s) (line %s; a write cut by a crash?)', path,
                 len(bad), ', '.join(map(str, bad[:5])) + (', ...' if len(bad) > 5 else ''))
   return rows

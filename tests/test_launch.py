@@ -5,6 +5,7 @@ command works as printed, and the run equals a one-process replay of its failure
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax import launch
-from mecefo_jax.run import rundir
+from mecefo_jax.run import plot, rundir
 from mecefo_jax.run.cli import TEST_START_ERROR_ENV
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.stop import TEST_DEATH_ENV
@@ -64,6 +65,14 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   stopped = report(run)
   assert stopped['steps'] == STOP and stopped['preempted'] and 'durable checkpoint' in \
       stopped['stopped']
+  # The death's restart is booked (carried through the rejoin) and on the plot's time axis.
+  death = next(e['t'] for e in rundir.read_history(run) if e['kind'] == 'launch-death')
+  assert 0 < stopped['goodput']['restart'] < time.time() - death
+  alone = tmp_path / 'rows'  # the same rows without the history: no death, no gap
+  alone.mkdir()
+  shutil.copy(run / 'metrics.jsonl', alone)
+  gap = plot.read_rows(run)[-1]['t'] - plot.read_rows(alone)[-1]['t']
+  assert gap >= stopped['goodput']['restart']  # the death's gap: its restart and then some
 
   # The resume command the stop printed, run exactly as printed: nothing trained again.
   resume = re.findall(r'resume with `(python -m mecefo_jax\.launch [^`]*)`', log)[-1]

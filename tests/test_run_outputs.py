@@ -381,6 +381,8 @@ def test_the_bar_and_the_plain_log_say_when_a_program_is_built(caplog):
   test_plain_lines_are_shown_when_logging_is_not_configured)."""
   pytest.importorskip('tqdm')
   import threading
+  cache = (ROOT / 'mecefo_jax' / 'step' / 'cache.py').read_text()
+  assert all(f"log.info('{line}" in cache for line in progress.BUILDING)  # the lines it watches
   stream, log = FakeTTY(), logging.getLogger('mecefo')
   with caplog.at_level(logging.INFO, logger='mecefo'):
     with progress.Progress(20, 0, 2, 'spread', mode='bar', stream=stream) as p:

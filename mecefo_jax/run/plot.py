@@ -25,7 +25,7 @@ def read_rows(run_dir: str | Path) -> list[dict]:
   after a death the supervisor recorded, the time to the restarted loop counts too, where the
   rows hold their Unix `time`); a step trained again after a resume keeps its last row."""
   rows, offset, last = {}, 0.0, {'wall_s': 0.0}
-  died = restart.deaths(read_history(run_dir))
+  died = restart.deaths(read_history(run_dir, warn=False))  # only its deaths count here
   for row in read_metrics(run_dir):
     try:
       step, wall = int(row['step']), float(row.get('wall_s', 0.0))
@@ -217,8 +217,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
   run_dir = Path(run_dir)
   out = Path(out) if out else run_dir / PLOT_FILE
+  report = read_report(run_dir)  # first: a damaged one is a warning even without rows
   train, evals = _train_and_evals(run_dir)
-  report = read_report(run_dir)
   steps, times = [r['step'] for r in train], [r['t'] for r in train]
   events = report.get('failure_events', [])
   windows = failure_windows(events, steps[-1])

@@ -25,7 +25,9 @@ def book(run) -> None:
   from mecefo_jax import multihost
   from mecefo_jax.run import rundir
   meta = run._initial.meta
-  death = multihost.on_chief(lambda: death_before_start(rundir.read_history(run.out_dir)))
+  # Read quietly: the report's read of the file (steps_lost_total) warns of a damaged line.
+  death = multihost.on_chief(lambda: death_before_start(rundir.read_history(run.out_dir,
+                                                                            warn=False)))
   if death is None or meta is None:
     return
   ledger = run.controller.ledger

@@ -89,9 +89,9 @@ def append_history(out_dir: Path, kind: str, **fields) -> None:
                     json.dumps({'t': round(time.time(), 3), 'kind': kind, **fields}))
 
 
-def read_history(out_dir: Path) -> list[dict]:
-  """history.jsonl's records; a line cut by a crash is skipped with a warning."""
-  return files.read_jsonl(Path(out_dir) / HISTORY, HISTORY_KEYS)
+def read_history(out_dir: Path, warn: bool = True) -> list[dict]:
+  """history.jsonl's records; a line cut by a crash is skipped with a warning (`warn`)."""
+  return files.read_jsonl(Path(out_dir) / HISTORY, HISTORY_KEYS, warn)
 
 
 class Reached:
