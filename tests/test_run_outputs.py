@@ -276,7 +276,6 @@ def test_read_rows_counts_a_supervised_restart_on_the_time_axis(tmp_path):
 
 def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tmp_path):
   import time
-  import types
 
   from mecefo_jax.fault.goodput import Goodput
   from mecefo_jax.run import restart
@@ -290,14 +289,10 @@ def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tm
   saved = {'compile': 3.0, 'normal_productive': 9.0}  # the snapshot's ledger (no 'restart')
   ledger = Goodput(saved)
   ledger.book('compile', 5.0)  # this start's compiles
-  run = types.SimpleNamespace(out_dir=tmp_path, controller=types.SimpleNamespace(ledger=ledger),
-                              _initial=types.SimpleNamespace(
-                                  meta={'controller': {'goodput': saved}}))
-  restart.book(run)
+  restart.book(tmp_path, ledger, {'controller': {'goodput': saved}})
   assert ledger.seconds['restart'] == pytest.approx(15.0, abs=1.0)
   assert ledger.seconds['compile'] == 8.0
-  run._initial.meta = None  # a start from step 0 restarts nothing
-  restart.book(run)
+  restart.book(tmp_path, ledger, None)  # a start from step 0 restarts nothing
   assert ledger.seconds['restart'] == pytest.approx(15.0, abs=1.0)
 
 

@@ -19,17 +19,16 @@ def death_before_start(history: list[dict]) -> float | None:
   return next(iter(deaths(history[starts[-1] + 1:] if starts else history)), None)
 
 
-def book(run) -> None:
-  """Books in `run`'s goodput the restart this start (Trainer `run`, its loop about to start)
-  ends: from the death to now, less the compiles the start booked already (in `compile`)."""
+def book(out_dir, ledger, meta: dict | None) -> None:
+  """Books in `ledger` (fault/goodput.py) the restart that this start of the run in `out_dir`
+  ends, its loop about to start, restored with snapshot `meta` (None: a start from step 0):
+  from the death to now, less the compiles the start booked already (in `compile`)."""
   from mecefo_jax import multihost
   from mecefo_jax.run import rundir
-  meta = run._initial.meta
   # Read quietly: the report's read of the file (steps_lost_total) warns of a damaged line.
-  death = multihost.on_chief(lambda: death_before_start(rundir.read_history(run.out_dir,
+  death = multihost.on_chief(lambda: death_before_start(rundir.read_history(out_dir,
                                                                             warn=False)))
   if death is None or meta is None:
     return
-  ledger = run.controller.ledger
   compiled = ledger.seconds['compile'] - meta['controller']['goodput'].get('compile', 0.0)
   ledger.book('restart', max(0.0, time.time() - death - compiled))

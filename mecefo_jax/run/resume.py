@@ -66,9 +66,9 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
                         f'kept) and no durable checkpoint: resume it with that version, or start '
                         f'anew with {hints.fresh(out_dir)}')
     if explicit:
-      raise ConfigError(f'{hints.flag("--resume")}: no usable snapshot or checkpoint of the run in {out_dir} '
-                        f'({"snapshots are off" if not snapshots else "none intact"}); nothing '
-                        f'was started. Start it anew with {hints.fresh(out_dir)}')
+      raise ConfigError(f'{hints.flag("--resume")}: no usable snapshot or checkpoint of the run '
+                        f'in {out_dir} ({"snapshots are off" if not snapshots else "none intact"})'
+                        f'; nothing was started. Start it anew with {hints.fresh(out_dir)}')
     log.warning('resume: no intact snapshot or checkpoint of the run in %s found; starting '
                 'from step 0', out_dir)
   return Start(0, initializer.create(cfg, presence.mesh, program_store, times))

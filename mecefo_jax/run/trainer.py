@@ -194,7 +194,7 @@ class Trainer:
     # The run's files change from here on only: a start that failed before left them as they were.
     if self.is_chief:
       rundir.start(self.out_dir, self._checked)  # a new run: its predecessor's files go
-    restart.book(self)  # before this start's own line in history.jsonl
+    restart.book(self.out_dir, self.controller.ledger, self._initial.meta)  # before its line
     self.records.start(self._initial, self.controller.events, self.presence.slots,
                        self.controller.live())
     self._write_run_state('running')
