@@ -78,7 +78,7 @@ def test_a_new_run_that_leaves_devices_idle_says_so(tmp_path, caplog):
   cfg = load_config(None, ['mesh.slice=3'])  # of the 8 fake devices
   found = presence.find(cfg, tmp_path, resume=False)
   assert found.mesh.devices.size == 3
-  assert ('the mesh uses 3 of the 8 devices: 5 stay idle (mesh.slice=3 x mesh.fsdp=1 x '
+  assert ('the mesh uses 3 of the 8 devices: 5 idle (mesh.slice=3 x mesh.fsdp=1 x '
           'mesh.tensor=1); mesh.slice=8 would use them all') in caplog.text
   caplog.clear()
   presence.find(load_config(None, ['mesh.slice=4', 'mesh.fsdp=2']), tmp_path, resume=False)

@@ -68,7 +68,7 @@ def _warn_idle(cfg: Config, mesh: Mesh) -> None:
   """A new run whose mesh leaves devices of this process unused says so (they would idle)."""
   idle, in_slice = jax.device_count() - mesh.devices.size, cfg.mesh.fsdp * cfg.mesh.tensor
   if idle:
-    log.warning('the mesh uses %d of the %d devices: %d stay idle (mesh.slice=%d x mesh.fsdp=%d '
+    log.warning('the mesh uses %d of the %d devices: %d idle (mesh.slice=%d x mesh.fsdp=%d '
                 'x mesh.tensor=%d); mesh.slice=%d would use them all', mesh.devices.size,
                 jax.device_count(), idle, mesh.shape['slice'], cfg.mesh.fsdp, cfg.mesh.tensor,
                 jax.device_count() // in_slice)
