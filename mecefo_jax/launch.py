@@ -349,9 +349,12 @@ class Supervisor:
 
   def _finished(self, exited: dict) -> int:
     code = next((c for c in exited.values() if c != 0), 0)
-    self.say('end', f'job ended ({_exit_text(code)}) after {self.deaths} death(s), '
+    what = 'stopped' if code == STOPPED else 'ended'  # a stop (--stop-after) is resumable
+    self.say('end', f'job {what} ({_exit_text(code)}) after {self.deaths} death(s), '
                     f'{self.rejoins} rejoin(s), {self.restarts} restart(s); the failure history is '
-                    f'failures.txt in the run directory', code=code)
+                    f'failures.txt in the run directory' + (
+                        '; resume it with the same command' if code == STOPPED else ''),
+             code=code)
     return code
 
 

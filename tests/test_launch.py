@@ -211,6 +211,10 @@ def test_a_stop_by_ctrl_c_ends_with_a_closing_line_and_a_history_row(tmp_path, c
          'it with the same command' in last, last
   [end] = [e for e in rundir.read_history(run) if e['kind'] == 'launch-end']
   assert end['code'] == STOPPED
+  # A stop of the job's own (--stop-after): its closing line says it stopped, not ended.
+  sup.interrupted = None
+  assert sup._finished({0: STOPPED, 1: STOPPED}) == STOPPED
+  assert 'job stopped (exit 143) after 0 death(s)' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('state, train_args, resuming', [
