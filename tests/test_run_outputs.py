@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import load_config
-from mecefo_jax.run import evaluation, plot, progress, report_schema
+from mecefo_jax.run import evaluation, plot, progress, report_schema, report_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVAL_EVERY, LOG_EVERY = 20, 5, 4
@@ -391,3 +391,15 @@ def test_the_bar_and_the_plain_log_say_when_a_program_is_built(caplog):
       p.step(1)
       assert not stream.getvalue().endswith('...]') and 'live 1/2' in stream.getvalue()
 
+
+
+def test_a_record_names_each_missing_wrong_and_unknown_key():
+  record = report_spec.Record({'n': report_spec.Field(report_spec.Scalar(int), '', 'a count'),
+                               'xs': report_spec.Field(report_spec.ListOf(report_spec.Scalar(float)),
+                                                       '', 'values')})
+  errors: list[str] = []
+  record.check({'xs': [1.0, 'a'], 'extra': 1}, 'r', errors)
+  assert any(e.startswith('r.n: missing') for e in errors), errors
+  assert any(e.startswith('r.xs[1]') for e in errors), errors
+  assert any(e.startswith('r.extra: not in the schema') for e in errors), errors
+  assert len(errors) == 3, errors
