@@ -27,7 +27,7 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.model.llama import Degrade
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 
 # name -> (label, role in units of micro-batches: (exact, degraded), techniques)

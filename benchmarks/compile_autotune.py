@@ -22,7 +22,7 @@ from benchmarks.common import emit, markdown_table, parser, run_info
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step import store, train_step
 
 

@@ -26,7 +26,7 @@ from mecefo_jax.data.order import sample_ids
 from mecefo_jax.data.synthetic import SyntheticCorpus
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.bases import svd_bases
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 
 

@@ -21,7 +21,7 @@ from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import Config, ModelConfig, load_config
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 
 # Dense bf16 peak, TFLOP/s, from the vendors' data sheets (no sparsity), by device_kind substring.

@@ -112,7 +112,7 @@ def train(args, policy: str, schedule) -> dict:
 
 
 def run_scripted(args) -> dict:
-  from mecefo_jax.fault.failures import FailureSchedule
+  from mecefo_jax.core.failures import FailureSchedule
   steps = _cfg(args, 'fault-free').train.steps
   runs = {}
   for policy in ['fault-free', *args.policies]:
@@ -126,7 +126,7 @@ def run_scripted(args) -> dict:
 
 def run_presets(args) -> dict:
   from benchmarks import simulate
-  from mecefo_jax.fault.failures import FailureSchedule, rate_scale
+  from mecefo_jax.core.failures import FailureSchedule, rate_scale
   cfg = _cfg(args, 'fault-free')
   n, steps = args.slices, cfg.train.steps
   seed = cfg.train.seed if args.schedule_seed is None else args.schedule_seed

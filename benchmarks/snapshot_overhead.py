@@ -46,7 +46,7 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.train_state import params_sha256
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.snapshot import host, image, manifest, parity, recovery, store
 from mecefo_jax.step import slice_steps, train_step
 

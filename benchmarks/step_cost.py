@@ -16,7 +16,7 @@ from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import bases, llama, train_state
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 
 

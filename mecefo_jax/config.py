@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-# Takeover policies (mecefo_jax/plan/takeover.py plans each).
+# Takeover policies (mecefo_jax/core/takeover.py plans each).
 POLICIES = ('neighbor', 'spread', 'exact', 'budget', 'drop', 'naive')
 # Basis kinds: the names of model/bases.py's BASES (a test keeps them equal), here so that a bad
 # name is refused with the config, before any file of a run is touched.
@@ -127,9 +127,11 @@ class FaultConfig:
   cluster_step_s: float = 60.0  # simulated cluster seconds per step, so short runs cover hours
   max_degraded_rows: int = 0  # most rows one degraded pass holds; 0 = 2 * train.micro_batch
   degraded_cost: float = DEGRADED_COST  # budget: cost of a degraded row / an exact row's
-  # Compile the programs of live sets one failure/repair away in a background thread: auto =
-  # on for GPU/TPU single-process runs, off on CPU (the compiles would take the step's cores).
+  # Build the programs of live sets one failure/repair away in a background thread (compile
+  # new shapes, move the others): auto = on for GPU/TPU, off on CPU (it would take the step's
+  # cores). With several processes: compiles into the program store for restarts.
   precompile: str = 'auto'  # auto | always | never
+  precompile_max: int = 64  # most programs kept built ahead of need; 0 = no limit
 
 
 @dataclass(frozen=True)
@@ -359,6 +361,8 @@ def validate(cfg: Config) -> Config:
   if f.max_degraded_rows < 0:
     raise ConfigError(f"config key 'faults.max_degraded_rows' must be >= 0, got "
                       f'{f.max_degraded_rows}')
+  if f.precompile_max < 0:
+    raise ConfigError(f"config key 'faults.precompile_max' must be >= 0, got {f.precompile_max}")
   return cfg
 
 

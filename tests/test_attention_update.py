@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from mecefo_jax.model import layout, llama, train_state
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 from test_update_reference import (CORPUS, L, TOL, RefOptimizer, _assert_close, _cfg, _grad_sum,
                                    _max_diff)  # the independent reference of the update

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from mecefo_jax.plan import budget
+from mecefo_jax.core import budget
 
 EPS = 1e-9
 

@@ -76,7 +76,7 @@ def test_binary_config_trace_and_text_data_fail_in_one_line(tmp_path, capsys):
 
 def test_a_directory_as_config_or_trace_says_so_and_a_traces_slice_names_its_line(tmp_path,
                                                                                   capsys):
-  from mecefo_jax.fault.failures import FailureSchedule
+  from mecefo_jax.core.failures import FailureSchedule
   _one_error(_main(capsys, '--config', tmp_path, '--print-config'),
              f"config file '{tmp_path}' is a directory; give the file itself")
   with pytest.raises(ConfigError, match=re.escape(f"failure trace '{tmp_path}' is a directory")):

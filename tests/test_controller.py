@@ -1,4 +1,5 @@
 """Controller on 8 fake devices: takeover, rejoin, equivalence with the fault-free step, goodput."""
+import dataclasses
 import functools
 import math
 
@@ -10,13 +11,13 @@ import pytest
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.data import order, synthetic
-from mecefo_jax.fault import goodput
+from mecefo_jax.core import goodput
 from mecefo_jax.fault.controller import AllSlicesDown, Controller, SliceFailure
-from mecefo_jax.fault.failures import FailureSchedule
+from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.programs import KINDS, ProgramKey, next_live_sets
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step.cache import ProgramCache
-from mecefo_jax.step.precompile import next_live_sets
 
 pytestmark = pytest.mark.usefixtures('devices')
 
@@ -29,6 +30,10 @@ MESHES = {'4x2': ('mesh.slice=4', 'mesh.fsdp=2'), '8x1': ('mesh.slice=8',),
 B, L = 4, 16
 CORPUS = synthetic.SyntheticCorpus(vocab_size=256, seq_len=L, seed=0)
 ALL4 = (0, 1, 2, 3)
+
+
+def K(kind: str, slices, variant=None) -> ProgramKey:
+  return ProgramKey(KINDS[kind], slices, variant)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +122,7 @@ def test_no_fault_runs_only_the_fused_program():
   c = _controller()
   for t in range(2):
     c.step(t)
-  assert set(c.programs.keys()) == {('fused', ALL4, Role(exact=B))}
+  assert set(c.programs.keys()) == {K('fused', ALL4, Role(exact=B))}
   assert c.samples == {'exact': 2 * 4 * B, 'degraded': 0, 'dropped': 0}
   assert c.goodput['degraded_productive'] == c.goodput['lost'] == 0.0
 
@@ -126,7 +131,7 @@ def test_naive_takeover_equals_fault_free_step():
   params0, loss, params = _fault_free_step0()
   c = _controller('4x2', 'faults.takeover=naive', schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  assert c.live() == (0, 1, 3) and ('group', (3,), Role(exact=2 * B)) in c.programs.keys()
+  assert c.live() == (0, 1, 3) and K('group', (3,), Role(exact=2 * B)) in c.programs.keys()
   assert c.samples == {'exact': 4 * B, 'degraded': 0, 'dropped': 0}
   assert float(metrics['exact_tokens']) == 4 * B * L and float(metrics['degraded_tokens']) == 0
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
@@ -139,7 +144,7 @@ def test_neighbor_takeover_loss_equals_fault_free_loss():
   _, loss, _ = _fault_free_step0()
   c = _controller(schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
-  assert ('group', (3,), Role(degraded=2 * B)) in c.programs.keys()
+  assert K('group', (3,), Role(degraded=2 * B)) in c.programs.keys()
   assert c.samples == {'exact': 2 * B, 'degraded': 2 * B, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
 
@@ -151,7 +156,7 @@ def test_budget_takeover_degrades_fewest_rows_and_keeps_the_loss():
   metrics = c.step(0)
   # Slice 2's 4 rows over 3 live slices in granules of fsdp=2, each slice within a normal
   # step's cost (4): one slice degrading 6 rows (2 exact + 0.3 * 6 <= 4) beats two degrading 4.
-  groups = {k[1]: k[2] for k in c.programs.keys() if k[0] == 'group'}
+  groups = {k.slices: k.variant for k in c.programs.keys() if k.kind.name == 'group'}
   assert groups == {(3,): Role(2, 6), (0, 1): Role(exact=B)}, groups
   assert c.samples == {'exact': 2 + 2 * B, 'degraded': 6, 'dropped': 0}
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)
@@ -173,7 +178,7 @@ def test_drop_loss_is_mean_over_live_samples():
   np.testing.assert_allclose(float(metrics['loss']), live_only, rtol=1e-5)
   assert abs(live_only - full) > 1e-4
   assert c.samples == {'exact': 3 * B, 'degraded': 0, 'dropped': B}
-  assert set(c.programs.keys()) == {('fused', (0, 1, 3), Role(exact=B))}
+  assert set(c.programs.keys()) == {K('fused', (0, 1, 3), Role(exact=B))}
   assert c.goodput['lost'] > 0
 
 
@@ -184,10 +189,10 @@ def test_neighbor_of_neighbor_then_last_slice_carries_all_then_all_down():
   c = _controller('4x2', f'faults.max_degraded_rows={2 * B}', schedule=sched)
   # Step 0: slice 1's neighbour (2) is down too, so slice 3 carries 1, 2 and its own.
   m0 = c.step(0)
-  assert ('group', (3,), Role(degraded=3 * B, passes=2)) in c.programs.keys()
+  assert K('group', (3,), Role(degraded=3 * B, passes=2)) in c.programs.keys()
   # Step 1: slice 0 alone carries all four micro-batches, in passes of at most 2B rows.
   m1 = c.step(1)
-  assert ('group', (0,), Role(degraded=4 * B, passes=2)) in c.programs.keys()
+  assert K('group', (0,), Role(degraded=4 * B, passes=2)) in c.programs.keys()
   assert float(m1['exact_tokens']) == 0 and float(m1['degraded_tokens']) == 4 * B * L
   assert math.isfinite(float(m0['loss'])) and math.isfinite(float(m1['loss']))
   assert c.samples == {'exact': B, 'degraded': 7 * B, 'dropped': 0}
@@ -250,39 +255,51 @@ def test_repair_after_every_holder_is_down_says_why():
 
 # --- precompile ------------------------------------------------------------------------------
 
-def test_next_live_sets_one_failure_or_repair_away():
-  assert next_live_sets((0, 1, 2), 4) == [(1, 2), (0, 2), (0, 1), (0, 1, 2, 3)]
+def test_next_live_sets_one_failure_or_repair_away_likeliest_first():
+  assert next_live_sets((0, 1, 2), 4) == [(0, 1, 2, 3), (1, 2), (0, 2), (0, 1)]
   assert next_live_sets((2,), 3) == [(0, 2), (1, 2)]  # the last live slice: repairs only
+
+
+def _lone(live) -> set:
+  """The programs of a lone live slice carrying both micro-batches: fused, refreshes, eval."""
+  carrier = Role(degraded=2 * B)
+  return {K('fused', live, carrier), K('refresh_cold', live), K('refresh_warm', live),
+          K('eval', live)}
 
 
 @pytest.mark.parametrize('move', ['never', 'always'])
 def test_precompile_builds_the_next_live_sets_programs_in_the_background(move):
-  """A fresh controller (no programs shared with other tests): after the background thread
-  has built the one-failure live sets' programs (with moves: one set per shape; the other
-  set's are moved when met), a failure step compiles nothing on the training thread, and the
-  failure queues the sets one event away from the new live set."""
+  """A fresh controller (no programs shared with other tests): the background thread builds
+  both one-failure live sets' programs (with moves: compiles one set's shapes and moves them
+  onto the other), so the failure step builds nothing on the training thread; the failure
+  queues the set one event away from the new live set and drops the other one's programs."""
   mesh, init, graphdef, _ = _mesh('2x4')
   cfg = load_config(None, [*TINY, *MESHES['2x4'], f'train.move_programs={move}'])
   c = Controller(cfg, mesh, graphdef, CORPUS, FailureSchedule(2).fail_at(1, 1), init())
   c.step(0)
   c.start_precompile()
   c.precompiler.wait()
-  carrier = Role(degraded=2 * B)
-  built = [(1,), (0,)] if move == 'never' else [(1,)]  # next_live_sets' order
-  for live in ((0,), (1,)):  # a lone slice carries both micro-batches: fused, plus the refreshes
-    keys = {('fused', live, carrier), ('refresh', live, False), ('refresh', live, True),
-            ('eval', live)}
-    assert (keys <= c.programs.keys()) == (live in built), sorted(map(str, c.programs.keys()))
+  assert _lone((1,)) | _lone((0,)) <= c.programs.keys()
   assert c.precompiler.compiled == 2 and c.precompiler.seconds > 0
-  compiled = c.programs.stats['compiled']
-  assert compiled == 1 + 4 * len(built)
-  loss = float(c.step(1)['loss'])  # slice 1 fails: its programs are ready, or moved
+  stats = dataclasses.replace(c.programs.stats)
+  assert (stats.compiled, stats.moved, stats.moved_ahead) == (
+      (9, 0, 0) if move == 'never' else (5, 4, 4)), stats
+  compile_s = c.goodput['compile']
+  loss = float(c.step(1)['loss'])  # slice 1 fails: its programs are ready
   assert math.isfinite(loss) and c.live() == (0,)
-  c.evaluator((0,))
+  assert c.goodput['compile'] == compile_s  # nothing was built on the training thread
   c.precompiler.wait()  # the repair set (0, 1) was queued: its fused step exists already
-  assert c.precompiler.compiled == 3 and ('eval', (0, 1)) in c.programs.keys()
-  assert c.programs.stats['compiled'] == compiled + 1  # that eval, in the background
-  assert c.programs.stats['moved'] == (0 if move == 'never' else 3)  # fused, cold refresh, eval
+  assert K('eval', (0, 1)) in c.programs.keys() and not _lone((1,)) & c.programs.keys()
+  assert c.programs.stats.compiled == stats.compiled + 1  # that eval, in the background
+  c.precompiler.stop()
+
+
+def test_precompile_keeps_at_most_precompile_max_programs_ahead_of_need():
+  c = _controller('2x4', 'faults.precompile_max=2')
+  c.step(0)
+  c.start_precompile()
+  c.precompiler.wait()
+  assert len(c.programs.ahead) == 2 and c.programs.ahead < _lone((1,)), c.programs.ahead
   c.precompiler.stop()
 
 
@@ -294,8 +311,8 @@ def test_program_cache_builds_a_key_once_and_books_the_wait_of_the_training_thre
   cache = ProgramCache(load_config(None, [*TINY, *MESHES['4x2']]),
                        sharding.PresentSlices(mesh, ALL4), graphdef, booked.append)
   build = lambda: built.append(1) or 'program'
-  assert cache.get(('eval', (0,)), build) == cache.get(('eval', (0,)), build) == 'program'
-  assert built == [1] and len(booked) == 1 and cache.keys() == {('eval', (0,))}
+  assert cache.get(K('eval', (0,)), build) == cache.get(K('eval', (0,)), build) == 'program'
+  assert built == [1] and len(booked) == 1 and cache.keys() == {K('eval', (0,))}
 
 
 # --- the goodput ledger --------------------------------------------------------------------
@@ -332,13 +349,13 @@ def test_a_second_live_set_of_one_shape_moves_its_programs_and_trains_the_same_p
     c = Controller(cfg, mesh, graphdef, CORPUS, sched, init())
     for t in range(3):
       c.step(t)
-    before = dict(c.programs.stats)
+    before = dataclasses.replace(c.programs.stats)
     c.step(3)
     runs[move] = c, before
   c, before = runs['always']
-  assert c.programs.move and before['moved'] == 0
-  assert c.programs.stats['compiled'] == before['compiled'], c.programs.stats
-  assert c.programs.stats['moved'] == 3  # the groups (0, 1) and (3,), the update
+  assert c.programs.move and before.moved == 0
+  assert c.programs.stats.compiled == before.compiled, c.programs.stats
+  assert c.programs.stats.moved == 3  # the groups (0, 1) and (3,), the update
   off, _ = runs['never']
-  assert not off.programs.move and off.programs.stats['moved'] == 0
+  assert not off.programs.move and off.programs.stats.moved == 0
   assert train_state.params_sha256(c.state.params) == train_state.params_sha256(off.state.params)

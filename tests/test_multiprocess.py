@@ -2,6 +2,7 @@
 heartbeat, then the loss of every host's in-memory snapshot, survived through the durable tier
 with the same params as one process (parity rebuilds, a process with no live slice, and a rejoin
 across processes: tests/test_launch.py); and the multi-process helpers in one process."""
+import re
 import shutil
 import signal
 import sys
@@ -100,6 +101,10 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   step = result['resumed_from_step']
   assert step % 2 == 0 and result['steps_lost'] == reached - step >= 0, (step, reached, result)
   assert result['snapshots']['durable_retained_steps'][-1] == STEPS
+  # Every process planned every step alike (the running hash of each one's plans).
+  plans = [re.findall(r'plans: (\d+) steps, digest (\w+)', log.read_text(errors='replace'))[-1:]
+           for log in sorted(tmp_path.glob('run_*.log'))]
+  assert len(plans) == 2 and plans[0] and plans[0] == plans[1], plans
 
 
 def test_an_auto_interval_is_agreed_by_every_process(launcher, tmp_path):

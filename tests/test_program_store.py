@@ -13,7 +13,9 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.step import retarget, store
-from mecefo_jax.step.cache import _LOWER, ProgramCache
+from mecefo_jax.core.programs import EVAL, ProgramKey
+from mecefo_jax.step.cache import ProgramCache
+from mecefo_jax.step.lowering import LOWER
 
 pytestmark = pytest.mark.usefixtures('devices')
 TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
@@ -43,18 +45,18 @@ def _loss(program, slices):
 @functools.lru_cache(maxsize=None)
 def _direct(slices):
   """The eval program compiled for `slices` (no store, no move)."""
-  return _LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF).compile()
+  return LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF, None).compile()
 
 
 def _counts(cache):
-  return {k: cache.stats[k] for k in ('compiled', 'loaded', 'moved')}
+  return {k: getattr(cache.stats, k) for k in ('compiled', 'loaded', 'moved')}
 
 
 def test_a_later_process_loads_a_stored_program_onto_any_slices_of_its_shape(tmp_path):
   programs = store.ProgramStore(tmp_path, 1 << 30)
-  _cache(programs).program('eval', (0, 1))
+  _cache(programs).program(ProgramKey(EVAL, (0, 1)))
   later = _cache(programs)
-  loaded = later.program('eval', (2, 3))
+  loaded = later.program(ProgramKey(EVAL, (2, 3)))
   assert _counts(later) == {'compiled': 0, 'loaded': 1, 'moved': 0}
   got, want = _loss(loaded, (2, 3)), _loss(_direct((2, 3)), (2, 3))
   assert got.keys() == want.keys()
@@ -62,10 +64,10 @@ def test_a_later_process_loads_a_stored_program_onto_any_slices_of_its_shape(tmp
     np.testing.assert_array_equal(got[k], want[k])
   # Where programs are not moved, an entry serves its own devices only (the key holds them).
   fixed = _cache(programs, move=False)
-  fixed.program('eval', (2, 3))
+  fixed.program(ProgramKey(EVAL, (2, 3)))
   assert _counts(fixed) == {'compiled': 1, 'loaded': 0, 'moved': 0}
   again = _cache(programs, move=False)
-  again.program('eval', (2, 3))
+  again.program(ProgramKey(EVAL, (2, 3)))
   assert _counts(again) == {'compiled': 0, 'loaded': 1, 'moved': 0}
 
 
@@ -89,28 +91,28 @@ def _another_programs_entry(path):
 def test_a_bad_entry_is_a_warning_and_a_compile_then_is_replaced(tmp_path, damage, caplog):
   programs = store.ProgramStore(tmp_path, 1 << 30)
   first = _cache(programs)
-  first.program('eval', (0, 1))
-  first.program('eval', (0,))  # a second entry
+  first.program(ProgramKey(EVAL, (0, 1)))
+  first.program(ProgramKey(EVAL, (0,)))  # a second entry
   damage(programs.path(_key((0, 1))))
   later = _cache(programs)
   with caplog.at_level(logging.WARNING, 'mecefo'):
-    program = later.program('eval', (2, 3))
+    program = later.program(ProgramKey(EVAL, (2, 3)))
   assert _counts(later) == {'compiled': 1, 'loaded': 0, 'moved': 0}
   assert 'program store: entry' in caplog.text and 'compiling instead' in caplog.text
   np.testing.assert_array_equal(_loss(program, (2, 3))['loss_sum'],
                                 _loss(_direct((2, 3)), (2, 3))['loss_sum'])
   healed = _cache(programs)
-  healed.program('eval', (1, 2))
+  healed.program(ProgramKey(EVAL, (1, 2)))
   assert _counts(healed) == {'compiled': 0, 'loaded': 1, 'moved': 0}
 
 
 def _key(slices):
-  return store.fingerprint(_LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF), None)
+  return store.fingerprint(LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF, None), None)
 
 
 def test_the_key_covers_xla_flags_and_where_programs_do_not_move_their_devices(monkeypatch):
   a, b = SLICES.sub((0, 1)), SLICES.sub((2, 3))
-  low_a, low_b = (_LOWER['eval'](CFG, m, GRAPHDEF) for m in (a, b))
+  low_a, low_b = (LOWER['eval'](CFG, m, GRAPHDEF, None) for m in (a, b))
   assert store.fingerprint(low_a, None) == store.fingerprint(low_b, None)
   assert store.fingerprint(low_a, list(a.devices.flat)) != store.fingerprint(low_b, list(b.devices.flat))
   before = store.fingerprint(low_a, None)
@@ -174,8 +176,8 @@ def test_a_hit_of_jaxs_persistent_cache_is_counted_as_a_load(tmp_path):
     for k, v in on.items():
       jax.config.update(k, v)
     first, second = _cache(None, move=False), _cache(None, move=False)
-    first.program('eval', (0,))
-    second.program('eval', (0,))
+    first.program(ProgramKey(EVAL, (0,)))
+    second.program(ProgramKey(EVAL, (0,)))
   finally:
     for k, v in saved.items():
       jax.config.update(k, v)
@@ -197,7 +199,7 @@ def test_autotune_cache_option_reaches_the_compile_on_gpu_only(tmp_path, monkeyp
 
   monkeypatch.setattr(jax.stages.Lowered, 'compile', spy)
   program_store = store.ProgramStore(tmp_path / 'programs', 1 << 30)
-  _cache(program_store).program('eval', (0, 1))
+  _cache(program_store).program(ProgramKey(EVAL, (0, 1)))
   (key,) = [p.name for p in program_store.dir.glob(f'*{store.SUFFIX}')]
   if platform == 'cpu':
     assert seen == [None] and not (program_store.dir / 'autotune').exists()
@@ -207,5 +209,5 @@ def test_autotune_cache_option_reaches_the_compile_on_gpu_only(tmp_path, monkeyp
   assert options == {store.AUTOTUNE_OPTION: str(directory)} and directory.is_dir()
   # The same program's key without the option: identical (the option is not part of it).
   monkeypatch.setattr(store, '_platform', lambda devices: 'cpu')
-  lowered = _LOWER['eval'](CFG, SLICES.sub((0, 1)), GRAPHDEF)
+  lowered = LOWER['eval'](CFG, SLICES.sub((0, 1)), GRAPHDEF, None)
   assert f'{store.fingerprint(lowered, None)}{store.SUFFIX}' == key

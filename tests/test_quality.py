@@ -18,7 +18,7 @@ def test_neighbor_takeover_loss_within_3pct_of_fault_free(launcher, tmp_path):
 
 
 def test_live_counts_apply_a_steps_events_first():
-  from mecefo_jax.fault.failures import FailureSchedule
+  from mecefo_jax.core.failures import FailureSchedule
   sched = FailureSchedule(4).fail_at(1, 2).fail_at(3, 3).repair_at(1, 5).repair_at(3, 5)
   assert quality.live_counts(sched, 4, 7) == [4, 4, 3, 2, 2, 4, 4]
   stats = quality.schedule_stats(sched, 4, 7)

@@ -6,7 +6,7 @@ import pytest
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step import retarget, slice_steps
 
 pytestmark = pytest.mark.usefixtures('devices')

@@ -78,7 +78,7 @@ def test_eval_rows_do_not_depend_on_the_live_slices(tmp_path):
     c = trainer.controller
     assert evaluation.held_out_loss(c, 3) == all_live
     c.failed = {1}  # as after a failure of slice 1: the state moves onto slices 0, 2, 3
-    c._place_state(c.live())
+    c.executor.place(c.live())
     assert c.state_slices == (0, 2, 3)
     assert trainer.evaluate(3) == pytest.approx(all_live, rel=1e-6)
   finally:
@@ -277,7 +277,7 @@ def test_read_rows_counts_a_supervised_restart_on_the_time_axis(tmp_path):
 def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tmp_path):
   import time
 
-  from mecefo_jax.fault.goodput import Goodput
+  from mecefo_jax.core.goodput import Goodput
   from mecefo_jax.run import restart
   now = time.time()
   history = [{'t': now - 60, 'kind': 'start'}, {'t': now - 20, 'kind': 'launch-death'},

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import layout, llama, train_state
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 
 pytestmark = pytest.mark.usefixtures('devices')

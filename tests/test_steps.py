@@ -10,7 +10,7 @@ from mecefo_jax.config import load_config
 from mecefo_jax.layers import MeCeFOLinear
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.bases import svd_bases
-from mecefo_jax.plan.roles import Role, split_passes
+from mecefo_jax.core.roles import Role, split_passes
 from mecefo_jax.step import slice_steps, train_step
 from test_update_reference import _loss_sum as reference_loss_sum
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mecefo_jax.config import ConfigError
-from mecefo_jax.fault.failures import PRESETS, FailureSchedule
-from mecefo_jax.plan import takeover
+from mecefo_jax.core.failures import PRESETS, FailureSchedule
+from mecefo_jax.core import takeover
 
 
 def _traces(count=100, seed=0):

@@ -12,9 +12,9 @@ from mecefo_jax import sharding
 from mecefo_jax.config import FaultConfig, load_config
 from mecefo_jax.data import order, synthetic
 from mecefo_jax.fault.controller import Controller
-from mecefo_jax.fault.failures import FailureSchedule
+from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.model import layout, llama, train_state
-from mecefo_jax.plan import takeover
+from mecefo_jax.core import takeover
 
 pytestmark = pytest.mark.usefixtures('devices')
 

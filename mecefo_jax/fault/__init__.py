@@ -1,1 +1,1 @@
-"""Failure handling: failure schedules, the host controller, the goodput ledger."""
+"""Failure handling on devices: the controller, which runs the decider's plans (core/decider.py)."""

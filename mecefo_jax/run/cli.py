@@ -353,6 +353,7 @@ def _train(args, run, out_dir: Path) -> int:
     log.info('%s', summary)
     log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
              report['samples'])
+    log.info('plans: %d steps, digest %s', report['plans']['steps'], report['plans']['digest'])
     log.info('%s', _first_step(report['startup']))
   from mecefo_jax.run.stop import SIGINT_REASON
   if report['preempted'] and not run.snapshots and run.stop.reason == SIGINT_REASON:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from mecefo_jax import files
-from mecefo_jax.fault.failures import apply_event
+from mecefo_jax.core.failures import apply_event
 from mecefo_jax.run import restart
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.metrics import read_metrics

@@ -12,7 +12,7 @@ log = logging.getLogger('mecefo')
 MODES = ('auto', 'bar', 'plain', 'quiet')
 # The program cache's lines (step/cache.py) that start a wait for a program in the training
 # thread: the bar shows them as its state until the next step is done.
-BUILDING = ('compiling the ', 'waiting for the background compile')
+BUILDING = ('compiling the ', 'waiting for the background build')
 
 
 def resolve_mode(mode: str, stream) -> str:

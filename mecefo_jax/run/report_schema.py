@@ -8,16 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from mecefo_jax.config import COMPUTE_DTYPES
+from mecefo_jax.core.goodput import Bucket
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.report_spec import (Choice, Field, ListOf, MapOf, Nullable, Pair, Record,
                                          Scalar)
 from mecefo_jax.run.startup import ORIGINS
 
-SCHEMA_VERSION = 8  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
+SCHEMA_VERSION = 9  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
 # 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request;
 # 6: snapshot_interval, compute_dtype (model.compute_dtype resolved on the run's backend);
 # 7: startup section (the start-up clock), startup.init_loaded, programs.scan_unroll,
-# programs.other_compiles and other_compile_s, snapshots.durable_failed; 8: goodput.restart
+# programs.other_compiles and other_compile_s, snapshots.durable_failed; 8: goodput.restart;
+# 9: programs.moved_ahead and moved_ahead_s, plans
 
 
 class ReportError(ValueError):
@@ -31,12 +33,14 @@ INT, FLOAT, STR, BOOL = Scalar(int), Scalar(float), Scalar(str), Scalar(bool)
 LOSS_VALUE = Nullable(FLOAT)
 LOSS = 'nats/token'
 GOODPUT_DOC = {
-    'normal_productive': 'steps with every slice live',
-    'degraded_productive': 'share of steps under failure spent on the samples processed',
-    'compile': 'compiling programs: the fault-free step at start-up, new live sets, evals',
-    'rejoin': 'copying the state to repaired slices',
-    'lost': 'share of steps under failure standing for samples dropped (`drop` policy)',
-    'restart': "after a death (the supervisor's): from it to the restarted loop, less its compiles",
+    Bucket.NORMAL: 'steps with every slice live',
+    Bucket.DEGRADED: 'share of steps under failure spent on the samples processed',
+    Bucket.COMPILE: 'building programs (compile, load, move) while the step waited: the fault-free '
+                    'step at start-up, new live sets, evals',
+    Bucket.REJOIN: 'copying the state to repaired slices',
+    Bucket.LOST: 'share of steps under failure standing for samples dropped (`drop` policy)',
+    Bucket.RESTART: "after a death (the supervisor's): from it to the restarted loop, less its "
+                    'compiles',
 }
 
 EVAL = Record({
@@ -110,11 +114,20 @@ PROGRAMS = Record({
     'loaded_s': Field(FLOAT, 's', 'their lowering and load time'),
     'moved': Field(INT, '', 'programs moved onto another set of slices instead of compiled'),
     'moved_s': Field(FLOAT, 's', 'time spent moving them'),
+    'moved_ahead': Field(INT, '', 'of the moves, those made in the background before their set '
+                         'of slices was live (faults.precompile)'),
+    'moved_ahead_s': Field(FLOAT, 's', 'their time, off the critical path'),
     'scan_unroll': Field(INT, '', "lax.scan's unroll over the stacked blocks in every program "
                          '(the same at every depth)'),
     'other_compiles': Field(INT, '', 'XLA compiles of this process besides the programs above '
                             'and the initializer (eager ops, layout conversions; jax.monitoring)'),
     'other_compile_s': Field(FLOAT, 's', 'their XLA compile time'),
+})
+
+PLANS = Record({
+    'steps': Field(INT, 'steps', 'steps planned by this process (a step retried after a slice '
+                   'error counts again)'),
+    'digest': Field(STR, '', 'a running hash of every plan: equal on every process of a job'),
 })
 
 SECONDS = Nullable(FLOAT)
@@ -181,7 +194,7 @@ SCHEMA = Record({
                               '(applied or not), sorted'),
     'samples': Field(MapOf(INT), 'samples', "{'exact', 'degraded', 'dropped'}: how the "
                      'micro-batch rows were processed'),
-    'goodput': Field(Record({k: Field(FLOAT, 's', v) for k, v in GOODPUT_DOC.items()}), 's',
+    'goodput': Field(Record({k.value: Field(FLOAT, 's', v) for k, v in GOODPUT_DOC.items()}), 's',
                      'where the time went'),
     'stopped': Field(Nullable(STR), '', 'why the run stopped early (all slices down, a stop '
                      'request, a non-finite loss) and what it saved where; null if it finished'),
@@ -205,6 +218,7 @@ SCHEMA = Record({
     'precompile': Field(PRECOMPILE, '', 'programs of live sets one failure or repair away, '
                         'compiled ahead in a background thread'),
     'programs': Field(PROGRAMS, '', 'the step, eval and refresh programs this process built'),
+    'plans': Field(PLANS, '', "the decider's step plans (core/decider.py)"),
     'tensorboard_dir': Field(Nullable(STR), '', 'TensorBoard event files; null without '
                              'tensorboardX'),
     'config': Field(MapOf(None), '', 'the resolved config (sections and keys of config.py)'),

@@ -20,7 +20,7 @@ def death_before_start(history: list[dict]) -> float | None:
 
 
 def book(out_dir, ledger, meta: dict | None) -> None:
-  """Books in `ledger` (fault/goodput.py) the restart that this start of the run in `out_dir`
+  """Books in `ledger` (core/goodput.py) the restart that this start of the run in `out_dir`
   ends, its loop about to start, restored with snapshot `meta` (None: a start from step 0):
   from the death to now, less the compiles the start booked already (in `compile`)."""
   from mecefo_jax import multihost

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,33 +13,30 @@ from mecefo_jax import files, multihost
 from mecefo_jax.config import Config
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
-from mecefo_jax.fault.failures import FailureSchedule
+from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.run import evaluation, hints, presence, report, restart, rundir
+from mecefo_jax.run.after_step import AFTER_STEP, AfterStep
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.resume import Start, carried_state, initial_state
 from mecefo_jax.run.startup import StartupClock
 from mecefo_jax.run.stop import STOP_FILE, StopRequest, test_death
-from mecefo_jax.snapshot import durable, recovery
+from mecefo_jax.snapshot import recovery
 from mecefo_jax.snapshot.interval import IntervalTuner
 from mecefo_jax.snapshot.store import state_nbytes
 from mecefo_jax.step import train_step
 from mecefo_jax.step.store import ProgramStore, compile_counts
 
 log = logging.getLogger('mecefo')
-# What the loop does after each step, in this order (each a `_after_<name>` method that may end
-# the run with a message): no snapshot ever holds a diverged state, an eval's result is in the
-# snapshot's meta, and a stop is voted on once the step is saved.
-AFTER_STEP = ('divergence', 'eval', 'snapshot', 'metrics', 'stop')
 
 
 def perplexity(loss: float) -> float:
   return float(np.exp(loss))
 
 
-class Trainer:
+class Trainer(AfterStep):
   """Builds everything once (the first step's programs compiled ahead of time), then trains.
 
   `run()` writes into `out_dir` (run/rundir.py lists its files): metrics.jsonl, tb/ (with
@@ -274,68 +270,6 @@ class Trainer:
     waits = [self.snapshots.wait_until_finished] if self.snapshots else []
     return waits + ([self.controller.precompiler.wait] if self.controller.precompiler else [])
 
-  # ---- after each step, in AFTER_STEP's order ----------------------------------------------
-  def _after_divergence(self, step, values, rows, t_start) -> str | None:
-    if values and not math.isfinite(values['loss']):
-      return self._diverged(step, values['loss'])
-    return None
-
-  def _after_eval(self, step, values, rows, t_start) -> None:
-    every = self.cfg.train.eval_every if self.corpus.has_eval else 0
-    if every and (step + 1) % every == 0 and not self._stopping(step + 1):
-      rows.append(self._eval_row(step, t_start))
-
-  def _after_snapshot(self, step, values, rows, t_start) -> str | None:
-    # With snapshot.every=1 the line of step t is written once snapshot t is complete
-    # (maybe_save waited for it) and t+1 started: a crash after it costs at most step t.
-    self._snapshot(step + 1)
-    guard = self.snapshots and self.snapshots.durable
-    if not (guard and guard.failing):  # the same on every process: they agreed on it
-      return None
-    self.checkpoints_failing = True
-    where = self._save_now(step + 1)  # in the in-memory tier
-    message = durable.stop_message(guard, step + 1, where,
-                                   hints.resume(self.out_dir, self.presence.n_hosts))
-    log.error('%s', message)
-    self.records.history('stop', step=step + 1, why='durable checkpoints failing', saved=where)
-    return message
-
-  def _after_metrics(self, step, values, rows, t_start) -> None:
-    if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps - 1:
-      rows.insert(0, self._train_row(step, values, t_start))
-      self.losses.append((step, rows[0]['loss']))
-    for row in rows:
-      self._emit(row)
-
-  def _after_stop(self, step, values, rows, t_start) -> str | None:
-    if not self._stopping(step + 1):
-      return None
-    self.stop_reason = self.stop.reason or 'a stop agreed by the job'
-    where = self._save_now(step + 1)
-    saved = ('saved as the ' + ' and the '.join(where) if where else
-             'saved nothing (snapshots are off)' if not self.snapshots else
-             'already saved in the snapshots of that step')
-    message = f'stopped by {self.stop_reason} after step {step + 1}, {saved}'
-    if self.snapshots:
-      message += f'; resume with {hints.resume(self.out_dir, self.presence.n_hosts)}'
-    log.warning('%s', message)
-    self.records.history('stop', step=step + 1, why=self.stop_reason, saved=where)
-    return message
-
-  def _save_now(self, steps: int) -> list[str]:
-    """Where the state after `steps` is saved, in every tier (those not saved yet), written."""
-    where = (self._saved[1] if self._saved[0] == steps else []) + self._snapshot(steps, stop=True)
-    if self.snapshots:
-      self.snapshots.wait_until_finished(agree=True)
-    return where
-
-  def _stopping(self, steps_done: int) -> bool:
-    """Whether the run stops after `steps_done` steps: in a multi-process job, as voted with
-    the step's metrics (so that every process stops after the same step)."""
-    if multihost.is_multiprocess():
-      return self._stop_agreed
-    return self.stop.due(steps_done)
-
   def _emit(self, row: dict) -> None:
     """A metrics row to the terminal, metrics.jsonl (+ TensorBoard) and the on_log callback."""
     if row['kind'] == 'train':
@@ -358,15 +292,6 @@ class Trainer:
     self._stop_agreed = bool(values.pop('stop', 0.0))
     return values
 
-  def _diverged(self, step: int, loss: float) -> str:
-    self.diverged_at = step
-    message = (f'the training loss is not finite ({loss}) at step {step}: the run stopped '
-               f'without saving that step (the snapshots and checkpoints hold earlier steps); '
-               f'start anew with a lower optimizer.lr or more optimizer.warmup_steps '
-               f'({hints.fresh(self.out_dir)})')
-    log.error('%s', message)
-    return message
-
   def _train_row(self, step, values, t_start) -> dict:
     now, tokens = time.perf_counter(), self.tokens_trained()
     # tokens/s since the previous train row, eval time left out: dips show failures and rejoins.
@@ -386,19 +311,6 @@ class Trainer:
     self.evals.append({'step': step, 'loss': loss, 'perplexity': perplexity(loss)})
     return {'kind': 'eval', **self.evals[-1], 'eval_s': spent,
             'wall_s': time.perf_counter() - t_start, 'live_slices': len(self.controller.live())}
-
-  def _snapshot(self, steps_done: int, stop: bool = False) -> list[str]:
-    """Async snapshot of the state after `steps_done` steps (one replica, copied off donation)
-    where due; `stop`: in every tier now. Returns where the snapshots it started are."""
-    sn = self.snapshots
-    if not sn:
-      return []
-    c = self.controller
-    meta = {'controller': c.dump_meta(), 'losses': self.losses, 'reached': steps_done,
-            'evals': self.evals}
-    where = sn.where(steps_done, sn.maybe_save(steps_done, c.state, meta, stop=stop))
-    self._saved = (steps_done, where)
-    return where
 
   def _plot(self) -> None:
     try:

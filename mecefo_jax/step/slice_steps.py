@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mecefo_jax import sharding
 from mecefo_jax.config import Config
 from mecefo_jax.model.train_state import TrainState, abstract_state, make_optimizer, state_shardings
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
 from mecefo_jax.step import train_step
 

@@ -12,7 +12,7 @@ from mecefo_jax.model import llama
 from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.model.train_state import (ATTENTION, TrainState, abstract_state, make_optimizer,
                                           state_shardings)
-from mecefo_jax.plan.roles import Role
+from mecefo_jax.core.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
 
 def _loss_sum(params, tokens_NxL1, graphdef, degraded, bases, remat):

@@ -1,10 +1,21 @@
 """The goodput ledger: a run's wall time by category, booked by the controller step by step."""
 from __future__ import annotations
 
+import enum
 import time
 
-# Time categories of the goodput breakdown (seconds).
-KEYS = ('normal_productive', 'degraded_productive', 'compile', 'rejoin', 'lost', 'restart')
+
+class Bucket(str, enum.Enum):
+  """The goodput's time categories (seconds); the values are report.json's keys."""
+  NORMAL = 'normal_productive'  # fault-free steps
+  DEGRADED = 'degraded_productive'  # the processed share of steps under failure
+  COMPILE = 'compile'  # programs built (compiled, loaded, moved) while the step waited
+  REJOIN = 'rejoin'  # state copied onto repaired slices
+  LOST = 'lost'  # the share of steps under failure whose rows nobody processed (drop)
+  RESTART = 'restart'  # from a process's death to the next start's first step
+
+
+KEYS = tuple(b.value for b in Bucket)
 
 
 class Goodput:
@@ -29,10 +40,10 @@ class Goodput:
     self._last_end = time.perf_counter()
     spent = self._last_end - self._start - (self._overhead() - self._overhead_at_start)
     if not failed:
-      self.seconds['normal_productive'] += spent
+      self.seconds[Bucket.NORMAL] += spent
     else:
-      self.seconds['degraded_productive'] += spent * processed_rows / total_rows
-      self.seconds['lost'] += spent * (total_rows - processed_rows) / total_rows
+      self.seconds[Bucket.DEGRADED] += spent * processed_rows / total_rows
+      self.seconds[Bucket.LOST] += spent * (total_rows - processed_rows) / total_rows
 
   def exclude(self, seconds: float) -> None:
     """Time between two steps that is not step time (an eval): the next step does not pay it."""
@@ -44,4 +55,4 @@ class Goodput:
     self._last_end = None
 
   def _overhead(self) -> float:
-    return self.seconds['compile'] + self.seconds['rejoin']
+    return self.seconds[Bucket.COMPILE] + self.seconds[Bucket.REJOIN]

@@ -6,8 +6,8 @@ import math
 from typing import Sequence
 
 from mecefo_jax.config import DEGRADED_COST, POLICIES, Config
-from mecefo_jax.plan import budget
-from mecefo_jax.plan.roles import Role, split_passes
+from mecefo_jax.core import budget
+from mecefo_jax.core.roles import Role, split_passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
   exact: every row processed exactly, the orphans split evenly over the live slices (no
     approximation; the step costs n/(n-d) of a normal one): the quality reference.
   budget: every live slice stays within `time_budget` times the fault-free step's cost (exact
-    row 1, degraded row `degraded_cost`) with the fewest degraded rows (plan/budget.py).
+    row 1, degraded row `degraded_cost`) with the fewest degraded rows (core/budget.py).
   `granule` (dividing micro_batch) keeps spread shares shardable over a slice's fsdp devices.
   """
   if not 0.0 < degraded_cost < 1.0:
@@ -101,7 +101,8 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
 
 
 @dataclasses.dataclass(frozen=True)
-class StepPlan:
+class Assignment:
+  """A live set's takeover: the rows each live slice runs, and its role."""
   work: dict[int, SliceWork]  # rows every live slice processes, exact and degraded
   dropped: list[Rows]  # rows nobody processes (policy drop)
   roles: dict[int, Role]  # the program shape every live slice runs
@@ -133,10 +134,10 @@ class Planner:
                f.max_degraded_rows, f.degraded_cost,
                f.time_budget if time_budget is None else time_budget)
 
-  def plan(self, live: Sequence[int]) -> StepPlan:
+  def plan(self, live: Sequence[int]) -> Assignment:
     work, dropped = plan(live, self.n_slices, self.micro_batch, self.policy, self.granule,
                          self.degraded_cost, self.time_budget)
-    return StepPlan(work, dropped, {s: self.role(w) for s, w in work.items()})
+    return Assignment(work, dropped, {s: self.role(w) for s, w in work.items()})
 
   def role(self, w: SliceWork) -> Role:
     exact, degraded = w.counts()

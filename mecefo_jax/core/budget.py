@@ -9,6 +9,7 @@ fewest degraded rows are chosen at that step time.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
@@ -25,18 +26,23 @@ def balanced(total: int, parts: int) -> list[int]:
 def counts(n_live: int, units: int, budget: float, cost: float) -> list[tuple[int, int]]:
   """[(exact, degraded) units] of `n_live` slices processing `units` units in all, each within
   `budget` units of cost when possible, with the fewest degraded units; larger loads first."""
+  return list(_counts(n_live, units, budget, cost))
+
+
+@functools.lru_cache(maxsize=1024)  # a failure replay asks for the same few live counts often
+def _counts(n_live: int, units: int, budget: float, cost: float) -> tuple[tuple[int, int], ...]:
   if not 0.0 < cost < 1.0:
     raise ValueError(f'degraded cost must be in (0, 1), got {cost}')
   if n_live < 1 or units < 0 or budget <= 0:
     raise ValueError(f'need n_live >= 1, units >= 0, budget > 0; got {n_live}, {units}, {budget}')
   base = units if math.isinf(budget) else math.floor(budget + _EPS)  # exact, none degraded
   if n_live * base >= units:
-    return [(r, 0) for r in balanced(units, n_live)]
+    return tuple((r, 0) for r in balanced(units, n_live))
   most = math.floor(budget / cost + _EPS)  # degraded units one slice fits (then no exact)
   if n_live * most < units:  # cannot fit: the least step time reachable, cost * ceil(units / n)
-    return counts(n_live, units, cost * -(-units // n_live), cost)
+    return _counts(n_live, units, cost * -(-units // n_live), cost)
   degraded = _fewest_degraded(n_live, units - n_live * base, budget, cost, base, most)
-  return _fill(degraded, units, budget, cost)
+  return tuple(_fill(degraded, units, budget, cost))
 
 
 def _fewest_degraded(n_live, deficit, budget, cost, base, most) -> list[int]:

@@ -1,0 +1,224 @@
+"""The decider: from the failure state alone, the plan of every step (no devices).
+
+Every process of a job holds one and, fed the same events, makes the same plans; the executor
+(fault/executor.py) carries them out and the failure simulator (benchmarks/simulate.py)
+replays them with a cost model. docs/architecture.md shows where it sits.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+from typing import Mapping
+
+from mecefo_jax.core import programs
+from mecefo_jax.core.failures import FailureEvent, FailureSchedule, apply_event
+from mecefo_jax.core.goodput import Goodput
+from mecefo_jax.core.programs import ProgramKey, RunPrograms
+from mecefo_jax.core.roles import Role
+from mecefo_jax.core.takeover import Assignment, Planner
+
+log = logging.getLogger('mecefo')
+_PLANS_KEPT = 256  # assignments cached by live set (a replay at scale meets thousands)
+
+
+@dataclasses.dataclass
+class DeciderState:
+  """What the decider carries across steps, saved with every snapshot (`to_meta`: the
+  snapshot meta's 'controller' entry, key for key as before the decider existed)."""
+  failed: set[int] = dataclasses.field(default_factory=set)
+  events: list[dict] = dataclasses.field(default_factory=list)
+  goodput: Goodput = dataclasses.field(default_factory=Goodput)
+  samples: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+  def to_meta(self) -> dict:
+    return {'failed': sorted(self.failed), 'events': self.events, 'goodput': self.goodput.seconds,
+            'samples': dict(self.samples)}
+
+  @classmethod
+  def from_meta(cls, meta: Mapping) -> 'DeciderState':
+    return cls(set(meta['failed']), list(meta['events']), Goodput(meta['goodput']),
+               collections.Counter(meta['samples']))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """One step, decided: who is live, who runs which rows in which role, the programs run."""
+  step: int
+  live: tuple[int, ...]
+  assignment: Assignment  # rows and role of every live slice, rows nobody runs (drop)
+  programs: tuple[ProgramKey, ...]  # the step's: the fused one, or the groups and the update
+  refresh: ProgramKey | None  # the svd basis refresh run before the step
+  rejoins: tuple[int, ...]  # repaired slices that receive the state before the step
+  samples: Mapping[str, int]  # exact / degraded / dropped rows of the step
+  eval: ProgramKey | None = None  # the held-out eval run after the step (train.eval_every)
+
+  @property
+  def roles(self) -> dict[int, Role]:
+    return self.assignment.roles
+
+  @property
+  def processed(self) -> int:
+    return self.samples['exact'] + self.samples['degraded']
+
+  @property
+  def fused(self) -> bool:
+    return self.programs[0].kind is programs.FUSED
+
+  def built(self) -> tuple[ProgramKey, ...]:
+    """The programs the step needs, in the order it runs them: the refresh, the step's, the
+    eval."""
+    return (*[self.refresh] * (self.refresh is not None), *self.programs,
+            *[self.eval] * (self.eval is not None))
+
+  def digest(self) -> str:
+    """A hash of everything decided: equal on every process of a job (checked there)."""
+    keys = [[k.kind.name, list(k.slices), _plain(k.variant)] for k in self.built()]
+    roles = [[s, _plain(r)] for s, r in sorted(self.roles.items())]
+    text = json.dumps([self.step, self.live, roles, keys, self.rejoins, dict(self.samples)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _plain(x):
+  return dataclasses.astuple(x) if dataclasses.is_dataclass(x) else x
+
+
+class Decider:
+  """The failure state and every decision made from it: the live slices, their roles and rows,
+  the programs, rejoins, basis refreshes and evals of each step, the sample counts."""
+
+  def __init__(self, planner: Planner, run: RunPrograms, schedule: FailureSchedule, tau: int,
+               present: tuple[int, ...] | None = None, state: DeciderState | None = None):
+    """`present`: the slices with devices in this start (default all); the others are absent,
+    failed until a later start; `tau`: steps between svd basis refreshes (mecefo.tau)."""
+    self.planner, self.run, self.schedule, self.tau = planner, run, schedule, tau
+    self.n_slices = planner.n_slices
+    self.present = tuple(range(self.n_slices) if present is None else present)
+    self.state = state or DeciderState()
+    self.held = self.present  # the slices holding the train state
+    self.bases_step = -1  # the step of the last basis refresh (the state's bases_step)
+    self.devices_back_at: int | None = None  # resumed after every slice was down at this step
+    self._assignments: dict[tuple[int, ...], Assignment] = {}
+
+  # --- failure state -------------------------------------------------------------------------
+  def live(self) -> tuple[int, ...]:
+    return tuple(s for s in range(self.n_slices) if s not in self.state.failed)
+
+  def apply(self, event: FailureEvent, wall_s: float = 0.0) -> bool:
+    """Applies one failure or repair; whether it changed the live slices."""
+    failed = self.state.failed
+    if event.kind == 'repair' and event.slice in failed and event.slice not in self.present:
+      log.warning('step %d: slice %d cannot be repaired here (%s): its devices are absent; '
+                  'it rejoins at a start with them present', event.step, event.slice, event.source)
+      return False
+    if not apply_event(failed, event.kind, event.slice):
+      return False  # no change (already failed / not failed)
+    self.state.events.append({**event.to_dict(), 'wall_s': wall_s, 'live': len(self.live())})
+    log.warning('step %d: slice %d %s (%s); live slices %s', event.step, event.slice,
+                'FAILED' if event.kind == 'fail' else 'repaired, rejoining', event.source,
+                list(self.live()))
+    return True
+
+  def advance(self, step: int, wall_s: float = 0.0) -> tuple[list[tuple[int, ...]], bool]:
+    """Applies the events of `step` (repairs first). Returns the live sets the state must be
+    placed on before the step's failures, in order (a step's repairs take effect before its
+    failures: the repaired slices receive the state then, so that a peer failing in the same
+    step can still hand it over), and whether the live slices changed."""
+    placements, changed = [], False
+    for event in self.schedule.events_at(step):
+      if event.kind == 'fail' and not set(self.live()) <= set(self.held):
+        placements.append(self.live())
+        self.held = self.live()
+      changed |= self.apply(event, wall_s)
+    if step == self.devices_back_at:
+      for s in sorted(self.state.failed):
+        changed |= self.apply(FailureEvent(step, s, 'repair', 'resume'), wall_s)
+    return placements, changed
+
+  def apply_presence(self, step: int) -> None:
+    """At a start: slices without devices fail ('absent') from `step` on; absent ones whose
+    devices are back rejoin ('present'), as after a repair. The schedule cannot repair an
+    absent slice (no devices): its repairs wait for a later start."""
+    for s in range(self.n_slices):
+      if s not in self.present:
+        self.apply(FailureEvent(step, s, 'fail', 'absent'))
+      elif s in self.state.failed and self._last_source(s) == 'absent':
+        self.apply(FailureEvent(step, s, 'repair', 'present'))
+
+  def _last_source(self, s: int) -> str | None:
+    return next((e['source'] for e in reversed(self.state.events) if e['slice'] == s), None)
+
+  # --- plans ---------------------------------------------------------------------------------
+  def assignment(self, live: tuple[int, ...]) -> Assignment:
+    """The planner's rows and roles of `live` (planned once per live set while it is recent)."""
+    found = self._assignments.get(live)
+    if found is None:
+      if len(self._assignments) >= _PLANS_KEPT:
+        self._assignments.pop(next(iter(self._assignments)))
+      found = self._assignments[live] = self.planner.plan(live)
+    return found
+
+  def decide(self, step: int) -> StepPlan:
+    """The plan of `step` on the live slices (no change until `commit`)."""
+    live = self.live()
+    a = self.assignment(live)
+    step_programs = programs.programs_for(programs.Need(live, a.roles, self.run), ('step',))
+    refresh = None
+    if self.run.refresh and self._degraded(a) and self._refresh_due(step):
+      kind = programs.REFRESH_WARM if self._warm() else programs.REFRESH_COLD
+      refresh = ProgramKey(kind, live)
+    counts = [w.counts() for w in a.work.values()]
+    samples = {'exact': sum(c[0] for c in counts), 'degraded': sum(c[1] for c in counts),
+               'dropped': sum(r.n for r in a.dropped)}
+    rejoins = tuple(s for s in live if s not in self.held)
+    evaluate = ProgramKey(programs.EVAL, live) if self.eval_due(step) else None
+    return StepPlan(step, live, a, tuple(step_programs), refresh, rejoins, samples, evaluate)
+
+  def commit(self, plan: StepPlan, steps: int = 1) -> None:
+    """`plan` runs (its samples counted `steps` times: a replay runs steps in bulk)."""
+    for key, n in plan.samples.items():
+      self.state.samples[key] += n * steps
+    if plan.refresh is not None:
+      self.bases_step = plan.step
+    self.held = plan.live
+
+  def next_change(self, step: int) -> int:
+    """The first step after `step` whose plan may differ from `step`'s other than by its step
+    number when no event comes: a basis refresh or an eval is due then (after `commit`)."""
+    nxt = []
+    if self.run.refresh and self._degraded(self.assignment(self.live())):
+      nxt.append(max(step + 1, self.bases_step + self.tau))
+    if every := self.run.eval_every:
+      nxt.append(step + 1 + (-(step + 2) % every))
+    return min(nxt, default=1 << 62)
+
+  def eval_due(self, step: int) -> bool:
+    """An eval runs after `step` (train.eval_every)."""
+    return bool(self.run.eval_every) and (step + 1) % self.run.eval_every == 0
+
+  def _refresh_due(self, step: int) -> bool:
+    return self.bases_step < 0 or step - self.bases_step >= self.tau
+
+  def _warm(self) -> bool:
+    return self.run.refresh == 'warm' and self.bases_step >= 0
+
+  @staticmethod
+  def _degraded(a: Assignment) -> bool:
+    return any(r.degraded for r in a.roles.values())
+
+  # --- programs ahead of need ----------------------------------------------------------------
+  def programs_for(self, live: tuple[int, ...]) -> list[ProgramKey]:
+    """Every program steps on `live` request: the step's, the basis refreshes, the eval."""
+    roles = self.assignment(live).roles
+    return programs.programs_for(programs.Need(live, roles, self.run, self.bases_step >= 0))
+
+  def next_live_sets(self, hosts: list[tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:
+    """The live sets one event away among the present slices, likeliest first; with `hosts`
+    (the slices of each host), the survivors of each host's death instead."""
+    live = self.live()
+    if hosts:
+      return [s for s in (tuple(x for x in live if x not in h) for h in hosts) if s]
+    present = set(self.present)
+    return [s for s in programs.next_live_sets(live, self.n_slices) if set(s) <= present]

@@ -1,0 +1,145 @@
+"""Programs by identity: the table of program kinds, `ProgramKey`, and what a live set needs.
+
+A new kind of program is one `register(Kind(...))` here and its lowering in step/lowering.py;
+the controller, the precompiler and the failure simulator all list programs through
+`programs_for` and key them by `ProgramKey`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Hashable, Mapping
+
+from mecefo_jax.core.roles import Role
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPrograms:
+  """What besides the roles decides the programs a run's steps request: its config."""
+  ordered_reduce: bool = False  # mesh.ordered_reduce: never the fused step under failure
+  refresh: str | None = None  # kept bases' mecefo.refresh ('warm' | 'full'); None: no refresh
+  eval_every: int = 0  # train.eval_every: an eval program on the live set every N steps
+
+  @classmethod
+  def of(cls, cfg, bases_refreshed: bool) -> 'RunPrograms':
+    """The run's; `bases_refreshed`: the basis kind keeps bases and refreshes them
+    (model/bases.py decides, below this package)."""
+    return cls(cfg.mesh.ordered_reduce, cfg.mecefo.refresh if bases_refreshed else None,
+               cfg.train.eval_every)
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+  """What a live set's programs depend on: its roles, the run's config, and whether the bases
+  were refreshed before (then a warm refresh can follow)."""
+  live: tuple[int, ...]
+  roles: Mapping[int, Role]
+  run: RunPrograms
+  refreshed: bool = False
+
+  @functools.cached_property
+  def fused(self) -> bool:
+    """One SPMD program for the whole step: every slice plays one single-pass role."""
+    first = self.roles[self.live[0]]
+    return (len(set(self.roles.values())) == 1 and first.passes == 1
+            and not self.run.ordered_reduce)
+
+  @functools.cached_property
+  def degraded(self) -> bool:
+    return any(r.degraded for r in self.roles.values())
+
+  def groups(self) -> dict[Role, tuple[int, ...]]:
+    """The slices of each role, in live order (roles in order of first appearance)."""
+    out: dict[Role, list[int]] = {}
+    for s in self.live:
+      out.setdefault(self.roles[s], []).append(s)
+    return {role: tuple(slices) for role, slices in out.items()}
+
+
+# A rule lists the (slices, variant) of the programs of its kind that a live set needs.
+Rule = Callable[[Need], list[tuple[tuple[int, ...], Hashable]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A kind of program. `stage`: 'step' (the step runs it), 'refresh' (the svd basis refresh,
+  every mecefo.tau degraded steps), 'eval' (between steps) or 'copy' (state moves: not listed
+  by `programs_for`). Kinds compare by name, so keys agree across processes."""
+  name: str
+  stage: str
+  rule: Rule = dataclasses.field(compare=False, repr=False, default=lambda need: [])
+
+  def __str__(self) -> str:
+    return self.name
+
+
+KINDS: dict[str, Kind] = {}  # name -> kind, in the order a failure needs them
+STAGES = ('step', 'refresh', 'eval', 'copy')
+
+
+def register(kind: Kind) -> Kind:
+  if kind.stage not in STAGES:
+    raise ValueError(f'program stage must be one of {STAGES}, got {kind.stage!r}')
+  if kind.name in KINDS:
+    raise ValueError(f'program kind {kind.name!r} is registered already')
+  KINDS[kind.name] = kind
+  return kind
+
+
+def _warm_refresh(need: Need) -> bool:
+  return need.run.refresh == 'warm' and need.refreshed
+
+
+# A step runs one fused SPMD program when every slice plays one single-pass role (and not
+# mesh.ordered_reduce), else one group program per role over its slices, then the update. A
+# group is one program over its slices, not a one-slice program run on each: where a slice is
+# one device, XLA compiles a one-device program differently from one partitioned over several
+# (sums differ in the last bits), and results must not depend on how many slices share a role.
+FUSED = register(Kind('fused', 'step', lambda n: [(n.live, n.roles[n.live[0]])] if n.fused else []))
+GROUP = register(Kind('group', 'step', lambda n: [] if n.fused else
+                      [(slices, role) for role, slices in n.groups().items()]))
+UPDATE = register(Kind('update', 'step', lambda n: [] if n.fused else [(n.live, None)]))
+# The first refresh of a run, or every one with mecefo.refresh=full.
+REFRESH_COLD = register(Kind('refresh_cold', 'refresh', lambda n: (
+    [(n.live, None)] if n.run.refresh and n.degraded and not _warm_refresh(n) else [])))
+REFRESH_WARM = register(Kind('refresh_warm', 'refresh', lambda n: (
+    [(n.live, None)] if n.run.refresh == 'warm' and n.degraded else [])))
+EVAL = register(Kind('eval', 'eval', lambda n: [(n.live, None)] if n.run.eval_every else []))
+# The state copied onto repaired slices across processes; variant: the slices that held it.
+REJOIN = register(Kind('rejoin', 'copy'))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey:
+  """One program: its kind, the logical slices whose devices run it, and its variant (the
+  role of a fused or group program; None for the others)."""
+  kind: Kind
+  slices: tuple[int, ...]
+  variant: Hashable = None
+
+  @property
+  def shape(self) -> tuple:
+    """What the program's HLO depends on (the in-slice mesh, the config and the graph are the
+    run's): programs of one shape move between sets of slices (step/retarget.py)."""
+    return (self.kind.name, len(self.slices), self.variant)
+
+  def __str__(self) -> str:
+    variant = '' if self.variant is None else f' {self.variant}'
+    return f'{self.kind.name}{variant} program for slices {list(self.slices)}'
+
+
+def programs_for(need: Need, stages: tuple[str, ...] = ('step', 'refresh', 'eval')
+                 ) -> list[ProgramKey]:
+  """The programs of the kinds in `stages` that steps on `need.live` request, in table order:
+  the step's, then the refreshes, then the eval."""
+  return [ProgramKey(kind, slices, variant) for kind in KINDS.values() if kind.stage in stages
+          for slices, variant in kind.rule(need)]
+
+
+def next_live_sets(live: tuple[int, ...], n_slices: int) -> list[tuple[int, ...]]:
+  """Live sets one event away, likeliest first: one slice back (a given failed slice is
+  repaired sooner than a given live one fails while fewer are down than live), then one more
+  down (none when `live` is a single slice)."""
+  back = [tuple(sorted((*live, r))) for r in range(n_slices) if r not in live]
+  down = [tuple(s for s in live if s != f) for f in live if len(live) > 1]
+  return back + down
