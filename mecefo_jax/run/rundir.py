@@ -44,7 +44,7 @@ SAFE_ON_RESUME = ('model.compute_dtype', 'train.steps', 'train.log_every', 'trai
                   'snapshot.every', 'snapshot.overhead_budget', 'snapshot.max_every',
                   'snapshot.keep', 'snapshot.durable_dir',
                   'snapshot.durable_every', 'snapshot.durable_keep', 'snapshot.keep_when_finished',
-                  'faults.precompile')
+                  'faults.precompile', 'faults.precompile_max')
 
 
 # ---- run files ------------------------------------------------------------------------------
