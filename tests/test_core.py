@@ -160,3 +160,13 @@ def test_the_state_is_the_snapshot_meta_written_before_the_decider_key_for_key()
   assert again == {**old, 'goodput': {**old['goodput'], 'restart': 0.0}}
   assert list(again) == ['failed', 'events', 'goodput', 'samples']
   assert json.loads(json.dumps(again)) == again
+
+
+@pytest.mark.parametrize('policy', ['neighbor', 'spread', 'exact', 'budget', 'drop', 'naive'])
+def test_roles_without_rows_are_the_plans_roles_on_every_live_set(policy):
+  import itertools
+  for n, b, granule in [(4, 4, 1), (5, 4, 2), (6, 8, 2)]:
+    planner = Planner(n, b, policy, granule, time_budget=1.05)
+    for k in range(1, n + 1):
+      for live in itertools.combinations(range(n), k):
+        assert planner.roles(live) == planner.plan(live).roles, (n, live)

@@ -90,10 +90,13 @@ class Decider:
   the programs, rejoins, basis refreshes and evals of each step, the sample counts."""
 
   def __init__(self, planner: Planner, run: RunPrograms, schedule: FailureSchedule, tau: int,
-               present: tuple[int, ...] | None = None, state: DeciderState | None = None):
+               present: tuple[int, ...] | None = None, state: DeciderState | None = None,
+               rows: bool = True):
     """`present`: the slices with devices in this start (default all); the others are absent,
-    failed until a later start; `tau`: steps between svd basis refreshes (mecefo.tau)."""
+    failed until a later start; `tau`: steps between svd basis refreshes (mecefo.tau); `rows`:
+    plans list the rows of each slice (False: roles only, for a replay without devices)."""
     self.planner, self.run, self.schedule, self.tau = planner, run, schedule, tau
+    self.rows = rows
     self.n_slices = planner.n_slices
     self.present = tuple(range(self.n_slices) if present is None else present)
     self.state = state or DeciderState()
@@ -157,7 +160,8 @@ class Decider:
     if found is None:
       if len(self._assignments) >= _PLANS_KEPT:
         self._assignments.pop(next(iter(self._assignments)))
-      found = self._assignments[live] = self.planner.plan(live)
+      found = self._assignments[live] = (self.planner.plan(live) if self.rows else
+                                         Assignment({}, [], self.planner.roles(live)))
     return found
 
   def decide(self, step: int) -> StepPlan:
@@ -169,9 +173,10 @@ class Decider:
     if self.run.refresh and self._degraded(a) and self._refresh_due(step):
       kind = programs.REFRESH_WARM if self._warm() else programs.REFRESH_COLD
       refresh = ProgramKey(kind, live)
-    counts = [w.counts() for w in a.work.values()]
-    samples = {'exact': sum(c[0] for c in counts), 'degraded': sum(c[1] for c in counts),
-               'dropped': sum(r.n for r in a.dropped)}
+    exact = sum(r.exact for r in a.roles.values())
+    degraded = sum(r.degraded for r in a.roles.values())
+    samples = {'exact': exact, 'degraded': degraded,
+               'dropped': self.n_slices * self.planner.micro_batch - exact - degraded}
     rejoins = tuple(s for s in live if s not in self.held)
     evaluate = ProgramKey(programs.EVAL, live) if self.eval_due(step) else None
     return StepPlan(step, live, a, tuple(step_programs), refresh, rejoins, samples, evaluate)
@@ -211,7 +216,8 @@ class Decider:
   # --- programs ahead of need ----------------------------------------------------------------
   def programs_for(self, live: tuple[int, ...]) -> list[ProgramKey]:
     """Every program steps on `live` request: the step's, the basis refreshes, the eval."""
-    roles = self.assignment(live).roles
+    roles = (self._assignments[live].roles if live in self._assignments else
+             self.planner.roles(live))
     return programs.programs_for(programs.Need(live, roles, self.run, self.bases_step >= 0))
 
   def next_live_sets(self, hosts: list[tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:

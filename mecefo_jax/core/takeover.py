@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -70,11 +71,12 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
   if not live:
     raise ValueError('no live slice')
   if policy in ('exact', 'budget'):
-    limit = math.inf if policy == 'exact' else time_budget * micro_batch / granule
-    return _within_budget(live, n_slices, micro_batch, granule, limit, degraded_cost), []
+    loads = budget_loads(live, n_slices, micro_batch, policy, granule, degraded_cost, time_budget)
+    return _within_budget(loads, n_slices, micro_batch, granule), []
   work = {s: SliceWork(exact=[Rows(s, 0, micro_batch)]) for s in live}
   orphans = [s for s in range(n_slices) if s not in live]
   dropped: list[Rows] = []
+  load = dict.fromkeys(live, 0)  # spread: degraded rows so far
   for f in orphans:
     whole = Rows(f, 0, micro_batch)
     if policy == 'drop':
@@ -85,11 +87,12 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
     else:  # spread
       # Remainder granules go to the least-loaded slices first (ties: ring order after the
       # failed one), so that over several orphans no slice carries over a granule more than another.
-      order = sorted(live, key=lambda s: (sum(r.n for r in work[s].degraded), (s - f) % n_slices))
+      order = sorted(live, key=lambda s: (load[s], (s - f) % n_slices))
       start = 0
       for s, n in zip(order, _split(micro_batch, len(live), granule)):
         if n:
           work[s].degraded.append(Rows(f, start, start + n))
+          load[s] += n
         start += n
   if policy == 'neighbor':
     # The paper's neighbour runs the degraded step on both of its micro-batches.
@@ -139,23 +142,46 @@ class Planner:
                          self.degraded_cost, self.time_budget)
     return Assignment(work, dropped, {s: self.role(w) for s, w in work.items()})
 
+  def roles(self, live: Sequence[int]) -> dict[int, Role]:
+    """plan(live).roles, without listing rows where the policy allows (exact, budget): a
+    failure replay at scale plans thousands of live sets (tests/test_core.py checks both)."""
+    if self.policy not in ('exact', 'budget') or not live:
+      return self.plan(live).roles
+    loads = budget_loads(sorted(live), self.n_slices, self.micro_batch, self.policy,
+                         self.granule, self.degraded_cost, self.time_budget)
+    return {s: self._role_of(e, d) for s, e, d in sorted(loads)}
+
+  @functools.lru_cache(maxsize=256)
+  def _role_of(self, exact: int, degraded: int) -> Role:
+    """The role of `exact` and `degraded` granules (one object per load: built once)."""
+    g = self.granule
+    return Role(g * exact, g * degraded, split_passes(g * degraded, self.max_rows))
+
   def role(self, w: SliceWork) -> Role:
     exact, degraded = w.counts()
     return Role(exact, degraded, split_passes(degraded, self.max_rows))
 
 
-def _within_budget(live, n_slices, micro_batch, granule, budget_units, cost) -> dict[int, SliceWork]:
-  """Rows by the budget's (exact, degraded) counts: heavier loads on the failed slices' ring
-  successors; each slice its own rows first (exact first), then the orphans in order."""
-  per_slice = micro_batch // granule
-  loads = budget.counts(len(live), n_slices * per_slice, budget_units, cost)
+def budget_loads(live, n_slices, micro_batch, policy, granule, cost, time_budget
+                 ) -> list[tuple[int, int, int]]:
+  """[(slice, exact, degraded granules)] of policy exact or budget: the budget's counts, the
+  heavier loads on the failed slices' ring successors (ring order from the first failed one)."""
+  limit = math.inf if policy == 'exact' else time_budget * micro_batch / granule
+  loads = budget.counts(len(live), n_slices * (micro_batch // granule), limit, cost)
   first_down = min((s for s in range(n_slices) if s not in live), default=n_slices - 1)
   ring = sorted(live, key=lambda s: (s - first_down) % n_slices)
-  taken = {s: [Rows(s, 0, granule * min(e + g, per_slice))] for s, (e, g) in zip(ring, loads)}
+  return [(s, e, g) for s, (e, g) in zip(ring, loads)]
+
+
+def _within_budget(loads, n_slices, micro_batch, granule) -> dict[int, SliceWork]:
+  """Rows by budget_loads: each slice its own rows first (exact first), then the orphans in
+  order."""
+  per_slice = micro_batch // granule
+  taken = {s: [Rows(s, 0, granule * min(e + g, per_slice))] for s, e, g in loads}
   queue = [Rows(o, taken[o][0].stop if o in taken else 0, micro_batch) for o in range(n_slices)]
   queue = [r for r in queue if r.n]
   work = {}
-  for s, (e, g) in zip(ring, loads):
+  for s, e, g in loads:
     rows = taken[s]
     rows += _pop_rows(queue, granule * (e + g) - rows[0].n)
     exact = _pop_rows(rows, granule * e)
