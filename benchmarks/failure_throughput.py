@@ -5,7 +5,7 @@ Run: python -m benchmarks.failure_throughput --config configs/tiny.yaml --json O
      [--presets low,mid,high] [--hours 720] [--figure PNG [--figure-also EARLIER.json]]
      [--seeds 5] [--rate cluster|per_device] [--measure all|anchors] [--costs PREVIOUS.json]
      [--remeasure-restore] [--stat median|min|flops] [--checkpoint-every N] [--repeats 3]
-     [--warmup 1] [--move on|off] [overrides...]
+     [--warmup 1] [--move on|off] [--premove on|off] [--premove-cap 64] [overrides...]
 Fake CPU slices share the same cores, so a simulated cluster's wall time is not its step time.
 Each role's step is timed alone on one real device (interleaved, one process); the failure
 presets are then replayed in simulated time, where a step lasts as long as its slowest slice.
@@ -30,70 +30,18 @@ import jax  # noqa: E402
 
 from benchmarks import common, failure_costs, simulate  # noqa: E402
 from benchmarks.failure_costs import role_name  # noqa: E402
-from benchmarks.ledger import RunPrograms  # noqa: E402
 from benchmarks.simulate import CHECKPOINT, ClusterCosts  # noqa: E402
 from mecefo_jax import sharding  # noqa: E402
 from mecefo_jax.config import load_config  # noqa: E402
-from mecefo_jax.fault.failures import PRESETS, poisson_events, rate_scale  # noqa: E402
-from mecefo_jax.model import train_state  # noqa: E402
-from mecefo_jax.plan.roles import Role, split_passes  # noqa: E402
-from mecefo_jax.plan.takeover import Planner  # noqa: E402
+from mecefo_jax.core.failures import (  # noqa: E402
+    PRESETS, FailureEvent, poisson_events, rate_scale)
+from mecefo_jax.core.programs import RunPrograms  # noqa: E402
+from mecefo_jax.core.roles import Role, split_passes  # noqa: E402
+from mecefo_jax.core.takeover import Planner  # noqa: E402
+from mecefo_jax.model import bases, train_state  # noqa: E402
 
-NOTES = [
-    'Role costs: each distinct per-slice program is compiled for a one-device mesh (slice=1) and '
-    'timed alone, all interleaved round-robin in one process (median of --repeats, or min '
-    'with --stat min; OPENBLAS_NUM_THREADS=1 unless set, see env). Under '
-    'failure the controller runs one group program per role, then one update program, so a '
-    'failure step costs max over live slices of group(role) + update (+ svd refresh / tau when '
-    'degraded work runs). Fault-free steps, and drop steps (all live slices normal), cost the '
-    'fused normal step. A uniform non-normal role (which the controller fuses) is costed as '
-    'group + update too. Roles with modelled=true are predicted by a least-squares fit '
-    'cost = a + b*exact_rows + c*degraded_passes + d*degraded_rows over the measured roles; '
-    'their compile time is the mean measured group compile time. Moves: every compiled program '
-    'is serialized and loaded onto device 1 of a 2-device fake CPU host as the program cache '
-    'does (step/retarget.py; median of --repeats; on a one-device accelerator host, loaded '
-    'back onto device 0: the same work); move_s is their mean.',
-    'Failures: the FailureSchedule.preset Poisson process (same draws per seed, checked by '
-    'tests/test_simulate.py) kept in continuous time rather than quantised to a cluster_step_s '
-    'grid; the fault-free step count of the window is hours*3600/normal_s. A failure or repair '
-    'takes effect at the next step boundary (Controller.step applies events before planning).',
-    'rate=cluster: a failure every <preset> hours in the whole cluster whatever --slices is '
-    '(docs/algorithm.md §5 literally). rate=per_device: the paper rates are for 32 GPUs, so the mean '
-    'interval is scaled by 32/slices. Repair time is never scaled.',
-    'Throughput = samples trained / window; drop_pct = 100*(1 - throughput/fault-free). All '
-    'policies train the full global batch except drop, which loses the failed slices\' rows. With '
-    'every slice down, time passes without progress until a repair.',
-    'Overheads: the replay charges what the controller\'s program cache builds (ProgramLedger, '
-    'benchmarks/ledger.py, from the keys of ProgramCache.step_programs). A step on a live set '
-    'requests its programs: the fused step where every live slice plays one single-pass role, '
-    'else a group program per role and the update; where a slice degrades, the svd refresh '
-    '(from scratch the first time, then warm); the eval where train.eval_every > 0. With '
-    '--move on (train.move_programs, the default off TPU) a program is compiled the first time '
-    'its shape (kind, number of slices, role) is requested, at the measured compile seconds of '
-    'that kind and role (a fused step of any role: the fused normal step\'s), and moved at '
-    'move_s onto each later set of slices of that shape (move_s includes the serialize, which '
-    'the cache does once per shape: an upper bound); a request already built costs nothing. '
-    'With --move off every new request is compiled (per-set programs). The fault-free run\'s '
-    'programs are built before the window. Approximation: the controller refreshes every tau '
-    'degraded steps and evals every train.eval_every steps on whatever set is live then; the '
-    'replay runs a live set\'s steps in bulk and requests both once per new live set (for the '
-    'first degraded one the first refresh and the first warm one), which is exact where every '
-    'live set lasts that many steps. Compiles are charged in the foreground: precompiling the '
-    'next live sets in the background (faults.precompile) is not modelled. Each repair pays '
-    'one rejoin = device_put of the full train state from a host copy (on CPU a host-memory '
-    'copy; on accelerators a host->device or peer transfer). Cross-slice all-reduce time is not '
-    'modelled (absent from the fault-free cost too).',
-    'checkpoint-restart (assumptions): every failure restarts the whole job: restore_s (a real '
-    'Orbax restore of the one-replica train state from a durable checkpoint on local disk, '
-    'manifest check included, median of 3; each slice restores its replica in parallel) + '
-    'compile of the fused normal step (and of the eval where train.eval_every > 0; measured; no '
-    'persistent compile cache) + the steps since the last durable checkpoint (every '
-    '--checkpoint-every steps, default snapshot.durable_every; replayed, so on average half the '
-    'interval; checkpoint writes assumed free, async). A spare '
-    'replaces the failed slice, so after a restart the job runs at full speed on n slices, never '
-    'waits for all-down time, and a repair costs nothing (the repaired slice becomes a spare). '
-    'Process start-up, scheduler and data-loader warm-up are not counted: a lower bound.',
-]
+# What the replay models and assumes: docs/benchmarks.md, "Throughput under failures".
+NOTES = 'docs/benchmarks.md#throughput-under-failures-controller'
 
 
 def planner(spec: str, n: int, granule: int, cfg) -> Planner:
@@ -139,9 +87,18 @@ def failure_model(args, n: int) -> dict:
           for p in args.presets}
 
 
+def run_programs(cfg) -> RunPrograms:
+  """The programs `cfg`'s steps request besides the roles (its basis kind keeps and refreshes
+  bases or not)."""
+  return RunPrograms.of(cfg, bases.kind(cfg).refresh is not None)
+
+
 def policy_model(plan: Planner, costs: ClusterCosts, cfg, args) -> simulate.PolicyModel:
-  """The replay's model of `plan`, requesting the programs `cfg` runs, moved unless --move off."""
-  return simulate.PolicyModel(plan, costs, RunPrograms.of(cfg), args.move == 'on')
+  """The replay's model of `plan`: the programs `cfg` runs, moved unless --move off, the next
+  live sets' moved in the background unless --premove off."""
+  cap = args.premove_cap if args.premove == 'on' else 0
+  return simulate.PolicyModel(plan, costs, run_programs(cfg), cfg.mecefo.tau, args.move == 'on',
+                              cap)
 
 
 def replay_all(costs: ClusterCosts, cfg, args, planners: dict[str, Planner]) -> dict:
@@ -177,7 +134,7 @@ def tables(result: dict) -> str:
     out += [f"throughput drop % (mean ± std over {a['seeds']} seeds), rate={a['rate']}, "
             f"stat={a['stat']}, {n} slices, {a['hours']} h",
             common.markdown_table(drop, ['policy', *presets]),
-            common.markdown_table(fail, list(fail[0])), _programs(res, presets[-1], a['move'])]
+            common.markdown_table(fail, list(fail[0])), _programs(res, presets[-1], a)]
   c = result['costs']
   roles = [{'role': role_name(Role(r['exact'], r['degraded'], r['passes'])),
             'step_s': r['step_s'], 'vs_normal': r['step_s'] / c['normal_s'],
@@ -193,13 +150,16 @@ def tables(result: dict) -> str:
       common.markdown_table(roles, list(roles[0]))])
 
 
-def _programs(res: dict, preset: str, move: str) -> str:
-  """Programs compiled and moved per run at `preset`, and their share of the window."""
+def _programs(res: dict, preset: str, a: dict) -> str:
+  """Programs built per run at `preset`: compiled and moved in the foreground, moved in the
+  background; the foreground's seconds as a share of the window."""
   rows = [{'policy': pol, 'compiled': r[preset]['compiled'], 'moved': r[preset]['moved'],
-           'compile_%': 100 * r[preset]['compile_time_frac'],
-           'move_%': 100 * r[preset]['move_time_frac']} for pol, r in res.items()]
-  return (f'programs built per run at {preset} (mean over seeds), moves {move}\n\n' +
-          common.markdown_table(rows, list(rows[0])))
+           'premoved': r[preset]['premoved'], 'compile_%': 100 * r[preset]['compile_time_frac'],
+           'move_%': 100 * r[preset]['move_time_frac'],
+           'premove_wait_%': 100 * r[preset]['premove_wait_time_frac']} for pol, r in res.items()]
+  premove = f"on, cap {a['premove_cap']}" if a['premove'] == 'on' else 'off'
+  return (f"programs built per run at {preset} (mean over seeds), moves {a['move']}, background "
+          f'moves {premove}\n\n' + common.markdown_table(rows, list(rows[0])))
 
 
 def _fmt(x) -> str:
@@ -249,9 +209,17 @@ def get_measurement(args, cfg, carriers: list[Planner], max_slices: int) -> dict
   return measurement
 
 
-def first_failure_s(pm: simulate.PolicyModel) -> float:
-  """Seconds to build the programs of the first failure (slice 0 down): all compiled."""
-  return pm.ledger().charge(pm.requests(tuple(range(1, pm.n)), False))
+def first_failure_s(model: simulate.PolicyModel) -> float:
+  """Seconds to build the programs of the first failure (slice 0 down; checkpoint-restart: the
+  restart's), all compiled, less the fault-free run's."""
+  ledger = model.ledger()
+  if model.policy == CHECKPOINT:
+    ledger.forget()
+    return sum(ledger.build(key)[1] for key in model.fault_free())
+  decider = model.decider()
+  with simulate.quiet():
+    decider.apply(FailureEvent(0, 0, 'fail', 'first failure'))
+    return sum(ledger.build(key)[1] for key in decider.programs_for(decider.live()))
 
 
 def main(argv=None):
@@ -281,6 +249,11 @@ def main(argv=None):
   p.add_argument('--move', choices=('on', 'off'), default='on',
                  help='programs move between sets of slices of one shape (train.move_programs); '
                  'off: every new set of slices compiles its programs')
+  p.add_argument('--premove', choices=('on', 'off'), default='on',
+                 help='a background thread moves the programs of the live sets one event away '
+                 'after each change (with --move on)')
+  p.add_argument('--premove-cap', type=int, default=64,
+                 help='programs the background thread moves per change of live set (0: none)')
   args = p.parse_args(argv)
   args.policies, args.presets = args.policies.split(','), args.presets.split(',')
   slice_counts = [int(s) for s in args.slices.split(',')]
@@ -301,7 +274,8 @@ def main(argv=None):
             'micro_batch': b, 'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo),
             'granule': granule, 'max_degraded_rows': carriers[0].max_rows if carriers else 2 * b,
             'measurement': measurement, 'cost_model': cost_model, 'notes': NOTES,
-            'programs': {'move': args.move == 'on', **dataclasses.asdict(RunPrograms.of(cfg))},
+            'programs': {'move': args.move == 'on', **dataclasses.asdict(run_programs(cfg))},
+            'premove': {'on': args.premove == 'on', 'cap': args.premove_cap},
             'env': {'OPENBLAS_NUM_THREADS': os.environ.get('OPENBLAS_NUM_THREADS')}}
   result['failure_model'] = {n: failure_model(args, n) for n in slice_counts}
   result['compile_one_failure_s'] = {

@@ -1,84 +1,142 @@
-"""The programs a replayed step requests from the controller's program cache, and what building
-them costs: a compile for each new shape, a move for each new set of slices of a compiled one."""
+"""The replay's stand-in program cache (keyed by ProgramKey) and its background mover."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import math
+from typing import Callable, Iterable, Sequence
 
-from mecefo_jax.model import bases
-from mecefo_jax.step import cache
+from mecefo_jax.core.programs import ProgramKey
 
-
-@dataclasses.dataclass(frozen=True)
-class RunPrograms:
-  """What besides the roles decides the programs a run's steps request: its config."""
-  ordered_reduce: bool = False  # mesh.ordered_reduce: never the fused step under failure
-  refresh: str | None = None  # svd bases: mecefo.refresh ('warm' | 'full'); None: no refresh
-  evals: bool = False  # train.eval_every > 0
-
-  @classmethod
-  def of(cls, cfg) -> 'RunPrograms':
-    svd = bases.kind(cfg).refresh is not None
-    return cls(cfg.mesh.ordered_reduce, cfg.mecefo.refresh if svd else None,
-               cfg.train.eval_every > 0)
+COMPILED, MOVED, PREMOVED = 'compiled', 'moved', 'premoved'  # how a program came to be built
 
 
-def program_requests(live: tuple[int, ...], roles: dict, run: RunPrograms,
-                     refreshed: bool) -> list[tuple]:
-  """The programs (kind, slices, *args) that steps on `live` request from the controller's
-  program cache, given the planner's `roles`: the step's own (cache.step_keys); where a slice
-  degrades, the svd refresh, from scratch the first time (`refreshed` False) and warm after
-  (unless mecefo.refresh=full); the eval. The controller refreshes every tau steps and evals
-  every train.eval_every steps on whatever set is live then: these are the requests of a
-  live set that lasts that long (the first degraded one: its first refresh and the warm one
-  tau steps later)."""
-  keys = cache.step_keys(live, roles, run.ordered_reduce)
-  if run.refresh and any(r.degraded for r in roles.values()):
-    warm = run.refresh == 'warm'
-    if not (warm and refreshed):
-      keys.append(('refresh', live, False))
-    if warm:
-      keys.append(('refresh', live, True))
-  if run.evals:
-    keys.append(('eval', live))
-  return keys
+@dataclasses.dataclass
+class BuildStats:
+  """Programs a replay built, and the seconds its steps waited for them (the foreground)."""
+  compiled: int = 0  # compiled in the foreground: a new shape, or any new program with moves off
+  compile_s: float = 0.0
+  moved: int = 0  # moved in the foreground: the background worker had not started them
+  move_s: float = 0.0
+  premoved: int = 0  # moved by the background worker before (or while) their live set came
+  premove_wait_s: float = 0.0  # waited for the rest of moves in flight when their set came
 
 
 class ProgramLedger:
-  """What building the requested programs costs, as step/cache.py's ProgramCache builds them:
-  with moving on, a compile for each new shape (cache.shape_of) and a move for each new
-  request of a shape compiled before; with moving off, a compile for each new request."""
+  """What building programs costs, as the executor's program cache builds them: with moves on, a
+  compile for each new `key.shape` and a move (`move_s`) for each new key of a known shape;
+  with moves off, a compile for each new key."""
 
-  def __init__(self, compile_s: Callable[[tuple], float], move_s: float, move: bool, built=()):
-    """`compile_s(key)`: compile seconds of a request; `built`: requests built before the
-    window (the fault-free run's), not charged."""
+  def __init__(self, compile_s: Callable[[ProgramKey], float], move_s: float, move: bool,
+               built: Iterable[ProgramKey] = ()):
+    """`compile_s(key)`: compile seconds of a program; `built`: programs built before the replay
+    (the fault-free run's), not charged."""
     self.compile_s, self.move_s, self.move = compile_s, move_s, move
-    self.stats = {'compiled': 0, 'compiled_s': 0.0, 'moved': 0, 'moved_s': 0.0}
+    self.stats = BuildStats()
     self.forget()
-    self._built.update(built)
-    self._shapes.update(map(cache.shape_of, self._built))
+    for key in built:
+      self._add(key)
 
   def forget(self) -> None:
-    """A fresh process: nothing is built, the bases were never refreshed."""
-    self._built, self._shapes, self.refreshed = set(), set(), False
+    """A fresh process: nothing is built."""
+    self._built: set[ProgramKey] = set()
+    self._shapes: set[tuple] = set()
 
-  def charge(self, keys) -> float:
-    """Seconds to build the programs of `keys` that are not built yet (booked in stats)."""
-    spent = 0.0
-    for key in keys:
-      if key in self._built:
-        continue
-      self._built.add(key)
-      self.refreshed |= key[0] == 'refresh'
-      shape = cache.shape_of(key)
-      if self.move and shape in self._shapes:
-        spent += self._book('moved', self.move_s)
-      else:
-        self._shapes.add(shape)
-        spent += self._book('compiled', self.compile_s(key))
-    return spent
+  def has(self, key: ProgramKey) -> bool:
+    return key in self._built
 
-  def _book(self, what: str, seconds: float) -> float:
-    self.stats[what] += 1
-    self.stats[f'{what}_s'] += seconds
-    return seconds
+  def movable(self, key: ProgramKey) -> bool:
+    """`key` is not built and building it would move a program of its shape."""
+    return self.move and key not in self._built and key.shape in self._shapes
+
+  def build(self, key: ProgramKey, ready_at: float | None = None, now: float = 0.0
+            ) -> tuple[str | None, float]:
+    """Builds `key` at `now` unless built: (how, seconds the step waits). `ready_at`: when the
+    background worker finishes moving it (None: it does not move it)."""
+    if key in self._built:
+      return None, 0.0
+    s = self.stats
+    if ready_at is not None:
+      how, wait = PREMOVED, max(0.0, ready_at - now)
+      s.premoved, s.premove_wait_s = s.premoved + 1, s.premove_wait_s + wait
+    elif self.movable(key):
+      how, wait = MOVED, self.move_s
+      s.moved, s.move_s = s.moved + 1, s.move_s + wait
+    else:
+      how, wait = COMPILED, self.compile_s(key)
+      s.compiled, s.compile_s = s.compiled + 1, s.compile_s + wait
+    self._add(key)
+    return how, wait
+
+  def _add(self, key: ProgramKey) -> None:
+    self._built.add(key)
+    self._shapes.add(key.shape)
+
+
+class Premover:
+  """The background worker as the executor runs it: one thread that, after each change of live
+  set, moves the programs of the live sets one event away (likeliest first) that would be moves
+  and are not built, at most `cap` of them, `ledger.move_s` each, one after another. It never
+  compiles (no spare cores for it). At the next change the programs of the set that came are
+  taken (a move in flight is waited for), the others are evicted and the rest of the queue is
+  dropped; the move in flight finishes before the next queue starts.
+
+  The queue is listed lazily, at the next change, only as far as it decides anything: which of
+  the new set's programs the worker had reached, and whether it was still busy. That is the
+  queue listed at its own change: in between the foreground builds only the current set's
+  refresh and eval programs, which no set one event away shares, nor their shapes (another
+  number of slices), so what is movable does not change."""
+
+  def __init__(self, ledger: ProgramLedger, cap: int):
+    self.ledger, self.cap, self.move_s = ledger, cap, ledger.move_s
+    self._busy_until = 0.0
+    self.queue(0.0, (), lambda live: [])
+
+  def queue(self, now: float, sets: Sequence[tuple[int, ...]],
+            programs_of: Callable[[tuple[int, ...]], list[ProgramKey]]) -> None:
+    """The queue after a change of live set at `now`: the programs `programs_of(s)` for each
+    of `sets`, in order."""
+    self._sets, self._programs_of = iter(sets if self.cap else ()), programs_of
+    self._items: list[ProgramKey] = []
+    self._where: dict[ProgramKey, int] = {}
+    self._start = max(now, self._busy_until)
+
+  def arrive(self, now: float, live: tuple[int, ...], keys: Sequence[ProgramKey]
+             ) -> dict[ProgramKey, float]:
+    """At the change to `live` at `now`: when the worker finished (or finishes) moving each of
+    `keys` (only those it started before `now`). Drops the queue: call before building any."""
+    started = self._started(now)
+    if keys:
+      self._list(started, stop=live)
+    ready = {k: self._done(i) for k in keys if (i := self._where.get(k, started)) < started}
+    if started and self._done(started - 1) > now:  # a move may be in flight: it goes on
+      self._list(started)
+      if len(self._items) >= started:
+        self._busy_until = self._done(started - 1)
+    self.queue(now, (), self._programs_of)
+    return ready
+
+  def _started(self, now: float) -> int:
+    """How many queued moves the worker started before `now` (at most `cap`)."""
+    if now <= self._start:
+      return 0
+    if not self.move_s:
+      return self.cap
+    return min(self.cap, math.ceil((now - self._start) / self.move_s))
+
+  def _done(self, i: int) -> float:
+    return self._start + (i + 1) * self.move_s
+
+  def _list(self, n: int, stop: tuple[int, ...] | None = None) -> None:
+    """Lists the queue up to `n` programs, or until the set `stop` is listed."""
+    while len(self._items) < n:
+      live = next(self._sets, None)
+      if live is None:
+        return
+      for key in self._programs_of(live):
+        if len(self._items) == self.cap:
+          return
+        if key not in self._where and self.ledger.movable(key):
+          self._where[key] = len(self._items)
+          self._items.append(key)
+      if live == stop:
+        return

@@ -1,4 +1,4 @@
-"""Failure replay on a simulated cluster: step time per live set from per-role costs, no devices."""
+"""Failure replay on a simulated cluster: the real decider's plans, costed per role, no devices."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +8,19 @@ from typing import Sequence
 
 import numpy as np
 
-from benchmarks.ledger import ProgramLedger, RunPrograms, program_requests
-from mecefo_jax.fault.failures import FailureSchedule, TimedEvent as Event, apply_event
-from mecefo_jax.plan.roles import Role
-from mecefo_jax.plan.takeover import Planner
+from benchmarks.ledger import ProgramLedger
+from benchmarks.replay import Replay, Tally, quiet, replay_trace, step_seconds
+from mecefo_jax.core import goodput, programs
+from mecefo_jax.core.decider import Decider
+from mecefo_jax.core.failures import FailureEvent, FailureSchedule, TimedEvent as Event, apply_event
+from mecefo_jax.core.goodput import Bucket
+from mecefo_jax.core.programs import ProgramKey, RunPrograms
+from mecefo_jax.core.roles import Role
+from mecefo_jax.core.takeover import Planner
 
 CHECKPOINT = 'checkpoint-restart'
+__all__ = ['CHECKPOINT', 'ClusterCosts', 'Event', 'PolicyModel', 'Tally', 'quiet', 'replay',
+           'replay_trace', 'step_seconds']
 
 
 # --- roles --------------------------------------------------------------------------------------
@@ -56,13 +63,10 @@ class ClusterCosts:
   group_s: dict[Role, float]  # per-slice contribution program of each role
   group_compile_s: dict[Role, float]
   fused_compile_s: float  # also charged for the fused step of any other role
-  update_compile_s: float
-  refresh_s: float = 0.0  # svd bases refresh, run every tau steps while degraded work runs
-  refresh_compile_s: float = 0.0  # the refresh repeated every tau steps (warm unless full)
-  cold_refresh_compile_s: float = 0.0  # the first refresh of a run (from scratch)
-  eval_compile_s: float = 0.0
+  # Compile seconds of every other kind of program, by kind name (core/programs.py KINDS).
+  compile_s_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
+  refresh_s: float = 0.0  # svd bases refresh, run before the steps where the decider plans one
   move_s: float = 0.0  # a compiled program moved onto other slices (step/retarget.py)
-  tau: int = 10
   rejoin_s: float = 0.0  # state copy onto a repaired slice
   restore_s: float = 0.0  # checkpoint-restart: restore of a durable checkpoint on restart
   modelled: set = dataclasses.field(default_factory=set)  # roles whose cost is predicted
@@ -84,20 +88,20 @@ class ClusterCosts:
 
   def group(self, role: Role) -> float:
     """Seconds of `role`'s group program: measured, else predicted (and then kept)."""
-    return self.complete({role}).group_s[role]
+    found = self.group_s.get(role)
+    return self.complete({role}).group_s[role] if found is None else found
 
   def group_compile(self, role: Role) -> float:
     return self.complete({role}).group_compile_s[role]
 
-  def compile_of(self, key: tuple) -> float:
-    """Compile seconds of the program `key` = (kind, slices, *args) (step/cache.py)."""
-    kind, _, *args = key
-    if kind == 'group':
-      return self.group_compile(args[0])
-    if kind == 'refresh':
-      return self.refresh_compile_s if args[0] else self.cold_refresh_compile_s
-    return {'fused': self.fused_compile_s, 'update': self.update_compile_s,
-            'eval': self.eval_compile_s}[kind]
+  def compile_of(self, key: ProgramKey) -> float:
+    """Compile seconds of the program `key`: a group program by its role, a fused step as the
+    fused normal one, any other kind by its name."""
+    if key.kind is programs.GROUP:
+      return self.group_compile(key.variant)
+    if key.kind is programs.FUSED:
+      return self.fused_compile_s
+    return self.compile_s_by_kind[key.kind.name]
 
   def to_json(self) -> dict:
     roles = [{'exact': r.exact, 'degraded': r.degraded, 'passes': r.passes,
@@ -109,85 +113,123 @@ class ClusterCosts:
     return {**scalars, 'roles': roles}
 
 
+@dataclasses.dataclass
 class PolicyModel:
-  """Step time, samples per step and program requests of a live set under one takeover policy."""
+  """One policy's replay settings: its planner (the decider's), costs and the run's programs.
+  `planner.policy` may be CHECKPOINT: a spare replaces the failed slice (no decider)."""
+  planner: Planner
+  costs: ClusterCosts
+  run: RunPrograms = RunPrograms()
+  tau: int = 10  # mecefo.tau: steps between svd basis refreshes
+  move: bool = True  # programs move between sets of slices of one shape (train.move_programs)
+  premove_cap: int = 0  # programs moved in the background after each change of live set; 0: off
 
-  def __init__(self, planner: Planner, costs: ClusterCosts, run: RunPrograms = RunPrograms(),
-               move: bool = True):
-    """`planner.policy` may be CHECKPOINT: a spare replaces the failed slice (no takeover);
-    `move`: programs move between sets of slices of one shape (train.move_programs)."""
-    self.planner, self.costs, self.run, self.move = planner, costs, run, move
-    self.policy, self.n, self.b = planner.policy, planner.n_slices, planner.micro_batch
-    self._cache: dict = {}
-    self._by_place: dict = {}
+  @property
+  def policy(self) -> str:
+    return self.planner.policy
 
-  def _roles(self, live) -> set[Role]:
-    """The roles a step on `live` runs, planned once per shape of live set (_shape)."""
-    key = self._shape(live)
-    if key not in self._cache:
-      self._cache[key] = set(self.planner.plan(live).roles.values())
-    return self._cache[key]
+  @property
+  def n(self) -> int:
+    return self.planner.n_slices
 
-  def _shape(self, live) -> tuple[int, ...]:
-    """What the set of roles of a live set depends on: for neighbor and naive the runs of
-    failed slices before each carrier; for the other policies, which balance the orphaned
-    rows over all live slices, only how many are live (tests/test_simulate.py checks both)."""
-    if self.policy not in ('neighbor', 'naive'):
-      return (len(live),)
-    return tuple(sorted(self._places(live)))
+  @property
+  def b(self) -> int:
+    return self.planner.micro_batch
 
-  def roles(self, live: tuple[int, ...]) -> dict[int, Role]:
-    """Every live slice's role, as planner.plan(live).roles, planned once per place (_places)
-    where a slice's role depends on its place alone: a replay meets thousands of live sets."""
-    if self.policy == CHECKPOINT:
-      return dict.fromkeys(live, Role(self.b))
-    if len(kinds := self._roles(live)) == 1:
-      return dict.fromkeys(live, next(iter(kinds)))
-    places = self._places(live)
-    if places is None:
-      return self.planner.plan(live).roles
-    if not all(p in self._by_place for p in places):
-      plan = self.planner.plan(live).roles
-      self._by_place.update((p, plan[s]) for s, p in zip(live, places))
-    return {s: self._by_place[p] for s, p in zip(live, places)}
+  def decider(self) -> Decider:
+    """A fresh decider: no event scheduled (a replay applies them), every slice present."""
+    return Decider(self.planner, self.run, FailureSchedule(self.n), self.tau)
 
-  def _places(self, live) -> list | None:
-    """What each live slice's role depends on, in live order: for neighbor and naive the run of
-    failed slices before it (it carries them); for exact and budget the live count and its
-    place on the ring from the first failed slice (the order the planner hands out its loads
-    in); None for spread, where it depends on every orphan (tests/test_simulate.py checks)."""
-    if self.policy in ('neighbor', 'naive'):
-      return [(s - p - 1) % self.n for p, s in zip(live[-1:] + live[:-1], live)]
-    if self.policy not in ('exact', 'budget'):
-      return None
-    first_down = min(set(range(self.n)) - set(live), default=self.n - 1)
-    ring = {s: i for i, s in enumerate(sorted(live, key=lambda s: (s - first_down) % self.n))}
-    return [(len(live), ring[s]) for s in live]
-
-  def requests(self, live: tuple[int, ...], refreshed: bool) -> list[tuple]:
-    """program_requests of `live` under this policy."""
-    return program_requests(live, self.roles(live), self.run, refreshed)
+  def fault_free(self) -> list[ProgramKey]:
+    """The programs of the fault-free run (every slice normal), built before a replay."""
+    live = tuple(range(self.n))
+    return programs.programs_for(programs.Need(live, dict.fromkeys(live, Role(self.b)), self.run))
 
   def ledger(self) -> ProgramLedger:
-    """A replay's ledger: the fault-free step's programs are built before its window."""
-    c = self.costs
-    return ProgramLedger(c.compile_of, c.move_s, self.move,
-                         built=self.requests(tuple(range(self.n)), False))
-
-  def step(self, live: tuple[int, ...]) -> tuple[float, int]:
-    """(seconds, samples) of one step on `live`; the slowest live slice sets the pace."""
-    c = self.costs
-    if self.policy == CHECKPOINT:
-      return c.normal_s, self.n * self.b  # a spare stands in for the failed slice
-    samples = (len(live) if self.policy == 'drop' else self.n) * self.b
-    roles = self._roles(live)
-    if roles == {Role(self.b)}:
-      return c.normal_s, samples  # uniform normal role: the fused step (Controller._run)
-    refresh = c.refresh_s / c.tau if any(r.degraded for r in roles) else 0.0
-    return max(c.group(r) for r in roles) + c.update_s + refresh, samples
+    """The stand-in program cache with the fault-free run's programs built."""
+    return ProgramLedger(self.costs.compile_of, self.costs.move_s, self.move, self.fault_free())
 
 
-# --- failures and replay ------------------------------------------------------------------------
+# --- the replay ---------------------------------------------------------------------------------
+
+def replay(events: Sequence[Event], n_slices: int, horizon_s: float, model: PolicyModel,
+           checkpoint_every: int = 500) -> Tally:
+  """Back-to-back steps over `horizon_s`; due events take effect at the next step boundary.
+
+  MeCeFO policies: the real decider plans each step (core/decider.py); a step pays for the
+  programs it needs that are not built yet (ProgramLedger: compiles and moves, less what the
+  background worker moved), a plan with rejoins one rejoin. checkpoint-restart: see
+  `checkpoint_restart`."""
+  if model.policy == CHECKPOINT:
+    return checkpoint_restart(events, n_slices, horizon_s, model, checkpoint_every)
+  r = Replay(model.decider(), model.costs, model.move, model.premove_cap, model.fault_free())
+  i = 0
+  with quiet():
+    while r.now < horizon_s:
+      while i < len(events) and events[i].time_s <= r.now:
+        r.decider.apply(FailureEvent(r.step, events[i].slice, events[i].kind, 'replay'))
+        i += 1
+      start, live = r.now, r.decider.live()
+      t_next = min(events[i].time_s if i < len(events) else horizon_s, horizon_s)
+      if live:
+        r.window(t_next, horizon_s)
+      else:  # every slice is down: no step until a repair
+        r.begin()
+        r.now = max(r.now, t_next)
+        r.tally.all_down_s += r.now - start
+      span = min(r.now, horizon_s) - start
+      r.tally.live_slice_s += len(live) * span
+      r.tally.failed_s += span if len(live) < n_slices else 0.0
+  return r.tally
+
+
+def checkpoint_restart(events: Sequence[Event], n_slices: int, horizon_s: float,
+                       model: PolicyModel, checkpoint_every: int) -> Tally:
+  """A spare takes each failed slice's place, so steps always run on all n slices and a repair
+  changes nothing; each failure restarts the job: the steps since the last checkpoint (taken
+  every `checkpoint_every`) are lost, then a restore and the compile of the fault-free programs
+  in a fresh process."""
+  c, tally, failed, i, now, progress = model.costs, Tally(), set(), 0, 0.0, 0
+  ledger, per_step = model.ledger(), n_slices * model.b
+  tally.builds = ledger.stats
+  while now < horizon_s:
+    i, fails = _apply_due(events, i, now, failed)
+    start, next_t = now, events[i].time_s if i < len(events) else horizon_s
+    if fails:
+      lost = progress % checkpoint_every  # redone, their samples not counted
+      progress -= lost
+      tally.lost_steps, tally.samples, tally.restarts = (
+          tally.lost_steps + lost, tally.samples - lost * per_step, tally.restarts + 1)
+      tally.goodput[Bucket.NORMAL] -= lost * c.normal_s
+      tally.goodput[Bucket.LOST] += lost * c.normal_s
+      ledger.forget()
+      compile_s = sum(ledger.build(key)[1] for key in model.fault_free())
+      tally.goodput[Bucket.COMPILE] += compile_s
+      tally.goodput[Bucket.RESTART] += c.restore_s
+      now += compile_s + c.restore_s
+    run = min(max(1, math.ceil((next_t - now) / c.normal_s)), (horizon_s - now) / c.normal_s)
+    if run > 0:
+      tally.samples += run * per_step
+      tally.steps += math.ceil(run)
+      tally.goodput[Bucket.NORMAL] += run * c.normal_s
+      progress += int(run)
+      now += run * c.normal_s
+    span = min(now, horizon_s) - start
+    tally.live_slice_s += n_slices * span
+    tally.failed_s += span if failed else 0.0
+  return tally
+
+
+def _apply_due(events, i, now, failed) -> tuple[int, bool]:
+  """Applies the events due by `now`: (the next one's index, whether a slice failed)."""
+  fails = False
+  while i < len(events) and events[i].time_s <= now:
+    fails |= apply_event(failed, events[i].kind, events[i].slice) and events[i].kind == 'fail'
+    i += 1
+  return i, fails
+
+
+# --- failures -----------------------------------------------------------------------------------
 
 def stall_all_down(schedule: FailureSchedule, n_slices: int, steps: int) -> FailureSchedule | None:
   """`schedule` as a cluster that waits out all-down periods trains it: a step with no live
@@ -224,111 +266,25 @@ def preset_schedule(name: str, n_slices: int, steps: int, cluster_step_s: float,
     drawn *= 2
 
 
-@dataclasses.dataclass
-class Tally:
-  samples: float = 0.0
-  steps: int = 0  # steps run (checkpoint-restart: including steps later lost)
-  live_slice_s: float = 0.0  # integral over time of the number of live slices
-  failed_s: float = 0.0  # time with at least one slice down
-  all_down_s: float = 0.0  # time with no live slice: no progress
-  compile_s: float = 0.0
-  move_s: float = 0.0
-  compiled: int = 0  # programs compiled
-  moved: int = 0  # programs moved onto other slices
-  rejoin_s: float = 0.0  # checkpoint-restart: restore time of its restarts
-  restarts: int = 0
-  lost_steps: int = 0  # checkpoint-restart: steps redone after a failure
-
-
-def _apply_due(events, i, now, failed):
-  """Applies events due by `now`; returns (next index, any fail, any repair) that changed state."""
-  fails = repairs = False
-  while i < len(events) and events[i].time_s <= now:
-    e = events[i]
-    changed = apply_event(failed, e.kind, e.slice)
-    fails |= changed and e.kind == 'fail'
-    repairs |= changed and e.kind == 'repair'
-    i += 1
-  return i, fails, repairs
-
-
-def replay(events: Sequence[Event], n_slices: int, horizon_s: float, model: PolicyModel,
-           checkpoint_every: int = 500) -> Tally:
-  """Back-to-back steps over `horizon_s`; due events take effect at the next step boundary.
-
-  MeCeFO policies: a new live set pays for the programs it requests that are not built yet
-  (ProgramLedger: compiles and moves), a repair pays one rejoin.
-  checkpoint-restart: each failure restarts the job (restore + compile) and loses the steps
-  since the last checkpoint (taken every `checkpoint_every`); a spare takes the failed
-  slice's place, so it always runs on all n slices and a repair changes nothing.
-  """
-  tally, failed, seen, i, now = Tally(), set(), {tuple(range(n_slices))}, 0, 0.0
-  ledger = model.ledger()
-  progress, restart_due, ckpt = 0, False, model.policy == CHECKPOINT
-  while now < horizon_s:
-    i, fails, repairs = _apply_due(events, i, now, failed)
-    live = tuple(s for s in range(n_slices) if ckpt or s not in failed)
-    start, next_t = now, events[i].time_s if i < len(events) else horizon_s
-    step_s, samples = model.step(live) if live else (0.0, 0)
-    if ckpt and fails:
-      # Rewind to the last checkpoint: the steps since then are redone, their samples not counted.
-      lost = progress % checkpoint_every
-      progress -= lost
-      tally.lost_steps += lost
-      tally.samples -= lost * model.n * model.b
-    restart_due |= ckpt and fails
-    if not live:
-      now = min(next_t, horizon_s)
-      tally.all_down_s += now - start
-    else:
-      now += _overheads(tally, model, ledger, live, seen, repairs, restart_due, ckpt)
-      restart_due = False
-      n_steps = max(1, math.ceil((next_t - now) / step_s))
-      room = (horizon_s - now) / step_s
-      run = min(n_steps, room)  # the window may end inside the last step: credit the fraction
-      if run > 0:
-        tally.samples += run * samples
-        tally.steps += math.ceil(run)
-        progress += int(run)
-      now += max(run, 0) * step_s
-    span = min(now, horizon_s) - start
-    tally.live_slice_s += len(live) * span
-    tally.failed_s += span if failed else 0.0
-  s = ledger.stats
-  tally.compile_s, tally.move_s, tally.compiled, tally.moved = (
-      s['compiled_s'], s['moved_s'], s['compiled'], s['moved'])
-  return tally
-
-
-def _overheads(tally, model, ledger, live, seen, repairs, restart_due, ckpt) -> float:
-  """Seconds before the next step can run: programs of a new live set, rejoin or restart."""
-  c, spent = model.costs, 0.0
-  if ckpt:
-    if restart_due:
-      ledger.forget()  # a fresh process: nothing compiled is cached
-      tally.rejoin_s, tally.restarts = tally.rejoin_s + c.restore_s, tally.restarts + 1
-      spent = ledger.charge(model.requests(live, False)) + c.restore_s
-    return spent
-  if repairs:
-    tally.rejoin_s += c.rejoin_s
-    spent += c.rejoin_s
-  if live not in seen:
-    seen.add(live)
-    spent += ledger.charge(model.requests(live, ledger.refreshed))
-  return spent
-
-
 def summarize(tallies: Sequence[Tally], horizon_s: float, fault_free_throughput: float) -> dict:
   """Seed-averaged drop in throughput and failure statistics of one policy under one preset."""
   drops = [100.0 * (1.0 - t.samples / horizon_s / fault_free_throughput) for t in tallies]
-  mean = lambda key: float(np.mean([getattr(t, key) for t in tallies]))
+  mean = lambda f: float(np.mean([f(t) for t in tallies]))
+  frac = lambda f: mean(f) / horizon_s
+  built = lambda key: lambda t: getattr(t.builds, key)
+  booked = lambda key: lambda t: t.goodput[key]
+  restarts = mean(lambda t: t.restarts)
   return {'drop_pct': float(np.mean(drops)), 'drop_pct_std': float(np.std(drops)),
-          'drop_pct_per_seed': drops, 'mean_live_slices': mean('live_slice_s') / horizon_s,
-          'failure_time_frac': mean('failed_s') / horizon_s,
-          'all_down_time_frac': mean('all_down_s') / horizon_s, 'steps': mean('steps'),
-          'compile_time_frac': mean('compile_s') / horizon_s,
-          'move_time_frac': mean('move_s') / horizon_s, 'compiled': mean('compiled'),
-          'moved': mean('moved'),
-          'rejoin_time_frac': mean('rejoin_s') / horizon_s, 'restarts': mean('restarts'),
-          'lost_steps': mean('lost_steps'),
-          'lost_steps_per_restart': mean('lost_steps') / max(mean('restarts'), 1e-9)}
+          'drop_pct_per_seed': drops, 'mean_live_slices': frac(lambda t: t.live_slice_s),
+          'failure_time_frac': frac(lambda t: t.failed_s),
+          'all_down_time_frac': frac(lambda t: t.all_down_s), 'steps': mean(lambda t: t.steps),
+          'refreshes': mean(lambda t: t.refreshes),
+          'compiled': mean(built('compiled')), 'moved': mean(built('moved')),
+          'premoved': mean(built('premoved')), 'compile_time_frac': frac(built('compile_s')),
+          'move_time_frac': frac(built('move_s')),
+          'premove_wait_time_frac': frac(built('premove_wait_s')),
+          'rejoin_time_frac': frac(booked(Bucket.REJOIN)),
+          'restart_time_frac': frac(booked(Bucket.RESTART)), 'restarts': restarts,
+          'lost_steps': mean(lambda t: t.lost_steps),
+          'lost_steps_per_restart': mean(lambda t: t.lost_steps) / max(restarts, 1e-9),
+          'goodput_frac': {key: frac(booked(key)) for key in goodput.KEYS}}

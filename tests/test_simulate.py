@@ -1,57 +1,66 @@
 """Failure replay simulation: failure process, roles per live set, cost model, time accounting,
-and the programs it charges against those the controller builds."""
+the programs the real decider's plans build, and the background worker that moves them early."""
 import numpy as np
 import pytest
-from test_controller import CORPUS, MESHES, TINY, _mesh
 
 from benchmarks import quality, simulate
-from benchmarks.ledger import ProgramLedger, RunPrograms
+from benchmarks.ledger import Premover, ProgramLedger
 from benchmarks.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, replay
-from mecefo_jax.config import load_config
-from mecefo_jax.fault.controller import Controller
-from mecefo_jax.fault.failures import FailureSchedule
-from mecefo_jax.plan.roles import Role
-from mecefo_jax.plan.takeover import Planner
+from mecefo_jax.core import programs
+from mecefo_jax.core.decider import Decider
+from mecefo_jax.core.failures import FailureEvent, FailureSchedule
+from mecefo_jax.core.programs import ProgramKey, RunPrograms
+from mecefo_jax.core.roles import Role
+from mecefo_jax.core.takeover import Planner
 
 N, B = 4, 8
+FREE = {'update': 0.0, 'refresh_cold': 0.0, 'refresh_warm': 0.0, 'eval': 0.0}
 
 
 def _costs(**kw):
   group = {Role(B): 1.0, Role(2 * B): 2.0, Role(0, 2 * B): 1.5, Role(0, 3 * B, 2): 2.5}
   base = dict(normal_s=1.0, update_s=0.0, group_s=group, group_compile_s=dict.fromkeys(group, 10.0),
-              fused_compile_s=5.0, update_compile_s=1.0)
+              fused_compile_s=5.0, compile_s_by_kind={**FREE, 'update': 1.0})
   return ClusterCosts(**{**base, **kw})
 
 
-def _model(policy, costs=None):
+def _model(policy, costs=None, **kw):
   costs = costs or _costs()
   planner = Planner(N, B, policy)
   costs.complete(simulate.needed_roles([planner] if policy != CHECKPOINT else []))
-  return PolicyModel(planner, costs)
+  return PolicyModel(planner, costs, **kw)
 
 
 def test_fault_free_replay_loses_nothing():
   t = replay([], N, 1000.0, _model('neighbor'))
   assert t.samples == pytest.approx(1000.0 * N * B) and t.steps == 1000
   assert t.failed_s == 0 and t.live_slice_s == pytest.approx(N * 1000.0)
+  assert t.goodput['normal_productive'] == pytest.approx(1000.0)
 
 
 def test_drop_loses_the_failed_slices_rows():
   t = replay([Event(0.0, 1, 'fail')], N, 1000.0, _model('drop'))
   # The fused program of the new live set compiles first (5 s), then 995 steps of N-1 slices.
   assert t.samples == pytest.approx(995.0 * (N - 1) * B)
-  assert t.compile_s == 5.0 and t.failed_s == pytest.approx(1000.0)
+  assert t.builds.compile_s == 5.0 and t.failed_s == pytest.approx(1000.0)
+  assert t.goodput['lost'] == pytest.approx(995.0 / N)  # the failed slice's share of each step
 
 
 def test_neighbor_step_is_the_slowest_carrier_and_compiles_once_per_live_set():
   events = [Event(0.0, 1, 'fail'), Event(100.0, 1, 'repair'), Event(200.0, 1, 'fail')]
-  costs = _costs(rejoin_s=3.0)
-  t = replay(events, N, 1000.0, _model('neighbor', costs))
+  model = _model('neighbor', _costs(rejoin_s=3.0))
+  t = replay(events, N, 1000.0, model)
   # live (0,2,3): groups Role(B) + Role(0,2B) compiled once (20 s) + update (1 s).
-  assert t.compile_s == 21.0 and t.rejoin_s == 3.0
-  model = _model('neighbor', costs)
-  assert model.step((0, 2, 3)) == (1.5, N * B)
-  assert model.step((0, 3)) == (2.5, N * B)
+  assert t.builds.compile_s == 21.0 and t.goodput['rejoin'] == 3.0
+  step_s = lambda *down: simulate.step_seconds(_plan(model, down), model.costs, Role(B))
+  assert (step_s(1), step_s(1, 2), step_s()) == (1.5, 2.5, 1.0)
+
+
+def _plan(model, down):
+  decider = model.decider()
+  for s in down:
+    decider.apply(FailureEvent(0, s, 'fail'))
+  return decider.decide(0)
 
 
 def test_all_slices_down_is_lost_time():
@@ -67,7 +76,8 @@ def test_checkpoint_restart_rewinds_to_the_last_checkpoint():
              _model(CHECKPOINT, costs), checkpoint_every=50)
   # 130 steps run, 30 since the checkpoint at 100 are lost; restart = restore 2 + compile 5;
   # a spare replaces slice 0, so 863 full-speed steps follow; the repair restarts nothing.
-  assert t.lost_steps == 30 and t.restarts == 1 and t.rejoin_s == 2.0 and t.compile_s == 5.0
+  assert t.lost_steps == 30 and t.restarts == 1 and t.goodput['restart'] == 2.0
+  assert t.builds.compile_s == 5.0
   assert t.samples == pytest.approx((130 - 30 + 863) * N * B)
 
 
@@ -132,57 +142,38 @@ def test_fit_recovers_a_linear_cost_and_marks_modelled_roles():
   assert [r['modelled'] for r in costs.to_json()['roles']].count(True) == 1
 
 
-@pytest.mark.parametrize('policy', ['neighbor', 'spread', 'exact', 'budget', 'drop', 'naive'])
-@pytest.mark.parametrize('granule', [1, 2])
-def test_live_sets_of_one_shape_have_the_same_roles_and_a_place_the_same_role(policy, granule):
-  # PolicyModel plans once per shape of live set, and once per place of a slice (_places);
-  # every live set and every slice must get its own plan's roles.
-  rng = np.random.default_rng(0)
-  planner = Planner(12, 4, policy, granule)
-  model = PolicyModel(planner, _costs())
-  for _ in range(300):
-    live = tuple(sorted(rng.choice(12, rng.integers(1, 13), replace=False).tolist()))
-    want = planner.plan(live).roles
-    assert model._roles(live) == set(want.values()), live
-    assert model.roles(live) == want, live
-
-
-# --- the programs a replay charges ------------------------------------------------------------
-
-def test_ledger_compiles_a_shape_once_then_moves_it_and_charges_a_request_once():
-  compile_s = {'group': 10.0, 'update': 1.0}
-  keys = lambda live, carrier: [('group', tuple(s for s in live if s != carrier), Role(B)),
-                                ('group', (carrier,), Role(0, 2 * B)), ('update', live)]
-  for move, want in ((True, (3, 3, 21.0 + 3 * 0.5)), (False, (6, 0, 42.0))):
-    ledger = ProgramLedger(lambda key: compile_s[key[0]], 0.5, move)
-    spent = [ledger.charge(keys((0, 2, 3), 2)), ledger.charge(keys((0, 1, 3), 3)),
-             ledger.charge(keys((0, 1, 3), 3))]
-    s = ledger.stats
-    assert (s['compiled'], s['moved'], s['compiled_s'] + s['moved_s']) == want
-    assert spent[2] == 0.0 and sum(spent) == want[2]
-  ledger = ProgramLedger(lambda key: 5.0, 0.5, True, built=[('fused', (0, 1), Role(B))])
-  assert ledger.charge([('fused', (0, 1), Role(B)), ('fused', (2, 3), Role(B))]) == 0.5
-  ledger.forget()  # a fresh process
-  assert ledger.charge([('fused', (0, 1), Role(B))]) == 5.0 and not ledger.refreshed
-
-
-def test_program_requests_refresh_from_scratch_once_then_warm_and_eval():
-  roles = {0: Role(B), 2: Role(0, 2 * B), 3: Role(B)}
+def test_compile_seconds_by_kind():
+  costs = _costs(compile_s_by_kind={**FREE, 'refresh_cold': 3.0, 'refresh_warm': 2.0})
   live = (0, 2, 3)
-  warm = RunPrograms(refresh='warm', evals=True)
-  step = [('group', (0, 3), Role(B)), ('group', (2,), Role(0, 2 * B)), ('update', live)]
-  assert simulate.program_requests(live, roles, warm, refreshed=False) == [
-      *step, ('refresh', live, False), ('refresh', live, True), ('eval', live)]
-  assert simulate.program_requests(live, roles, warm, refreshed=True)[3:] == [
-      ('refresh', live, True), ('eval', live)]
-  full = RunPrograms(refresh='full', ordered_reduce=True)
-  assert simulate.program_requests(live, roles, full, refreshed=True)[3:] == [
-      ('refresh', live, False)]
-  normal = dict.fromkeys(live, Role(B))
-  assert simulate.program_requests(live, normal, warm, True) == [('fused', live, Role(B)),
-                                                                 ('eval', live)]
-  assert simulate.program_requests(live, normal, full, True) == [
-      ('group', live, Role(B)), ('update', live)]  # mesh.ordered_reduce: never fused
+  assert costs.compile_of(ProgramKey(programs.GROUP, (2,), Role(0, 2 * B))) == 10.0
+  assert costs.compile_of(ProgramKey(programs.FUSED, live, Role(2 * B))) == 5.0
+  assert [costs.compile_of(ProgramKey(k, live)) for k in (programs.REFRESH_COLD,
+                                                           programs.REFRESH_WARM)] == [3.0, 2.0]
+
+
+# --- the programs a replay builds ---------------------------------------------------------------
+
+def _group(slices, role):
+  return ProgramKey(programs.GROUP, slices, role)
+
+
+def test_ledger_compiles_a_shape_once_then_moves_it_and_builds_a_program_once():
+  compile_s = {'group': 10.0, 'update': 1.0}
+  keys = lambda live, carrier: [_group(tuple(s for s in live if s != carrier), Role(B)),
+                                _group((carrier,), Role(0, 2 * B)),
+                                ProgramKey(programs.UPDATE, live)]
+  for move, want in ((True, (3, 3, 21.0 + 3 * 0.5)), (False, (6, 0, 42.0))):
+    ledger = ProgramLedger(lambda key: compile_s[key.kind.name], 0.5, move)
+    spent = [sum(ledger.build(k)[1] for k in keys(live, carrier))
+             for live, carrier in (((0, 2, 3), 2), ((0, 1, 3), 3), ((0, 1, 3), 3))]
+    s = ledger.stats
+    assert (s.compiled, s.moved, s.compile_s + s.move_s) == want
+    assert spent[2] == 0.0 and sum(spent) == want[2]
+  fused = lambda live: ProgramKey(programs.FUSED, live, Role(B))
+  ledger = ProgramLedger(lambda key: 5.0, 0.5, True, built=[fused((0, 1))])
+  assert [ledger.build(fused((0, 1))), ledger.build(fused((2, 3)))] == [(None, 0.0), ('moved', 0.5)]
+  ledger.forget()  # a fresh process
+  assert ledger.build(fused((0, 1))) == ('compiled', 5.0)
 
 
 def test_replay_moves_the_programs_of_a_second_live_set_of_one_shape():
@@ -191,35 +182,87 @@ def test_replay_moves_the_programs_of_a_second_live_set_of_one_shape():
   t = replay(events, N, 1000.0, _model('neighbor', costs))
   # (0, 2, 3) compiles its groups Role(B) and Role(0, 2B) (20 s) and update (1 s); (0, 1, 3)
   # has the same shape: its three programs move.
-  assert (t.compiled, t.moved, t.compile_s, t.move_s) == (3, 3, 21.0, 0.75)
-  off = replay(events, N, 1000.0, PolicyModel(Planner(N, B, 'neighbor'), costs, move=False))
+  b = t.builds
+  assert (b.compiled, b.moved, b.compile_s, b.move_s) == (3, 3, 21.0, 0.75)
+  off = replay(events, N, 1000.0, _model('neighbor', costs, move=False)).builds
   assert (off.compiled, off.moved, off.compile_s) == (6, 0, 42.0)
 
 
-def test_replay_charges_the_compiles_and_moves_of_the_controller():
-  """The real controller on 8 slices under one failure trace; the replay of the same trace
-  with the controller's planner predicts its compiles and moves after the fault-free step.
-  Slice 3 carries slice 2 both when only 2 is down and when 2, 5 and 6 are: that group
-  program is built once (a replay counting per live set would move it again)."""
-  cfg = load_config(None, [*TINY, *MESHES['8x1'], 'train.move_programs=always',
-                           'faults.precompile=never', 'mecefo.tau=1', 'train.eval_every=0'])
-  sched = (FailureSchedule(8).fail_at(2, 1).fail_at(5, 3).fail_at(6, 4).repair_at(2, 5)
-           .repair_at(5, 5).repair_at(6, 5).fail_at(4, 6))
-  mesh, init, graphdef, _ = _mesh('8x1')
-  c = Controller(cfg, mesh, graphdef, CORPUS, sched, init())
-  c.step(0)
-  fault_free = dict(c.programs.stats)
-  for t in range(1, 7):
-    c.step(t)
-  built = {k: c.programs.stats[k] - fault_free[k] for k in ('compiled', 'moved')}
-  # Every step costs 1 s and every program nothing, so the replay's steps are the controller's.
-  roles = simulate.needed_roles([c.planner])
-  costs = _costs(group_s=dict.fromkeys(roles, 1.0), group_compile_s=dict.fromkeys(roles, 0.0),
-                 fused_compile_s=0.0, update_compile_s=0.0)
-  events = [Event(float(e.step), e.slice, e.kind) for e in sched.all_events()]
-  runs = {move: replay(events, 8, 7.0, PolicyModel(c.planner, costs, RunPrograms.of(cfg), move))
-          for move in (True, False)}
-  assert built == {'compiled': 13, 'moved': 4}
-  assert (runs[True].compiled, runs[True].moved) == (built['compiled'], built['moved'])
-  # Moving off, every program the controller holds is compiled (less the fault-free step).
-  assert (runs[False].compiled, runs[False].moved) == (len(c.programs.keys()) - 1, 0)
+def test_refresh_compiles_cold_once_then_warm_and_runs_every_tau_degraded_steps():
+  costs = _costs(compile_s_by_kind={**FREE, 'refresh_cold': 3.0, 'refresh_warm': 2.0},
+                 refresh_s=0.5)
+  model = _model('neighbor', costs, run=RunPrograms(refresh='warm'), tau=10)
+  sched = FailureSchedule(N).fail_at(1, 5).repair_at(1, 40).fail_at(2, 60)
+  decider = Decider(model.planner, model.run, sched, model.tau)
+  records = simulate.replay_trace(decider, 100, costs, built=model.fault_free())
+  refreshes = [r['step'] for r in records if any(k.kind.stage == 'refresh' for k in r['programs'])]
+  # Degraded steps 5-39 and 60-99; the clock of tau steps runs on from the last refresh.
+  assert refreshes == [5, 15, 25, 35, 60, 70, 80, 90]
+  kinds = [k.kind.name for r in records for k in r['built'] if k.kind.stage == 'refresh']
+  assert kinds == ['refresh_cold', 'refresh_warm', 'refresh_warm']  # (0,2,3) twice, (0,1,3)
+
+
+def test_bulk_replay_agrees_with_the_step_by_step_trace():
+  """With free programs and 1 s steps the bulk replay's windows are the trace's steps: the same
+  programs built, samples and refreshes, the eval built at the first step that runs it."""
+  costs = _costs(group_s=dict.fromkeys(simulate.needed_roles([Planner(N, B, 'neighbor')]), 1.0),
+                 fused_compile_s=0.0, compile_s_by_kind=FREE)
+  costs.group_compile_s = dict.fromkeys(costs.group_s, 0.0)
+  run = RunPrograms(refresh='warm', eval_every=7)
+  model = _model('neighbor', costs, run=run, tau=3)
+  # (0, 1) lives 2 steps between evals (at steps 20 and 27): its eval is never built.
+  steps = [(4, 1, 'fail'), (9, 2, 'fail'), (17, 1, 'repair'), (21, 3, 'fail'), (23, 3, 'repair'),
+           (30, 2, 'repair'), (31, 0, 'fail')]
+  sched = FailureSchedule(N)
+  for step, s, kind in steps:
+    (sched.fail_at if kind == 'fail' else sched.repair_at)(s, step)
+  records = simulate.replay_trace(Decider(model.planner, run, sched, 3), 50, costs,
+                                  built=model.fault_free())
+  t = replay([Event(float(step), s, kind) for step, s, kind in steps], N, 50.0, model)
+  built = [k for r in records for k in r['built']]
+  assert len(built) == t.builds.compiled + t.builds.moved > 0
+  assert {k.kind.name for k in built} >= {'group', 'update', 'refresh_warm', 'eval'}
+  assert t.samples == sum(r['samples']['exact'] + r['samples']['degraded'] for r in records)
+  assert t.refreshes == sum(r['programs'][0].kind.stage == 'refresh' for r in records)
+  assert t.steps == 50 and all(r['built'] == r['blocked'] for r in records)
+
+
+# --- the background worker ----------------------------------------------------------------------
+
+def _premoves(cap, move_s, second_failure_s):
+  """Neighbor on 4 slices: slice 1 fails (its programs compile: new shapes), is repaired (the
+  worker queues the one-down sets' programs: 3 each of (1,2,3), (0,1,3), (0,1,2), as (0,2,3)
+  is built), then slice 2 fails: (0,1,3) takes the moves done, waits for the one in flight."""
+  events = [Event(0.0, 1, 'fail'), Event(100.0, 1, 'repair'), Event(second_failure_s, 2, 'fail')]
+  return replay(events, N, 1000.0, _model('neighbor', _costs(move_s=move_s, rejoin_s=3.0),
+                                          premove_cap=cap)).builds
+
+
+def test_background_worker_moves_the_next_live_sets_programs_and_never_compiles():
+  b = _premoves(64, 0.25, 200.0)
+  assert (b.compiled, b.moved, b.premoved, b.premove_wait_s) == (3, 0, 3, 0.0)
+  off = _premoves(0, 0.25, 200.0)
+  assert (off.compiled, off.moved, off.premoved) == (3, 3, 0)
+
+
+def test_a_move_in_flight_is_waited_for_and_one_not_started_runs_in_the_foreground():
+  # The repair takes effect at 100.5 (53 steps of 1.5 s after 21 s of compiles), the rejoin
+  # ends at 103.5: moves of 10 s end at 113.5, 123.5, ... The failure takes effect at 148.5,
+  # after the 45th 1 s step: (0,1,3)'s first group (done 143.5) is taken, its second is in
+  # flight (done 153.5: 5 s wait), its update not started (a 10 s move).
+  b = _premoves(64, 10.0, 148.0)
+  assert (b.premoved, b.moved) == (2, 1)
+  assert b.premove_wait_s == pytest.approx(5.0) and b.move_s == 10.0
+  capped = _premoves(4, 10.0, 148.0)  # the queue ends after (0,1,3)'s first program
+  assert (capped.premoved, capped.moved, capped.premove_wait_s) == (1, 2, 0.0)
+
+
+def test_the_worker_finishes_its_move_in_flight_then_starts_the_next_queue():
+  update = lambda *live: ProgramKey(programs.UPDATE, live)
+  ledger = ProgramLedger(lambda key: 1.0, 10.0, True, built=[update(0, 1)])  # shape known
+  worker = Premover(ledger, cap=8)
+  worker.queue(0.0, [(0, 2), (1, 2)], lambda live: [update(*live)])
+  # At 15 the move for (0, 2) is done (then evicted), that for (1, 2) in flight until 20.
+  assert worker.arrive(15.0, (1, 2), [update(1, 2)]) == {update(1, 2): 20.0}
+  worker.queue(15.0, [(0, 3)], lambda live: [update(*live)])
+  assert worker.arrive(25.0, (0, 3), [update(0, 3), update(0, 2)]) == {update(0, 3): 30.0}

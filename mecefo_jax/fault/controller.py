@@ -61,6 +61,7 @@ class Controller:
     self.precompiler: Precompiler | None = None
     self._hosts: list[tuple[int, ...]] | None = None  # start_precompile
     self.plans = PlanChain()
+    self.last_plan: StepPlan | None = None  # the plan of the last step run
 
   # --- what the rest of the run reads ---------------------------------------------------------
   @property
@@ -144,7 +145,7 @@ class Controller:
   def _timed(self, step: int) -> dict:
     """Decides, runs and books the step's wall time in the goodput ledger."""
     self.ledger.start_step()
-    plan = self.decider.decide(step)
+    plan = self.last_plan = self.decider.decide(step)
     self.plans.add(plan)
     self.decider.commit(plan)
     metrics = self.executor.run(plan)
