@@ -26,8 +26,9 @@ def test_measure_then_replay_every_policy_and_reread_as_flops(launcher, tmp_path
   # Every compiled program is moved onto the second (fake) device once timed.
   assert m['move_onto'] == 'device 1 from device 0' and {'update', 'eval'} <= set(m['move_s'])
   assert result['programs'] == {'move': True, 'ordered_reduce': False, 'refresh': 'warm',
-                                'evals': True}
-  assert sum(r['high']['moved'] for r in result['results'].values()) > 0
+                                'eval_every': 100}
+  assert result['premove'] == {'on': True, 'cap': 64}
+  assert sum(r['high']['moved'] + r['high']['premoved'] for r in result['results'].values()) > 0
   # The same costs read as FLOPs, programs compiled per set: no new timing.
   again = launcher.benchmark('failure_throughput', '--config', 'configs/tiny.yaml', *QUICK,
                              '--costs', out, '--stat', 'flops', '--move', 'off', *SMALL,
