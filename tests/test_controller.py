@@ -12,12 +12,14 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.data import order, synthetic
 from mecefo_jax.core import goodput
-from mecefo_jax.fault.controller import AllSlicesDown, Controller, SliceFailure
+from mecefo_jax.fault import executor
+from mecefo_jax.fault.controller import Controller, SliceFailure
 from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.core.programs import KINDS, ProgramKey, next_live_sets
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step.cache import ProgramCache
+from mecefo_jax.step.precompile import Precompiler
 
 pytestmark = pytest.mark.usefixtures('devices')
 
@@ -196,7 +198,7 @@ def test_neighbor_of_neighbor_then_last_slice_carries_all_then_all_down():
   assert float(m1['exact_tokens']) == 0 and float(m1['degraded_tokens']) == 4 * B * L
   assert math.isfinite(float(m0['loss'])) and math.isfinite(float(m1['loss']))
   assert c.samples == {'exact': B, 'degraded': 7 * B, 'dropped': 0}
-  with pytest.raises(AllSlicesDown, match='all 4 slices are down at step 2'):
+  with pytest.raises(executor.AllSlicesDown, match='all 4 slices are down at step 2'):
     c.step(2)
 
 
@@ -247,9 +249,9 @@ def test_repair_and_failure_of_every_holder_in_one_step_hands_the_state_over():
 def test_repair_after_every_holder_is_down_says_why():
   c = _controller('2x4', schedule=FailureSchedule(2).fail_at(0, 0).fail_at(1, 1).repair_at(0, 2))
   c.step(0)
-  with pytest.raises(AllSlicesDown, match='all 2 slices are down'):
+  with pytest.raises(executor.AllSlicesDown, match='all 2 slices are down'):
     c.step(1)
-  with pytest.raises(AllSlicesDown, match='no live slice holds the training state'):
+  with pytest.raises(executor.AllSlicesDown, match='no live slice holds the training state'):
     c.step(2)
 
 
@@ -292,6 +294,19 @@ def test_precompile_builds_the_next_live_sets_programs_in_the_background(move):
   assert K('eval', (0, 1)) in c.programs.keys() and not _lone((1,)) & c.programs.keys()
   assert c.programs.stats.compiled == stats.compiled + 1  # that eval, in the background
   c.precompiler.stop()
+
+
+def test_the_background_builder_builds_each_wanted_set_once_while_it_stays_wanted():
+  built = []
+  builder = Precompiler(built.append)
+  builder.want([(0,), (1,)])
+  builder.wait()
+  builder.want([(1,), (2,)])  # (1,) is built and still wanted: not again
+  builder.wait()
+  builder.want([(0,)])  # (0,) was dropped when no longer wanted: built again
+  builder.wait()
+  builder.stop()
+  assert built == [(0,), (1,), (2,), (0,)]
 
 
 def test_precompile_keeps_at_most_precompile_max_programs_ahead_of_need():

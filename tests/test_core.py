@@ -170,3 +170,8 @@ def test_roles_without_rows_are_the_plans_roles_on_every_live_set(policy):
     for k in range(1, n + 1):
       for live in itertools.combinations(range(n), k):
         assert planner.roles(live) == planner.plan(live).roles, (n, live)
+
+
+def test_the_failure_schedule_keeps_its_old_import_path():
+  from mecefo_jax.fault.failures import FailureSchedule as old_home
+  assert old_home is FailureSchedule

@@ -403,3 +403,10 @@ def test_a_record_names_each_missing_wrong_and_unknown_key():
   assert any(e.startswith('r.xs[1]') for e in errors), errors
   assert any(e.startswith('r.extra: not in the schema') for e in errors), errors
   assert len(errors) == 3, errors
+
+
+def test_each_after_step_stage_is_a_trainer_method():
+  from mecefo_jax.run.after_step import AFTER_STEP
+  from mecefo_jax.run.trainer import Trainer
+  assert AFTER_STEP == ('divergence', 'eval', 'snapshot', 'metrics', 'stop')
+  assert all(callable(getattr(Trainer, f'_after_{name}')) for name in AFTER_STEP)
