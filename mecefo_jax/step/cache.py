@@ -59,7 +59,10 @@ class Request:
     return store.fingerprint(self.lowered, self.devices if self.store_devices else None)
 
   def __str__(self) -> str:
-    return f'{self.key}' + (' (background)' if self.background else '')
+    """E.g. 'group program onto slices [0, 2]': onto where programs move, else for."""
+    where = 'for' if self.store_devices else 'onto'
+    return (f'{self.key.kind.name} program {where} slices {list(self.key.slices)}' +
+            (' (background)' if self.background else ''))
 
 
 class Moved:
@@ -234,7 +237,8 @@ class ProgramCache:
     store_key = store.fingerprint(lowered, None)
     if self.store.path(store_key).exists():
       return
-    log.info('compiling the %s into the program store (background)', key)
+    log.info('compiling the %s program for slices %s into the program store (background)',
+             key.kind.name, list(key.slices))
     _, serialized, from_jax_cache = compile_lowered(lowered, list(mesh.devices.flat), self.store,
                                                     serialize=True)
     self._book('loaded' if from_jax_cache else 'compiled', time.perf_counter() - t0, True)
