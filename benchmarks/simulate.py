@@ -137,8 +137,9 @@ class PolicyModel:
     return self.planner.micro_batch
 
   def decider(self) -> Decider:
-    """A fresh decider: no event scheduled (a replay applies them), every slice present."""
-    return Decider(self.planner, self.run, FailureSchedule(self.n), self.tau)
+    """A fresh decider: no event scheduled (a replay applies them), every slice present, its
+    plans roles only (a replay needs no rows)."""
+    return Decider(self.planner, self.run, FailureSchedule(self.n), self.tau, rows=False)
 
   def fault_free(self) -> list[ProgramKey]:
     """The programs of the fault-free run (every slice normal), built before a replay."""
