@@ -108,11 +108,11 @@ def sharing_programs(monkeypatch) -> None:
   from mecefo_jax.step import cache
   built, build = {}, cache.ProgramCache._build
 
-  def once(self, kind, slices, args):
-    key = (program_key(self.cfg), kind, slices, repr(args))
-    if key not in built:
-      built[key] = build(self, kind, slices, args)
-    return built[key]
+  def once(self, key):
+    shared = (program_key(self.cfg), key)
+    if shared not in built:
+      built[shared] = build(self, key)
+    return built[shared]
 
   def create_sharded(cfg, mesh):  # a fresh state each call, from one compiled initialiser
     key = (json.dumps(to_dict(cfg), sort_keys=True), mesh)
