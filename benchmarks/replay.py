@@ -139,7 +139,7 @@ class Replay:
       if key.kind.stage == 'refresh':
         q = clock.first if clock.first > s else clock.first + clock.every
       else:
-        q = next(t for t in range(s + 1, s + 1 + d.run.eval_every) if d.eval_due(t))
+        q = d.next_eval(s)
       at.setdefault(q, []).append(key)
     return sorted(at.items())
 

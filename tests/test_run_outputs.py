@@ -1,8 +1,6 @@
-"""Outputs of a run: evals every N steps, metrics.jsonl + TensorBoard, report.json schema, plots,
-terminal progress (bar on a TTY, plain lines otherwise, quiet)."""
-import io
+"""Outputs of a run: evals every N steps, metrics.jsonl + TensorBoard, report.json schema, plots
+(the terminal's progress: tests/test_progress_output.py)."""
 import json
-import logging
 import math
 import shutil
 from pathlib import Path
@@ -10,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import load_config
-from mecefo_jax.run import evaluation, plot, progress, report_schema, report_spec
+from mecefo_jax.run import evaluation, plot, report_schema, report_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVAL_EVERY, LOG_EVERY = 20, 5, 4
@@ -294,103 +292,6 @@ def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tm
   assert ledger.seconds['compile'] == 8.0
   restart.book(tmp_path, ledger, None)  # a start from step 0 restarts nothing
   assert ledger.seconds['restart'] == pytest.approx(15.0, abs=1.0)
-
-
-# ---- terminal progress ----------------------------------------------------------------------
-
-ROW = {'kind': 'train', 'step': 4, 'loss': 3.25, 'grad_norm': 0.5, 'tokens_per_s': 12345.0,
-       'live_slices': 1, 'wall_s': 1.0}
-EVAL = {'kind': 'eval', 'step': 4, 'loss': 3.0, 'perplexity': 20.09, 'eval_s': 0.1}
-
-
-class FakeTTY(io.StringIO):
-  def isatty(self):
-    return True
-
-
-def _show(mode, stream, caplog):
-  with caplog.at_level(logging.INFO, logger='mecefo'):
-    with progress.Progress(20, 0, 2, 'neighbor', mode=mode, stream=stream) as p:
-      p.step(1)
-      p.train_row(ROW)
-      logging.getLogger('mecefo').warning('step 5: slice 1 FAILED')
-      p.eval_row(EVAL)
-    return p.mode, [r.getMessage() for r in caplog.records]
-
-
-def test_plain_lines_are_shown_when_logging_is_not_configured():
-  # A notebook or script calling Trainer(progress='plain') without logging.basicConfig: INFO
-  # is not enabled for the 'mecefo' logger (other tests may have configured it: reset it here).
-  log, root = logging.getLogger('mecefo'), logging.getLogger()
-  saved = log.level, log.propagate, root.level
-  log.setLevel(logging.NOTSET)
-  root.setLevel(logging.WARNING)
-  try:
-    handlers = list(log.handlers)
-    stream = io.StringIO()
-    with progress.Progress(20, 0, 2, 'neighbor', mode='plain', stream=stream) as p:
-      p.train_row(ROW)
-      log.info('compiling the %s', 'fused program onto slices [0]')  # as step/cache.py says
-      p.eval_row(EVAL)
-    lines = stream.getvalue().splitlines()
-    assert len(lines) == 3 and 'step 4/20 loss 3.2500' in lines[0], lines
-    assert lines[1].endswith('compiling the fused program onto slices [0]'), lines
-    assert 'eval after step' in lines[2], lines
-    assert not log.isEnabledFor(logging.INFO) and log.propagate and log.handlers == handlers
-  finally:
-    log.setLevel(saved[0])
-    log.propagate = saved[1]
-    root.setLevel(saved[2])
-
-
-def test_plain_log_lines_when_stderr_is_not_a_tty(caplog):
-  stream = io.StringIO()
-  mode, messages = _show('auto', stream, caplog)
-  assert mode == 'plain' and stream.getvalue() == ''
-  assert 'step 4/20 loss 3.2500 grad_norm 0.500 live 1/2 (neighbor takeover) tok/s 12345' in messages
-  assert any(m.startswith('eval after step 4: loss 3.0000') for m in messages)
-
-
-def test_progress_bar_on_a_tty(caplog):
-  pytest.importorskip('tqdm')
-  stream = FakeTTY()
-  mode, messages = _show('auto', stream, caplog)
-  bar = stream.getvalue()
-  assert mode == 'bar' and 'train:' in bar and '1/20' in bar
-  for field in ('loss 3.2500', '12.3k tok/s', 'live 1/2', 'neighbor takeover', 'eval 3.0000'):
-    assert field in bar, bar
-  assert not any(m.startswith('step 4/20') for m in messages)  # the bar shows those
-  assert 'step 5: slice 1 FAILED' in messages  # warnings still printed as they happen
-
-
-def test_quiet_shows_no_step_or_eval_lines(caplog):
-  stream = FakeTTY()
-  mode, messages = _show('quiet', stream, caplog)
-  assert mode == 'quiet' and stream.getvalue() == ''
-  assert messages == ['step 5: slice 1 FAILED']
-
-
-def test_the_bar_and_the_plain_log_say_when_a_program_is_built(caplog):
-  """The program cache's line before a compile (or a wait for the background one) in the
-  training thread is the bar's state until the step is done (the plain log shows the line:
-  test_plain_lines_are_shown_when_logging_is_not_configured)."""
-  pytest.importorskip('tqdm')
-  import threading
-  cache = (ROOT / 'mecefo_jax' / 'step' / 'cache.py').read_text()
-  assert all(f"log.info('{line}" in cache for line in progress.BUILDING)  # the lines it watches
-  stream, log = FakeTTY(), logging.getLogger('mecefo')
-  with caplog.at_level(logging.INFO, logger='mecefo'):
-    with progress.Progress(20, 0, 2, 'spread', mode='bar', stream=stream) as p:
-      p.step(2)
-      log.info('compiling the %s', 'fused program onto slices [0]')
-      assert stream.getvalue().endswith('compiling the fused program onto slices [0] ...]')
-      elsewhere = threading.Thread(target=log.info, args=('compiling the %s', 'eval (background)'))
-      elsewhere.start()
-      elsewhere.join()
-      assert 'eval (background)' not in stream.getvalue()  # another thread's build: not ours
-      p.step(1)
-      assert not stream.getvalue().endswith('...]') and 'live 1/2' in stream.getvalue()
-
 
 
 def test_a_record_names_each_missing_wrong_and_unknown_key():

@@ -104,10 +104,16 @@ class Decider:
     self.bases_step = -1  # the step of the last basis refresh (the state's bases_step)
     self.devices_back_at: int | None = None  # resumed after every slice was down at this step
     self._assignments: dict[tuple[int, ...], Assignment] = {}
+    self._live_of: frozenset[int] | None = None  # the failed slices `_live` was listed for
+    self._live: tuple[int, ...] = ()
 
   # --- failure state -------------------------------------------------------------------------
   def live(self) -> tuple[int, ...]:
-    return tuple(s for s in range(self.n_slices) if s not in self.state.failed)
+    failed = self.state.failed
+    if failed != self._live_of:  # listed again only after a change (a replay asks often)
+      self._live_of = frozenset(failed)
+      self._live = tuple(s for s in range(self.n_slices) if s not in failed)
+    return self._live
 
   def apply(self, event: FailureEvent, wall_s: float = 0.0) -> bool:
     """Applies one failure or repair; whether it changed the live slices."""
@@ -195,13 +201,17 @@ class Decider:
     nxt = []
     if self.run.refresh and self._degraded(self.assignment(self.live())):
       nxt.append(max(step + 1, self.bases_step + self.tau))
-    if every := self.run.eval_every:
-      nxt.append(step + 1 + (-(step + 2) % every))
+    if self.run.eval_every:
+      nxt.append(self.next_eval(step))
     return min(nxt, default=1 << 62)
 
   def eval_due(self, step: int) -> bool:
     """An eval runs after `step` (train.eval_every)."""
     return bool(self.run.eval_every) and (step + 1) % self.run.eval_every == 0
+
+  def next_eval(self, step: int) -> int:
+    """The first step after `step` that an eval follows (train.eval_every > 0)."""
+    return step + 1 + (-(step + 2) % self.run.eval_every)
 
   def _refresh_due(self, step: int) -> bool:
     return self.bases_step < 0 or step - self.bases_step >= self.tau

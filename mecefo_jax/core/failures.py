@@ -74,7 +74,7 @@ class FailureEvent:
   source: str = 'api'
 
   def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    return {'step': self.step, 'slice': self.slice, 'kind': self.kind, 'source': self.source}
 
 
 class FailureSchedule:

@@ -149,16 +149,15 @@ class Planner:
       return self.plan(live).roles
     loads = budget_loads(sorted(live), self.n_slices, self.micro_batch, self.policy,
                          self.granule, self.degraded_cost, self.time_budget)
-    return {s: self._role_of(e, d) for s, e, d in sorted(loads)}
-
-  @functools.lru_cache(maxsize=256)
-  def _role_of(self, exact: int, degraded: int) -> Role:
-    """The role of `exact` and `degraded` granules (one object per load: built once)."""
     g = self.granule
-    return Role(g * exact, g * degraded, split_passes(g * degraded, self.max_rows))
+    return {s: self._role_of_rows(g * e, g * d) for s, e, d in sorted(loads)}
 
   def role(self, w: SliceWork) -> Role:
-    exact, degraded = w.counts()
+    return self._role_of_rows(*w.counts())
+
+  @functools.lru_cache(maxsize=256)
+  def _role_of_rows(self, exact: int, degraded: int) -> Role:
+    """One Role object per load, built once (a replay at scale plans thousands of sets)."""
     return Role(exact, degraded, split_passes(degraded, self.max_rows))
 
 

@@ -95,12 +95,17 @@ class Moved:
       return None
 
 
-class Stored:
-  """Programs in the program store (None: no store), loaded where every process has one."""
-  how = 'loaded'
+class _WithStore:
+  """A source that reads or writes the program store (None: no store) and keeps what it builds
+  for moves."""
 
   def __init__(self, program_store: store.ProgramStore | None, moved: Moved):
     self.store, self.moved = program_store, moved
+
+
+class Stored(_WithStore):
+  """Programs in the program store, loaded where every process has one."""
+  how = 'loaded'
 
   def build(self, request: Request):
     if self.store is None:
@@ -117,12 +122,9 @@ class Stored:
     return program
 
 
-class Compiled:
+class Compiled(_WithStore):
   """Programs compiled now; kept serialized for moves and written to the store."""
   how = 'compiled'
-
-  def __init__(self, program_store: store.ProgramStore | None, moved: Moved):
-    self.store, self.moved = program_store, moved
 
   def build(self, request: Request):
     log.info('compiling the %s', request)
