@@ -80,7 +80,7 @@ def test_a_program_key_has_a_shape_and_kinds_compare_by_name():
 
 
 def test_next_live_sets_are_repairs_then_failures():
-  assert programs.next_live_sets((0, 2), 3) == [(0, 1, 2), (2,), (0,)]
+  assert list(programs.next_live_sets((0, 2), 3)) == [(0, 1, 2), (2,), (0,)]
 
 
 # --- the decider -----------------------------------------------------------------------------

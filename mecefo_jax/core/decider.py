@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from typing import Mapping
+from typing import Callable, Iterator, Mapping
 
 from mecefo_jax.core import programs
 from mecefo_jax.core.failures import FailureEvent, FailureSchedule, apply_event
@@ -85,6 +85,16 @@ def _plain(x):
   return dataclasses.astuple(x) if dataclasses.is_dataclass(x) else x
 
 
+def _kept(cache: dict, key, make: Callable):
+  """cache[key], made by `make()` where missing; the oldest entry goes past _PLANS_KEPT."""
+  found = cache.get(key)
+  if found is None:
+    if len(cache) >= _PLANS_KEPT:
+      cache.pop(next(iter(cache)))
+    found = cache[key] = make()
+  return found
+
+
 class Decider:
   """The failure state and every decision made from it: the live slices, their roles and rows,
   the programs, rejoins, basis refreshes and evals of each step, the sample counts."""
@@ -104,6 +114,7 @@ class Decider:
     self.bases_step = -1  # the step of the last basis refresh (the state's bases_step)
     self.devices_back_at: int | None = None  # resumed after every slice was down at this step
     self._assignments: dict[tuple[int, ...], Assignment] = {}
+    self._listed: dict[tuple, tuple[ProgramKey, ...]] = {}  # (live, refreshed) -> programs_for
     self._live_of: frozenset[int] | None = None  # the failed slices `_live` was listed for
     self._live: tuple[int, ...] = ()
 
@@ -162,13 +173,8 @@ class Decider:
   # --- plans ---------------------------------------------------------------------------------
   def assignment(self, live: tuple[int, ...]) -> Assignment:
     """The planner's rows and roles of `live` (planned once per live set while it is recent)."""
-    found = self._assignments.get(live)
-    if found is None:
-      if len(self._assignments) >= _PLANS_KEPT:
-        self._assignments.pop(next(iter(self._assignments)))
-      found = self._assignments[live] = (self.planner.plan(live) if self.rows else
-                                         Assignment({}, [], self.planner.roles(live)))
-    return found
+    return _kept(self._assignments, live, lambda: (
+        self.planner.plan(live) if self.rows else Assignment({}, [], self.planner.roles(live))))
 
   def decide(self, step: int) -> StepPlan:
     """The plan of `step` on the live slices (no change until `commit`)."""
@@ -225,16 +231,25 @@ class Decider:
 
   # --- programs ahead of need ----------------------------------------------------------------
   def programs_for(self, live: tuple[int, ...]) -> list[ProgramKey]:
-    """Every program steps on `live` request: the step's, the basis refreshes, the eval."""
-    roles = (self._assignments[live].roles if live in self._assignments else
-             self.planner.roles(live))
-    return programs.programs_for(programs.Need(live, roles, self.run, self.bases_step >= 0))
+    """Every program steps on `live` request: the step's, the basis refreshes, the eval (listed
+    once per live set while it is recent: the sets one event away recur from change to change)."""
+    refreshed = self.bases_step >= 0
+    return list(_kept(self._listed, (live, refreshed), lambda: tuple(programs.programs_for(
+        programs.Need(live, self._roles(live), self.run, refreshed)))))
 
-  def next_live_sets(self, hosts: list[tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:
-    """The live sets one event away among the present slices, likeliest first; with `hosts`
-    (the slices of each host), the survivors of each host's death instead."""
+  def _roles(self, live: tuple[int, ...]) -> Mapping[int, Role]:
+    found = self._assignments.get(live)
+    return found.roles if found else self.planner.roles(live)
+
+  def next_live_sets(self, hosts: list[tuple[int, ...]] | None = None
+                     ) -> Iterator[tuple[int, ...]]:
+    """The live sets one event away among the present slices, likeliest first, listed as
+    taken; with `hosts` (the slices of each host), the survivors of each host's death instead."""
     live = self.live()
     if hosts:
-      return [s for s in (tuple(x for x in live if x not in h) for h in hosts) if s]
+      return (s for s in (tuple(x for x in live if x not in h) for h in hosts) if s)
+    sets = programs.next_live_sets(live, self.n_slices)
+    if len(self.present) == self.n_slices:
+      return sets
     present = set(self.present)
-    return [s for s in programs.next_live_sets(live, self.n_slices) if set(s) <= present]
+    return (s for s in sets if present.issuperset(s))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Hashable, Mapping
+from typing import Callable, Hashable, Iterator, Mapping
 
 from mecefo_jax.core.roles import Role
 
@@ -40,14 +40,14 @@ class Need:
   @functools.cached_property
   def fused(self) -> bool:
     """One SPMD program for the whole step: every slice plays one single-pass role."""
-    first = self.roles[self.live[0]]
-    return (len(set(self.roles.values())) == 1 and first.passes == 1
-            and not self.run.ordered_reduce)
+    only = next(iter(self.groups)) if len(self.groups) == 1 else None
+    return only is not None and only.passes == 1 and not self.run.ordered_reduce
 
   @functools.cached_property
   def degraded(self) -> bool:
     return any(r.degraded for r in self.roles.values())
 
+  @functools.cached_property
   def groups(self) -> dict[Role, tuple[int, ...]]:
     """The slices of each role, in live order (roles in order of first appearance)."""
     out: dict[Role, list[int]] = {}
@@ -97,7 +97,7 @@ def _warm_refresh(need: Need) -> bool:
 # (sums differ in the last bits), and results must not depend on how many slices share a role.
 FUSED = register(Kind('fused', 'step', lambda n: [(n.live, n.roles[n.live[0]])] if n.fused else []))
 GROUP = register(Kind('group', 'step', lambda n: [] if n.fused else
-                      [(slices, role) for role, slices in n.groups().items()]))
+                      [(slices, role) for role, slices in n.groups.items()]))
 UPDATE = register(Kind('update', 'step', lambda n: [] if n.fused else [(n.live, None)]))
 # The first refresh of a run, or every one with mecefo.refresh=full.
 REFRESH_COLD = register(Kind('refresh_cold', 'refresh', lambda n: (
@@ -116,6 +116,13 @@ class ProgramKey:
   kind: Kind
   slices: tuple[int, ...]
   variant: Hashable = None
+
+  def __post_init__(self):
+    # Hashed once: keys are looked up at every build and their slices may be hundreds long.
+    object.__setattr__(self, '_hash', hash((self.kind, self.slices, self.variant)))
+
+  def __hash__(self) -> int:
+    return self._hash
 
   @property
   def shape(self) -> tuple:
@@ -136,10 +143,15 @@ def programs_for(need: Need, stages: tuple[str, ...] = ('step', 'refresh', 'eval
           for slices, variant in kind.rule(need)]
 
 
-def next_live_sets(live: tuple[int, ...], n_slices: int) -> list[tuple[int, ...]]:
-  """Live sets one event away, likeliest first: one slice back (a given failed slice is
-  repaired sooner than a given live one fails while fewer are down than live), then one more
-  down (none when `live` is a single slice)."""
-  back = [tuple(sorted((*live, r))) for r in range(n_slices) if r not in live]
-  down = [tuple(s for s in live if s != f) for f in live if len(live) > 1]
-  return back + down
+def next_live_sets(live: tuple[int, ...], n_slices: int) -> Iterator[tuple[int, ...]]:
+  """Live sets one event away, likeliest first, listed as taken (a replay at scale takes a few
+  of hundreds): one slice back (a given failed slice is repaired sooner than a given live one
+  fails while fewer are down than live), then one more down (none when `live` is a single
+  slice)."""
+  members = set(live)
+  for r in range(n_slices):
+    if r not in members:
+      yield tuple(sorted((*live, r)))
+  if len(live) > 1:
+    for f in live:
+      yield tuple(s for s in live if s != f)

@@ -15,6 +15,13 @@ class Role:
   degraded: int = 0
   passes: int = 1
 
+  def __post_init__(self):
+    # Hashed once: a plan at scale looks up hundreds of roles.
+    object.__setattr__(self, '_hash', hash((self.exact, self.degraded, self.passes)))
+
+  def __hash__(self) -> int:
+    return self._hash
+
   @property
   def rows(self) -> int:
     return self.exact + self.degraded

@@ -45,6 +45,23 @@ def _split(n_rows: int, parts: int, granule: int) -> list[int]:
   return [granule * units for units in budget.balanced(n_rows // granule, parts)]
 
 
+def spread_shares(live: list[int], orphans: list[int], n_slices: int, micro_batch: int,
+                  granule: int):
+  """Policy spread's shares: (orphan, slice, first row, rows) for every non-empty share, each
+  orphaned micro-batch split evenly over the live slices."""
+  load = dict.fromkeys(live, 0)  # degraded rows so far
+  for f in orphans:
+    # Remainder granules go to the least-loaded slices first (ties: ring order after the
+    # failed one), so that over several orphans no slice carries over a granule more than another.
+    order = sorted(live, key=lambda s: (load[s], (s - f) % n_slices))
+    start = 0
+    for s, n in zip(order, _split(micro_batch, len(live), granule)):
+      if n:
+        yield f, s, start, n
+        load[s] += n
+      start += n
+
+
 def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
          degraded_cost: float = DEGRADED_COST, time_budget: float = 1.0
          ) -> tuple[dict[int, SliceWork], list[Rows]]:
@@ -74,26 +91,18 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
     loads = budget_loads(live, n_slices, micro_batch, policy, granule, degraded_cost, time_budget)
     return _within_budget(loads, n_slices, micro_batch, granule), []
   work = {s: SliceWork(exact=[Rows(s, 0, micro_batch)]) for s in live}
-  orphans = [s for s in range(n_slices) if s not in live]
+  orphans = [s for s in range(n_slices) if s not in work]
   dropped: list[Rows] = []
-  load = dict.fromkeys(live, 0)  # spread: degraded rows so far
-  for f in orphans:
-    whole = Rows(f, 0, micro_batch)
-    if policy == 'drop':
-      dropped.append(whole)
-    elif policy in ('neighbor', 'naive'):
-      carrier = work[ring_next(live, f, n_slices)]
+  if policy == 'drop':
+    dropped = [Rows(f, 0, micro_batch) for f in orphans]
+  elif policy in ('neighbor', 'naive'):
+    for f in orphans:
+      carrier = work[ring_next(work, f, n_slices)]
+      whole = Rows(f, 0, micro_batch)
       carrier.exact.append(whole) if policy == 'naive' else carrier.degraded.append(whole)
-    else:  # spread
-      # Remainder granules go to the least-loaded slices first (ties: ring order after the
-      # failed one), so that over several orphans no slice carries over a granule more than another.
-      order = sorted(live, key=lambda s: (load[s], (s - f) % n_slices))
-      start = 0
-      for s, n in zip(order, _split(micro_batch, len(live), granule)):
-        if n:
-          work[s].degraded.append(Rows(f, start, start + n))
-          load[s] += n
-        start += n
+  else:  # spread
+    for f, s, start, n in spread_shares(live, orphans, n_slices, micro_batch, granule):
+      work[s].degraded.append(Rows(f, start, start + n))
   if policy == 'neighbor':
     # The paper's neighbour runs the degraded step on both of its micro-batches.
     for w in work.values():
@@ -143,14 +152,29 @@ class Planner:
     return Assignment(work, dropped, {s: self.role(w) for s, w in work.items()})
 
   def roles(self, live: Sequence[int]) -> dict[int, Role]:
-    """plan(live).roles, without listing rows where the policy allows (exact, budget): a
-    failure replay at scale plans thousands of live sets (tests/test_core.py checks both)."""
-    if self.policy not in ('exact', 'budget') or not live:
-      return self.plan(live).roles
-    loads = budget_loads(sorted(live), self.n_slices, self.micro_batch, self.policy,
-                         self.granule, self.degraded_cost, self.time_budget)
-    g = self.granule
-    return {s: self._role_of_rows(g * e, g * d) for s, e, d in sorted(loads)}
+    """plan(live).roles from row counts, without listing rows: a failure replay at scale plans
+    thousands of live sets (tests/test_core.py checks both agree)."""
+    if self.policy not in POLICIES or not live:
+      return self.plan(live).roles  # its error
+    live, b, role = sorted(live), self.micro_batch, self._role_of_rows
+    if self.policy in ('exact', 'budget'):
+      loads = budget_loads(live, self.n_slices, b, self.policy, self.granule,
+                           self.degraded_cost, self.time_budget)
+      g = self.granule
+      return {s: role(g * e, g * d) for s, e, d in sorted(loads)}
+    degraded = dict.fromkeys(live, 0)
+    orphans = [s for s in range(self.n_slices) if s not in degraded]
+    if self.policy == 'spread':
+      for _, s, _, n in spread_shares(live, orphans, self.n_slices, b, self.granule):
+        degraded[s] += n
+      return {s: role(b, degraded[s]) for s in live}
+    if self.policy != 'drop':  # neighbor, naive: the ring's next live slice carries each orphan
+      for f in orphans:
+        degraded[ring_next(degraded, f, self.n_slices)] += b
+    if self.policy == 'naive':
+      return {s: role(b + degraded[s], 0) for s in live}
+    # neighbor: a carrier runs its own micro-batch degraded too (drop: none carries)
+    return {s: role(0, b + d) if d else role(b, 0) for s, d in degraded.items()}
 
   def role(self, w: SliceWork) -> Role:
     return self._role_of_rows(*w.counts())

@@ -193,7 +193,7 @@ class Controller:
   def _want_ahead(self) -> None:
     """Queues the live sets one event away; drops the programs built ahead for sets that are
     no longer one event away."""
-    live_sets = self.decider.next_live_sets(self._hosts)
+    live_sets = list(self.decider.next_live_sets(self._hosts))
     if not self._hosts:
       keep = {k for s in (self.live(), *live_sets) for k in self.decider.programs_for(s)}
       self.programs.evict_ahead(keep)
