@@ -81,9 +81,24 @@ def test_a_program_key_has_a_shape_and_kinds_compare_by_name():
 
 def test_next_live_sets_are_repairs_then_failures():
   assert list(programs.next_live_sets((0, 2), 3)) == [(0, 1, 2), (2,), (0,)]
+  assert list(programs.next_live_sets((1,), 3, down=(2, 0))) == [(1, 2), (0, 1)]
 
 
 # --- the decider -----------------------------------------------------------------------------
+
+def test_the_slice_down_longest_comes_back_first_also_after_a_resume():
+  d = _decider(FailureSchedule(8))
+  for step, s, kind in [(1, 5, 'fail'), (2, 2, 'fail'), (3, 5, 'repair'), (4, 7, 'fail'),
+                        (5, 5, 'fail')]:
+    d.apply(FailureEvent(step, s, kind))
+  assert d.down_longest_first() == [2, 7, 5]
+  back = [tuple(sorted((*d.live(), s))) for s in (2, 7, 5)]
+  assert list(d.next_live_sets())[:4] == back + [d.live()[1:]]
+  resumed = _decider(FailureSchedule(8), state=DeciderState.from_meta(d.state.to_meta()))
+  assert resumed.down_longest_first() == [2, 7, 5]
+  resumed.state.failed = {7, 1}  # set from outside the events: known first, then slice order
+  assert resumed.down_longest_first() == [7, 1]
+
 
 def _decider(schedule=None, policy='neighbor', run=SVD, tau=3, **kw) -> Decider:
   schedule = schedule or FailureSchedule(N)

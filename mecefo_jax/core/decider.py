@@ -115,6 +115,9 @@ class Decider:
     self.devices_back_at: int | None = None  # resumed after every slice was down at this step
     self._assignments: dict[tuple[int, ...], Assignment] = {}
     self._listed: dict[tuple, tuple[ProgramKey, ...]] = {}  # (live, refreshed) -> programs_for
+    self._down: dict[int, None] = {}  # the failed slices in the order they failed
+    for e in self.state.events:
+      self._note(e['slice'], e['kind'])
     self._live_of: frozenset[int] | None = None  # the failed slices `_live` was listed for
     self._live: tuple[int, ...] = ()
 
@@ -135,11 +138,24 @@ class Decider:
       return False
     if not apply_event(failed, event.kind, event.slice):
       return False  # no change (already failed / not failed)
+    self._note(event.slice, event.kind)
     self.state.events.append({**event.to_dict(), 'wall_s': wall_s, 'live': len(self.live())})
     log.warning('step %d: slice %d %s (%s); live slices %s', event.step, event.slice,
                 'FAILED' if event.kind == 'fail' else 'repaired, rejoining', event.source,
                 list(self.live()))
     return True
+
+  def _note(self, s: int, kind: str) -> None:
+    self._down.pop(s, None)
+    if kind == 'fail':
+      self._down[s] = None
+
+  def down_longest_first(self) -> list[int]:
+    """The failed slices, longest down first: the likeliest repaired next where repairs take
+    about the same time (a failure set from outside the events, last, in slice order)."""
+    failed = self.state.failed
+    known = [s for s in self._down if s in failed]
+    return known + sorted(failed.difference(known))
 
   def advance(self, step: int, wall_s: float = 0.0) -> tuple[list[tuple[int, ...]], bool]:
     """Applies the events of `step` (repairs first). Returns the live sets the state must be
@@ -248,7 +264,7 @@ class Decider:
     live = self.live()
     if hosts:
       return (s for s in (tuple(x for x in live if x not in h) for h in hosts) if s)
-    sets = programs.next_live_sets(live, self.n_slices)
+    sets = programs.next_live_sets(live, self.n_slices, self.down_longest_first())
     if len(self.present) == self.n_slices:
       return sets
     present = set(self.present)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Hashable, Iterator, Mapping
+from typing import Callable, Hashable, Iterator, Mapping, Sequence
 
 from mecefo_jax.core.roles import Role
 
@@ -143,13 +143,14 @@ def programs_for(need: Need, stages: tuple[str, ...] = ('step', 'refresh', 'eval
           for slices, variant in kind.rule(need)]
 
 
-def next_live_sets(live: tuple[int, ...], n_slices: int) -> Iterator[tuple[int, ...]]:
+def next_live_sets(live: tuple[int, ...], n_slices: int, down: Sequence[int] | None = None
+                   ) -> Iterator[tuple[int, ...]]:
   """Live sets one event away, likeliest first, listed as taken (a replay at scale takes a few
-  of hundreds): one slice back (a given failed slice is repaired sooner than a given live one
-  fails while fewer are down than live), then one more down (none when `live` is a single
-  slice)."""
+  of hundreds): one slice back, in the order of `down` (the failed slices; default slice
+  order), since a given failed slice is repaired sooner than a given live one fails while
+  fewer are down than live; then one more down (none when `live` is a single slice)."""
   members = set(live)
-  for r in range(n_slices):
+  for r in (range(n_slices) if down is None else down):
     if r not in members:
       yield tuple(sorted((*live, r)))
   if len(live) > 1:
