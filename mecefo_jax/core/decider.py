@@ -248,7 +248,8 @@ class Decider:
   # --- programs ahead of need ----------------------------------------------------------------
   def programs_for(self, live: tuple[int, ...]) -> list[ProgramKey]:
     """Every program steps on `live` request: the step's, the basis refreshes, the eval (listed
-    once per live set while it is recent: the sets one event away recur from change to change)."""
+    once per live set while it is recent: the controller asks twice per change, to keep and to
+    build)."""
     refreshed = self.bases_step >= 0
     return list(_kept(self._listed, (live, refreshed), lambda: tuple(programs.programs_for(
         programs.Need(live, self._roles(live), self.run, refreshed)))))
