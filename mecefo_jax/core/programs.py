@@ -40,8 +40,9 @@ class Need:
   @functools.cached_property
   def fused(self) -> bool:
     """One SPMD program for the whole step: every slice plays one single-pass role."""
-    only = next(iter(self.groups)) if len(self.groups) == 1 else None
-    return only is not None and only.passes == 1 and not self.run.ordered_reduce
+    groups = self.groups
+    return (len(groups) == 1 and next(iter(groups)).passes == 1
+            and not self.run.ordered_reduce)
 
   @functools.cached_property
   def degraded(self) -> bool:
