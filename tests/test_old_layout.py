@@ -24,13 +24,20 @@ STEP = 3  # the fixture stopped after step 3 (--stop-after 3 of train.steps=6)
 
 
 def _copy_run(tmp_path, *, durable=True, memory=False) -> Path:
-  out = tmp_path / 'old'
+  """The fixture's run in tmp_path/old, its placeholders (README there) replaced by this copy's
+  paths: the run directory, its tmpfs folder and its failure trace (written beside it)."""
+  out, trace = tmp_path / 'old', tmp_path / 'oldT'
+  shm = rundir.snapshot_dirs(_cfg().snapshot, out, RUN_ID)[0]
+  trace.write_text('1 1 fail\n')
   shutil.copytree(FIXTURE / 'run', out)
+  for name in ('run_state.json', 'report.json', 'history.jsonl', 'failures.txt'):
+    text = (out / name).read_text()
+    for placeholder, path in (('@RUN@', out), ('@SHM@', shm.parent), ('@TRACE@', trace)):
+      text = text.replace(placeholder, str(path))
+    (out / name).write_text(text)
   if not durable:
     shutil.rmtree(out / 'checkpoints')
   if memory:  # the in-memory snapshot where this --out's tmpfs folder is
-    cfg = _cfg()
-    shm = rundir.snapshot_dirs(cfg.snapshot, out, RUN_ID)[0]
     shutil.copytree(next((FIXTURE / 'shm').iterdir()), shm)
   return out
 
@@ -90,6 +97,8 @@ def test_old_run_resumes_from_its_durable_checkpoint_past_its_memory_snapshot(
   assert 'converted to stacked blocks' in err, err
   report = json.loads((out / 'report.json').read_text())
   assert report['resumed_from_step'] == STEP and report['steps'] >= STEP + 1
+  # It read its trace where it was given (the copy came later); it carries one from now on.
+  assert (out / rundir.TRACE).read_text() == '1 1 fail\n'
 
 
 def test_old_memory_snapshot_alone_is_refused_in_one_line_and_kept(tmp_path, capsys,

@@ -110,10 +110,11 @@ def _printed(pattern: str, text: str) -> list[str]:
 
 
 def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
-    tmp_path, caplog, capsys, monkeypatch):
+    devices, tmp_path, caplog, capsys, monkeypatch):
   """--stop-after (a stop request like SIGTERM's): the stop step in both tiers, the resume hint
   run exactly as printed continues it with the run's own config (train.steps=12, not the
-  default), the records count no lost step, and failures.txt's replay line reproduces it."""
+  default) and its own copy of the trace (the given file is gone by then), the records count
+  no lost step, and failures.txt's replay line reproduces it."""
   monkeypatch.setenv('XLA_FLAGS', '')  # a resume re-simulates the run's devices there
   monkeypatch.chdir(tmp_path)  # the replay writes runs/latest here
   (tmp_path / 'trace.txt').write_text('3 1 fail\n7 1 repair\n')
@@ -125,6 +126,8 @@ def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
   message = next(m for m in caplog.messages if m.startswith('stopped by --stop-after 5 after '
                                                             'step 5, saved as the in-memory'))
   assert f'{tmp_path}/shm/' in message and 'checkpoints' in message, message
+  (tmp_path / 'trace.txt').unlink()  # a cleaned /tmp, a run copied to another machine
+  assert (tmp_path / 'run' / rundir.TRACE).read_text() == '3 1 fail\n7 1 repair\n'
   assert cli.main(_printed('resume with', message)) == 0
   result = report(tmp_path / 'run')
   assert (result['steps'], result['resumed_from_step'], result['steps_lost'],

@@ -146,3 +146,22 @@ def test_the_default_run_directory_replaces_a_finished_run_not_an_unfinished_one
   rundir.write_run_state(latest, 'stopped', **{k: v for k, v in state.items() if k != 'status'})
   code, log = default_out('train.steps=4', 'optimizer.lr=0.002', f'snapshot.dir={shm}')
   assert code == 2 and 'resume with a changed config: optimizer.lr' in log, log
+
+
+def test_a_resume_reads_the_runs_own_copy_of_its_trace_where_the_given_one_is_gone(tmp_path):
+  given, out = tmp_path / 'trace.txt', tmp_path / 'run'
+  out.mkdir()
+  given.write_text('2 1 fail\n')
+  trace = rundir.read_trace(out, f'trace:{given}', resume=False)
+  assert (trace.path, trace.text, trace.source) == (given, '2 1 fail\n', 'trace:trace.txt')
+  rundir.keep_trace(out, trace)
+  given.write_text('9 0 fail\n')  # what the given path holds later is not the run's trace
+  copy = rundir.read_trace(out, f'trace:{given}', resume=True)
+  assert (copy.path, copy.text, copy.source) == (out / rundir.TRACE, '2 1 fail\n',
+                                                 'trace:trace.txt')
+  given.unlink()
+  assert rundir.read_trace(out, f'trace:{given}', resume=True).text == '2 1 fail\n'
+  (out / rundir.TRACE).unlink()  # a run from before copies were kept, its trace gone
+  with pytest.raises(ConfigError, match=rf"'{given}' not found, and '{out}' holds no copy"):
+    rundir.read_trace(out, f'trace:{given}', resume=True)
+  assert rundir.read_trace(out, 'high', resume=True) is None

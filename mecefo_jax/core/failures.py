@@ -134,11 +134,14 @@ class FailureSchedule:
     return sched
 
   @classmethod
-  def from_trace(cls, path: str | Path, n_slices: int) -> 'FailureSchedule':
-    """One event per line: `step slice fail|repair`; blank lines and # comments ignored."""
+  def from_trace(cls, path: str | Path, n_slices: int, text: str | None = None,
+                 source: str | None = None) -> 'FailureSchedule':
+    """One event per line: `step slice fail|repair`; blank lines and # comments ignored.
+    `text`: the file's text if already read; `source`: the events' (default trace:<name>)."""
     path = Path(path)
-    sched = cls(n_slices)
-    for lineno, line in enumerate(read_text(path, 'failure trace').splitlines(), 1):
+    sched, source = cls(n_slices), source or f'trace:{path.name}'
+    text = read_text(path, 'failure trace') if text is None else text
+    for lineno, line in enumerate(text.splitlines(), 1):
       fields = line.split('#', 1)[0].split()
       if not fields:
         continue
@@ -147,8 +150,7 @@ class FailureSchedule:
         raise ConfigError(f"{path}:{lineno}: expected 'step slice fail|repair', got {line.strip()!r}")
       step, slice_ = int(fields[0]), int(fields[1])
       try:
-        (sched.fail_at if fields[2] == 'fail' else sched.repair_at)(slice_, step,
-                                                                    f'trace:{path.name}')
+        (sched.fail_at if fields[2] == 'fail' else sched.repair_at)(slice_, step, source)
       except ConfigError as err:  # a slice the run does not have: where it is written
         raise ConfigError(f'{path}:{lineno}: {err}') from None
     sched._warn_no_ops(f'failure trace {path}')

@@ -3,6 +3,8 @@
 Files of a run directory (all written by process 0):
   run_state.json  status, run id, config, slice/host counts (what a resume reads first)
   failures.txt    the failure history of the state the run holds now, as a replayable trace
+  failure_trace.txt  the run's own copy of the trace it was started with (--failures
+                  trace:PATH), read at a resume: PATH may have moved since
                   (cut back to the restored step when steps are trained again)
   history.jsonl   append-only: every start, stop, end, failure event and steps thrown away
   .reached        the number of steps trained so far (rewritten each step: steps lost in a crash)
@@ -24,15 +26,16 @@ import uuid
 from pathlib import Path
 
 from mecefo_jax import files
-from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, to_dict
+from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, read_text, to_dict
 from mecefo_jax.run import hints
 from mecefo_jax.run.stop import STOP_FILE
 
 log = logging.getLogger('mecefo')
-LOCK, RUN_STATE, FAILURES, HISTORY, REACHED = (
-    '.lock', 'run_state.json', 'failures.txt', 'history.jsonl', '.reached')
+LOCK, RUN_STATE, FAILURES, HISTORY, REACHED, TRACE = (
+    '.lock', 'run_state.json', 'failures.txt', 'history.jsonl', '.reached', 'failure_trace.txt')
 METRICS_FILE, REPORT, PLOT, TB_DIR = 'metrics.jsonl', 'report.json', 'training.png', 'tb'
-OUTPUTS = (METRICS_FILE, REPORT, PLOT, TB_DIR, RUN_STATE, FAILURES, HISTORY, REACHED, STOP_FILE)
+OUTPUTS = (METRICS_FILE, REPORT, PLOT, TB_DIR, RUN_STATE, FAILURES, HISTORY, REACHED, STOP_FILE,
+           TRACE)
 SNAPSHOT_KEYS = {f.name for f in dataclasses.fields(SnapshotConfig)}
 # Keys a resumed run may change, as none changes what is trained (README: Snapshots and
 # resume); train.steps only upward (the learning-rate schedule then follows the new length).
@@ -107,6 +110,40 @@ class Reached:
 
   def close(self) -> None:
     os.close(self._fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+  """The failure trace a run replays: the file read, its text, its events' source label."""
+  path: Path
+  text: str
+  source: str
+
+
+def read_trace(out_dir: Path, failures: str, resume: bool) -> Trace | None:
+  """The trace of faults.failures=trace:PATH (None for any other value). A resume reads the
+  run directory's own copy (TRACE, kept at the start): PATH is then only shown, as it may have
+  moved since (a run copied to another machine, a cleaned /tmp). Runs started before copies
+  were kept read PATH."""
+  if not failures.startswith('trace:'):
+    return None
+  given, copy = Path(failures[len('trace:'):]), Path(out_dir) / TRACE
+  source = f'trace:{given.name}'
+  if resume and copy.is_file():
+    log.info('failure trace: the run\'s copy %s (started with %s)', copy, given)
+    return Trace(copy, read_text(copy, 'failure trace'), source)
+  if resume and not given.exists():
+    raise ConfigError(f'failure trace {str(given)!r} not found, and {str(out_dir)!r} holds no '
+                      f'copy of it ({TRACE}: the run was started before runs kept one); put '
+                      f'the trace back there to resume')
+  return Trace(given, read_text(given, 'failure trace'), source)
+
+
+def keep_trace(out_dir: Path, trace: Trace) -> None:
+  """The run's copy of its trace, what a resume reads (read_trace)."""
+  copy = Path(out_dir) / TRACE
+  if trace.path != copy:
+    files.replace_text(copy, trace.text)
 
 
 def read_reached(out_dir: Path) -> int | None:

@@ -101,8 +101,12 @@ class Trainer(AfterStep):
                   '(eval_loss null in report.json)', cfg.train.data)
     self.graphdef, _, _ = llama.abstract(m)
     f = cfg.faults
-    self.schedule = schedule or FailureSchedule.from_spec(
-        f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s, cfg.train.seed, f.rate)
+    self.trace = None if schedule else rundir.read_trace(self.out_dir, f.failures, resume)
+    self.schedule = schedule or (
+        FailureSchedule.from_trace(self.trace.path, self.n_slices, self.trace.text,
+                                   self.trace.source) if self.trace else
+        FailureSchedule.from_spec(f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s,
+                                  cfg.train.seed, f.rate))
     if self.n_slices == 1 and f.failures != 'none':
       log.warning('one slice: a failure leaves no live slice to take over its micro-batch, so '
                   'the run stops at the first failure (use mesh.slice >= 2 to survive failures)')
@@ -190,6 +194,8 @@ class Trainer(AfterStep):
     # The run's files change from here on only: a start that failed before left them as they were.
     if self.is_chief:
       rundir.start(self.out_dir, self._checked)  # a new run: its predecessor's files go
+      if self.trace:
+        rundir.keep_trace(self.out_dir, self.trace)
     restart.book(self.out_dir, self.controller.ledger, self._initial.meta)  # before its line
     self.records.start(self._initial, self.controller.events, self.presence.slots,
                        self.controller.live())
