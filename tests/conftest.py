@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices (set before jax is imported anywhere), the process launcher,
 and the tiers: a test that starts a process (it takes `launcher`) is marked `slow` here."""
 import os
+from pathlib import Path
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
@@ -9,7 +10,8 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from procs import Launcher, sharing_programs  # noqa: E402
+from mecefo_jax.step.store import ProgramStore  # noqa: E402
+from procs import Launcher  # noqa: E402
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
@@ -35,8 +37,47 @@ def devices():
 
 
 @pytest.fixture(scope='session')
-def _session_launcher(tmp_path_factory):
-  launcher = Launcher(tmp_path_factory.mktemp('xla_cache'))
+def suite_cache(tmp_path_factory) -> Path:
+  """The suite's one compilation cache directory: processes take it as their
+  $JAX_COMPILATION_CACHE_DIR (procs.Launcher) and in-process runs open its program store
+  (`programs/`), as train.py does. Entries are keyed by the lowered program, the backend and
+  the devices (step/store.py: fingerprint), so a test only ever gets the program it would have
+  compiled itself; tests about compiling opt out (`cold_programs`)."""
+  return tmp_path_factory.mktemp('xla_cache')
+
+
+@pytest.fixture(scope='session')
+def program_store(suite_cache) -> ProgramStore:
+  """The suite's program store, handed to a Trainer or Controller as a user would hand one."""
+  return ProgramStore(suite_cache / 'programs', 8 << 30)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _train_opens_the_suite_store(suite_cache):
+  """In-process `cli.main` runs open the suite's program store ($JAX_COMPILATION_CACHE_DIR
+  comes before train.compile_cache: step/store.py open_store)."""
+  with pytest.MonkeyPatch.context() as m:
+    m.setenv('JAX_COMPILATION_CACHE_DIR', str(suite_cache))
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _xla_flags_restored(monkeypatch):
+  """XLA_FLAGS as the suite set them after each test (an in-process resume sets the run's
+  device count there; processes are started without them: procs.Launcher)."""
+  monkeypatch.setenv('XLA_FLAGS', os.environ['XLA_FLAGS'])
+
+
+@pytest.fixture
+def cold_programs(monkeypatch):
+  """A test about compiling: its in-process runs open no program store (JAX's own cache is off
+  in train.py), so every program they need is compiled."""
+  monkeypatch.delenv('JAX_COMPILATION_CACHE_DIR')
+
+
+@pytest.fixture(scope='session')
+def _session_launcher(suite_cache):
+  launcher = Launcher(suite_cache)
   yield launcher
   launcher.kill_all()
 
@@ -48,12 +89,3 @@ def launcher(_session_launcher):
   yield _session_launcher
   _session_launcher.kill_all(since=first)
 
-
-@pytest.fixture(scope='module')
-def shared_programs(devices):
-  """In-process runs of one test file build each program once (procs.sharing_programs); the
-  environment's XLA_FLAGS restored after (a resume adds the run's device count there)."""
-  with pytest.MonkeyPatch.context() as m:
-    m.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
-    sharing_programs(m)
-    yield

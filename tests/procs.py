@@ -86,43 +86,10 @@ class Launcher:
       kill(proc)
 
 
-# What no compiled program depends on: runs that differ only there share their programs.
-NOT_IN_PROGRAMS = {'train': ('data', 'out_dir', 'log_every', 'eval_every', 'plot',
-                             'compile_cache'), 'snapshot': None}
-
-
-def program_key(cfg) -> str:
-  from mecefo_jax.config import to_dict
-  tree = to_dict(cfg)
-  for section, keys in NOT_IN_PROGRAMS.items():
-    tree[section] = {} if keys is None else {k: v for k, v in tree[section].items()
-                                             if k not in keys}
-  return json.dumps(tree, sort_keys=True)
-
-
-def sharing_programs(monkeypatch) -> None:
-  """In-process starts build each program once (and a new run's state initialiser, once per
-  config and mesh): the later ones take what the first compiled, as a program store would."""
-  import jax
-  from mecefo_jax.model import train_state
-  from mecefo_jax.step import cache
-  built, build = {}, cache.ProgramCache._build
-
-  def once(self, key):
-    shared = (program_key(self.cfg), key)
-    if shared not in built:
-      built[shared] = build(self, key)
-    return built[shared]
-
-  def create_sharded(cfg, mesh):  # a fresh state each call, from one compiled initialiser
-    key = (json.dumps(to_dict(cfg), sort_keys=True), mesh)
-    if key not in built:
-      built[key] = jax.jit(lambda: train_state.init_state(cfg),
-                           out_shardings=train_state.state_shardings(cfg, mesh))
-    return built[key]()
-  from mecefo_jax.config import to_dict
-  monkeypatch.setattr(cache.ProgramCache, '_build', once)
-  monkeypatch.setattr(train_state, 'create_sharded', create_sharded)
+def suite_store():
+  """The suite's program store (conftest.py: suite_cache), opened as train.py opens one."""
+  from mecefo_jax.step import store
+  return store.open_store('', 8 << 10)
 
 
 def kill(proc: subprocess.Popen) -> None:

@@ -42,7 +42,7 @@ def _costs() -> ClusterCosts:
 def test_the_executor_and_the_simulator_agree_step_by_step():
   cfg = load_config(None, [*TINY, *MESHES['4x2'], 'faults.takeover=spread',
                            'train.eval_every=5', 'faults.precompile=never'])
-  mesh, init, graphdef, _ = _mesh('4x2')
+  mesh, init, graphdef = _mesh('4x2')
   c = Controller(cfg, mesh, graphdef, CORPUS, _schedule(), init())  # compiles its own programs
   d = c.decider
   twin = Decider(d.planner, d.run, _schedule(), d.tau, rows=False)
@@ -74,7 +74,7 @@ def test_a_new_kind_of_program_is_one_registration_plus_its_lowering(monkeypatch
   key = programs.ProgramKey(dummy, live)
   assert programs.programs_for(need)[-1] == key
   cfg = load_config(None, [*TINY, *MESHES['4x2']])
-  mesh, _, graphdef, _ = _mesh('4x2')
+  mesh, _, graphdef = _mesh('4x2')
   lowered = lowering.lower(key, cfg, sharding.PresentSlices(mesh, (0, 1, 2, 3)).sub(live), graphdef)
   assert 'main' in lowered.as_text()
   costs = _costs()

@@ -13,7 +13,7 @@ from mecefo_jax.config import (ConfigError, ModelConfig, load_config, resolve_co
 from mecefo_jax.model import llama
 from mecefo_jax.run import rundir
 from mecefo_jax.run.trainer import Trainer
-from procs import TINY
+from procs import TINY, suite_store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,8 @@ def _train(out: Path, steps: int, resume: bool = False) -> Trainer:
   cfg = load_config(None, [*TINY, 'mesh.slice=1', f'train.steps={steps}', 'train.plot=false',
                            'train.eval_every=0', 'train.eval_batches=1',
                            f'snapshot.dir={out.parent}/shm'])
-  run = Trainer(cfg, out, resume=resume, explicit_resume=resume, progress='quiet')
+  run = Trainer(cfg, out, resume=resume, explicit_resume=resume, progress='quiet',
+                program_store=suite_store())
   try:
     run.run()
   finally:

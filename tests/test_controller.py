@@ -19,7 +19,9 @@ from mecefo_jax.model import llama, train_state
 from mecefo_jax.core.programs import KINDS, ProgramKey, next_live_sets
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step.cache import ProgramCache
+from mecefo_jax.step import initializer
 from mecefo_jax.step.precompile import Precompiler
+from procs import suite_store
 
 pytestmark = pytest.mark.usefixtures('devices')
 
@@ -40,27 +42,19 @@ def K(kind: str, slices, variant=None) -> ProgramKey:
 
 @functools.lru_cache(maxsize=None)
 def _mesh(name):
-  """(mesh, jitted sharded init, graphdef, programs compiled so far on this mesh)."""
+  """(mesh, a fresh sharded initial state each call, graphdef)."""
   cfg = load_config(None, [*TINY, *MESHES[name]])
   mesh = sharding.make_mesh(cfg.mesh)
-  init = jax.jit(lambda: train_state.init_state(cfg),
-                 out_shardings=train_state.state_shardings(cfg, mesh))
-  return mesh, init, llama.abstract(cfg.model)[0], {}
+  return mesh, lambda: initializer.create(cfg, mesh, suite_store()), llama.abstract(cfg.model)[0]
 
 
 def _controller(name='4x2', *faults, schedule=None):
-  """A fresh controller (fresh state); programs compiled by earlier tests on the mesh are reused
-  (they depend on the model and mesh, not on faults.*); those it compiles itself are booked."""
+  """A fresh controller (fresh state) whose programs come from the suite's program store
+  where an earlier test built them (procs.suite_store)."""
   cfg = load_config(None, [*TINY, *MESHES[name], *faults])
-  mesh, init, graphdef, cache = _mesh(name)
+  mesh, init, graphdef = _mesh(name)
   schedule = schedule or FailureSchedule(mesh.shape['slice'])
-  c = Controller(cfg, mesh, graphdef, CORPUS, schedule, init())
-  own = c.programs.get
-
-  def get(key, build):
-    return cache.setdefault(key, own(key, lambda: cache[key] if key in cache else build()))
-  c.programs.get = get
-  return c
+  return Controller(cfg, mesh, graphdef, CORPUS, schedule, init(), program_store=suite_store())
 
 
 def _host(tree):
@@ -275,7 +269,7 @@ def test_precompile_builds_the_next_live_sets_programs_in_the_background(move):
   both one-failure live sets' programs (with moves: compiles one set's shapes and moves them
   onto the other), so the failure step builds nothing on the training thread; the failure
   queues the set one event away from the new live set and drops the other one's programs."""
-  mesh, init, graphdef, _ = _mesh('2x4')
+  mesh, init, graphdef = _mesh('2x4')
   cfg = load_config(None, [*TINY, *MESHES['2x4'], f'train.move_programs={move}'])
   c = Controller(cfg, mesh, graphdef, CORPUS, FailureSchedule(2).fail_at(1, 1), init())
   c.step(0)
@@ -321,7 +315,7 @@ def test_precompile_keeps_at_most_precompile_max_programs_ahead_of_need():
 # --- the program cache ---------------------------------------------------------------------
 
 def test_program_cache_builds_a_key_once_and_books_the_wait_of_the_training_thread():
-  mesh, _, graphdef, _ = _mesh('4x2')
+  mesh, _, graphdef = _mesh('4x2')
   booked, built = [], []
   cache = ProgramCache(load_config(None, [*TINY, *MESHES['4x2']]),
                        sharding.PresentSlices(mesh, ALL4), graphdef, booked.append)
@@ -356,7 +350,7 @@ def test_a_second_live_set_of_one_shape_moves_its_programs_and_trains_the_same_p
   """Fresh controllers (no programs shared with other tests): slice 1 down at step 1, back at
   2, slice 2 down at 3. Live sets (0, 2, 3) and (0, 1, 3) have one shape: the second compiles
   nothing, and the params equal those of a run that compiles every program (move off)."""
-  mesh, init, graphdef, _ = _mesh('4x2')
+  mesh, init, graphdef = _mesh('4x2')
   sched = FailureSchedule(4).fail_at(1, 1).repair_at(1, 2).fail_at(2, 3)
   runs = {}
   for move in ('always', 'never'):

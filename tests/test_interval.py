@@ -60,11 +60,11 @@ def test_an_interval_never_exceeds_max_every_and_starts_probing_when_no_step_is_
 def test_a_run_with_auto_measures_sets_and_reports_its_interval(tmp_path):
   from mecefo_jax.config import load_config
   from mecefo_jax.run.trainer import Trainer
-  from procs import TINY
+  from procs import TINY, suite_store
   cfg = load_config(None, [*TINY, 'mesh.slice=2', 'train.steps=60', 'train.eval_every=0',
                            'train.plot=false', 'snapshot.every=auto', 'snapshot.max_every=20',
                            f'snapshot.dir={tmp_path}/shm', 'snapshot.durable_every=0'])
-  trainer = Trainer(cfg, tmp_path / 'run', progress='quiet')
+  trainer = Trainer(cfg, tmp_path / 'run', progress='quiet', program_store=suite_store())
   try:
     result = trainer.run()
   finally:

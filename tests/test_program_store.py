@@ -120,6 +120,16 @@ def test_the_key_covers_xla_flags_and_where_programs_do_not_move_their_devices(m
   assert store.fingerprint(low_a, None) != before
 
 
+def test_the_key_covers_the_argument_trees_that_leave_no_trace_in_the_module():
+  """An empty container is no argument of the module, yet a call checks the tree (a state with
+  `bases: {}`, gaussian bases, is not a state with svd bases' empty entry)."""
+  double = jax.jit(lambda state: state['x'] * 2)
+  x = np.ones(4, np.float32)
+  plain, with_empty = double.lower({'x': x}), double.lower({'x': x, 'bases': {}})
+  assert plain.as_text() == with_empty.as_text()
+  assert store.fingerprint(plain, None) != store.fingerprint(with_empty, None)
+
+
 def _entry(n_bytes: int) -> retarget.Serialized:
   return retarget.Serialized(bytes(n_bytes), jax.tree.structure(0), jax.tree.structure(0), [0])
 

@@ -15,7 +15,7 @@ from mecefo_jax.run import report as run_report
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.resume import initial_state
 from mecefo_jax.snapshot.host import choose
-from procs import TINY, error_lines, report
+from procs import TINY, error_lines, report, suite_store
 
 L3, L2, L4 = (0, 1, 2), (0, 1), (0, 1, 2, 3)
 
@@ -184,7 +184,8 @@ def test_the_loop_runs_its_after_step_hooks_in_their_declared_order(tmp_path, mo
   from mecefo_jax.run import trainer as trainer_mod
   cfg = load_config(None, [*TINY, 'mesh.slice=2', 'train.steps=2', f'snapshot.dir={tmp_path}/m',
                            'train.plot=false', 'train.eval_every=1'])
-  run = trainer_mod.Trainer(cfg, tmp_path / 'run', progress='quiet')
+  run = trainer_mod.Trainer(cfg, tmp_path / 'run', progress='quiet',
+                           program_store=suite_store())
   calls = []
   for name in trainer_mod.AFTER_STEP:
     hook = getattr(run, f'_after_{name}')

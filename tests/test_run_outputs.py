@@ -9,6 +9,7 @@ import pytest
 
 from mecefo_jax.config import load_config
 from mecefo_jax.run import evaluation, plot, report_schema, report_spec
+from procs import suite_store
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVAL_EVERY, LOG_EVERY = 20, 5, 4
@@ -24,7 +25,8 @@ def run(tmp_path_factory):
       'train.eval_batches=1', 'mesh.slice=2', f'snapshot.dir={out}/shm', 'snapshot.every=5',
       'snapshot.durable_every=10'])
   rows = []
-  trainer = Trainer(cfg, out, progress='plain', on_log=rows.append)
+  trainer = Trainer(cfg, out, progress='plain', on_log=rows.append,
+                    program_store=suite_store())
   try:
     report = trainer.run()
   finally:
@@ -70,7 +72,7 @@ def test_eval_rows_do_not_depend_on_the_live_slices(tmp_path):
   from mecefo_jax.run.trainer import Trainer
   cfg = load_config(ROOT / 'configs' / 'tiny.yaml', [
       'mesh.slice=4', 'train.micro_batch=2', 'snapshot.enabled=false', 'train.plot=false'])
-  trainer = Trainer(cfg, tmp_path, progress='quiet')
+  trainer = Trainer(cfg, tmp_path, progress='quiet', program_store=suite_store())
   try:
     all_live = trainer.evaluate(3)
     c = trainer.controller

@@ -19,7 +19,7 @@ RUN = [*TINY, 'mesh.slice=2', 'train.steps=8', 'train.log_every=1', 'train.plot=
 
 
 @pytest.fixture(scope='module')
-def stopped(tmp_path_factory, shared_programs):
+def stopped(tmp_path_factory):
   """A run stopped after 2 of 8 steps, and its snapshots."""
   base = tmp_path_factory.mktemp('stopped')
   args = ['--out', str(base / 'run'), *RUN, f'snapshot.dir={base / "shm"}',
@@ -48,7 +48,7 @@ def test_a_start_that_fails_before_running_leaves_every_file_as_it_was(stopped, 
 
 
 @pytest.mark.slow  # whole in-process runs
-def test_no_eval_rows_turn_evals_off_the_final_one_too(shared_programs, tmp_path, caplog):
+def test_no_eval_rows_turn_evals_off_the_final_one_too(tmp_path, caplog):
   """--data text:FILE?eval_fraction=0 was accepted, then raised a DataError at the first eval
   and left the run `running`, so that every later start crashed alike."""
   text = tmp_path / 'a.txt'
@@ -75,7 +75,7 @@ def _failing_durable_saves(monkeypatch) -> None:
 
 
 @pytest.mark.slow  # whole in-process runs
-def test_durable_saves_that_fail_are_a_line_each_then_stop_the_run(shared_programs, tmp_path,
+def test_durable_saves_that_fail_are_a_line_each_then_stop_the_run(tmp_path,
                                                                     monkeypatch, caplog):
   out = tmp_path / 'run'
   args = ['--out', str(out), *RUN, f'snapshot.dir={tmp_path / "shm"}',
@@ -101,7 +101,7 @@ def test_durable_saves_that_fail_are_a_line_each_then_stop_the_run(shared_progra
 
 @pytest.mark.slow  # whole in-process runs
 def test_a_durable_failure_while_the_in_memory_tier_fails_too_stops_at_once(
-    shared_programs, tmp_path, monkeypatch, caplog):
+    tmp_path, monkeypatch, caplog):
   caplog.set_level(logging.WARNING, 'mecefo')
 
   def no_room(self, *args, **kwargs):

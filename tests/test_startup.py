@@ -71,9 +71,10 @@ def test_the_initializer_is_timed_and_kept_in_the_program_store(devices, tmp_pat
 _COMPILE = '/jax/core/compile/backend_compile_duration'
 
 
-def test_every_xla_compile_of_a_failure_run_is_in_its_report(tmp_path):
-  """A tiny 2-slice run with a failure: XLA's compiles (jax.monitoring, counted here) are the
-  programs report.json books, the initializer and its other_compiles, none twice."""
+def test_every_xla_compile_of_a_failure_run_is_in_its_report(tmp_path, cold_programs):
+  """A tiny 2-slice run with a failure, compiling every program (no store): XLA's compiles
+  (jax.monitoring, counted here) are the programs report.json books, the initializer and its
+  other_compiles, none twice."""
   compiles = []
   listener = lambda event, duration, **_: event == _COMPILE and compiles.append(duration)
   (tmp_path / 'T').write_text('3 1 fail\n')

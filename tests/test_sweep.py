@@ -64,7 +64,7 @@ def torn_lines(data: bytes, key: str) -> int:
 
 
 @pytest.fixture(scope='module')
-def made(tmp_path_factory, shared_programs):
+def made(tmp_path_factory):
   """The run directory, its snapshots, a prepared and an interrupted token directory, made once
   (pristine copies beside them); `reset()` puts the pristine ones back."""
   base = tmp_path_factory.mktemp('sweep')

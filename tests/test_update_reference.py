@@ -1,6 +1,5 @@
 """The parameter update under failure, against an independent reference of docs/algorithm.md §2-§3."""
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,12 +8,14 @@ import optax
 import pytest
 
 from mecefo_jax import sharding
-from mecefo_jax.config import FaultConfig, load_config
+from mecefo_jax.config import load_config
 from mecefo_jax.data import order, synthetic
 from mecefo_jax.fault.controller import Controller
 from mecefo_jax.core.failures import FailureSchedule
-from mecefo_jax.model import layout, llama, train_state
+from mecefo_jax.model import layout, llama
 from mecefo_jax.core import takeover
+from mecefo_jax.step import initializer
+from procs import suite_store
 
 pytestmark = pytest.mark.usefixtures('devices')
 
@@ -231,15 +232,8 @@ def reference_run(cfg, params0, live_sets, shared_count=False):
   return opt.params
 
 
-# --- the controller, programs shared between test cases -----------------------------------
+# --- the controller ---------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _programs(cfg):
-  """(mesh, graphdef, jitted init, program cache) per config of the compiled programs."""
-  mesh = sharding.make_mesh(cfg.mesh)
-  init = jax.jit(lambda: train_state.init_state(cfg),
-                 out_shardings=train_state.state_shardings(cfg, mesh))
-  return mesh, llama.abstract(cfg.model)[0], init, {}
 
 
 def _host(params, cfg):
@@ -251,18 +245,13 @@ def _host(params, cfg):
 def controller_run(cfg, events, steps):
   """(params before, params after `steps` steps, live sets, exact tokens per step).
   events: (step, slice, 'fail' | 'repair')."""
-  # The programs do not depend on faults.*, tau or refresh (the controller reads them): share
-  # them across those.
-  mecefo = dataclasses.replace(cfg.mecefo, tau=1, refresh='warm')
-  key = dataclasses.replace(cfg, faults=FaultConfig(), mecefo=mecefo)
-  mesh, graphdef, init, cache = _programs(key)
+  mesh = sharding.make_mesh(cfg.mesh)
   schedule = FailureSchedule(N)
   for step, s, kind in events:
     (schedule.fail_at if kind == 'fail' else schedule.repair_at)(s, step)
-  c = Controller(cfg, mesh, graphdef, CORPUS, schedule, init())
-  own = c.programs.get
-  c.programs.get = lambda k, build: cache.setdefault(
-      k, own(k, lambda: cache[k] if k in cache else build()))
+  # Programs an earlier test built come from the suite's store (procs.suite_store).
+  c = Controller(cfg, mesh, llama.abstract(cfg.model)[0], CORPUS, schedule,
+                 initializer.create(cfg, mesh, suite_store()), program_store=suite_store())
   params0, live_sets, exact_tokens = _host(c.state.params, cfg), [], []
   for step in range(steps):
     exact_tokens.append(float(c.step(step)['exact_tokens']))
