@@ -3,8 +3,11 @@ and the tiers: a test that starts a process (it takes `launcher`) is marked `slo
 import os
 from pathlib import Path
 
+# LLVM's optimizations off: the tiny models' programs compile ~40% faster, and run as exactly
+# (no fast-math either way); the suite's time is mostly compiles (README: Development).
+SUITE_XLA_FLAGS = '--xla_backend_optimization_level=0'
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8').strip()
+                           f' --xla_force_host_platform_device_count=8 {SUITE_XLA_FLAGS}').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import jax  # noqa: E402
