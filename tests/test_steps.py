@@ -11,7 +11,8 @@ from mecefo_jax.layers import MeCeFOLinear
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.bases import svd_bases
 from mecefo_jax.core.roles import Role, split_passes
-from mecefo_jax.step import slice_steps, train_step
+from mecefo_jax.step import initializer, slice_steps, train_step
+from procs import suite_store
 from test_update_reference import _loss_sum as reference_loss_sum
 
 TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
@@ -27,14 +28,25 @@ def _tokens(cfg, shape, seed=0):
 
 
 def _state(cfg, mesh):
-  return jax.jit(lambda: train_state.init_state(cfg),
-                 out_shardings=train_state.state_shardings(cfg, mesh))()
+  return initializer.create(cfg, mesh, suite_store())
+
+
+def _compiled(lowered, mesh):
+  """`lowered` compiled, or loaded from the suite's program store (procs.suite_store)."""
+  return initializer.compile_or_load(lowered, list(mesh.devices.flat), suite_store())[0]
+
+
+# Jitted, one program per (role, config, degrade): op by op, each of a step's ~200 small ops
+# would be compiled on its own, again for every new shape.
+_contribute = jax.jit(train_step.contribution, static_argnames=('role', 'graphdef', 'cfg',
+                                                                'degrade'))
+_reference = jax.jit(jax.value_and_grad(reference_loss_sum), static_argnums=(2, 3))
 
 
 def _contribution(cfg, params, bases, tokens, role):
   graphdef, _, _ = llama.abstract(cfg.model)
-  return train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1), role=role,
-                            graphdef=graphdef, cfg=cfg)
+  return _contribute(params, bases, tokens, jax.random.PRNGKey(1), role=role, graphdef=graphdef,
+                     cfg=cfg)
 
 
 @pytest.mark.parametrize('remat', ['dots', 'full'])
@@ -44,7 +56,7 @@ def test_degraded_grads_match_dense_projected_reference(remat):
   bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (6, cfg.model.seq_len + 1))
   grads, loss, exact_tok, deg_tok = _contribution(cfg, params, bases, tokens, Role(degraded=6))
-  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, True)
+  ref_loss, ref = _reference(params, tokens, cfg.model, True)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert (float(exact_tok), float(deg_tok)) == (0.0, 6.0 * cfg.model.seq_len)
   for i in range(cfg.model.n_layers):  # per layer slice of the stacked blocks
@@ -69,7 +81,7 @@ def test_normal_grads_and_losses_match_reference():
   _, params = llama.create(cfg.model, 0)
   tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
   grads, loss, exact_tok, _ = _contribution(cfg, params, {}, tokens, Role(exact=4))
-  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
+  ref_loss, ref = _reference(params, tokens, cfg.model, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
@@ -82,7 +94,7 @@ def test_normal_step_equals_jax_grad_and_optax(devices):
   cfg = _cfg('mesh.slice=4', 'mesh.fsdp=2')
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, _, _ = llama.abstract(cfg.model)
-  step = train_step.lower_step(cfg, mesh, Role(exact=4), graphdef).compile()
+  step = _compiled(train_step.lower_step(cfg, mesh, Role(exact=4), graphdef), mesh)
   state = _state(cfg, mesh)
   params0 = jax.device_get(state.params)
   tokens = _tokens(cfg, (4, 4, cfg.model.seq_len + 1))
@@ -91,10 +103,14 @@ def test_normal_step_equals_jax_grad_and_optax(devices):
   def mean_loss(p):
     logits = llama.forward(graphdef, p, tokens.reshape(16, -1)[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens.reshape(16, -1)[:, 1:]).mean()
-  loss, grads = jax.value_and_grad(mean_loss)(params0)
-  tx = train_state.make_optimizer(cfg)
-  updates, _ = tx.update(grads, tx.init(params0), params0)
-  expected = optax.apply_updates(params0, updates)
+
+  @jax.jit  # one program, not op by op
+  def reference(p):
+    loss, grads = jax.value_and_grad(mean_loss)(p)
+    tx = train_state.make_optimizer(cfg)
+    updates, _ = tx.update(grads, tx.init(p), p)
+    return loss, optax.apply_updates(p, updates)
+  loss, expected = reference(params0)
   np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -112,7 +128,8 @@ def test_combine_rule_attention_over_exact_only():
 
 def _run(cfg, mesh, n_steps):
   graphdef, _, _ = llama.abstract(cfg.model)
-  normal = train_step.lower_step(cfg, mesh, Role(exact=8 // mesh.shape['slice']), graphdef).compile()
+  normal = _compiled(train_step.lower_step(cfg, mesh, Role(exact=8 // mesh.shape['slice']),
+                                           graphdef), mesh)
   state = _state(cfg, mesh)
   for t in range(n_steps):
     tokens = _tokens(cfg, (8, cfg.model.seq_len + 1), seed=t).reshape(mesh.shape['slice'], -1,
@@ -139,11 +156,12 @@ def test_group_programs_and_the_update_equal_the_fused_step(devices):
   graphdef, _, _ = llama.abstract(cfg.model)
   role = Role(exact=4)
   tokens = _tokens(cfg, (2, 4, cfg.model.seq_len + 1))
-  fused_state, fused = train_step.lower_step(cfg, mesh, role, graphdef).compile()(_state(cfg, mesh), tokens)
+  fused_step = _compiled(train_step.lower_step(cfg, mesh, role, graphdef), mesh)
+  fused_state, fused = fused_step(_state(cfg, mesh), tokens)
   state = _state(cfg, mesh)
-  sums = slice_steps.lower_group(cfg, mesh, role, graphdef).compile()(state, tokens)
+  sums = _compiled(slice_steps.lower_group(cfg, mesh, role, graphdef), mesh)(state, tokens)
   stacked = slice_steps.stack_groups([sums], cfg, mesh)
-  state, metrics = slice_steps.lower_update(cfg, mesh).compile()(state, stacked)
+  state, metrics = _compiled(slice_steps.lower_update(cfg, mesh), mesh)(state, stacked)
   np.testing.assert_allclose(metrics['loss'], fused['loss'], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -192,15 +210,15 @@ def test_degraded_passes_with_remainder_equal_one_pass():
 
 # --- Degrade: each §2 technique on its own (the ablation's variants) ---
 
-def _ablated(degrade, remat='dots'):
+def _ablated(degrade, remat='dots', contribute=_contribute):
   cfg = _cfg(f'mecefo.ffn_remat={remat}')
   _, params = llama.create(cfg.model, 0)
   bases = svd_bases(params, cfg, jax.random.PRNGKey(3))
   tokens = _tokens(cfg, (4, cfg.model.seq_len + 1))
   graphdef, _, _ = llama.abstract(cfg.model)
-  grads, loss, _, _ = train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1),
-                                         role=Role(degraded=4), graphdef=graphdef, cfg=cfg,
-                                         degrade=degrade)
+  grads, loss, _, _ = contribute(params, bases, tokens, jax.random.PRNGKey(1),
+                                 role=Role(degraded=4), graphdef=graphdef, cfg=cfg,
+                                 degrade=degrade)
   return cfg, params, bases, tokens, grads, loss
 
 
@@ -211,14 +229,14 @@ def _ffn_kernel(path):
 
 def test_degrade_skip_attention_only_is_the_cut_graph_with_exact_ffn_grads():
   cfg, params, _, tokens, grads, loss = _ablated(llama.Degrade(skip_attention=True))
-  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, True)
+  ref_loss, ref = _reference(params, tokens, cfg.model, True)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the forward is exact
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
     if llama.is_attention_branch(path):
       assert not np.any(np.asarray(g)), path  # no gradient from this pass at all
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6, err_msg=str(path))
   # The last block's FFN sees no attention downstream: its grads equal the uncut ones.
-  _, exact = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
+  _, exact = _reference(params, tokens, cfg.model, False)
   last = cfg.model.n_layers - 1
   for a, b in zip(jax.tree.leaves(llama.layer(grads, last)['ffn']),
                   jax.tree.leaves(llama.layer(exact, last)['ffn'])):
@@ -228,7 +246,7 @@ def test_degrade_skip_attention_only_is_the_cut_graph_with_exact_ffn_grads():
 @pytest.mark.parametrize('remat', ['dots', 'full'])
 def test_degrade_remat_only_changes_no_gradient(remat):
   cfg, params, _, tokens, grads, loss = _ablated(llama.Degrade(remat_ffn=True), remat)
-  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
+  ref_loss, ref = _reference(params, tokens, cfg.model, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
@@ -236,7 +254,7 @@ def test_degrade_remat_only_changes_no_gradient(remat):
 
 def test_degrade_lowrank_only_projects_ffn_kernels_and_keeps_the_rest_exact():
   cfg, params, bases, tokens, grads, loss = _ablated(llama.Degrade(lowrank=True))
-  ref_loss, ref = jax.value_and_grad(reference_loss_sum)(params, tokens, cfg.model, False)
+  ref_loss, ref = _reference(params, tokens, cfg.model, False)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # loss identical: only Wgrad changes
   flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref))
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
@@ -256,8 +274,8 @@ def test_degrade_true_is_all_techniques_and_static_under_jit():
   *_, grads, loss = _ablated(llama.FULL)
   cfg, params, bases, tokens, _, _ = _ablated(llama.NONE)
   graphdef, _, _ = llama.abstract(cfg.model)
-  default = train_step.contribution(params, bases, tokens, jax.random.PRNGKey(1),
-                               role=Role(degraded=4), graphdef=graphdef, cfg=cfg)
+  default = _contribute(params, bases, tokens, jax.random.PRNGKey(1), role=Role(degraded=4),
+                        graphdef=graphdef, cfg=cfg)
   assert float(default[1]) == float(loss)
   for a, b in zip(jax.tree.leaves(default[0]), jax.tree.leaves(grads)):
     np.testing.assert_array_equal(a, b)
@@ -280,7 +298,7 @@ def test_ffn_trains_through_the_published_layer_with_its_bases(degrade, monkeypa
     return layer_call(self, inputs, basis, **kwargs)
 
   monkeypatch.setattr(MeCeFOLinear, '__call__', spy)
-  cfg, _, bases, *_ = _ablated(degrade)
+  cfg, _, bases, *_ = _ablated(degrade, contribute=train_step.contribution)  # traced here
   d, f = cfg.model.d_model, cfg.model.ffn_dim
   # Each layer's slice of the stacked bases reaches its layer: [d_in, r], not [layers, d_in, r].
   basis = lambda name: bases['blocks'][name].shape[1:] if degrade.lowrank else None
