@@ -3,9 +3,8 @@ and the tiers: a test that starts a process (it takes `launcher`) is marked `slo
 import os
 from pathlib import Path
 
-# LLVM's optimizations off: the tiny models' programs compile ~40% faster, and run as exactly
-# (no fast-math either way); the suite's time is mostly compiles (README: Development).
-SUITE_XLA_FLAGS = '--xla_backend_optimization_level=0'
+from procs import SUITE_XLA_FLAGS, Launcher  # (procs imports no jax)
+
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            f' --xla_force_host_platform_device_count=8 {SUITE_XLA_FLAGS}').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -14,7 +13,6 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from mecefo_jax.step.store import ProgramStore  # noqa: E402
-from procs import Launcher  # noqa: E402
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
@@ -45,8 +43,12 @@ def suite_cache(tmp_path_factory) -> Path:
   $JAX_COMPILATION_CACHE_DIR (procs.Launcher) and in-process runs open its program store
   (`programs/`), as train.py does. Entries are keyed by the lowered program, the backend and
   the devices (step/store.py: fingerprint), so a test only ever gets the program it would have
-  compiled itself; tests about compiling opt out (`cold_programs`)."""
-  return tmp_path_factory.mktemp('xla_cache')
+  compiled itself; tests about compiling opt out (`cold_programs`). One for all pytest-xdist
+  workers: the store is safe for concurrent processes."""
+  root = tmp_path_factory.getbasetemp()
+  path = (root.parent if os.environ.get('PYTEST_XDIST_WORKER') else root) / 'xla_cache'
+  path.mkdir(exist_ok=True)
+  return path
 
 
 @pytest.fixture(scope='session')
@@ -79,8 +81,8 @@ def cold_programs(monkeypatch):
 
 
 @pytest.fixture(scope='session')
-def _session_launcher(suite_cache):
-  launcher = Launcher(suite_cache)
+def _session_launcher(suite_cache, tmp_path_factory):
+  launcher = Launcher(suite_cache, tmp_path_factory.mktemp('cold'))
   yield launcher
   launcher.kill_all()
 
