@@ -21,12 +21,12 @@ from mecefo_jax.run.stop import TEST_DEATH_ENV
 from procs import ROOT, error_lines, kill, report, usage_error
 
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
-STEPS, DEATH, STOP = 60, 12, 40
+STEPS, DEATH, STOP = 24, 6, 20
 ARGS = ['mesh.slice=6', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', f'train.steps={STEPS}',
-        'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=1', 'model.seq_len=32',
+        'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=2', 'model.seq_len=16',
         'snapshot.every=1', 'train.eval_every=0', 'train.plot=false']
 # Slices 4 and 5 (host 2) fail and are repaired after the rejoin: host 2 has no live slice then.
-TRACE = '30 4 fail\n30 5 fail\n36 4 repair\n36 5 repair\n'
+TRACE = '12 4 fail\n12 5 fail\n16 4 repair\n16 5 repair\n'
 
 
 def _events(path: Path) -> list[dict]:
@@ -41,9 +41,9 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   events, trace = tmp_path / 'events.jsonl', tmp_path / 'trace.txt'
   trace.write_text(TRACE)
   run = tmp_path / 'run'
-  # Host 1 dies after step 12 (its snapshot written, the background builds done); its
-  # replacement is ready at once, so the survivors' job stops after its first step (13) and
-  # the job of all hosts trains on to the stop at 40. faults.precompile=always: the first job
+  # Host 1 dies after step 6 (its snapshot written, the background builds done); its
+  # replacement is ready at once, so the survivors' job stops after its first step (7) and
+  # the job of all hosts trains on to the stop at 20. faults.precompile=always: the first job
   # compiles into the program store the programs of the job that restarts after a death.
   cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--devices-per-process', '2',
          '--rejoin-after', '0', '--events', str(events), '--', '--out', str(run),
@@ -55,7 +55,7 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   assert first.returncode == STOPPED, log[-4000:]
   kinds = [e['kind'] for e in _events(events)]
   assert kinds == ['start', 'death', 'start', 'rejoin-ready', 'rejoin', 'start', 'end'], kinds
-  assert 'snapshot 12: part of host 1 rebuilt from the parity of the others' in log
+  assert f'snapshot {DEATH}: part of host 1 rebuilt from the parity of the others' in log
   survivors = log[log.index('host 1 (pid'):log.index('host(s) [1] rejoin')]
   # The survivors' job loaded the takeover's programs that the first job had stored, moved
   # onto its own devices, and stopped after its first step, saved in both tiers.
@@ -85,7 +85,7 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   assert result['programs']['loaded'] >= 1, result['programs']
   assert _strip(result['failure_events']) == [
       (DEATH, 2, 'fail'), (DEATH, 3, 'fail'), (DEATH + 1, 2, 'repair'), (DEATH + 1, 3, 'repair'),
-      (30, 4, 'fail'), (30, 5, 'fail'), (36, 4, 'repair'), (36, 5, 'repair')]
+      (12, 4, 'fail'), (12, 5, 'fail'), (16, 4, 'repair'), (16, 5, 'repair')]
   assert result['samples']['dropped'] == 0 and result['samples']['degraded'] > 0
   assert result['live_slices_at_end'] == list(range(6))
   history = rundir.read_history(run)
