@@ -25,7 +25,7 @@ STEPS = 8
 # Slice 3 fails at step 1 and is repaired at step 3: a failure and a rejoin within a process.
 TRACE = '1 3 fail\n3 3 repair\n'
 ARGS = ['mesh.slice=4', 'mesh.fsdp=2', 'mesh.ordered_reduce=true', f'train.steps={STEPS}',
-        'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=1', 'model.seq_len=32',
+        'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=2', 'model.seq_len=16',
         'snapshot.every=1', 'train.eval_every=0', 'train.plot=false']
 
 
