@@ -116,9 +116,11 @@ def test_an_auto_interval_is_agreed_by_every_process(launcher, tmp_path):
                           'snapshot.durable_every=0', 'snapshot.keep_when_finished=true'), 420)
   assert codes == [0, 0], _logs(tmp_path, 'auto')
   interval = report(tmp_path / 'auto')['snapshot_interval']
-  # Saves every 3 steps at first; a proposal every 4 save-to-save periods.
-  assert interval['auto'] and [s for s, _ in interval['changes']][:2] == [15, 15 + 4 * interval[
-      'changes'][0][1]], interval
+  # Saves every 3 steps at first (steps 3, 6, ...); a proposal every 4 save-to-save periods;
+  # saves fall on the multiples of the interval in force: the 4th one after step 15 is next.
+  every = interval['changes'][0][1]
+  assert interval['auto'] and [s for s, _ in interval['changes']][:2] == [
+      15, (15 // every + 4) * every], interval
   memory = tmp_path / 'auto_shm' / rundir.read_run_state(tmp_path / 'auto')['run_id']
   held = [sorted(int(p.name) for p in (memory / f'host{h}').iterdir() if p.name.isdigit())
           for h in (0, 1)]
