@@ -1,9 +1,10 @@
 """The one way tests start processes (train.py, benchmarks, tools): tracked, killed by pid.
 
 A test that starts a process takes the `launcher` fixture (tests/conftest.py), and that alone
-marks it `slow`. Single-process runs share one compilation cache directory per test session;
-`env(compile_cache=False)` gives a run an empty one of its own (multi-process runs: they use
-only its program store, as train.py does). Never the user's home.
+marks it `slow`. Processes share the suite's one compilation cache directory (conftest.py:
+suite_cache; train.py uses only its program store) with the in-process runs;
+`env(compile_cache=False)` gives a run an empty one of its own, for a test about compiling or
+a cold start. Never the user's home.
 """
 from __future__ import annotations
 
