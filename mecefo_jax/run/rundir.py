@@ -3,9 +3,9 @@
 Files of a run directory (all written by process 0):
   run_state.json  status, run id, config, slice/host counts (what a resume reads first)
   failures.txt    the failure history of the state the run holds now, as a replayable trace
+                  (cut back to the restored step when steps are trained again)
   failure_trace.txt  the run's own copy of the trace it was started with (--failures
                   trace:PATH), read at a resume: PATH may have moved since
-                  (cut back to the restored step when steps are trained again)
   history.jsonl   append-only: every start, stop, end, failure event and steps thrown away
   .reached        the number of steps trained so far (rewritten each step: steps lost in a crash)
   stop_request    asks the job to stop after its current step (run/stop.py; the supervisor's)

@@ -101,12 +101,13 @@ class Trainer(AfterStep):
                   '(eval_loss null in report.json)', cfg.train.data)
     self.graphdef, _, _ = llama.abstract(m)
     f = cfg.faults
+    # A trace is read from the run's own copy at a resume, and copied at the start (rundir.py).
     self.trace = None if schedule else rundir.read_trace(self.out_dir, f.failures, resume)
-    self.schedule = schedule or (
-        FailureSchedule.from_trace(self.trace.path, self.n_slices, self.trace.text,
-                                   self.trace.source) if self.trace else
-        FailureSchedule.from_spec(f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s,
-                                  cfg.train.seed, f.rate))
+    if schedule is None and self.trace:
+      schedule = FailureSchedule.from_trace(self.trace.path, self.n_slices, self.trace.text,
+                                            self.trace.source)
+    self.schedule = schedule or FailureSchedule.from_spec(
+        f.failures, self.n_slices, cfg.train.steps, f.cluster_step_s, cfg.train.seed, f.rate)
     if self.n_slices == 1 and f.failures != 'none':
       log.warning('one slice: a failure leaves no live slice to take over its micro-batch, so '
                   'the run stops at the first failure (use mesh.slice >= 2 to survive failures)')
