@@ -39,7 +39,7 @@ def _costs() -> ClusterCosts:
                       refresh_s=0.2, move_s=0.05, rejoin_s=0.1)
 
 
-def test_the_executor_and_the_simulator_agree_step_by_step():
+def test_the_executor_and_the_simulator_agree_step_by_step_on_what_they_build():
   cfg = load_config(None, [*TINY, *MESHES['4x2'], 'faults.takeover=spread',
                            'train.eval_every=5', 'faults.precompile=never'])
   mesh, init, graphdef = _mesh('4x2')
