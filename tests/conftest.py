@@ -12,8 +12,6 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from mecefo_jax.step.store import ProgramStore  # noqa: E402
-
 jax.config.update('jax_default_matmul_precision', 'highest')
 
 LAUNCHER = 'launcher'
@@ -41,20 +39,15 @@ def devices():
 def suite_cache(tmp_path_factory) -> Path:
   """The suite's one compilation cache directory: processes take it as their
   $JAX_COMPILATION_CACHE_DIR (procs.Launcher) and in-process runs open its program store
-  (`programs/`), as train.py does. Entries are keyed by the lowered program, the backend and
-  the devices (step/store.py: fingerprint), so a test only ever gets the program it would have
-  compiled itself; tests about compiling opt out (`cold_programs`). One for all pytest-xdist
-  workers: the store is safe for concurrent processes."""
+  (`programs/`) as train.py does, or take it from procs.suite_store() to hand to a Trainer or
+  Controller as a user would. Entries are keyed by the lowered program, its argument trees, the
+  backend and the devices (step/store.py: fingerprint), so a test only ever gets the program it
+  would have compiled itself; tests about compiling opt out (`cold_programs`). One for all
+  pytest-xdist workers: the store is safe for concurrent processes."""
   root = tmp_path_factory.getbasetemp()
   path = (root.parent if os.environ.get('PYTEST_XDIST_WORKER') else root) / 'xla_cache'
   path.mkdir(exist_ok=True)
   return path
-
-
-@pytest.fixture(scope='session')
-def program_store(suite_cache) -> ProgramStore:
-  """The suite's program store, handed to a Trainer or Controller as a user would hand one."""
-  return ProgramStore(suite_cache / 'programs', 8 << 30)
 
 
 @pytest.fixture(scope='session', autouse=True)
