@@ -37,7 +37,8 @@ def _args(tmp: Path, out: str, *extra) -> list[str]:
 
 
 def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
-  """n local processes of one job (gloo on CPU), output in <out>_<i>.log."""
+  """n local processes of one job (gloo on CPU), output in <out>_<i>.log; the suite's program
+  store (a resume loads what the job before it compiled)."""
   port = free_port()
   procs = []
   for i in range(n):
@@ -45,8 +46,7 @@ def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
     cmd = [sys.executable, 'train.py', f'--host-devices={8 // n}', f'--coordinator=localhost:{port}',
            f'--num-processes={n}', f'--process-id={i}', f'--heartbeat-s={heartbeat}',
            *_args(tmp, out, *extra)]
-    procs.append(launcher.start(cmd, env=launcher.env(compile_cache=False), stdout=log,
-                                stderr=log))
+    procs.append(launcher.start(cmd, env=launcher.env(), stdout=log, stderr=log))
   return procs
 
 
