@@ -126,13 +126,20 @@ def _supervise(launcher, tmp_path, *train_args, env=None) -> tuple[int, str, flo
                         env={**launcher.env(), **(env or {})},
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   log, deadline, said = run / 'logs' / 'host2.log', time.monotonic() + 240, None
+  error_line = lambda: log.exists() and 'error:' in log.read_text(errors='replace')
   try:
+    missed = time.monotonic()  # the last look that found no error line yet
     while proc.poll() is None and time.monotonic() < deadline:
-      if said is None and log.exists() and 'error:' in log.read_text(errors='replace'):
-        said = time.monotonic()
+      if said is None:
+        if error_line():
+          said = time.monotonic()
+        else:
+          missed = time.monotonic()
       time.sleep(0.05)
     ended = time.monotonic()
     assert proc.poll() is not None, 'the supervisor did not end within 240 s'
+    if said is None and error_line():  # written after the last look, the job gone by the next:
+      said = missed  # it came no earlier than that look (the time after it is an upper bound)
   finally:
     kill(proc)
   [start] = [e for e in _events(events) if e['kind'] == 'start']
