@@ -29,7 +29,16 @@ py=${PYTHON:-python3}
 json=$out/gpu_check.json log=$out/gpu_check.log
 : >"$log"
 work=$(mktemp -d "${TMPDIR:-/tmp}/mecefo-gpu-check.XXXXXX")  # part outputs; removed at the end
-trap 'rm -rf "$work"' EXIT
+# ... with the tmpfs snapshots of the runs in it (a run killed at its limit keeps its own).
+remove_work() {
+  "$py" -c 'import shutil, sys
+from mecefo_jax.run.rundir import run_name
+from mecefo_jax.snapshot.store import default_snapshot_dir
+for run in sys.argv[1:]:
+  shutil.rmtree(default_snapshot_dir(run_name(run)), ignore_errors=True)' "$work"/* 2>/dev/null
+  rm -rf "$work"
+}
+trap remove_work EXIT
 export PYTHONUNBUFFERED=1
 t0=$SECONDS total=${GPU_CHECK_TOTAL_S:-420}
 m350=${GPU_CHECK_MODEL:-configs/llama_350m.yaml} m1b=${GPU_CHECK_MODEL_1B:-configs/llama_1b.yaml}

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import gpu_check
 from mecefo_jax import install
+from mecefo_jax.snapshot.store import default_snapshot_dir
 from procs import ROOT, TINY
 
 SCRIPT = ROOT / 'benchmarks' / 'gpu_check.sh'
@@ -18,9 +19,13 @@ PARTS = ['imports', 'quickstart', 'notebook', 'first_step_cold', 'first_step_war
 
 
 def _check(launcher, out, timeout, **env):
+  tmpfs = default_snapshot_dir('x').parent  # where the runs' in-memory snapshots go
+  before = set(tmpfs.iterdir()) if tmpfs.is_dir() else set()
   proc = launcher.run(['bash', SCRIPT], timeout=timeout,
                       env=launcher.env(OUT=str(out), PYTHON=sys.executable, **env))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  # Its runs' tmpfs folders go with its scratch folder, a run killed at its limit's too.
+  assert (set(tmpfs.iterdir()) if tmpfs.is_dir() else set()) <= before
   files = sorted(p.name for p in out.iterdir())
   assert files == ['gpu_check.json', 'gpu_check.log'], files  # at most 8 asked
   result = json.loads((out / 'gpu_check.json').read_text())
