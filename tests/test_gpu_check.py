@@ -18,14 +18,19 @@ PARTS = ['imports', 'quickstart', 'notebook', 'first_step_cold', 'first_step_war
          'mfu_mb8', 'snapshot']
 
 
+def _runs_tmpfs() -> set:
+  """The tmpfs snapshot folders of gpu_check's quickstart runs (its one train.py run with
+  snapshots), named after its run folder: other tests' runs may come and go meanwhile."""
+  return set(default_snapshot_dir('x').parent.glob('quickstart-*'))
+
+
 def _check(launcher, out, timeout, **env):
-  tmpfs = default_snapshot_dir('x').parent  # where the runs' in-memory snapshots go
-  before = set(tmpfs.iterdir()) if tmpfs.is_dir() else set()
+  before = _runs_tmpfs()
   proc = launcher.run(['bash', SCRIPT], timeout=timeout,
                       env=launcher.env(OUT=str(out), PYTHON=sys.executable, **env))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   # Its runs' tmpfs folders go with its scratch folder, a run killed at its limit's too.
-  assert (set(tmpfs.iterdir()) if tmpfs.is_dir() else set()) <= before
+  assert _runs_tmpfs() <= before
   files = sorted(p.name for p in out.iterdir())
   assert files == ['gpu_check.json', 'gpu_check.log'], files  # at most 8 asked
   result = json.loads((out / 'gpu_check.json').read_text())
