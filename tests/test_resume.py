@@ -180,26 +180,42 @@ def test_one_process_never_resumes_a_supervised_run_from_scratch(tmp_path, capsy
                                        'train.steps=30`')
 
 
-def test_the_loop_runs_its_after_step_hooks_in_their_declared_order(tmp_path, monkeypatch):
+def test_the_loop_runs_its_hooks_in_their_declared_order_a_users_hook_before_the_stop(
+    tmp_path, monkeypatch):
   from mecefo_jax.run import trainer as trainer_mod
-  cfg = load_config(None, [*TINY, 'mesh.slice=2', 'train.steps=2', f'snapshot.dir={tmp_path}/m',
+  from mecefo_jax.run.hooks import Every, Hook
+  cfg = load_config(None, [*TINY, 'mesh.slice=2', 'train.steps=3', f'snapshot.dir={tmp_path}/m',
                            'train.plot=false', 'train.eval_every=1'])
-  run = trainer_mod.Trainer(cfg, tmp_path / 'run', progress='quiet',
-                           program_store=suite_store())
+
+  class Dummy(Hook):  # a new hook: one object passed to Trainer, nothing else edited
+    def __init__(self):
+      self.seen = []
+
+    def wants_values(self, step):
+      return True
+
+    def after_step(self, record):
+      self.seen.append((record.step, record.live, round(record.values['loss'], 6),
+                        [row['kind'] for row in record.rows]))
+
+  dummy, every = Dummy(), []
+  run = trainer_mod.Trainer(cfg, tmp_path / 'run', progress='quiet', program_store=suite_store(),
+                            hooks=[dummy, Every(2, lambda r: every.append(r.steps_done))])
   calls = []
-  for name in trainer_mod.AFTER_STEP:
-    hook = getattr(run, f'_after_{name}')
-    monkeypatch.setattr(run, f'_after_{name}',
-                        lambda *a, _n=name, _h=hook: calls.append(_n) or _h(*a))
+  for hook in run.hooks:
+    monkeypatch.setattr(hook, 'after_step', lambda record, _h=hook, _f=hook.after_step:
+                        calls.append(type(_h).__name__) or _f(record))
   try:
     result = run.run()
   finally:
     run.close()
-  assert trainer_mod.AFTER_STEP == ('divergence', 'eval', 'snapshot', 'metrics', 'stop')
-  assert calls == list(trainer_mod.AFTER_STEP) * 2 and result['steps'] == 2
-  assert [e['step'] for e in result['evals']] == [0, 1]  # an eval is in the next snapshot's meta
-  assert result == {**result, 'steps_lost_total': 0, 'param_count': run_report.param_count(
-      run.state.params)}
+  order = ['Divergence', 'Evals', 'Snapshots', 'MetricRows', 'Dummy', 'Every', 'Stop']
+  assert calls == order * 3 and result['steps'] == 3
+  assert [e['step'] for e in result['evals']] == [0, 1, 2]  # an eval is in the next snapshot's meta
+  losses = dict(result['losses'])
+  assert [s for s, *_ in dummy.seen] == [0, 1, 2] and every == [2]
+  assert all(live == (0, 1) and kinds == ['train', 'eval'] and loss == round(losses[s], 6)
+             for s, live, loss, kinds in dummy.seen if s in losses)
 
 
 def test_only_process_0_writes_the_run_records(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from typing import Callable
 
 import jax
@@ -18,7 +19,7 @@ from mecefo_jax.core.programs import EVAL, FUSED, ProgramKey, RunPrograms
 from mecefo_jax.core.takeover import Planner
 from mecefo_jax.fault.executor import AllSlicesDown, Executor
 from mecefo_jax.model.bases import kind as basis_kind
-from mecefo_jax.step import retarget
+from mecefo_jax.step import retarget, train_step
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.precompile import Precompiler
 from mecefo_jax.step.store import ProgramStore
@@ -62,6 +63,31 @@ class Controller:
     self._hosts: list[tuple[int, ...]] | None = None  # start_precompile
     self.plans = PlanChain()
     self.last_plan: StepPlan | None = None  # the plan of the last step run
+    self.first_programs_s: float | None = None  # Controller.start: the first step's programs
+    self.step_memory: dict = {}  # Controller.start: the fused step's memory per device
+
+  @classmethod
+  def start(cls, cfg: Config, presence, graphdef, corpus, schedule: FailureSchedule, state, *,
+            meta: dict | None = None, step: int = 0, all_down_at: int | None = None,
+            program_store: ProgramStore | None = None) -> 'Controller':
+    """The controller of a start at `step` (`meta`: the restored snapshot's decider state;
+    `all_down_at`: every slice was down at that step), its first step's programs built: the
+    fault-free step's, or at a start with slices down, the takeover's. Then, where
+    faults.precompile says so, the programs one event away are built in the background."""
+    self = cls(cfg, presence.mesh, graphdef, corpus, schedule, state, presence.n_slices,
+               presence.ids, program_store)
+    if meta is not None:
+      self.load_meta(meta)
+      self.apply_presence(step)
+      if all_down_at is not None and step <= all_down_at:
+        self.devices_back_at = all_down_at  # a resume means every slice is back
+    t0 = time.perf_counter()
+    fused = self.build_step_programs()
+    self.first_programs_s = time.perf_counter() - t0
+    self.step_memory = train_step.memory_summary(fused) if fused else {}
+    if self.wants_precompile():
+      self.start_precompile(presence.host_slices() if multihost.is_multiprocess() else None)
+    return self
 
   # --- what the rest of the run reads ---------------------------------------------------------
   @property
@@ -109,6 +135,29 @@ class Controller:
 
   def live(self) -> tuple[int, ...]:
     return self.decider.live()
+
+  def tokens_trained(self) -> int:
+    """Tokens of every row processed so far, exact or degraded (resumed runs: all starts)."""
+    return (self.samples.get('exact', 0) + self.samples.get('degraded', 0)) * self.cfg.model.seq_len
+
+  def fetch(self, metrics, stop: bool | None = None) -> tuple[dict, bool]:
+    """(a step's metrics on the host, whether the job voted to stop): waits for the step. With
+    several processes a collective carrying `stop`, this process's vote."""
+    values = multihost.fetch(metrics, self.submesh(self.state_slices), stop=stop)
+    return values, bool(values.pop('stop', 0.0))
+
+  def exclude_from_steps(self, seconds: float) -> None:
+    """`seconds` spent outside steps (an eval): no step's time in the goodput ledger."""
+    self.ledger.exclude(seconds)
+
+  def settle(self) -> None:
+    """Waits for the programs being built in the background (a test's death lands alike)."""
+    if self.precompiler:
+      self.precompiler.wait()
+
+  def close(self) -> None:
+    if self.precompiler:
+      self.precompiler.stop()
 
   # --- one step ----------------------------------------------------------------------------
   def step(self, step: int, wall_s: float = 0.0) -> dict:

@@ -7,7 +7,8 @@ import numpy as np
 from mecefo_jax import multihost
 from mecefo_jax.config import to_dict
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.run.report_schema import SCHEMA_VERSION
+from mecefo_jax.run.hooks import RunEnd
+from mecefo_jax.run.report_schema import SCHEMA, SCHEMA_VERSION
 from mecefo_jax.snapshot import image, store
 from mecefo_jax.step import store as program_store
 
@@ -16,46 +17,32 @@ def param_count(params) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
-def build(run, steps_done: int, wall_s: float, stopped: str | None, tensorboard: bool) -> dict:
-  """The report of Trainer `run` after `steps_done` steps in `wall_s` seconds."""
+def build(run, end: RunEnd) -> dict:
+  """The report of Trainer `run` whose loop ended as `end`: its sections from their owners
+  (the hooks, the controller, the start-up clock), in docs/report.md's order."""
   c, cfg = run.controller, run.cfg
-  losses = run.losses
-  final_eval = run.evals[-1] if run.evals and not stopped else None
-  throughput = _throughput(run, steps_done, wall_s)
-  return {
-      'schema_version': SCHEMA_VERSION,
-      'steps': steps_done, 'first_loss': losses[0][1] if losses else None,
-      'final_loss': losses[-1][1] if losses else None, 'tokens': run.tokens_trained(),
-      'wall_s': wall_s, 'tokens_per_s': throughput['tokens_per_s'], 'compile_s': run.compile_s,
-      'throughput': throughput,
-      'eval_loss': final_eval and final_eval['loss'],
-      'eval_perplexity': final_eval and final_eval['perplexity'], 'evals': run.evals,
-      'params_sha256': params_sha256(run),
+  owned = run.hooks.report(end)
+  report = {
+      'schema_version': SCHEMA_VERSION, 'steps': end.steps_done, 'wall_s': end.wall_s,
+      'compile_s': run.startup.compile_s, 'params_sha256': params_sha256(run),
       'param_count': param_count(run.state.params), 'entropy_floor': run.corpus.entropy_floor(),
-      'losses': losses, 'mesh': dict(run.mesh.shape), 'device': jax.devices()[0].device_kind,
-      'compute_dtype': run.compute_dtype,
-      'step_memory': run.memory, 'takeover': cfg.faults.takeover,
-      'failures': cfg.faults.failures, 'failure_events': c.events,
+      'mesh': dict(run.presence.mesh.shape), 'device': jax.devices()[0].device_kind,
+      'compute_dtype': run.files.compute_dtype, 'step_memory': c.step_memory,
+      'takeover': cfg.faults.takeover, 'failures': cfg.faults.failures,
+      'failure_events': c.events,
       'scheduled_events': [e.to_dict() for e in run.schedule.all_events()],
-      'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': stopped,
-      'preempted': run.stop_reason is not None, 'diverged_at_step': run.diverged_at,
-      'startup': run.startup.report(),
-      'resumed_from_step': run.resumed_from, 'steps_lost': run.steps_lost,
-      'steps_lost_total': run.records.steps_lost_total(),
-      'live_slices_at_end': list(c.live()),
-      'snapshots': run.snapshots.report() if run.snapshots else store.OFF,
-      'snapshot_interval': _interval(run),
-      **_programs(run),
-      'tensorboard_dir': str(run.out_dir / 'tb') if tensorboard else None,
-      'config': to_dict(cfg),
-  }
+      'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': end.stopped,
+      'startup': run.startup.report(), 'resumed_from_step': run.origin.resumed_from,
+      'steps_lost': run.origin.steps_lost, 'steps_lost_total': run.records.steps_lost_total(),
+      'live_slices_at_end': list(c.live()), **_programs(run), 'config': to_dict(cfg), **owned}
+  return {key: report[key] for key in SCHEMA.fields}
 
 
 def _programs(run) -> dict:
   """The controller's `precompile` and `programs` sections; programs with the scan's unroll and
   the XLA compiles of this process outside the booked programs (eager ops, conversions)."""
   sections = run.controller.programs_report()
-  now, then = program_store.compile_counts(), run.compiles_at_start
+  now, then = program_store.compile_counts(), run.startup.compiles_at_start
   sections['programs'].update(scan_unroll=llama.SCAN_UNROLL,
                               other_compiles=now['other'] - then['other'],
                               other_compile_s=round(now['other_s'] - then['other_s'], 3))
@@ -64,33 +51,13 @@ def _programs(run) -> dict:
 
 def dry_run_info(run) -> dict:
   """What --dry-run prints: sizes, mesh, the compiled fault-free step's memory (per device)."""
-  return {'param_count': param_count(run.state.params), 'mesh': dict(run.mesh.shape),
+  return {'param_count': param_count(run.state.params), 'mesh': dict(run.presence.mesh.shape),
           'devices': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
-          'global_batch': [run.n_slices, run.cfg.train.micro_batch, run.cfg.model.seq_len],
-          'compute_dtype': run.compute_dtype, 'state_bytes': store.state_nbytes(run.state),
-          'compile_s': round(run.compile_s, 2), 'startup': run.startup.report(),
-          'step_memory_bytes': run.memory, 'data': run.corpus.describe()}
-
-
-def _interval(run) -> dict:
-  """How the in-memory snapshot interval was chosen (snapshot.every=auto) or set."""
-  sn = run.cfg.snapshot
-  fixed = {'auto': False, 'budget': None, 'max_every': None, 'cost_s': None,
-           'idle_step_s': None, 'every': run.snapshots.every if run.snapshots else 0}
-  if not run.tuner:
-    return {**fixed, 'changes': []}
-  return {'auto': True, **run.tuner.report(), 'every': run.snapshots.every,
-          'budget': sn.overhead_budget}
-
-
-def _throughput(run, steps_done: int, wall_s: float) -> dict:
-  """Rates of this process (a resumed run counts from its resume), eval time left out."""
-  train_s = max(wall_s - run.eval_s, 1e-9)
-  tokens = run.tokens_trained() - run.tokens_at_start
-  return {'tokens_per_s': tokens / train_s,
-          'steps_per_s': (steps_done - run.start_step) / train_s,
-          'tokens_per_step': run.n_slices * run.cfg.train.micro_batch * run.cfg.model.seq_len,
-          'train_s': train_s, 'eval_s': run.eval_s}
+          'global_batch': [run.presence.n_slices, run.cfg.train.micro_batch,
+                           run.cfg.model.seq_len],
+          'compute_dtype': run.files.compute_dtype, 'state_bytes': store.state_nbytes(run.state),
+          'compile_s': round(run.startup.compile_s, 2), 'startup': run.startup.report(),
+          'step_memory_bytes': run.controller.step_memory, 'data': run.corpus.describe()}
 
 
 def params_sha256(run) -> str:

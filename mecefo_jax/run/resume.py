@@ -33,6 +33,11 @@ class Start:
   reached: int | None = None  # steps the previous processes had trained (>= step)
 
   @property
+  def resumed_from(self) -> int | None:
+    """The step of the snapshot resumed from; None for a fresh start."""
+    return None if self.meta is None else self.step
+
+  @property
   def steps_lost(self) -> int | None:
     """Steps trained before this start and thrown away (trained again)."""
     return None if self.reached is None else max(0, self.reached - self.step)

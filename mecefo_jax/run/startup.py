@@ -49,7 +49,15 @@ class StartupClock:
   def __init__(self):
     self.origin, self.origin_kind = origin()
     self.seconds: dict[str, float | None] = dict.fromkeys(KEYS)
+    self.compile_s = 0.0  # the state built and the first step's programs (report: compile_s)
+    from mecefo_jax.step.store import compile_counts  # (jax: this module stays standard-only)
+    self.compiles_at_start = compile_counts()  # report: programs.other_compiles
     self._loop_start: float | None = None
+
+  def programs_built(self, first_programs_s: float | None, compile_s: float) -> None:
+    """The first step's programs are built, `compile_s` after the state's build started."""
+    self.seconds['first_programs_s'] = first_programs_s
+    self.compile_s = compile_s
 
   def loop_started(self) -> None:
     """The training loop starts: the first step's own time runs from here."""

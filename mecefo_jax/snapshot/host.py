@@ -23,9 +23,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax import multihost
 from mecefo_jax.model.train_state import abstract_state
-from mecefo_jax.snapshot import image, interval, parity
+from mecefo_jax.snapshot import image, parity
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.durable import DurableGuard
+from mecefo_jax.snapshot.interval import Interval
 from mecefo_jax.snapshot.manifest import verify_manifest
 from mecefo_jax.snapshot.store import OFF_DURABLE
 from mecefo_jax.snapshot.tier import Tier, is_per_block, private_copy
@@ -48,10 +49,11 @@ class HostSnapshots:
   `slots`: the logical host of each process (by process id); this process keeps its parts in
   `directory`/host<slot>, so they stay its own when the job restarts with fewer processes."""
 
-  def __init__(self, directory: str | Path, cfg, *, slots=None, durable_dir: str | None = None):
+  def __init__(self, directory: str | Path, cfg, interval: Interval, *, slots=None,
+               durable_dir: str | None = None):
     sn = cfg.snapshot
     self.cfg, keep, self.durable_every = cfg, sn.keep, sn.durable_every
-    self.every = sn.every if sn.every != 'auto' else interval.START  # auto: the trainer tunes it
+    self.interval = interval
     self.slots = tuple(slots if slots is not None else range(jax.process_count()))
     self.slot = self.slots[jax.process_index()]
     self.layout = tuple(sorted(self.slots))  # the hosts of the snapshots saved from now on
@@ -82,8 +84,12 @@ class HostSnapshots:
     return jax.make_array_from_single_device_arrays(
         shape, self._sharding, [jax.device_put(row[None], self._device)])
 
+  @property
+  def every(self) -> int:
+    return self.interval.every
+
   def due(self, step: int) -> bool:
-    return step % self.every == 0 or bool(self._durable and step % self.durable_every == 0)
+    return self.interval.due(step) or bool(self._durable and step % self.durable_every == 0)
 
   def maybe_save(self, step: int, state, meta: dict, *, stop: bool = False) -> tuple[str, ...]:
     """Saves this host's part and parity block of `state` (the live state) when `step` is due,
@@ -91,7 +97,7 @@ class HostSnapshots:
     not. Returns the tiers it started."""
     meta = json.loads(json.dumps(meta))
     started = ()
-    if (stop or step % self.every == 0) and self._save_part(step, state, meta):
+    if (stop or self.interval.due(step)) and self._save_part(step, state, meta):
       started += ('memory',)
     if self._durable and (stop or step % self.durable_every == 0):
       self.durable.settle()  # every process, at the same step: they agree on its outcome

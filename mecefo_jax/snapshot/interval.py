@@ -77,25 +77,61 @@ class IntervalTuner:
     self.every = proposal
     return proposal
 
-  def after_step(self, snapshots, steps_done: int, wall_s: float, busy: bool) -> None:
-    """Feeds a step of the loop; sets `snapshots.every` when a proposal is due (multi-process:
+  def after_step(self, interval: 'Interval', steps_done: int, wall_s: float, busy: bool) -> None:
+    """Feeds a step of the loop; sets `interval.every` when a proposal is due (multi-process:
     the largest any process proposes, so that every process's cost fits the budget)."""
-    self.observe(wall_s, steps_done % snapshots.every == 0, busy)
+    self.observe(wall_s, interval.due(steps_done), busy)
     if not self.due():
       return
     every = self.propose()
     if multihost.is_multiprocess():
       every = self.every = max(multihost.allgather_json(every))
-    if every != snapshots.every:
+    if every != interval.every:
       log.info('snapshot.every=auto: every %d step(s) from step %d (a snapshot costs %s s beside '
                'a %s s step; budget %g)', every, steps_done, _rounded(self.cost_s),
                _rounded(self.idle_s), self.budget)
-      snapshots.every = every
+      interval.every = every
     self.changes.append([steps_done, every])
 
   def report(self) -> dict:
     return {'budget': self.budget, 'max_every': self.max_every, 'every': self.every,
             'cost_s': self.cost_s, 'idle_step_s': self.idle_s, 'changes': self.changes}
+
+
+class Interval:
+  """The in-memory snapshot interval, its one owner: snapshot.every, or with `auto` the
+  tuner's (which alone changes it). The snapshot tiers ask it what is due."""
+
+  def __init__(self, every: int, tuner: IntervalTuner | None = None):
+    self.every, self.tuner = every, tuner
+
+  @classmethod
+  def of(cls, every: int | str, overhead_budget: float, max_every: int) -> 'Interval':
+    """snapshot.every resolved: the one place `auto` becomes a number (the tuner's start)."""
+    if every != 'auto':
+      return cls(every)
+    tuner = IntervalTuner(overhead_budget, max_every)
+    return cls(tuner.every, tuner)
+
+  def due(self, steps_done: int) -> bool:
+    return steps_done % self.every == 0
+
+  def after_step(self, steps_done: int, wall_s: float, busy: bool) -> None:
+    """A step of the loop, `wall_s` long (iteration to iteration), `busy` when it started
+    beside background save work: measured where the interval is tuned."""
+    if self.tuner:
+      self.tuner.after_step(self, steps_done, wall_s, busy)
+
+  def report(self) -> dict:
+    """report.json's `snapshot_interval` section."""
+    if not self.tuner:
+      return {**OFF, 'every': self.every}
+    return {'auto': True, **self.tuner.report(), 'every': self.every}
+
+
+# The `snapshot_interval` section of a run with a fixed interval (every 0: snapshots off).
+OFF = {'auto': False, 'budget': None, 'max_every': None, 'cost_s': None, 'idle_step_s': None,
+       'every': 0, 'changes': []}
 
 
 def _rounded(x: float | None) -> str:

@@ -11,7 +11,7 @@ from etils import epath
 from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError
 from mecefo_jax.model.train_state import abstract_state, state_shardings
-from mecefo_jax.snapshot import interval
+from mecefo_jax.snapshot.interval import Interval
 from mecefo_jax.snapshot.host import HostSnapshots
 from mecefo_jax.snapshot.capacity import SnapshotError, check_writable
 from mecefo_jax.snapshot.store import SnapshotManager
@@ -53,9 +53,9 @@ def open_manager(cfg: Config, memory_dir: Path, durable_dir: str, state_bytes: i
     _make_parent(memory_dir, given=bool(sn.dir))
     if sn.durable_every and '://' not in durable_dir:  # buckets: Orbax creates what it needs
       _make_parent(Path(durable_dir), given=bool(sn.durable_dir))
+    every = Interval.of(sn.every, sn.overhead_budget, sn.max_every)
     if multihost.is_multiprocess():
-      return HostSnapshots(memory_dir, cfg, slots=slots, durable_dir=durable_dir)
-    every = sn.every if sn.every != 'auto' else interval.START  # auto: the trainer tunes it
+      return HostSnapshots(memory_dir, cfg, every, slots=slots, durable_dir=durable_dir)
     return SnapshotManager(memory_dir, every=every, keep=sn.keep, durable_dir=durable_dir,
                            durable_every=sn.durable_every, durable_keep=sn.durable_keep,
                            state_bytes=state_bytes)

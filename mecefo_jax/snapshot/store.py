@@ -16,6 +16,7 @@ from mecefo_jax import sharding
 from mecefo_jax.snapshot import image
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.durable import DurableGuard
+from mecefo_jax.snapshot.interval import Interval
 from mecefo_jax.snapshot.tier import PerBlockLayout, Tier, _on_cpu, private_copy
 
 log = logging.getLogger(__name__)
@@ -44,18 +45,21 @@ def default_snapshot_dir(run_name: str) -> Path:
 class SnapshotManager:
   """In-memory snapshots every `every` steps (keep `keep`), durable ones every `durable_every`."""
 
-  def __init__(self, directory: str | os.PathLike, *, every: int = 1, keep: int = 2,
+  def __init__(self, directory: str | os.PathLike, *, every: int | Interval = 1, keep: int = 2,
                durable_dir: str | os.PathLike | None = None, durable_every: int = 0,
                durable_keep: int = 3, min_free_factor: float = 1.1,
                state_bytes: int | None = None, copy_before_save: bool | None = None):
     """`state_bytes` checks capacity now, else at the first save. `copy_before_save`: None = only
-    on CPU, where the 'host copy' Orbax takes may be a view of the device buffer (see maybe_save)."""
+    on CPU, where the 'host copy' Orbax takes may be a view of the device buffer (see maybe_save).
+    `every`: steps between in-memory snapshots, or the run's Interval (snapshot.every=auto)."""
+    self.interval = every if isinstance(every, Interval) else Interval(every)
+    every = self.interval.every
     if every < 1 or keep < 1 or durable_every < 0 or durable_keep < 1:
       raise SnapshotError(f'need every >= 1, keep >= 1, durable_every >= 0, durable_keep >= 1; got '
                           f'{every}, {keep}, {durable_every}, {durable_keep}')
     if durable_every and durable_dir is None:
       raise SnapshotError(f'durable_every={durable_every} needs a durable_dir')
-    self.every, self.keep = every, keep
+    self.keep = keep
     self.durable_every, self.durable_keep = durable_every, durable_keep
     self.min_free_factor = min_free_factor
     self.copy_before_save = copy_before_save
@@ -81,9 +85,13 @@ class SnapshotManager:
       check_capacity(Path(durable_dir), state_bytes, self.durable_keep,
                      factor=self.min_free_factor)
 
+  @property
+  def every(self) -> int:
+    return self.interval.every
+
   def due(self, step: int) -> bool:
     """Whether maybe_save(step, ...) will save anything (without force_durable)."""
-    return step % self.every == 0 or bool(self._durable and step % self.durable_every == 0)
+    return self.interval.due(step) or bool(self._durable and step % self.durable_every == 0)
 
   def maybe_save(self, step: int, state: Any, meta: dict, *,
                  stop: bool = False) -> tuple[str, ...]:
@@ -104,7 +112,7 @@ class SnapshotManager:
     first take a private device copy (device_put with may_alias=False) that nobody donates;
     as nothing can touch that copy, Orbax's save() of it then runs in a background thread too.
     """
-    memory_due = stop or step % self.every == 0
+    memory_due = stop or self.interval.due(step)
     durable_due = self._durable is not None and (stop or step % self.durable_every == 0)
     if not (memory_due or durable_due):
       return ()

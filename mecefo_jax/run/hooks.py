@@ -1,0 +1,154 @@
+"""The loop's hooks: one typed record per trained step, and small objects that act on it in order."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from typing import Callable, Iterator, Sequence
+
+from mecefo_jax.core.decider import StepPlan
+
+log = logging.getLogger('mecefo')
+
+
+@dataclasses.dataclass
+class StepRecord:
+  """One step as the loop ran it: the plan, the metrics (when fetched) and the rows to write."""
+  step: int  # the step just run (0-based)
+  plan: StepPlan  # what the decider planned for it: live slices, roles, programs, eval
+  values: dict | None  # its metrics on the host (loss, grad_norm, lr, ...); None: not fetched
+  loop_start: float  # time.perf_counter() when the loop started (rows' wall_s count from it)
+  stop_voted: bool = False  # several processes: the job agreed to stop after this step
+  rows: list[dict] = dataclasses.field(default_factory=list)  # metrics rows for after it
+
+  @property
+  def steps_done(self) -> int:
+    return self.step + 1
+
+  @property
+  def live(self) -> tuple[int, ...]:
+    return self.plan.live
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnd:
+  """How the loop ended: the steps done, its wall time, why it stopped early (None: finished)."""
+  steps_done: int
+  wall_s: float
+  stopped: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StopRun:
+  """A hook's decision to end the run: why, and the steps it counts as done."""
+  message: str
+  steps_done: int
+
+
+class Hook:
+  """One concern of the loop, with its own cadence and state; every method is optional.
+
+  The loop calls `before_step(step)`, runs the step, then `after_step(record)` of every hook
+  in order (a StopRun ends the run there), and `at_end(loop_start, stopped)` after the last
+  step. `wants_values(step)`: the step's metrics must be fetched (it waits for the step)."""
+
+  def before_step(self, step: int) -> None:
+    pass
+
+  def wants_values(self, step: int) -> bool:
+    return False
+
+  def after_step(self, record: StepRecord) -> StopRun | None:
+    return None
+
+  def at_end(self, loop_start: float, stopped: str | None) -> None:
+    pass
+
+  def opened(self) -> contextlib.AbstractContextManager:
+    """What the hook holds open while the loop runs (files, a progress bar)."""
+    return contextlib.nullcontext()
+
+  def report(self, end: RunEnd) -> dict:
+    """The report.json keys this hook owns (docs/report.md)."""
+    return {}
+
+
+class Every(Hook):
+  """`fn(record)` after every `n`-th step (steps n-1, 2n-1, ...), its metrics fetched for it."""
+
+  def __init__(self, n: int, fn: Callable[[StepRecord], None]):
+    if n < 1:
+      raise ValueError(f'Every(n) needs n >= 1, got {n}')
+    self.n, self.fn = n, fn
+
+  def wants_values(self, step: int) -> bool:
+    return (step + 1) % self.n == 0
+
+  def after_step(self, record: StepRecord) -> None:
+    if self.wants_values(record.step):
+      self.fn(record)
+
+
+class Divergence(Hook):
+  """Ends the run at a non-finite training loss, before that step is saved anywhere."""
+
+  def __init__(self, fresh_hint: str):
+    self.fresh_hint = fresh_hint
+    self.diverged_at: int | None = None
+
+  def after_step(self, record: StepRecord) -> StopRun | None:
+    loss = record.values and record.values['loss']
+    if loss is None or math.isfinite(loss):
+      return None
+    self.diverged_at = record.step
+    message = (f'the training loss is not finite ({loss}) at step {record.step}: the run '
+               f'stopped without saving that step (the snapshots and checkpoints hold earlier '
+               f'steps); start anew with a lower optimizer.lr or more optimizer.warmup_steps '
+               f'({self.fresh_hint})')
+    log.error('%s', message)
+    return StopRun(message, record.step)
+
+  def report(self, end: RunEnd) -> dict:
+    return {'diverged_at_step': self.diverged_at}
+
+
+class Hooks:
+  """The loop's hooks in their order: divergence, eval, snapshot, metrics, the user's, stop —
+  no snapshot holds a diverged state, an eval's result is in the next snapshot's meta, and the
+  stop is voted on once the step is saved."""
+
+  def __init__(self, ordered: Sequence[Hook]):
+    self.ordered = tuple(ordered)
+
+  def __iter__(self) -> Iterator[Hook]:
+    return iter(self.ordered)
+
+  def before_step(self, step: int) -> None:
+    for hook in self.ordered:
+      hook.before_step(step)
+
+  def wants_values(self, step: int) -> bool:
+    return any(hook.wants_values(step) for hook in self.ordered)
+
+  def after_step(self, record: StepRecord) -> StopRun | None:
+    for hook in self.ordered:
+      stop = hook.after_step(record)
+      if stop is not None:
+        return stop
+    return None
+
+  def at_end(self, loop_start: float, stopped: str | None) -> None:
+    for hook in self.ordered:
+      hook.at_end(loop_start, stopped)
+
+  def report(self, end: RunEnd) -> dict:
+    """Every hook's report.json keys."""
+    return {key: value for hook in self.ordered for key, value in hook.report(end).items()}
+
+  @contextlib.contextmanager
+  def opened(self):
+    with contextlib.ExitStack() as stack:
+      for hook in self.ordered:
+        stack.enter_context(hook.opened())
+      yield self

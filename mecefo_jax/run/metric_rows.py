@@ -1,0 +1,96 @@
+"""The hook that shows and writes metrics rows: the terminal, metrics.jsonl (+ TensorBoard), on_log."""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Callable
+
+from mecefo_jax.config import Config
+from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
+from mecefo_jax.run.metrics import MetricsWriter
+from mecefo_jax.run.rundir import TB_DIR
+from mecefo_jax.run.progress import Progress
+
+
+class MetricRows(Hook):
+  """A train row every train.log_every steps and after the last; each row of a step (its evals
+  after its train row) to the terminal, metrics.jsonl and `on_log(row)`.
+
+  `tokens()`: tokens trained so far; `eval_s()`: seconds spent in evals so far (left out of
+  tokens/s); `losses`: [step, loss] of the rows written before this start (a resume)."""
+
+  def __init__(self, cfg: Config, out_dir: Path, start_step: int, n_slices: int, *,
+               tokens: Callable[[], int], eval_s: Callable[[], float], losses: list,
+               mode: str = 'auto', on_log: Callable[[dict], None] | None = None,
+               enabled: bool = True):
+    self.cfg, self.out_dir, self.start_step, self.n_slices = cfg, out_dir, start_step, n_slices
+    self.tokens, self.eval_s, self.losses = tokens, eval_s, losses
+    self.mode, self.on_log, self.enabled = mode, on_log, enabled
+    self.tensorboard = False  # event files written
+    self.tokens_at_start = 0
+    self._progress: Progress | None = None
+    self._writer: MetricsWriter | None = None
+    self._window = (0.0, 0, 0.0)  # (time, tokens, eval seconds) at the last train row
+
+  @contextlib.contextmanager
+  def opened(self):
+    t = self.cfg.train
+    progress = Progress(t.steps, self.start_step, self.n_slices, self.cfg.faults.takeover,
+                        self.mode)
+    writer = MetricsWriter(self.out_dir, fresh=self.start_step == 0, enabled=self.enabled)
+    self.tokens_at_start = self.tokens()
+    self._window = (time.perf_counter(), self.tokens_at_start, self.eval_s())
+    with writer, progress:
+      self._writer, self._progress = writer, progress
+      try:
+        yield
+      finally:
+        self.tensorboard = writer.tensorboard
+        self._writer = self._progress = None
+
+  def wants_values(self, step: int) -> bool:
+    return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps - 1
+
+  def after_step(self, record: StepRecord) -> None:
+    self._progress.step(len(record.live))
+    if self.wants_values(record.step):
+      record.rows.insert(0, self._train_row(record))
+      self.losses.append((record.step, record.rows[0]['loss']))
+    for row in record.rows:
+      self.emit(row)
+
+  def emit(self, row: dict) -> None:
+    """A metrics row to the terminal, metrics.jsonl (+ TensorBoard) and the on_log callback."""
+    if row['kind'] == 'train':
+      self._progress.train_row(row)
+    else:
+      self._progress.eval_row(row)
+    self._writer.write(row)
+    if self.on_log is not None:
+      self.on_log(row)
+
+  def _train_row(self, record: StepRecord) -> dict:
+    now, tokens = time.perf_counter(), self.tokens()
+    # tokens/s since the previous train row, eval time left out: dips show failures and rejoins.
+    t0, tokens0, eval0 = self._window
+    seconds = max(now - t0 - (self.eval_s() - eval0), 1e-9)
+    self._window = (now, tokens, self.eval_s())
+    return {'kind': 'train', 'step': record.step, **record.values,
+            'wall_s': now - record.loop_start, 'live_slices': len(record.live),
+            'tokens_per_s': (tokens - tokens0) / seconds}
+
+  def report(self, end: RunEnd) -> dict:
+    """report.json's losses, tokens and rates (of this process: a resumed run counts from its
+    resume; eval time left out), and where the TensorBoard files are."""
+    losses, train_s = self.losses, max(end.wall_s - self.eval_s(), 1e-9)
+    t = self.cfg.train
+    throughput = {'tokens_per_s': (self.tokens() - self.tokens_at_start) / train_s,
+                  'steps_per_s': (end.steps_done - self.start_step) / train_s,
+                  'tokens_per_step': self.n_slices * t.micro_batch * self.cfg.model.seq_len,
+                  'train_s': train_s, 'eval_s': self.eval_s()}
+    return {'first_loss': losses[0][1] if losses else None,
+            'final_loss': losses[-1][1] if losses else None, 'tokens': self.tokens(),
+            'tokens_per_s': throughput['tokens_per_s'], 'throughput': throughput,
+            'losses': losses,
+            'tensorboard_dir': str(self.out_dir / TB_DIR) if self.tensorboard else None}

@@ -1,0 +1,91 @@
+"""One start's hold on its run directory: the lock, the run's identity, run_state.json, the trace."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+
+from mecefo_jax import multihost
+from mecefo_jax.config import Config
+from mecefo_jax.core.failures import FailureSchedule
+from mecefo_jax.run import rundir
+from mecefo_jax.run.resume import carried_state
+
+log = logging.getLogger('mecefo')
+
+
+class RunFiles:
+  """The run directory as one start holds it. Nothing under it is written until `start()`
+  (only process 0 writes): a start refused before leaves the run as it was."""
+
+  def __init__(self, cfg: Config, out_dir: Path):
+    # The lock before anything: no process of this start opens, creates, cleans or deletes a
+    # file under out_dir or the snapshot places until process 0 holds it.
+    self.cfg, self.out_dir, self.is_chief = cfg, out_dir, jax.process_index() == 0
+    self._lock = rundir.lock_job(out_dir)
+    self.trace: rundir.Trace | None = None
+    self._checked: dict = {}
+    self.carried: dict = {}  # run_state.json's entries of this start (resume.carried_state)
+
+  def schedule(self, n_slices: int, resume: bool) -> FailureSchedule:
+    """faults.failures as a schedule; a trace is read from the run's own copy at a resume."""
+    cfg, f = self.cfg, self.cfg.faults
+    self.trace = rundir.read_trace(self.out_dir, f.failures, resume)
+    if self.trace:
+      return FailureSchedule.from_trace(self.trace.path, n_slices, self.trace.text,
+                                        self.trace.source)
+    return FailureSchedule.from_spec(f.failures, n_slices, cfg.train.steps, f.cluster_step_s,
+                                     cfg.train.seed, f.rate)
+
+  def check(self, *, resume: bool, replace: bool, replace_finished: bool) -> dict:
+    """What start() will do, checked on process 0 without touching a file; the recorded
+    run_state.json of the run there."""
+    self._checked = multihost.on_chief(lambda: rundir.check_start(
+        self.out_dir, self.cfg, resume=resume, replace=replace, replace_finished=replace_finished))
+    return self._checked['previous']
+
+  @property
+  def run_id(self) -> str:
+    return self._checked['run_id']
+
+  def carry(self, presence, previous: dict, resume: bool) -> None:
+    self.carried = carried_state(self.cfg, self.run_id, presence, previous, resume)
+
+  @property
+  def compute_dtype(self) -> str:
+    return self.carried['compute_dtype']  # model.compute_dtype resolved
+
+  def all_down_at(self, step: int) -> None:
+    """Every slice went down at `step`: a resume brings them back there (run_state.json)."""
+    self.carried['all_down_at'] = step
+
+  def start(self) -> None:
+    """The run's files change from here on: a new run's predecessor's files go."""
+    if self.is_chief:
+      rundir.start(self.out_dir, self._checked)
+      if self.trace:
+        rundir.keep_trace(self.out_dir, self.trace)
+
+  def write_state(self, status: str) -> None:
+    if self.is_chief:
+      rundir.write_run_state(self.out_dir, status, **self.carried)
+
+  def snapshot_dirs(self) -> tuple[Path, str]:
+    return rundir.snapshot_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
+
+  def release(self, host: int | None = None, *, remove_memory: bool = False,
+              remove_dirs: bool = False, refused: bool = False) -> None:
+    """`remove_memory`: deletes this host's in-memory snapshots (`host`: its part only);
+    `remove_dirs`: the tiers' directories where nothing is in them. Then unlocks the run
+    (`refused`: a refused start's run directory goes if it holds nothing else)."""
+    sn = self.cfg.snapshot
+    try:
+      if remove_memory:
+        rundir.remove_snapshots(sn, self.out_dir, self.run_id, durable=False, host=host)
+      if remove_dirs:
+        rundir.remove_empty_dirs(sn, self.out_dir, self.run_id)
+    finally:
+      if self._lock is not None:
+        rundir.unlock(self._lock, self.out_dir if refused else None)
+        self._lock = None

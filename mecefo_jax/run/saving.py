@@ -1,0 +1,126 @@
+"""The hooks that save: snapshots where due (their interval tuned here) and the stop, saved first."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from mecefo_jax import multihost
+from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord, StopRun
+from mecefo_jax.run.records import RunRecords
+from mecefo_jax.run.stop import StopRequest
+from mecefo_jax.snapshot import durable, interval, store
+
+log = logging.getLogger('mecefo')
+
+
+class Snapshots(Hook):
+  """Saves the state after the steps the tiers have due (async, one replica); stops the run when
+  durable checkpoints keep failing. `meta(steps_done)`: what a snapshot carries besides the
+  state (the decider's state, losses, evals)."""
+
+  def __init__(self, snapshots, state: Callable, meta: Callable[[int], dict],
+               records: RunRecords, resume_hint: str):
+    self.snapshots, self.state, self.meta = snapshots, state, meta
+    self.records, self.resume_hint = records, resume_hint
+    self.checkpoints_failing = False  # stopped by durable saves that kept failing
+    self._saved: tuple[int | None, list[str]] = (None, [])  # (steps, where) of the last save
+    self._last_step: tuple[float, bool] | None = None  # the step in progress: (start, busy)
+
+  def before_step(self, step: int) -> None:
+    # The interval is tuned on iteration-to-iteration walls: the last one is complete now.
+    now, sn = time.perf_counter(), self.snapshots
+    if sn and self._last_step:
+      sn.interval.after_step(step, now - self._last_step[0], self._last_step[1])
+    self._last_step = (now, bool(sn) and sn.busy())
+
+  def wants_values(self, step: int) -> bool:
+    # With snapshot.every=auto every step is waited for, so that its wall is its own.
+    sn = self.snapshots
+    return bool(sn) and (sn.interval.tuner is not None or sn.due(step + 1))
+
+  def after_step(self, record: StepRecord) -> StopRun | None:
+    # With snapshot.every=1 the line of step t is written once snapshot t is complete
+    # (maybe_save waited for it) and t+1 started: a crash after it costs at most step t.
+    steps = record.steps_done
+    self.save(steps)
+    guard = self.snapshots and self.snapshots.durable
+    if not (guard and guard.failing):  # the same on every process: they agreed on it
+      return None
+    self.checkpoints_failing = True
+    where = self.save_now(steps)  # in the in-memory tier
+    message = durable.stop_message(guard, steps, where, self.resume_hint)
+    log.error('%s', message)
+    self.records.history('stop', step=steps, why='durable checkpoints failing', saved=where)
+    return StopRun(message, steps)
+
+  def save(self, steps_done: int, stop: bool = False) -> list[str]:
+    """Async snapshot of the state after `steps_done` steps where due; `stop`: in every tier
+    now. Returns where the snapshots it started are."""
+    sn = self.snapshots
+    if not sn:
+      return []
+    started = sn.maybe_save(steps_done, self.state(), self.meta(steps_done), stop=stop)
+    self._saved = (steps_done, sn.where(steps_done, started))
+    return self._saved[1]
+
+  def save_now(self, steps: int) -> list[str]:
+    """Where the state after `steps` is saved, in every tier (those not saved yet), written."""
+    where = (self._saved[1] if self._saved[0] == steps else []) + self.save(steps, stop=True)
+    self.wait()
+    return where
+
+  def finish(self, steps: int, stopped: str | None) -> None:
+    """The final state as a durable checkpoint too (a later --resume extends it), all written."""
+    if not stopped:
+      self.save(steps, stop=True)
+    self.wait()
+
+  def wait(self) -> None:
+    if self.snapshots:
+      self.snapshots.wait_until_finished(agree=True)
+
+  def report(self, end: RunEnd) -> dict:
+    """report.json's `snapshots` and `snapshot_interval` sections."""
+    sn = self.snapshots
+    return {'snapshots': sn.report() if sn else store.OFF,
+            'snapshot_interval': sn.interval.report() if sn else interval.OFF}
+
+
+class Stop(Hook):
+  """Ends the run after a step when a stop was requested (a signal, --stop-after, the stop file;
+  several processes: as the job voted with the step's metrics), the step saved first."""
+
+  def __init__(self, request: StopRequest, saver: Snapshots, records: RunRecords,
+               resume_hint: str):
+    self.request, self.saver, self.records = request, saver, records
+    self.resume_hint = resume_hint
+    self.reason: str | None = None  # why it stopped the run
+
+  def wants_values(self, step: int) -> bool:
+    return multihost.is_multiprocess()  # the fetch carries the job's stop vote
+
+  def stopping(self, record: StepRecord) -> bool:
+    """Whether the run stops after `record`'s step (the same step on every process)."""
+    if multihost.is_multiprocess():
+      return record.stop_voted
+    return self.request.due(record.steps_done)
+
+  def after_step(self, record: StepRecord) -> StopRun | None:
+    if not self.stopping(record):
+      return None
+    steps = record.steps_done
+    self.reason = self.request.reason or 'a stop agreed by the job'
+    where = self.saver.save_now(steps)
+    saved = ('saved as the ' + ' and the '.join(where) if where else
+             'saved nothing (snapshots are off)' if not self.saver.snapshots else
+             'already saved in the snapshots of that step')
+    message = f'stopped by {self.reason} after step {steps}, {saved}'
+    if self.saver.snapshots:
+      message += f'; resume with {self.resume_hint}'
+    log.warning('%s', message)
+    self.records.history('stop', step=steps, why=self.reason, saved=where)
+    return StopRun(message, steps)
+
+  def report(self, end: RunEnd) -> dict:
+    return {'preempted': self.reason is not None}
