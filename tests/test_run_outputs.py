@@ -276,6 +276,7 @@ def test_read_rows_counts_a_supervised_restart_on_the_time_axis(tmp_path):
 
 def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tmp_path):
   import time
+  import types
 
   from mecefo_jax.core.goodput import Goodput
   from mecefo_jax.run import restart
@@ -289,10 +290,11 @@ def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tm
   saved = {'compile': 3.0, 'normal_productive': 9.0}  # the snapshot's ledger (no 'restart')
   ledger = Goodput(saved)
   ledger.book('compile', 5.0)  # this start's compiles
-  restart.book(tmp_path, ledger, {'controller': {'goodput': saved}})
+  controller = types.SimpleNamespace(goodput=ledger.seconds, book=ledger.book)
+  restart.book(tmp_path, controller, {'controller': {'goodput': saved}})
   assert ledger.seconds['restart'] == pytest.approx(15.0, abs=1.0)
   assert ledger.seconds['compile'] == 8.0
-  restart.book(tmp_path, ledger, None)  # a start from step 0 restarts nothing
+  restart.book(tmp_path, controller, None)  # a start from step 0 restarts nothing
   assert ledger.seconds['restart'] == pytest.approx(15.0, abs=1.0)
 
 
@@ -306,10 +308,3 @@ def test_a_record_names_each_missing_wrong_and_unknown_key():
   assert any(e.startswith('r.xs[1]') for e in errors), errors
   assert any(e.startswith('r.extra: not in the schema') for e in errors), errors
   assert len(errors) == 3, errors
-
-
-def test_each_after_step_stage_is_a_trainer_method():
-  from mecefo_jax.run.after_step import AFTER_STEP
-  from mecefo_jax.run.trainer import Trainer
-  assert AFTER_STEP == ('divergence', 'eval', 'snapshot', 'metrics', 'stop')
-  assert all(callable(getattr(Trainer, f'_after_{name}')) for name in AFTER_STEP)

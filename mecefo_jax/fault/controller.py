@@ -146,6 +146,10 @@ class Controller:
     values = multihost.fetch(metrics, self.submesh(self.state_slices), stop=stop)
     return values, bool(values.pop('stop', 0.0))
 
+  def book(self, bucket: str, seconds: float) -> None:
+    """`seconds` into goodput's `bucket` (core/goodput.py), e.g. a restart's."""
+    self.ledger.book(bucket, seconds)
+
   def exclude_from_steps(self, seconds: float) -> None:
     """`seconds` spent outside steps (an eval): no step's time in the goodput ledger."""
     self.ledger.exclude(seconds)

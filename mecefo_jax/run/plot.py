@@ -209,6 +209,14 @@ def _title(report: dict) -> str:
           + (f'\ndeaths (absent at a restart): {deaths}' if deaths else ''))
 
 
+def plot_or_warn(run_dir: Path) -> None:
+  """plot_run, a failure a warning: a missing plot is never worth a failed run."""
+  try:
+    plot_run(run_dir)
+  except Exception as err:  # noqa: BLE001
+    log.warning('could not write %s: %s: %s', Path(run_dir) / PLOT_FILE, type(err).__name__, err)
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
   """Writes the 4-panel figure of the run in `run_dir` to `out` (default RUN_DIR/training.png)."""
   # Figure + Agg canvas, not pyplot: no global backend switch inside a notebook's process.

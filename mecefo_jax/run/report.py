@@ -49,6 +49,17 @@ def _programs(run) -> dict:
   return sections
 
 
+def describe(run) -> str:
+  """The start line: model, mesh, batch, failures, snapshots, start-up times."""
+  n, f, mesh = param_count(run.state.params), run.cfg.faults, run.presence.mesh
+  return (f'model {n / 1e6:.2f}M params | mesh {dict(mesh.shape)} on {jax.device_count()} '
+          f'{jax.devices()[0].platform} device(s), compute {run.files.compute_dtype} | '
+          f'global batch {run.presence.n_slices}x{run.cfg.train.micro_batch}x'
+          f'{run.cfg.model.seq_len} tokens | failures {f.failures}, takeover {f.takeover} | '
+          f'snapshots {"on" if run.snapshots else "off"} | compile '
+          f'{run.startup.compile_s:.1f}s | {run.startup.describe()}')
+
+
 def dry_run_info(run) -> dict:
   """What --dry-run prints: sizes, mesh, the compiled fault-free step's memory (per device)."""
   return {'param_count': param_count(run.state.params), 'mesh': dict(run.presence.mesh.shape),

@@ -19,8 +19,8 @@ def death_before_start(history: list[dict]) -> float | None:
   return next(iter(deaths(history[starts[-1] + 1:] if starts else history)), None)
 
 
-def book(out_dir, ledger, meta: dict | None) -> None:
-  """Books in `ledger` (core/goodput.py) the restart that this start of the run in `out_dir`
+def book(out_dir, controller, meta: dict | None) -> None:
+  """Books in the `controller`'s goodput ledger (core/goodput.py) the restart that this start of the run in `out_dir`
   ends, its loop about to start, restored with snapshot `meta` (None: a start from step 0):
   from the death to now, less the compiles the start booked already (in `compile`)."""
   from mecefo_jax import multihost
@@ -30,5 +30,5 @@ def book(out_dir, ledger, meta: dict | None) -> None:
                                                                             warn=False)))
   if death is None or meta is None:
     return
-  compiled = ledger.seconds['compile'] - meta['controller']['goodput'].get('compile', 0.0)
-  ledger.book('restart', max(0.0, time.time() - death - compiled))
+  compiled = controller.goodput['compile'] - meta['controller']['goodput'].get('compile', 0.0)
+  controller.book('restart', max(0.0, time.time() - death - compiled))

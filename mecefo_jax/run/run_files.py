@@ -31,6 +31,9 @@ class RunFiles:
   def schedule(self, n_slices: int, resume: bool) -> FailureSchedule:
     """faults.failures as a schedule; a trace is read from the run's own copy at a resume."""
     cfg, f = self.cfg, self.cfg.faults
+    if n_slices == 1 and f.failures != 'none':
+      log.warning('one slice: a failure leaves no live slice to take over its micro-batch, so '
+                  'the run stops at the first failure (use mesh.slice >= 2 to survive failures)')
     self.trace = rundir.read_trace(self.out_dir, f.failures, resume)
     if self.trace:
       return FailureSchedule.from_trace(self.trace.path, n_slices, self.trace.text,

@@ -14,15 +14,13 @@ from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.run import hints, presence, report, restart, rundir
-from mecefo_jax.run.evaluation import Evals, held_out_loss
-from mecefo_jax.run.hooks import Divergence, Hook, Hooks, RunEnd, StepRecord
-from mecefo_jax.run.metric_rows import MetricRows
+from mecefo_jax.run import hints, loop_hooks, plot, presence, report, restart, rundir
+from mecefo_jax.run.evaluation import held_out_loss
+from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import to_json
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.resume import initial_state
 from mecefo_jax.run.run_files import RunFiles
-from mecefo_jax.run.saving import Snapshots, Stop
 from mecefo_jax.run.startup import StartupClock
 from mecefo_jax.run.stop import STOP_FILE, StopRequest, test_death
 from mecefo_jax.snapshot import recovery
@@ -68,7 +66,7 @@ class Trainer:
     try:
       self._build(schedule, resume, explicit_resume, dict(replace=replace,
                   replace_finished=replace_finished), host_slot, program_store)
-      self._build_hooks(progress, on_log, hooks)
+      self.hooks, self.saver = loop_hooks.ordered(self, progress, on_log, hooks)
     except BaseException:  # re-raised: only the lock and this start's empty folders go
       if self.snapshots:
         self.snapshots.close()
@@ -88,11 +86,7 @@ class Trainer:
     if not self.corpus.has_eval:
       log.warning('%s holds no eval rows (eval_fraction=0): evals are off, the final one too '
                   '(eval_loss null in report.json)', cfg.train.data)
-    n = self.presence.n_slices
-    self.schedule = schedule or self.files.schedule(n, resume)
-    if n == 1 and cfg.faults.failures != 'none':
-      log.warning('one slice: a failure leaves no live slice to take over its micro-batch, so '
-                  'the run stops at the first failure (use mesh.slice >= 2 to survive failures)')
+    self.schedule = schedule or self.files.schedule(self.presence.n_slices, resume)
     previous = self.files.check(resume=resume, **replacing)
     self.snapshots = recovery.open_manager(cfg, *self.files.snapshot_dirs(),
                                            state_nbytes(train_state.abstract_state(cfg)),
@@ -114,24 +108,6 @@ class Trainer:
     self._finished = (resume and self.origin.step >= cfg.train.steps and
                       previous.get('status') == 'finished')
 
-  def _build_hooks(self, progress, on_log, extra: Sequence[Hook]) -> None:
-    """The loop's hooks in their order (run/hooks.Hooks), each with what it carries over."""
-    meta, c, n_hosts = self.origin.meta or {}, self.controller, self.presence.n_hosts
-    resume_hint = hints.resume(self.out_dir, n_hosts)
-    rows = MetricRows(self.cfg, self.out_dir, self.origin.step, self.presence.n_slices,
-                      tokens=c.tokens_trained, eval_s=lambda: evals.seconds,
-                      losses=meta.get('losses', []), mode=progress, on_log=on_log,
-                      enabled=self.files.is_chief)
-    self.saver = Snapshots(self.snapshots, lambda: c.state, lambda steps: {
-        'controller': c.dump_meta(), 'losses': rows.losses, 'reached': steps,
-        'evals': evals.evals}, self.records, resume_hint)
-    stop = Stop(self.stop, self.saver, self.records, resume_hint)
-    evals = Evals(c, self.cfg.train.eval_batches, self.cfg.train.steps - 1,
-                  has_eval=self.corpus.has_eval, stopping=stop.stopping, emit=rows.emit,
-                  evals=list(meta.get('evals', [])))
-    self.hooks = Hooks([Divergence(hints.fresh(self.out_dir)), evals, self.saver, rows, *extra,
-                        stop])
-
   @property
   def state(self):
     return self.controller.state
@@ -146,14 +122,7 @@ class Trainer:
     return self.saver.checkpoints_failing
 
   def describe(self) -> str:
-    n, f = report.param_count(self.state.params), self.cfg.faults
-    mesh = self.presence.mesh
-    return (f'model {n / 1e6:.2f}M params | mesh {dict(mesh.shape)} on {jax.device_count()} '
-            f'{jax.devices()[0].platform} device(s), compute {self.files.compute_dtype} | '
-            f'global batch {self.presence.n_slices}x{self.cfg.train.micro_batch}x'
-            f'{self.cfg.model.seq_len} tokens | failures {f.failures}, takeover {f.takeover} | '
-            f'snapshots {"on" if self.snapshots else "off"} | compile '
-            f'{self.startup.compile_s:.1f}s | {self.startup.describe()}')
+    return report.describe(self)
 
   def evaluate(self, n_batches: int = 4) -> float:
     """Mean token loss on fixed held-out rows, the same whichever slices are live."""
@@ -164,7 +133,7 @@ class Trainer:
     cfg = self.cfg
     self.startup.loop_started()
     self.files.start()  # the run's files change from here on only
-    restart.book(self.out_dir, self.controller.ledger, self.origin.meta)  # before its line
+    restart.book(self.out_dir, self.controller, self.origin.meta)  # before its line
     self.records.start(self.origin, self.controller.events, self.presence.slots,
                        self.controller.live())
     self.files.write_state('running')
@@ -188,7 +157,7 @@ class Trainer:
     self.files.write_state(status)
     self._finished = not stopped
     if cfg.train.plot and self.files.is_chief:
-      self._plot()
+      plot.plot_or_warn(self.out_dir)
     return result
 
   def _loop(self, loop_start: float) -> tuple[int, str | None]:
@@ -226,14 +195,6 @@ class Trainer:
       self.records.reached(step + 1)  # the fetch waited for the step: it is trained
       self.startup.step_done()
     return record
-
-  def _plot(self) -> None:
-    try:
-      from mecefo_jax.run import plot
-      plot.plot_run(self.out_dir)
-    except Exception as err:  # noqa: BLE001 -- a missing plot is never worth a failed run
-      log.warning('could not write %s: %s: %s', self.out_dir / rundir.PLOT,
-                  type(err).__name__, err)
 
   def close(self) -> None:
     """Ends the start: background builds stop, the tiers close and the run is unlocked. A

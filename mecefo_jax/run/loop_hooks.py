@@ -1,0 +1,33 @@
+"""The hooks of a start, in their order: the one place the loop's after-step work is listed."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from mecefo_jax.run import hints
+from mecefo_jax.run.evaluation import Evals
+from mecefo_jax.run.hooks import Divergence, Hook, Hooks
+from mecefo_jax.run.metric_rows import MetricRows
+from mecefo_jax.run.saving import Snapshots, Stop
+
+
+def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
+            extra: Sequence[Hook] = ()) -> tuple[Hooks, Snapshots]:
+  """(The hooks of Trainer `run`, its snapshot hook), each carrying over what the restored
+  snapshot held. The order: divergence first (no snapshot holds a diverged state), the eval
+  before the snapshot (its result is in the snapshot's meta), the snapshot before the metrics
+  row (a crash after a row costs at most that step), the user's `extra` hooks, the stop last
+  (voted on once the step is saved)."""
+  cfg, c, meta = run.cfg, run.controller, run.origin.meta or {}
+  resume_hint = hints.resume(run.out_dir, run.presence.n_hosts)
+  rows = MetricRows(cfg, run.out_dir, run.origin.step, run.presence.n_slices,
+                    tokens=c.tokens_trained, eval_s=lambda: evals.seconds,
+                    losses=meta.get('losses', []), mode=progress, on_log=on_log,
+                    enabled=run.files.is_chief)
+  saver = Snapshots(run.snapshots, lambda: c.state, lambda steps: {
+      'controller': c.dump_meta(), 'losses': rows.losses, 'reached': steps,
+      'evals': evals.evals}, run.records, resume_hint)
+  stop = Stop(run.stop, saver, run.records, resume_hint)
+  evals = Evals(c, cfg.train.eval_batches, cfg.train.steps - 1, has_eval=run.corpus.has_eval,
+                stopping=stop.stopping, emit=rows.emit, evals=list(meta.get('evals', [])))
+  hooks = [Divergence(hints.fresh(run.out_dir)), evals, saver, rows, *extra, stop]
+  return Hooks(hooks), saver
