@@ -158,7 +158,7 @@ def first_process(mesh: Mesh) -> int:
   return mesh.devices.flat[0].process_index
 
 
-def compile_rejoin(target_shardings, source_index: int):
+def rejoin_copy(target_shardings, source_index: int):
   """Program: per-slice stacked state -> the state of slice `source_index` on every slice.
 
   Copying the state to a repaired slice on another process goes through a collective, because

@@ -76,3 +76,70 @@ def test_every_module_is_imported_by_a_fast_test(request):
   imported = set().union(*(_imports(p) for p in request.config.stash[FAST_FILES])) & modules
   missing = sorted(m for m in modules if m not in imported and m != 'mecefo_jax')
   assert not missing, f'no fast test imports {missing}'
+
+
+# ---- the loop's floors: the run layer asks the controller, which owns building ------------------
+
+CONTROLLER_PARTS = {'decider', 'executor', 'programs', 'precompiler', 'ledger', 'plans',
+                    'error_hooks'}
+PROGRAM_BUILDING = {'build_step_programs', 'start_precompile', 'wants_precompile', 'program',
+                    'step_programs', 'evaluator', 'prepare', 'build_live_set', 'store_live_set'}
+
+
+def _attributes(source: str, names: set[str]) -> list[str]:
+  """`line .name` of every attribute access in `source` to one of `names`."""
+  return sorted(f'{node.lineno} .{node.attr}' for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Attribute) and node.attr in names)
+
+
+def test_the_run_layer_builds_no_program_and_reaches_into_no_part_of_the_controller():
+  found = [f'{path.name}:{hit}' for path in sorted((PACKAGE / 'run').glob('*.py'))
+           for hit in _attributes(path.read_text(), CONTROLLER_PARTS | PROGRAM_BUILDING)]
+  assert not found, found
+  builders = {'mecefo_jax.step.cache', 'mecefo_jax.step.lowering', 'mecefo_jax.step.precompile'}
+  imports = {m for path in (PACKAGE / 'run').glob('*.py') for m in _imports(path)}
+  assert not imports & builders
+  # The scan finds what it looks for: a reach through the controller, a build.
+  assert _attributes('c = self.controller.decider.eval_due(3)\nc.program(k)\n',
+                     CONTROLLER_PARTS | PROGRAM_BUILDING) == ['1 .decider', '2 .program']
+
+
+def _dynamic_attribute_names(source: str) -> list[str]:
+  """`line` of every getattr / setattr / delattr whose name is not a string literal."""
+  return sorted(str(node.lineno) for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ('getattr', 'setattr', 'delattr') and len(node.args) > 1
+                and not (isinstance(node.args[1], ast.Constant)
+                         and isinstance(node.args[1].value, str)))
+
+
+def test_no_attribute_is_named_by_a_string_built_at_run_time():
+  found = [f'{path.relative_to(PACKAGE.parent)}:{line}' for path in sorted(PACKAGE.rglob('*.py'))
+           for line in _dynamic_attribute_names(path.read_text())]
+  assert not found, found
+  assert _dynamic_attribute_names(
+      "getattr(x, 'shape', None)\ngetattr(self, f'_after_{n}')\nsetattr(s, how, 1)\n") == ['2', '3']
+
+
+def test_snapshot_every_auto_is_resolved_in_one_function_and_the_interval_has_one_owner():
+  """'auto' meets `every` only in interval.Interval.of; `.every` is assigned in interval.py
+  only (the tuner's proposal, and the Interval that the snapshot tiers and the report read)."""
+  resolved, assigned = [], []
+  for path in sorted(PACKAGE.rglob('*.py')):
+    tree = ast.parse(path.read_text())
+    for fn in ast.walk(tree):
+      if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        for node in ast.walk(fn):
+          if (isinstance(node, ast.Compare) and 'every' in ast.unparse(node)
+              and any(isinstance(c, ast.Constant) and c.value == 'auto'
+                      for c in ast.walk(node))):
+            resolved.append(f'{path.name}:{fn.name}')
+    for node in ast.walk(tree):
+      targets = (node.targets if isinstance(node, ast.Assign) else
+                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+      for target in targets:
+        for t in ast.walk(target):
+          if isinstance(t, ast.Attribute) and t.attr == 'every':
+            assigned.append(path.name)
+  assert sorted(set(resolved)) == ['config.py:validate', 'interval.py:of'], resolved
+  assert set(assigned) == {'interval.py'}, assigned

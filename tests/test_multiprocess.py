@@ -151,7 +151,7 @@ def test_rejoin_program_copies_a_live_slices_state_bit_exactly(slices):
   x = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
   state = {'w': jax.device_put(x, NamedSharding(slices.sub(keep), P('fsdp')))}
   target = {'w': NamedSharding(slices.sub(live), P('fsdp'))}
-  copy = multihost.compile_rejoin(target, live.index(keep[0]))
+  copy = multihost.rejoin_copy(target, live.index(keep[0]))
   out = copy(multihost.stack_for_rejoin(state, target))['w']
   assert out.sharding == target['w'] and len(out.addressable_shards) == 6
   for shard in out.addressable_shards:

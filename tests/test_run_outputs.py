@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import load_config
-from mecefo_jax.run import evaluation, plot, report_schema, report_spec
+from mecefo_jax.run import plot, report_schema, report_spec
 from procs import suite_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +69,7 @@ def test_the_startup_clock_of_a_fresh_run_in_process(run):
 
 def test_eval_rows_do_not_depend_on_the_live_slices(tmp_path):
   """The eval set is fixed held-out rows: 3 live slices of 4 evaluate the same rows as 4."""
+  from mecefo_jax.fault import evaluation
   from mecefo_jax.run.trainer import Trainer
   cfg = load_config(ROOT / 'configs' / 'tiny.yaml', [
       'mesh.slice=4', 'train.micro_batch=2', 'snapshot.enabled=false', 'train.plot=false'])

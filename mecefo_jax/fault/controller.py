@@ -17,6 +17,7 @@ from mecefo_jax.core.failures import FailureEvent, FailureSchedule
 from mecefo_jax.core.goodput import Goodput
 from mecefo_jax.core.programs import EVAL, FUSED, ProgramKey, RunPrograms
 from mecefo_jax.core.takeover import Planner
+from mecefo_jax.fault import evaluation
 from mecefo_jax.fault.executor import AllSlicesDown, Executor
 from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.step import retarget, train_step
@@ -80,7 +81,7 @@ class Controller:
       self.load_meta(meta)
       self.apply_presence(step)
       if all_down_at is not None and step <= all_down_at:
-        self.devices_back_at = all_down_at  # a resume means every slice is back
+        self.decider.devices_back_at = all_down_at  # a resume means every slice is back
     t0 = time.perf_counter()
     fused = self.build_step_programs()
     self.first_programs_s = time.perf_counter() - t0
@@ -100,6 +101,11 @@ class Controller:
 
   def submesh(self, slices):
     return self.executor.submesh(slices)
+
+  @property
+  def state_mesh(self):
+    """The mesh of the slices that hold the state now."""
+    return self.submesh(self.state_slices)
 
   @property
   def ledger(self) -> Goodput:
@@ -125,14 +131,6 @@ class Controller:
   def failed(self, slices) -> None:
     self.decider.state.failed = set(slices)
 
-  @property
-  def devices_back_at(self) -> int | None:
-    return self.decider.devices_back_at
-
-  @devices_back_at.setter
-  def devices_back_at(self, step: int | None) -> None:
-    self.decider.devices_back_at = step
-
   def live(self) -> tuple[int, ...]:
     return self.decider.live()
 
@@ -143,7 +141,7 @@ class Controller:
   def fetch(self, metrics, stop: bool | None = None) -> tuple[dict, bool]:
     """(a step's metrics on the host, whether the job voted to stop): waits for the step. With
     several processes a collective carrying `stop`, this process's vote."""
-    values = multihost.fetch(metrics, self.submesh(self.state_slices), stop=stop)
+    values = multihost.fetch(metrics, self.state_mesh, stop=stop)
     return values, bool(values.pop('stop', 0.0))
 
   def book(self, bucket: str, seconds: float) -> None:
@@ -218,6 +216,10 @@ class Controller:
     built = [self.programs.program(key) for key in keys]
     return built[0] if keys[0].kind is FUSED else None
 
+  def evaluate(self, n_batches: int) -> float:
+    """Mean token loss on `n_batches` batches of fixed held-out rows (fault/evaluation.py)."""
+    return evaluation.held_out_loss(self, n_batches)
+
   def evaluator(self, live):
     """The forward-only `(params, tokens) -> mean loss` program on `live`."""
     return self.programs.program(ProgramKey(EVAL, live))
@@ -265,7 +267,7 @@ class Controller:
       if key not in self.programs.keys():
         if limit and len(self.programs.ahead) >= limit:
           return
-        self.programs.program(key)
+        self.programs.program(key, ahead=True)
 
   def programs_report(self) -> dict:
     """report.json's `precompile`, `programs` and `plans` sections."""

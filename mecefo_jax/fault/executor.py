@@ -51,8 +51,8 @@ class Executor:
       t0 = time.perf_counter()
       target = state_shardings(self.cfg, self.submesh(live))
       if multihost.is_multiprocess():
-        copy = self.programs.get(ProgramKey(REJOIN, live, keep),
-                                 lambda: multihost.compile_rejoin(target, live.index(keep[0])))
+        # A program like the step's: the index of the slice the copies come from is its shape.
+        copy = self.programs.program(ProgramKey(REJOIN, live, live.index(keep[0])))
         self.state = copy(multihost.stack_for_rejoin(self.state, target))
       else:
         self.state = jax.device_put(self.state, target)

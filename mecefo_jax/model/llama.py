@@ -109,8 +109,9 @@ class FeedForward(nnx.Module):
     """SwiGLU through the layers' own calls; `bases` ({'gate','up','down'}) makes their weight
     gradients low-rank."""
     b = bases or {}
-    linear = lambda name: functools.partial(getattr(self, name), basis=b.get(name))
-    return ops.swiglu_ffn(x_BxLxD, linear('gate'), linear('up'), linear('down'))
+    return ops.swiglu_ffn(x_BxLxD, functools.partial(self.gate, basis=b.get('gate')),
+                          functools.partial(self.up, basis=b.get('up')),
+                          functools.partial(self.down, basis=b.get('down')))
 
 
 def ffn_branch(norm: RMSNorm, ffn: FeedForward, h_BxLxD, bases):

@@ -75,8 +75,7 @@ def params_sha256(run) -> str:
   """Of the live replicas' params (multi-process: hashed where a replica is, sent to all)."""
   if not multihost.is_multiprocess():
     return train_state.params_sha256(run.state.params)
-  c = run.controller
-  source = multihost.first_process(c.submesh(c.state_slices))
+  source = multihost.first_process(run.controller.state_mesh)
   digest = None
   if jax.process_index() == source:
     params = run.state.params

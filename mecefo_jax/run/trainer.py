@@ -15,7 +15,6 @@ from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.run import hints, loop_hooks, plot, presence, report, restart, rundir
-from mecefo_jax.run.evaluation import held_out_loss
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import to_json
 from mecefo_jax.run.records import RunRecords
@@ -126,7 +125,7 @@ class Trainer:
 
   def evaluate(self, n_batches: int = 4) -> float:
     """Mean token loss on fixed held-out rows, the same whichever slices are live."""
-    return held_out_loss(self.controller, n_batches)
+    return self.controller.evaluate(n_batches)
 
   def run(self) -> dict:
     """Trains to train.steps (or until every slice is down / a stop); returns the report."""

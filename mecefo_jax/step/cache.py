@@ -38,13 +38,13 @@ class BuildStats:
 
 @dataclasses.dataclass
 class Request:
-  """One program to build: its key, the mesh of its slices, whether off the training thread."""
+  """One program to build: its key, the mesh of its slices, and who asks: the step that needs
+  it now, or (`ahead`) the background builder before its set of slices is live."""
   key: ProgramKey
   mesh: object
-  background: bool
+  ahead: bool
   lower: Callable
   store_devices: bool  # the store's key names the devices (programs do not move)
-  how: str | None = None  # set by a source that builds it other than its name says
 
   @property
   def devices(self) -> list:
@@ -62,7 +62,15 @@ class Request:
     """E.g. 'group program onto slices [0, 2]': onto where programs move, else for."""
     where = 'for' if self.store_devices else 'onto'
     return (f'{self.key.kind.name} program {where} slices {list(self.key.slices)}' +
-            (' (background)' if self.background else ''))
+            (' (background)' if self.ahead else ''))
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+  """A program a source built, and how: 'moved', 'loaded' (the program store or JAX's
+  persistent cache) or 'compiled'."""
+  program: Callable
+  how: str
 
 
 class Moved:
@@ -80,8 +88,9 @@ class Moved:
     if self.enabled:
       self._by_shape.setdefault(key.shape, serialized)
 
-  def build(self, request: Request):
-    return self.load(self._by_shape[request.key.shape], request) if self.has(request.key) else None
+  def build(self, request: Request) -> Built | None:
+    program = self.has(request.key) and self.load(self._by_shape[request.key.shape], request)
+    return Built(program, self.how) if program else None
 
   def load(self, serialized: retarget.Serialized, request: Request):
     """`serialized` loaded onto the request's devices; None where that fails, and then
@@ -107,37 +116,38 @@ class Stored(_WithStore):
   """Programs in the program store, loaded where every process has one."""
   how = 'loaded'
 
-  def build(self, request: Request):
+  def build(self, request: Request) -> Built | None:
     if self.store is None:
       return None
     entry = self.store.read(request.store_key)
     if multihost.is_multiprocess():
       # All processes load or none does, so that no process reaches a collective a compile
       # ahead of the others; no vote off the training thread (processes vote in step).
-      if request.background or not all(multihost.allgather_json(entry is not None)):
+      if request.ahead or not all(multihost.allgather_json(entry is not None)):
         return None
     program = entry and self.moved.load(entry, request)
-    if program is not None:
-      self.moved.keep(request.key, entry)
-    return program
+    if program is None:
+      return None
+    self.moved.keep(request.key, entry)
+    return Built(program, self.how)
 
 
 class Compiled(_WithStore):
   """Programs compiled now; kept serialized for moves and written to the store."""
   how = 'compiled'
 
-  def build(self, request: Request):
-    log.info('compiling the %s', request)
+  def build(self, request: Request, keep: bool = True) -> Built:
+    """`keep=False`: into the program store only (not kept for moves)."""
+    log.info('compiling the %s%s', request, '' if keep else ' into the program store')
     program, serialized, from_jax_cache = compile_lowered(
         request.lowered, request.devices, self.store,
         serialize=self.moved.enabled or bool(self.store))
-    if from_jax_cache:
-      request.how = 'loaded'
     if serialized is not None:
-      self.moved.keep(request.key, serialized)
+      if keep:
+        self.moved.keep(request.key, serialized)
       if self.store:
         self.store.write(request.store_key, serialized)
-    return program
+    return Built(program, Stored.how if from_jax_cache else self.how)
 
 
 def compile_lowered(lowered, devices, program_store, serialize: bool):
@@ -154,10 +164,11 @@ def compile_lowered(lowered, devices, program_store, serialize: bool):
 
 
 class ProgramCache:
-  """Compiled programs shared by the training thread and the background builder.
+  """Compiled programs shared by the training thread and the background builder; each is built
+  once, through the sources, by the request that first asks for it.
 
-  `on_compile(seconds)` is called for builds (and waits for a build in flight) in the thread
-  that created the cache, the training thread: the time the step could not run.
+  `on_compile(seconds)` is called for the builds (and waits for a build in flight) of the
+  requests that are not `ahead`: the time the step could not run.
   """
 
   def __init__(self, cfg: Config, slices, graphdef, on_compile: Callable[[float], None],
@@ -168,84 +179,75 @@ class ProgramCache:
     self.cfg, self.slices, self.graphdef, self._on_compile = cfg, slices, graphdef, on_compile
     self.store = program_store
     self.moved = Moved(move)
-    self.sources = (self.moved, Stored(program_store, self.moved),
-                    Compiled(program_store, self.moved))
+    self.compiled = Compiled(program_store, self.moved)
+    self.sources = (self.moved, Stored(program_store, self.moved), self.compiled)
     self.stats = BuildStats()
     self._programs: dict = {}
-    self.ahead: set[ProgramKey] = set()  # built in the background, not yet needed
-    self.built: list[tuple[ProgramKey, str, bool]] = []  # (key, how, in the background)
+    self.ahead: set[ProgramKey] = set()  # built ahead of need, not yet asked for by a step
+    self.built: list[tuple[ProgramKey, str, bool]] = []  # (key, how, ahead)
     self._lock = threading.Lock()
     self._stats_lock = threading.Lock()  # prepare() books outside _lock
-    self._owner = threading.get_ident()
 
   @property
   def move(self) -> bool:
     return self.moved.enabled
 
-  def get(self, key: ProgramKey, build: Callable):
-    """The program cached under `key`, built once (the loser of a race reuses the result)."""
+  def keys(self) -> set:
+    return set(self._programs)
+
+  def program(self, key: ProgramKey, ahead: bool = False):
+    """The program `key` on the devices of its slices, built once (a request that finds it
+    being built waits for it). `ahead`: asked for by the background builder, before its set
+    of slices is live: kept in `ahead` until a step asks for it, and not the step's wait."""
     program = self._programs.get(key)
-    owner = self._in_owner()
     if program is None:
-      if owner and self._lock.locked():
+      if not ahead and self._lock.locked():
         log.info('waiting for the background build of the %s', key)
       t0 = time.perf_counter()
       with self._lock:  # one build at a time
         program = self._programs.get(key)
         if program is None:
-          program = self._programs[key] = build()
-          if not owner:
+          program = self._programs[key] = self._build(self._request(key, ahead))
+          if ahead:
             self.ahead.add(key)
-      if owner:
+      if not ahead:
         self._on_compile(time.perf_counter() - t0)
-    if owner:
+    if not ahead:
       self.ahead.discard(key)
     return program
 
-  def keys(self) -> set:
-    return set(self._programs)
-
-  def program(self, key: ProgramKey):
-    """The program `key` on the devices of its slices."""
-    return self.get(key, lambda: self._build(key))
-
-  def _build(self, key: ProgramKey):
-    """From the first source that has it. Runs under the lock."""
+  def _request(self, key: ProgramKey, ahead: bool) -> Request:
     mesh = self.slices.sub(key.slices)
-    request = Request(key, mesh, not self._in_owner(),
-                      lambda: lowering.lower(key, self.cfg, mesh, self.graphdef),
-                      store_devices=not self.move)
+    return Request(key, mesh, ahead, lambda: lowering.lower(key, self.cfg, mesh, self.graphdef),
+                   store_devices=not self.move)
+
+  def _build(self, request: Request):
+    """From the first source that has it. Runs under the lock."""
     t0 = time.perf_counter()
     for source in self.sources:
-      program = source.build(request)
-      if program is not None:
-        how = request.how or source.how
-        self._book(how, time.perf_counter() - t0, request.background)
-        if source.how != 'compiled':
-          log.info('%s the %s', 'moved' if how == 'moved' else 'loaded from the store', request)
-        self.built.append((key, how, request.background))
-        return program
+      built = source.build(request)
+      if built is not None:
+        self._book(built.how, time.perf_counter() - t0, request.ahead)
+        if built.how != 'compiled':
+          log.info('%s the %s', 'moved' if built.how == 'moved' else 'loaded from the store',
+                   request)
+        self.built.append((request.key, built.how, request.ahead))
+        return built.program
     raise AssertionError('the compiled source always builds')
 
   def prepare(self, key: ProgramKey) -> None:
-    """Compiles `key` into the store only, unless the store or this cache has one of its shape:
-    for a later process (a restart), not this one, so no process vote; and outside the lock,
-    so that the training thread never waits for it."""
+    """Compiles `key` into the program store only, unless the store or this cache has one of
+    its shape: for a later process (a restart), not this one, so no process vote; and outside
+    the lock, so that the training thread never waits for it."""
     if self.store is None or not self.move or self.moved.has(key):
       return
     t0 = time.perf_counter()
-    mesh = self.slices.sub(key.slices)
-    lowered = lowering.lower(key, self.cfg, mesh, self.graphdef)
-    store_key = store.fingerprint(lowered, None)
-    if self.store.path(store_key).exists():
+    request = self._request(key, ahead=True)
+    if self.store.path(request.store_key).exists():
       return
-    log.info('compiling the %s program for slices %s into the program store (background)',
-             key.kind.name, list(key.slices))
-    _, serialized, from_jax_cache = compile_lowered(lowered, list(mesh.devices.flat), self.store,
-                                                    serialize=True)
-    self._book('loaded' if from_jax_cache else 'compiled', time.perf_counter() - t0, True)
-    if serialized is not None:
-      self.store.write(store_key, serialized)
+    built = self.compiled.build(request, keep=False)  # logs 'compiling the ... (background)'
+
+    self._book(built.how, time.perf_counter() - t0, True)
 
   def evict_ahead(self, keep: set[ProgramKey]) -> int:
     """Drops the programs built ahead of need that are not in `keep`; how many."""
@@ -256,13 +258,10 @@ class ProgramCache:
       self.ahead -= gone
     return len(gone)
 
-  def _in_owner(self) -> bool:
-    return threading.get_ident() == self._owner
-
-  def _book(self, how: str, seconds: float, background: bool) -> None:
+  def _book(self, how: str, seconds: float, ahead: bool) -> None:
     with self._stats_lock:
       self.stats.book(how, seconds)
-      if background and how == 'moved':
+      if ahead and how == 'moved':
         self.stats.book('moved_ahead', seconds)
 
   def has_shape(self, key: ProgramKey) -> bool:

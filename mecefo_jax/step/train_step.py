@@ -201,6 +201,7 @@ def memory_summary(compiled) -> dict:
   mem = compiled.memory_analysis()
   if mem is None:
     return {}
-  keys = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
-          'alias_size_in_bytes', 'generated_code_size_in_bytes')
-  return {k.replace('_size_in_bytes', '_bytes'): int(getattr(mem, k, 0)) for k in keys}
+  return {'argument_bytes': int(mem.argument_size_in_bytes),
+          'output_bytes': int(mem.output_size_in_bytes),
+          'temp_bytes': int(mem.temp_size_in_bytes), 'alias_bytes': int(mem.alias_size_in_bytes),
+          'generated_code_bytes': int(mem.generated_code_size_in_bytes)}

@@ -1,0 +1,130 @@
+"""The loop's hooks one by one, without a run: their cadence, their stops, their report keys."""
+import json
+import math
+import types
+
+import pytest
+
+from mecefo_jax.config import load_config
+from mecefo_jax.run import loop_hooks  # noqa: F401  (the order: tests/test_resume.py)
+from mecefo_jax.run.hooks import Divergence, Every, Hook, Hooks, RunEnd, StepRecord, StopRun
+from mecefo_jax.run.metric_rows import MetricRows
+from mecefo_jax.run.records import RunRecords
+from mecefo_jax.run.run_files import RunFiles
+from mecefo_jax.run.saving import Snapshots, Stop
+from mecefo_jax.run.stop import StopRequest
+from mecefo_jax.snapshot.interval import OFF, START, Interval
+
+PLAN = types.SimpleNamespace(live=(0, 1), eval=None)
+
+
+def _record(step: int, loss: float | None = 1.0) -> StepRecord:
+  return StepRecord(step, PLAN, None if loss is None else {'loss': loss}, loop_start=0.0)
+
+
+def test_every_runs_its_function_after_every_nth_step_and_wants_those_steps_fetched():
+  seen = []
+  hook = Every(3, lambda r: seen.append(r.steps_done))
+  for step in range(10):
+    assert hook.wants_values(step) == (step % 3 == 2)
+    hook.after_step(_record(step))
+  assert seen == [3, 6, 9]
+  with pytest.raises(ValueError, match='n >= 1'):
+    Every(0, print)
+
+
+def test_divergence_ends_the_run_at_a_non_finite_loss_without_counting_that_step():
+  hook = Divergence('`python train.py --fresh`')
+  assert hook.after_step(_record(3, None)) is None  # not fetched: nothing to judge
+  assert hook.after_step(_record(3, 2.0)) is None
+  stop = hook.after_step(_record(4, math.nan))
+  assert stop.steps_done == 4 and 'not finite (nan) at step 4' in stop.message
+  assert hook.report(RunEnd(4, 1.0, stop.message)) == {'diverged_at_step': 4}
+
+
+def test_hooks_run_in_order_until_one_stops_and_merge_their_report_keys():
+  calls = []
+
+  class Named(Hook):
+    def __init__(self, name, stop=False):
+      self.name, self.stop = name, stop
+
+    def before_step(self, step):
+      calls.append(('before', self.name))
+
+    def after_step(self, record):
+      calls.append(('after', self.name))
+      return StopRun(self.name, record.steps_done) if self.stop else None
+
+    def report(self, end):
+      return {self.name: end.steps_done}
+
+  hooks = Hooks([Named('a'), Named('b', stop=True), Named('c')])
+  hooks.before_step(0)
+  assert hooks.after_step(_record(0)) == StopRun('b', 1)
+  assert calls == [('before', 'a'), ('before', 'b'), ('before', 'c'), ('after', 'a'),
+                   ('after', 'b')]
+  assert hooks.report(RunEnd(1, 0.5, 'b')) == {'a': 1, 'b': 1, 'c': 1}
+  assert not hooks.wants_values(0) and list(hooks) == list(hooks.ordered)
+
+
+def test_the_interval_is_snapshot_every_or_the_tuners_from_auto():
+  fixed, auto = Interval.of(3, 0.01, 100), Interval.of('auto', 0.01, 20)
+  assert fixed.every == 3 and fixed.tuner is None and fixed.due(6) and not fixed.due(7)
+  assert fixed.report() == {**OFF, 'every': 3}
+  assert auto.every == START and auto.tuner is not None
+  report = auto.report()
+  assert report['auto'] and report['max_every'] == 20 and report['budget'] == 0.01
+  fixed.after_step(3, 1.0, False)  # a fixed interval measures nothing
+  assert fixed.every == 3
+
+
+def test_a_stop_request_ends_the_run_after_its_step_saved_where_snapshots_are():
+  records = RunRecords('.', enabled=False)
+  saver = Snapshots(None, state=lambda: None, meta=lambda n: {}, records=records,
+                    resume_hint='`python train.py --resume`')
+  stop = Stop(StopRequest(after_step=2), saver, records, '`python train.py --resume`')
+  assert stop.after_step(_record(0)) is None
+  end = stop.after_step(_record(1))
+  assert end == StopRun('stopped by --stop-after 2 after step 2, saved nothing (snapshots are '
+                        'off)', 2)
+  assert stop.report(RunEnd(2, 1.0, end.message)) == {'preempted': True}
+  sections = saver.report(RunEnd(2, 1.0, None))
+  assert not sections['snapshots']['enabled'] and sections['snapshot_interval'] == OFF
+  assert not saver.wants_values(0)
+
+
+def test_metric_rows_write_a_train_row_every_log_every_steps_then_the_steps_other_rows(tmp_path):
+  cfg = load_config(None, ['train.steps=5', 'train.log_every=2'])
+  rows, tokens = [], iter(range(0, 10_000, 100))
+  hook = MetricRows(cfg, tmp_path, 0, 2, tokens=lambda: next(tokens), eval_s=lambda: 0.0,
+                    losses=[], mode='quiet', on_log=rows.append)
+  with hook.opened():
+    for step in range(5):
+      record = _record(step, loss=5.0 - step)
+      if step == 2:
+        record.rows.append({'kind': 'eval', 'step': 2, 'loss': 3.5, 'perplexity': 33.1,
+                            'eval_s': 0.1, 'wall_s': 1.0, 'live_slices': 2})
+      hook.after_step(record)
+  assert [(r['kind'], r['step']) for r in rows] == [('train', 0), ('train', 2), ('eval', 2),
+                                                      ('train', 4)]
+  written = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert [(r['kind'], r['step']) for r in written] == [(r['kind'], r['step']) for r in rows]
+  report = hook.report(RunEnd(5, 2.0, None))
+  assert report['losses'] == [(0, 5.0), (2, 3.0), (4, 1.0)] and report['final_loss'] == 1.0
+  assert report['throughput']['steps_per_s'] == 2.5 and report['first_loss'] == 5.0
+
+
+def test_run_files_lock_the_run_and_write_nothing_before_its_start(tmp_path):
+  cfg = load_config(None, [])
+  out = tmp_path / 'run'
+  files = RunFiles(cfg, out)
+  try:
+    assert [p.name for p in out.iterdir()] == ['.lock']
+    assert files.check(resume=False, replace=False, replace_finished=False) == {}
+    assert len(files.run_id) == 12 and files.schedule(2, resume=False).all_events() == []
+    assert [p.name for p in out.iterdir()] == ['.lock']
+  finally:
+    files.release(refused=True)
+  assert not out.exists()  # a refused start's empty run directory goes
+
