@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import itertools
 import types
 import typing
@@ -344,9 +345,14 @@ def validate(cfg: Config) -> Config:
   return cfg
 
 
+@functools.cache
+def _rules() -> dict[str, Rule]:
+  return {key: rule for key, _, _, rule in leaves(Config())}  # leaves() takes ~2 ms
+
+
 def rule_of(key: str) -> Rule:
   """The declared rule of the config key `key`, e.g. 'faults.failures'."""
-  return next(rule for k, _, _, rule in leaves(Config()) if k == key)
+  return _rules()[key]
 
 
 def check_setting(key: str, value, error: type[ValueError] = ConfigError) -> None:
