@@ -32,7 +32,7 @@ from benchmarks import common, failure_costs, simulate  # noqa: E402
 from benchmarks.failure_costs import role_name  # noqa: E402
 from benchmarks.simulate import CHECKPOINT, ClusterCosts  # noqa: E402
 from mecefo_jax import sharding  # noqa: E402
-from mecefo_jax.config import load_config  # noqa: E402
+from mecefo_jax.config import RATES, load_config  # noqa: E402
 from mecefo_jax.core.failures import (  # noqa: E402
     PRESETS, FailureEvent, poisson_events, rate_scale)
 from mecefo_jax.core.programs import RunPrograms  # noqa: E402
@@ -229,10 +229,10 @@ def main(argv=None):
   p.add_argument('--figure', default=None, help='PNG: throughput drop vs slice count at high')
   p.add_argument('--figure-also', default=[], action='append', metavar='JSON',
                  help='an earlier result of this benchmark drawn as a further panel of --figure')
-  p.add_argument('--presets', default='low,mid,high')
+  p.add_argument('--presets', default=','.join(PRESETS))
   p.add_argument('--hours', type=float, default=720.0)
   p.add_argument('--seeds', type=int, default=5)
-  p.add_argument('--rate', choices=('cluster', 'per_device'), default='cluster')
+  p.add_argument('--rate', choices=RATES, default='cluster')
   p.add_argument('--checkpoint-every', type=int, default=-1,
                  help='durable checkpoint interval of checkpoint-restart (-1: '
                       'snapshot.durable_every); 0: no checkpoint-restart row')

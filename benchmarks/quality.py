@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import benchmarks
+from mecefo_jax.config import PRESETS, RATES  # imports no jax (fake_cpu_devices must come first)
 
 
 def _args(argv):
@@ -38,12 +39,12 @@ def _args(argv):
                  help='default: neighbor,spread,drop,naive (scripted), neighbor,spread,drop (presets)')
   p.add_argument('--fail-at', type=float, default=0.2, help='scripted: fraction of the run')
   p.add_argument('--repair-at', type=float, default=0.7, help='scripted: fraction of the run')
-  p.add_argument('--presets', default='', help='e.g. low,mid,high: preset failures instead')
+  p.add_argument('--presets', default='', help=f"e.g. {','.join(PRESETS)}: preset failures instead")
   # 300 steps x 1800 s = 150 h: at 'high' (per_device, 4 slices) ~39 failures of 4 steps each,
   # so a seed's share of degraded steps is near the preset's mean (0.40 +- 0.05 over 20 seeds).
   p.add_argument('--cluster-step-s', type=float, default=1800.0,
                  help='presets: simulated seconds per step')
-  p.add_argument('--rate', choices=('per_device', 'cluster'), default='per_device')
+  p.add_argument('--rate', choices=RATES, default='per_device')
   p.add_argument('--schedule-seed', type=int, default=None, help='default: train.seed')
   p.add_argument('--seeds', default='',
                  help='presets: e.g. 0,1,2,3,4: the whole comparison once per train.seed (init, '

@@ -99,7 +99,7 @@ def test_adjacent_failures_spread_evenly():
 
 def test_plan_rejects_bad_degraded_cost():
   for bad in (0.0, 1.0, -0.5):
-    with pytest.raises(ValueError, match='degraded_cost must be in'):
+    with pytest.raises(ValueError, match=r"'faults.degraded_cost' must be in \(0, 1\)"):
       takeover.plan([0], 2, 4, 'budget', degraded_cost=bad)
 
 

@@ -96,8 +96,8 @@ def test_bad_data_path_fails_with_one_clear_line(tmp_path, capsys):
 
 @pytest.mark.parametrize('flag, value, needle', [
     ('--data', 'text:', 'text:: missing path after text:'),
-    ('--failures', 'trace:', "faults.failures must be none, low, mid, high or trace:PATH, got "
-                             "'trace:'")])
+    ('--failures', 'trace:', "config key 'faults.failures' must be one of none, low, mid, high, "
+                             "trace:PATH, got 'trace:'")])
 def test_a_flag_spec_without_its_path_says_the_path_is_missing(tmp_path, capsys, flag, value,
                                                                needle):
   code = cli.main([flag, value, 'train.steps=1', '--out', str(tmp_path), 'train.compile_cache='])

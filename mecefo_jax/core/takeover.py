@@ -6,7 +6,7 @@ import functools
 import math
 from typing import Sequence
 
-from mecefo_jax.config import DEGRADED_COST, POLICIES, Config
+from mecefo_jax.config import DEGRADED_COST, POLICIES, Config, check_setting
 from mecefo_jax.core import budget
 from mecefo_jax.core.roles import Role, split_passes
 
@@ -78,8 +78,7 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
     row 1, degraded row `degraded_cost`) with the fewest degraded rows (core/budget.py).
   `granule` (dividing micro_batch) keeps spread shares shardable over a slice's fsdp devices.
   """
-  if not 0.0 < degraded_cost < 1.0:
-    raise ValueError(f'degraded_cost must be in (0, 1), got {degraded_cost}')
+  check_setting('faults.degraded_cost', degraded_cost)
   if micro_batch % granule:
     raise ValueError(f'granule {granule} must divide micro_batch {micro_batch}')
   if policy not in POLICIES:

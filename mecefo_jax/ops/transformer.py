@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mecefo_jax.config import check_setting
+
 # Names that the 'dots' remat policy keeps: the two big FFN matmul outputs.
 FFN_SAVED_NAMES = ('ffn_gate', 'ffn_up')
 
@@ -48,11 +50,10 @@ def swiglu_ffn(x_BxLxD, gate, up, down):
 
 def remat_policy(name: str):
   """jax.checkpoint policy for the degraded FFN: 'full' keeps only the input, 'dots' also the gate/up outputs."""
+  check_setting('mecefo.ffn_remat', name)
   if name == 'full':
     return jax.checkpoint_policies.nothing_saveable
-  if name == 'dots':
-    return jax.checkpoint_policies.save_only_these_names(*FFN_SAVED_NAMES)
-  raise ValueError(f"remat policy must be 'full' or 'dots', got {name!r}")
+  return jax.checkpoint_policies.save_only_these_names(*FFN_SAVED_NAMES)
 
 
 def token_cross_entropy(logits_BxLxV, targets_BxL):

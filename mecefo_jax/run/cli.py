@@ -14,7 +14,7 @@ from pathlib import Path
 
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
-                               load_config, to_dict)
+                               load_config, rule_of, to_dict)
 from mecefo_jax.run import hints
 from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
                                   STOPPED)
@@ -74,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='build, compile the step, print parameters, mesh and memory; no training '
                       'and no files left behind')
   p.add_argument('--failures', default=None,
-                 help='none | low | mid | high (docs/algorithm.md §5 presets) | trace:PATH (= faults.failures)')
+                 help=f"{rule_of('faults.failures').allowed()} (presets: docs/algorithm.md §5; "
+                      '= faults.failures)')
   p.add_argument('--takeover', default=None, choices=POLICIES,
                  help='who processes a failed slice\'s micro-batch (= faults.takeover, default '
                       f'{FaultConfig.takeover}; README: "Which takeover policy?")')

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from mecefo_jax import sharding
+from mecefo_jax.config import check_setting
 from mecefo_jax.snapshot import image
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.durable import DurableGuard
@@ -53,10 +54,10 @@ class SnapshotManager:
     on CPU, where the 'host copy' Orbax takes may be a view of the device buffer (see maybe_save).
     `every`: steps between in-memory snapshots, or the run's Interval (snapshot.every=auto)."""
     self.interval = every if isinstance(every, Interval) else Interval(every)
-    every = self.interval.every
-    if every < 1 or keep < 1 or durable_every < 0 or durable_keep < 1:
-      raise SnapshotError(f'need every >= 1, keep >= 1, durable_every >= 0, durable_keep >= 1; got '
-                          f'{every}, {keep}, {durable_every}, {durable_keep}')
+    counts = dict(every=self.interval.every, keep=keep, durable_every=durable_every,
+                  durable_keep=durable_keep)
+    for name, value in counts.items():
+      check_setting(f'snapshot.{name}', value, error=SnapshotError)
     if durable_every and durable_dir is None:
       raise SnapshotError(f'durable_every={durable_every} needs a durable_dir')
     self.keep = keep

@@ -25,9 +25,9 @@ from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax import multihost
+from mecefo_jax.config import AUTO_MODES  # train.move_programs
 
 log = logging.getLogger('mecefo')
-MODES = ('auto', 'always', 'never')  # train.move_programs
 
 
 class _Remapped(serialize_executable._JaxPjrtUnpickler):  # noqa: SLF001 -- see module docstring
@@ -116,8 +116,8 @@ def enabled(mode: str, platform: str | None = None) -> bool:
   """Whether programs are moved between device sets: `mode` always/never, or auto (every backend
   but TPU, where it is not measured yet), and only where the probe passes (logged if not).
   With several processes, every process must call it (the probe runs on the job's devices)."""
-  if mode not in MODES:
-    raise ValueError(f'move_programs must be one of {MODES}, got {mode!r}')
+  if mode not in AUTO_MODES:
+    raise ValueError(f'move_programs must be one of {AUTO_MODES}, got {mode!r}')
   platform = platform or jax.default_backend()
   if mode == 'never' or (mode == 'auto' and platform == 'tpu'):
     return False
