@@ -248,7 +248,8 @@ def _coerce(key: str, value, typ):
 def _apply(cfg, updates: dict, prefix: str = ''):
   """Returns cfg with `updates` (a nested dict) applied, checking names and types."""
   hints = typing.get_type_hints(type(cfg))
-  names = [f.name for f in dataclasses.fields(cfg)]
+  fields = {f.name: f for f in dataclasses.fields(cfg)}
+  names = list(fields)
   changes = {}
   for name, value in updates.items():
     key = f'{prefix}{name}'
@@ -258,7 +259,7 @@ def _apply(cfg, updates: dict, prefix: str = ''):
     if dataclasses.is_dataclass(hints[name]):
       if not isinstance(value, dict):
         raise ConfigError(f"config key '{key}' is a section; give it a mapping, got {value!r}")
-      changes[name] = _apply(getattr(cfg, name), value, key + '.')
+      changes[name] = _apply(getattr(cfg, fields[name].name), value, key + '.')
     else:
       changes[name] = _coerce(key, value, hints[name])
   return dataclasses.replace(cfg, **changes)

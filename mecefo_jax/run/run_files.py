@@ -77,6 +77,20 @@ class RunFiles:
   def snapshot_dirs(self) -> tuple[Path, str]:
     return rundir.snapshot_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
 
+  def close(self, snapshots, host: int | None = None, *, finished: bool = False,
+            refused: bool = False) -> None:
+    """Closes the snapshot tiers and unlocks the run. A finished run needs no in-memory
+    snapshots: this host's go (`host`: its part of a multi-process run's; durable ones stay),
+    unless its final durable save failed (the in-memory tier then holds the only copy).
+    `refused`: a start that failed: the tiers' empty directories go, and the run directory if
+    it holds nothing else."""
+    guard = snapshots and snapshots.durable
+    kept = self.cfg.snapshot.keep_when_finished or bool(guard and not guard.last_ok)
+    if snapshots:
+      snapshots.close()
+    self.release(host, remove_memory=bool(snapshots) and finished and not kept,
+                 remove_dirs=bool(snapshots) and refused, refused=refused)
+
   def release(self, host: int | None = None, *, remove_memory: bool = False,
               remove_dirs: bool = False, refused: bool = False) -> None:
     """`remove_memory`: deletes this host's in-memory snapshots (`host`: its part only);

@@ -37,6 +37,13 @@ class StopRequest:
   def __bool__(self) -> bool:
     return self.reason is not None
 
+  def watch(self, out_dir: Path) -> StopRequest:
+    """Process 0 reads the STOP_FILE of `out_dir` unless it was given another."""
+    import jax  # (not at the top: the supervisor imports this module without jax)
+    if jax.process_index() == 0 and self.file is None:
+      self.file = Path(out_dir) / STOP_FILE
+    return self
+
   def request(self, reason: str) -> None:
     if self.reason is None:
       self.reason = reason

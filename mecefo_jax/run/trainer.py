@@ -21,7 +21,7 @@ from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.resume import initial_state
 from mecefo_jax.run.run_files import RunFiles
 from mecefo_jax.run.startup import StartupClock
-from mecefo_jax.run.stop import STOP_FILE, StopRequest, test_death
+from mecefo_jax.run.stop import StopRequest, test_death
 from mecefo_jax.snapshot import recovery
 from mecefo_jax.snapshot.store import state_nbytes
 from mecefo_jax.step.store import ProgramStore
@@ -58,18 +58,14 @@ class Trainer:
                hooks: Sequence[Hook] = ()):
     self.startup = StartupClock()  # first: a Trainer built in a notebook is timed from here
     self.cfg, self.out_dir = cfg, Path(out_dir)
-    self.stop = stop if stop is not None else StopRequest()
-    if jax.process_index() == 0 and self.stop.file is None:
-      self.stop.file = self.out_dir / STOP_FILE
+    self.stop = (stop if stop is not None else StopRequest()).watch(self.out_dir)
     self.files, self.snapshots = RunFiles(cfg, self.out_dir), None
     try:
       self._build(schedule, resume, explicit_resume, dict(replace=replace,
                   replace_finished=replace_finished), host_slot, program_store)
       self.hooks, self.saver = loop_hooks.ordered(self, progress, on_log, hooks)
     except BaseException:  # re-raised: only the lock and this start's empty folders go
-      if self.snapshots:
-        self.snapshots.close()
-      self.files.release(remove_dirs=bool(self.snapshots), refused=True)
+      self.files.close(self.snapshots, refused=True)
       raise
 
   def _build(self, schedule, resume, explicit_resume, replacing, host_slot, store) -> None:
@@ -182,8 +178,8 @@ class Trainer:
     return self.cfg.train.steps, None
 
   def _record(self, step: int, metrics, loop_start: float) -> StepRecord:
-    """The step's record; its metrics fetched (waiting for it) where a hook wants them, and
-    always for the first step trained (the start-up clock's end)."""
+    """The step's record, its metrics fetched where a hook wants them and for the first step
+    (the start-up clock's end): the fetch waits for the step."""
     c = self.controller
     self.records.events(c.events)
     record = StepRecord(step, c.last_plan, None, loop_start)
@@ -196,13 +192,7 @@ class Trainer:
     return record
 
   def close(self) -> None:
-    """Ends the start: background builds stop, the tiers close and the run is unlocked. A
-    finished run needs no in-memory snapshots: its tmpfs goes (durable ones stay), unless its
-    final durable save failed (the in-memory tier then holds the only copy)."""
+    """Ends the start: background builds stop, the snapshot tiers close, the run is unlocked."""
     self.controller.close()
-    guard = self.snapshots and self.snapshots.durable
-    kept = self.cfg.snapshot.keep_when_finished or bool(guard and not guard.last_ok)
-    if self.snapshots:
-      self.snapshots.close()
     host = self.presence.slots[jax.process_index()] if multihost.is_multiprocess() else None
-    self.files.release(host, remove_memory=bool(self.snapshots) and self._finished and not kept)
+    self.files.close(self.snapshots, host, finished=self._finished)
