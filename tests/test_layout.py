@@ -7,7 +7,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'mecefo_jax'
 # Lowest first: a module may import its own group and the groups below it, never above.
-LAYERS = ['config install files', 'core', 'sharding multihost', 'ops', 'layers', 'model', 'data', 'step',
+LAYERS = ['config install files sections', 'core', 'sharding multihost', 'ops', 'layers', 'model', 'data', 'step',
           'fault', 'snapshot', 'run', 'launch']
 LEVEL = {group: i for i, names in enumerate(LAYERS) for group in names.split()}
 

@@ -1,10 +1,23 @@
 """Held-out loss on fixed rows: the same rows whichever slices are live (docs/algorithm.md §5)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mecefo_jax import multihost, sharding
 from mecefo_jax.data import order
+from mecefo_jax.sections import entry
+
+
+@dataclasses.dataclass
+class Eval:
+  """One held-out eval (report.json's `evals` rows; the trainer keeps them as dicts)."""
+  step: int = entry('step', 'last training step before the eval (the eval sees the params '
+                    'after it)')
+  loss: float | None = entry('nats/token', 'mean held-out loss over train.eval_batches batches; '
+                             'null if not finite (diverged)')
+  perplexity: float | None = entry('', 'exp(loss); null if not finite')
 
 
 def held_out_loss(controller, n_batches: int) -> float:
