@@ -30,11 +30,11 @@ def fields(section: type) -> Iterator[tuple[str, Any, str, str]]:
     yield f.name, hints[f.name], f.metadata.get('unit', ''), f.metadata.get('doc', '')
 
 
-def _is_section(tp) -> bool:
+def is_section(tp) -> bool:
   return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _nullable(tp):
+def nullable(tp):
   """X for `X | None`, else None."""
   if typing.get_origin(tp) in (Union, types.UnionType):
     rest = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -46,10 +46,10 @@ def _nullable(tp):
 def name(tp) -> str:
   """The type as docs/report.md writes it, e.g. 'list of [int, float \\| null]'."""
   origin, args = typing.get_origin(tp), typing.get_args(tp)
-  inner = _nullable(tp)
+  inner = nullable(tp)
   if inner is not None:
     return f'{name(inner)} \\| null'
-  if _is_section(tp):
+  if is_section(tp):
     return 'object'
   if origin is Literal:
     return ' \\| '.join(f"'{o}'" for o in args)
@@ -67,11 +67,11 @@ def name(tp) -> str:
 def check(tp, value, path: str, errors: list[str]) -> None:
   """Appends to `errors` every mismatch between the JSON `value` at `path` and the type `tp`."""
   origin, args = typing.get_origin(tp), typing.get_args(tp)
-  inner = _nullable(tp)
+  inner = nullable(tp)
   if inner is not None:
     if value is not None:
       check(inner, value, path, errors)
-  elif _is_section(tp):
+  elif is_section(tp):
     _check_section(tp, value, path, errors)
   elif origin is Literal:
     if value not in args:
@@ -152,7 +152,7 @@ def rows(section: type, prefix: str = '') -> Iterator[tuple[str, str, str, str]]
   for k, tp, unit, doc in fields(section):
     yield prefix + k, name(tp), unit, doc
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is list and _is_section(args[0]):
+    if origin is list and is_section(args[0]):
       yield from rows(args[0], f'{prefix}{k}[].')
-    elif _is_section(tp):
+    elif is_section(tp):
       yield from rows(tp, f'{prefix}{k}.')

@@ -6,9 +6,12 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import pytest
+
 from mecefo_jax import sections
 from mecefo_jax.run import report_schema
 from mecefo_jax.sections import entry
+from mecefo_jax.step.cache import BuildStats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _example(tp) -> Any:
   """A valid JSON value of type `tp` (the first choice, empty lists and objects)."""
   origin, args = typing.get_origin(tp), typing.get_args(tp)
-  if sections._is_section(tp):
+  if sections.is_section(tp):
     return {k: _example(t) for k, t, _, _ in sections.fields(tp)}
   if origin is Literal:
     return args[0]
@@ -26,7 +29,7 @@ def _example(tp) -> Any:
     return [_example(a) for a in args]
   if tp is dict or origin is dict:
     return {}
-  if sections._nullable(tp) is not None:
+  if sections.nullable(tp) is not None:
     return None
   return {int: 1, float: 0.5, str: 'x', bool: True}[tp]
 
@@ -86,6 +89,17 @@ def test_floats_are_finite_and_a_bool_is_no_int():
   assert [f.split(':')[0] for f in found] == ['x', 'y'], found
 
 
+def test_build_stats_books_each_source_in_its_own_counters():
+  stats = BuildStats()
+  for how, seconds in [('compiled', 1.0), ('moved', 2.0), ('moved_ahead', 2.0), ('loaded', 0.5)]:
+    stats.book(how, seconds)
+  assert dataclasses.asdict(stats) == {
+      'compiled': 1, 'compiled_s': 1.0, 'loaded': 1, 'loaded_s': 0.5, 'moved': 1, 'moved_s': 2.0,
+      'moved_ahead': 1, 'moved_ahead_s': 2.0}
+  with pytest.raises(ValueError, match='borrowed'):
+    stats.book('borrowed', 1.0)
+
+
 # ---- (b) no report key spelled a second time where the report is assembled --------------------
 
 def _section_classes(section: type, seen: dict | None = None) -> list[type]:
@@ -93,7 +107,7 @@ def _section_classes(section: type, seen: dict | None = None) -> list[type]:
   seen[section] = None
   for _, tp, _, _ in sections.fields(section):
     for t in (tp, *typing.get_args(tp)):
-      if sections._is_section(t) and t not in seen:
+      if sections.is_section(t) and t not in seen:
         _section_classes(t, seen)
   return list(seen)
 
