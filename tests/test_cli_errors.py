@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax import install
+from mecefo_jax import install, sections
 from mecefo_jax.config import Config, ConfigError, load_config, rule_of
 from mecefo_jax.run import cli, exits, plot, report_schema, rundir, stop
 from mecefo_jax.run.metrics import MetricsWriter, to_json
@@ -240,10 +240,11 @@ def test_metrics_jsonl_is_strict_json(tmp_path):
 
 def test_schema_floats_are_finite_and_losses_nullable():
   found = []
-  report_schema.FLOAT.check(math.nan, 'wall_s', found)
+  sections.check(float, math.nan, 'wall_s', found)
   assert found and 'expected a finite float' in found[0]
   found = []
-  report_schema.SCHEMA.fields['losses'].spec.check([[0, None], [1, 2.5]], 'losses', found)
+  losses = typing.get_type_hints(report_schema.Report)['losses']
+  sections.check(losses, [[0, None], [1, 2.5]], 'losses', found)
   assert found == []
 
 

@@ -13,7 +13,9 @@ from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.run_files import RunFiles
 from mecefo_jax.run.saving import Snapshots, Stop
 from mecefo_jax.run.stop import StopRequest
-from mecefo_jax.snapshot.interval import OFF, START, Interval
+from mecefo_jax.run.report_schema import Report
+from mecefo_jax.sections import Draft
+from mecefo_jax.snapshot.interval import START, Interval, SnapshotInterval
 
 PLAN = types.SimpleNamespace(live=(0, 1), eval=None)
 
@@ -39,7 +41,9 @@ def test_divergence_ends_the_run_at_a_non_finite_loss_without_counting_that_step
   assert hook.after_step(_record(3, 2.0)) is None
   stop = hook.after_step(_record(4, math.nan))
   assert stop.steps_done == 4 and 'not finite (nan) at step 4' in stop.message
-  assert hook.report(RunEnd(4, 1.0, stop.message)) == {'diverged_at_step': 4}
+  report = Draft(Report)
+  hook.report(RunEnd(4, 1.0, stop.message), report)
+  assert report.diverged_at_step == 4
 
 
 def test_hooks_run_in_order_until_one_stops_and_merge_their_report_keys():
@@ -56,25 +60,31 @@ def test_hooks_run_in_order_until_one_stops_and_merge_their_report_keys():
       calls.append(('after', self.name))
       return StopRun(self.name, record.steps_done) if self.stop else None
 
-    def report(self, end):
-      return {self.name: end.steps_done}
+    def report(self, end, report):
+      report.steps = 10 * report.steps + end.steps_done if self.name != 'a' else end.steps_done
 
   hooks = Hooks([Named('a'), Named('b', stop=True), Named('c')])
   hooks.before_step(0)
   assert hooks.after_step(_record(0)) == StopRun('b', 1)
   assert calls == [('before', 'a'), ('before', 'b'), ('before', 'c'), ('after', 'a'),
                    ('after', 'b')]
-  assert hooks.report(RunEnd(1, 0.5, 'b')) == {'a': 1, 'b': 1, 'c': 1}
+  report = Draft(Report)
+  hooks.report(RunEnd(1, 0.5, 'b'), report)
+  assert report.steps == 111  # a, then b, then c
+  with pytest.raises(AttributeError, match="declares no key 'step'"):
+    report.step = 1  # a key Report does not declare is refused where it is set
+  with pytest.raises(ValueError, match='no value for schema_version'):
+    report.build()
   assert not hooks.wants_values(0) and list(hooks) == list(hooks.ordered)
 
 
 def test_the_interval_is_snapshot_every_or_the_tuners_from_auto():
   fixed, auto = Interval.of(3, 0.01, 100), Interval.of('auto', 0.01, 20)
   assert fixed.every == 3 and fixed.tuner is None and fixed.due(6) and not fixed.due(7)
-  assert fixed.report() == {**OFF, 'every': 3}
+  assert fixed.report() == SnapshotInterval(every=3)
   assert auto.every == START and auto.tuner is not None
   report = auto.report()
-  assert report['auto'] and report['max_every'] == 20 and report['budget'] == 0.01
+  assert report.auto and report.max_every == 20 and report.budget == 0.01 and report.every == 8
   fixed.after_step(3, 1.0, False)  # a fixed interval measures nothing
   assert fixed.every == 3
 
@@ -88,9 +98,11 @@ def test_a_stop_request_ends_the_run_after_its_step_saved_where_snapshots_are():
   end = stop.after_step(_record(1))
   assert end == StopRun('stopped by --stop-after 2 after step 2, saved nothing (snapshots are '
                         'off)', 2)
-  assert stop.report(RunEnd(2, 1.0, end.message)) == {'preempted': True}
-  sections = saver.report(RunEnd(2, 1.0, None))
-  assert not sections['snapshots']['enabled'] and sections['snapshot_interval'] == OFF
+  report = Draft(Report)
+  stop.report(RunEnd(2, 1.0, end.message), report)
+  saver.report(RunEnd(2, 1.0, end.message), report)
+  assert report.preempted and not report.snapshots.enabled
+  assert report.snapshot_interval == SnapshotInterval()
   assert not saver.wants_values(0)
 
 
@@ -110,9 +122,10 @@ def test_metric_rows_write_a_train_row_every_log_every_steps_then_the_steps_othe
                                                       ('train', 4)]
   written = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   assert [(r['kind'], r['step']) for r in written] == [(r['kind'], r['step']) for r in rows]
-  report = hook.report(RunEnd(5, 2.0, None))
-  assert report['losses'] == [(0, 5.0), (2, 3.0), (4, 1.0)] and report['final_loss'] == 1.0
-  assert report['throughput']['steps_per_s'] == 2.5 and report['first_loss'] == 5.0
+  report = Draft(Report)
+  hook.report(RunEnd(5, 2.0, None), report)
+  assert report.losses == [(0, 5.0), (2, 3.0), (4, 1.0)] and report.final_loss == 1.0
+  assert report.throughput.steps_per_s == 2.5 and report.first_loss == 5.0
 
 
 def test_run_files_lock_the_run_and_write_nothing_before_its_start(tmp_path):

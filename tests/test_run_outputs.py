@@ -1,5 +1,6 @@
 """Outputs of a run: evals every N steps, metrics.jsonl + TensorBoard, report.json schema, plots
 (the terminal's progress: tests/test_progress_output.py)."""
+import dataclasses
 import json
 import math
 import shutil
@@ -7,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from mecefo_jax import sections
 from mecefo_jax.config import load_config
-from mecefo_jax.run import plot, report_schema, report_spec
+from mecefo_jax.run import plot, report_schema
 from procs import suite_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,11 +302,13 @@ def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tm
 
 
 def test_a_record_names_each_missing_wrong_and_unknown_key():
-  record = report_spec.Record({'n': report_spec.Field(report_spec.Scalar(int), '', 'a count'),
-                               'xs': report_spec.Field(report_spec.ListOf(report_spec.Scalar(float)),
-                                                       '', 'values')})
+  @dataclasses.dataclass
+  class Record:
+    n: int = sections.entry('', 'a count')
+    xs: list[float] = sections.entry('', 'values')
+
   errors: list[str] = []
-  record.check({'xs': [1.0, 'a'], 'extra': 1}, 'r', errors)
+  sections.check(Record, {'xs': [1.0, 'a'], 'extra': 1}, 'r', errors)
   assert any(e.startswith('r.n: missing') for e in errors), errors
   assert any(e.startswith('r.xs[1]') for e in errors), errors
   assert any(e.startswith('r.extra: not in the schema') for e in errors), errors

@@ -14,11 +14,12 @@ import logging
 from typing import Callable, Iterator, Mapping
 
 from mecefo_jax.core import programs
-from mecefo_jax.core.failures import FailureEvent, FailureSchedule, apply_event
+from mecefo_jax.core.failures import AppliedEvent, FailureEvent, FailureSchedule, apply_event
 from mecefo_jax.core.goodput import Goodput
 from mecefo_jax.core.programs import ProgramKey, RunPrograms
 from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Assignment, Planner
+from mecefo_jax.sections import entry
 
 log = logging.getLogger('mecefo')
 _PLANS_KEPT = 256  # assignments cached by live set (a replay at scale meets thousands)
@@ -41,6 +42,14 @@ class DeciderState:
   def from_meta(cls, meta: Mapping) -> 'DeciderState':
     return cls(set(meta['failed']), list(meta['events']), Goodput(meta['goodput']),
                collections.Counter(meta['samples']))
+
+
+@dataclasses.dataclass
+class Plans:
+  """report.json's `plans`: the step plans of this process (fault/controller.py's PlanChain)."""
+  steps: int = entry('steps', 'steps planned by this process (a step retried after a slice error '
+                     'counts again)')
+  digest: str = entry('', 'a running hash of every plan: equal on every process of a job')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +148,8 @@ class Decider:
     if not apply_event(failed, event.kind, event.slice):
       return False  # no change (already failed / not failed)
     self._note(event.slice, event.kind)
-    self.state.events.append({**event.to_dict(), 'wall_s': wall_s, 'live': len(self.live())})
+    applied = AppliedEvent(**event.to_dict(), wall_s=wall_s, live=len(self.live()))
+    self.state.events.append(applied.to_dict())
     log.warning('step %d: slice %d %s (%s); live slices %s', event.step, event.slice,
                 'FAILED' if event.kind == 'fail' else 'repaired, rejoining', event.source,
                 list(self.live()))

@@ -5,11 +5,13 @@ import dataclasses
 import logging
 from collections import defaultdict
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 # PRESETS (docs/algorithm.md §5) and RATES are declared with the config key that names them.
 from mecefo_jax.config import PRESETS, RATES, ConfigError, read_text
+from mecefo_jax.sections import entry
 
 PAPER_DEVICES = 32  # §5-6: the presets' rates are for the paper's 32-GPU cluster
 KINDS = ('fail', 'repair')
@@ -66,13 +68,23 @@ def apply_event(failed: set[int], kind: str, slice_: int) -> bool:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class FailureEvent:
-  step: int
-  slice: int
-  kind: str  # 'fail' | 'repair'
-  source: str = 'api'
+  """One fail or repair of a slice (report.json's `scheduled_events` rows)."""
+  step: int = entry('step', 'step at whose start the event applies')
+  slice: int = entry('', 'data-parallel slice index')
+  kind: Literal[KINDS] = entry('', 'the slice fails, or is repaired and rejoins')
+  source: str = entry('', "where it came from: 'api', 'preset:high', 'trace:FILE', 'error: ...' "
+                      "(a real error while dispatching), 'resume', 'absent' / 'present' (a start "
+                      "without / again with the slice's devices or host)", default='api')
 
   def to_dict(self) -> dict:
-    return {'step': self.step, 'slice': self.slice, 'kind': self.kind, 'source': self.source}
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AppliedEvent(FailureEvent):
+  """A failure event as the controller applied it (report.json's `failure_events` rows)."""
+  wall_s: float = entry('s', 'run wall time when the controller applied it')
+  live: int = entry('slices', 'live slices after it')
 
 
 class FailureSchedule:

@@ -1,8 +1,11 @@
 """The goodput ledger: a run's wall time by category, booked by the controller step by step."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
+
+from mecefo_jax.sections import entry
 
 
 class Bucket(str, enum.Enum):
@@ -16,6 +19,20 @@ class Bucket(str, enum.Enum):
 
 
 KEYS = tuple(b.value for b in Bucket)
+DOCS = {
+    Bucket.NORMAL: 'steps with every slice live',
+    Bucket.DEGRADED: 'share of steps under failure spent on the samples processed',
+    Bucket.COMPILE: 'building programs (compile, load, move) while the step waited: the fault-free '
+                    'step at start-up, new live sets, evals',
+    Bucket.REJOIN: 'copying the state to repaired slices',
+    Bucket.LOST: 'share of steps under failure standing for samples dropped (`drop` policy)',
+    Bucket.RESTART: "after a death (the supervisor's): from it to the restarted loop, less its "
+                    'compiles',
+}
+# report.json's `goodput` section: a float of seconds per bucket.
+Seconds = dataclasses.make_dataclass(
+    'Seconds', [(b.value, float, entry('s', DOCS[b])) for b in Bucket])
+Seconds.__module__ = __name__
 
 
 class Goodput:
@@ -53,6 +70,9 @@ class Goodput:
   def restart_clock(self) -> None:
     """After a resume: the next step's time starts when it starts."""
     self._last_end = None
+
+  def report(self) -> Seconds:
+    return Seconds(**self.seconds)
 
   def _overhead(self) -> float:
     return self.seconds[Bucket.COMPILE] + self.seconds[Bucket.REJOIN]

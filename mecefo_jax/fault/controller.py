@@ -12,17 +12,18 @@ import numpy as np
 
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config
-from mecefo_jax.core.decider import Decider, DeciderState, StepPlan
+from mecefo_jax.core.decider import Decider, DeciderState, Plans, StepPlan
 from mecefo_jax.core.failures import FailureEvent, FailureSchedule
 from mecefo_jax.core.goodput import Goodput
 from mecefo_jax.core.programs import EVAL, FUSED, ProgramKey, RunPrograms
 from mecefo_jax.core.takeover import Planner
 from mecefo_jax.fault import evaluation
 from mecefo_jax.fault.executor import AllSlicesDown, Executor
+from mecefo_jax.model import llama
 from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.step import retarget, train_step
-from mecefo_jax.step.cache import ProgramCache
-from mecefo_jax.step.precompile import Precompiler
+from mecefo_jax.step.cache import ProgramCache, Programs
+from mecefo_jax.step.precompile import Precompile, Precompiler
 from mecefo_jax.step.store import ProgramStore
 
 __all__ = ['AllSlicesDown', 'Controller', 'SliceFailure']
@@ -269,14 +270,16 @@ class Controller:
           return
         self.programs.program(key, ahead=True)
 
-  def programs_report(self) -> dict:
-    """report.json's `precompile`, `programs` and `plans` sections."""
-    stats = dataclasses.asdict(self.programs.stats)
-    return {'precompile': (self.precompiler.summary() if self.precompiler else
-                           {'enabled': False, 'live_sets': 0, 'seconds': 0.0}),
-            'programs': {'move': self.programs.move, **stats,
-                         'store': self.programs.store and str(self.programs.store.dir)},
-            'plans': self.plans.summary()}
+  def programs_report(self, other_compiles: int,
+                      other_compile_s: float) -> tuple[Precompile, Programs, Plans]:
+    """report.json's `precompile`, `programs` and `plans` sections; `other_compiles` and their
+    seconds: the XLA compiles of this process outside the programs (eager ops, conversions)."""
+    cache = self.programs
+    programs = Programs(**dataclasses.asdict(cache.stats), move=cache.move,
+                        store=cache.store and str(cache.store.dir), scan_unroll=llama.SCAN_UNROLL,
+                        other_compiles=other_compiles, other_compile_s=other_compile_s)
+    precompile = self.precompiler.summary() if self.precompiler else Precompile()
+    return precompile, programs, self.plans.summary()
 
   # --- snapshot / resume ---------------------------------------------------------------------
   def dump_meta(self) -> dict:
@@ -316,8 +319,8 @@ class PlanChain:
                            f'{digests}): their failure schedules or configs differ')
     self._last = shape
 
-  def summary(self) -> dict:
-    return {'steps': self.steps, 'digest': self.digest}
+  def summary(self) -> Plans:
+    return Plans(steps=self.steps, digest=self.digest)
 
 
 def _host_int(x: jax.Array) -> int:

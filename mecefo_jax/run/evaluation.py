@@ -1,12 +1,24 @@
 """The eval hook: held-out evals after the steps the decider plans one for, and after the last."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
 import numpy as np
 
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
+from mecefo_jax.sections import Draft, entry
+
+
+@dataclasses.dataclass
+class Eval:
+  """One held-out eval (report.json's `evals` rows, and eval rows' first keys)."""
+  step: int = entry('step', 'last training step before the eval (the eval sees the params '
+                    'after it)')
+  loss: float | None = entry('nats/token', 'mean held-out loss over train.eval_batches batches; '
+                             'null if not finite (diverged)')
+  perplexity: float | None = entry('', 'exp(loss); null if not finite')
 
 
 def perplexity(loss: float) -> float:
@@ -46,8 +58,8 @@ class Evals(Hook):
             'wall_s': time.perf_counter() - loop_start,
             'live_slices': len(self.controller.live())}
 
-  def report(self, end: RunEnd) -> dict:
+  def report(self, end: RunEnd, report: Draft) -> None:
     """report.json's evals: every one, and the final one's loss unless the run stopped early."""
-    final = self.evals[-1] if self.evals and not end.stopped else None
-    return {'eval_loss': final and final['loss'], 'eval_perplexity': final and final['perplexity'],
-            'evals': self.evals}
+    evals = report.evals = [Eval(**e) for e in self.evals]
+    final = evals[-1] if evals and not end.stopped else None
+    report.eval_loss, report.eval_perplexity = final and final.loss, final and final.perplexity

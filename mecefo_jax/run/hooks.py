@@ -8,6 +8,7 @@ import math
 from typing import Callable, Iterator, Sequence
 
 from mecefo_jax.core.decider import StepPlan
+from mecefo_jax.sections import Draft
 
 log = logging.getLogger('mecefo')
 
@@ -69,9 +70,8 @@ class Hook:
     """What the hook holds open while the loop runs (files, a progress bar)."""
     return contextlib.nullcontext()
 
-  def report(self, end: RunEnd) -> dict:
-    """The report.json keys this hook owns (docs/report.md)."""
-    return {}
+  def report(self, end: RunEnd, report: Draft) -> None:
+    """Sets the report.json keys this hook owns on `report` (run/report_schema.Report)."""
 
 
 class Every(Hook):
@@ -109,8 +109,8 @@ class Divergence(Hook):
     log.error('%s', message)
     return StopRun(message, record.step)
 
-  def report(self, end: RunEnd) -> dict:
-    return {'diverged_at_step': self.diverged_at}
+  def report(self, end: RunEnd, report: Draft) -> None:
+    report.diverged_at_step = self.diverged_at
 
 
 class Hooks:
@@ -142,9 +142,10 @@ class Hooks:
     for hook in self.ordered:
       hook.at_end(loop_start, stopped)
 
-  def report(self, end: RunEnd) -> dict:
+  def report(self, end: RunEnd, report: Draft) -> None:
     """Every hook's report.json keys."""
-    return {key: value for hook in self.ordered for key, value in hook.report(end).items()}
+    for hook in self.ordered:
+      hook.report(end, report)
 
   @contextlib.contextmanager
   def opened(self):

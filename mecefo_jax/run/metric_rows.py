@@ -11,6 +11,8 @@ from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import MetricsWriter
 from mecefo_jax.run.rundir import TB_DIR
 from mecefo_jax.run.progress import Progress
+from mecefo_jax.run.report_schema import Throughput
+from mecefo_jax.sections import Draft
 
 
 class MetricRows(Hook):
@@ -80,17 +82,17 @@ class MetricRows(Hook):
             'wall_s': now - record.loop_start, 'live_slices': len(record.live),
             'tokens_per_s': (tokens - tokens0) / seconds}
 
-  def report(self, end: RunEnd) -> dict:
+  def report(self, end: RunEnd, report: Draft) -> None:
     """report.json's losses, tokens and rates (of this process: a resumed run counts from its
     resume; eval time left out), and where the TensorBoard files are."""
     losses, train_s = self.losses, max(end.wall_s - self.eval_s(), 1e-9)
-    t = self.cfg.train
-    throughput = {'tokens_per_s': (self.tokens() - self.tokens_at_start) / train_s,
-                  'steps_per_s': (end.steps_done - self.start_step) / train_s,
-                  'tokens_per_step': self.n_slices * t.micro_batch * self.cfg.model.seq_len,
-                  'train_s': train_s, 'eval_s': self.eval_s()}
-    return {'first_loss': losses[0][1] if losses else None,
-            'final_loss': losses[-1][1] if losses else None, 'tokens': self.tokens(),
-            'tokens_per_s': throughput['tokens_per_s'], 'throughput': throughput,
-            'losses': losses,
-            'tensorboard_dir': str(self.out_dir / TB_DIR) if self.tensorboard else None}
+    report.losses, report.tokens = losses, self.tokens()
+    report.first_loss = losses[0][1] if losses else None
+    report.final_loss = losses[-1][1] if losses else None
+    throughput = Throughput(
+        tokens_per_s=(self.tokens() - self.tokens_at_start) / train_s,
+        steps_per_s=(end.steps_done - self.start_step) / train_s,
+        tokens_per_step=self.n_slices * self.cfg.train.micro_batch * self.cfg.model.seq_len,
+        train_s=train_s, eval_s=self.eval_s())
+    report.throughput, report.tokens_per_s = throughput, throughput.tokens_per_s
+    report.tensorboard_dir = str(self.out_dir / TB_DIR) if self.tensorboard else None

@@ -1,14 +1,19 @@
-"""report.json of a run: every key is documented in docs/report.md and checked by report_schema."""
+"""report.json of a run: its keys filled in by their owners, as report_schema.Report declares them."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 
 from mecefo_jax import multihost
 from mecefo_jax.config import to_dict
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.core.failures import AppliedEvent
+from mecefo_jax.core.goodput import Seconds
+from mecefo_jax.model import train_state
 from mecefo_jax.run.hooks import RunEnd
-from mecefo_jax.run.report_schema import SCHEMA, SCHEMA_VERSION
+from mecefo_jax.run.report_schema import SCHEMA_VERSION, Report
+from mecefo_jax.sections import Draft
 from mecefo_jax.snapshot import image, store
 from mecefo_jax.step import store as program_store
 
@@ -18,35 +23,32 @@ def param_count(params) -> int:
 
 
 def build(run, end: RunEnd) -> dict:
-  """The report of Trainer `run` whose loop ended as `end`: its sections from their owners
-  (the hooks, the controller, the start-up clock), in docs/report.md's order."""
-  c, cfg = run.controller, run.cfg
-  owned = run.hooks.report(end)
-  report = {
-      'schema_version': SCHEMA_VERSION, 'steps': end.steps_done, 'wall_s': end.wall_s,
-      'compile_s': run.startup.compile_s, 'params_sha256': params_sha256(run),
-      'param_count': param_count(run.state.params), 'entropy_floor': run.corpus.entropy_floor(),
-      'mesh': dict(run.presence.mesh.shape), 'device': jax.devices()[0].device_kind,
-      'compute_dtype': run.files.compute_dtype, 'step_memory': c.step_memory,
-      'takeover': cfg.faults.takeover, 'failures': cfg.faults.failures,
-      'failure_events': c.events,
-      'scheduled_events': [e.to_dict() for e in run.schedule.all_events()],
-      'samples': dict(c.samples), 'goodput': c.goodput, 'stopped': end.stopped,
-      'startup': run.startup.report(), 'resumed_from_step': run.origin.resumed_from,
-      'steps_lost': run.origin.steps_lost, 'steps_lost_total': run.records.steps_lost_total(),
-      'live_slices_at_end': list(c.live()), **_programs(run), 'config': to_dict(cfg), **owned}
-  return {key: report[key] for key in SCHEMA.fields}
+  """The report of Trainer `run` whose loop ended as `end`: the keys of the run and of the
+  controller here, the hooks' from the hooks (each hook's `report`)."""
+  c, cfg, r = run.controller, run.cfg, Draft(Report)
+  r.schema_version, r.steps, r.wall_s = SCHEMA_VERSION, end.steps_done, end.wall_s
+  r.stopped = end.stopped
+  r.compile_s, r.startup = run.startup.compile_s, run.startup.report()
+  r.params_sha256, r.param_count = params_sha256(run), param_count(run.state.params)
+  r.entropy_floor, r.config = run.corpus.entropy_floor(), to_dict(cfg)
+  r.mesh, r.device = dict(run.presence.mesh.shape), jax.devices()[0].device_kind
+  r.compute_dtype, r.step_memory = run.files.compute_dtype, c.step_memory
+  r.takeover, r.failures = cfg.faults.takeover, cfg.faults.failures
+  r.failure_events = [AppliedEvent(**e) for e in c.events]
+  r.scheduled_events = list(run.schedule.all_events())
+  r.samples, r.goodput, r.live_slices_at_end = dict(c.samples), Seconds(**c.goodput), list(c.live())
+  r.resumed_from_step, r.steps_lost = run.origin.resumed_from, run.origin.steps_lost
+  r.steps_lost_total = run.records.steps_lost_total()
+  r.precompile, r.programs, r.plans = c.programs_report(*_other_compiles(run))
+  run.hooks.report(end, r)
+  return dataclasses.asdict(r.build())
 
 
-def _programs(run) -> dict:
-  """The controller's `precompile` and `programs` sections; programs with the scan's unroll and
-  the XLA compiles of this process outside the booked programs (eager ops, conversions)."""
-  sections = run.controller.programs_report()
+def _other_compiles(run) -> tuple[int, float]:
+  """The XLA compiles of this process outside the booked programs (eager ops, conversions), and
+  their seconds."""
   now, then = program_store.compile_counts(), run.startup.compiles_at_start
-  sections['programs'].update(scan_unroll=llama.SCAN_UNROLL,
-                              other_compiles=now['other'] - then['other'],
-                              other_compile_s=round(now['other_s'] - then['other_s'], 3))
-  return sections
+  return now['other'] - then['other'], round(now['other_s'] - then['other_s'], 3)
 
 
 def describe(run) -> str:
@@ -67,7 +69,8 @@ def dry_run_info(run) -> dict:
           'global_batch': [run.presence.n_slices, run.cfg.train.micro_batch,
                            run.cfg.model.seq_len],
           'compute_dtype': run.files.compute_dtype, 'state_bytes': store.state_nbytes(run.state),
-          'compile_s': round(run.startup.compile_s, 2), 'startup': run.startup.report(),
+          'compile_s': round(run.startup.compile_s, 2),
+          'startup': dataclasses.asdict(run.startup.report()),
           'step_memory_bytes': run.controller.step_memory, 'data': run.corpus.describe()}
 
 

@@ -9,7 +9,10 @@ from mecefo_jax import multihost
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord, StopRun
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.stop import StopRequest
-from mecefo_jax.snapshot import durable, interval, store
+from mecefo_jax.sections import Draft
+from mecefo_jax.snapshot import durable
+from mecefo_jax.snapshot.interval import SnapshotInterval
+from mecefo_jax.snapshot.store import Snapshots as SnapshotsSection
 
 log = logging.getLogger('mecefo')
 
@@ -80,11 +83,11 @@ class Snapshots(Hook):
     if self.snapshots:
       self.snapshots.wait_until_finished(agree=True)
 
-  def report(self, end: RunEnd) -> dict:
-    """report.json's `snapshots` and `snapshot_interval` sections."""
+  def report(self, end: RunEnd, report: Draft) -> None:
+    """report.json's `snapshots` and `snapshot_interval` sections (their defaults: off)."""
     sn = self.snapshots
-    return {'snapshots': sn.report() if sn else store.OFF,
-            'snapshot_interval': sn.interval.report() if sn else interval.OFF}
+    report.snapshots = sn.report() if sn else SnapshotsSection()
+    report.snapshot_interval = sn.interval.report() if sn else SnapshotInterval()
 
 
 class Stop(Hook):
@@ -122,5 +125,5 @@ class Stop(Hook):
     self.records.history('stop', step=steps, why=self.reason, saved=where)
     return StopRun(message, steps)
 
-  def report(self, end: RunEnd) -> dict:
-    return {'preempted': self.reason is not None}
+  def report(self, end: RunEnd, report: Draft) -> None:
+    report.preempted = self.reason is not None

@@ -1,15 +1,50 @@
 """The start-up clock: what a run waits for before its first step (report.json's `startup`)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
+from typing import Literal
 
-# Filled by step/initializer.create, resume.initial_state and the trainer, in this order.
-KEYS = ('init_lower_s', 'init_compile_s', 'init_run_s', 'init_loaded', 'restore_s',
-        'first_programs_s', 'first_step_run_s', 'first_step_s')
-# What first_step_s counts from (report_schema.STARTUP documents each).
+from mecefo_jax.sections import entry
+
+# What first_step_s counts from (Startup.first_step_from documents each).
 ORIGINS = ('process', 'train.py', 'trainer')
+
+
+@dataclasses.dataclass
+class Startup:
+  """report.json's `startup` section: this process's wait for its first step."""
+  init_lower_s: float | None = entry('s', 'the initializer (params, AdamW state) traced and '
+                                     'lowered; null when the state was restored')
+  init_compile_s: float | None = entry('s', 'the initializer compiled ahead of time; null when '
+                                       'restored')
+  init_run_s: float | None = entry('s', 'the initializer run until the state exists (blocked); '
+                                   'null when restored')
+  init_loaded: bool | None = entry('', 'the initializer loaded from the program store '
+                                   '(init_compile_s is then its load); null when restored')
+  restore_s: float | None = entry('s', 'a resume: finding and restoring the newest usable snapshot '
+                                  '(until the state exists; also when none was usable); null '
+                                  'without resume')
+  first_programs_s: float | None = entry('s', "the first step's programs compiled or loaded from "
+                                         "the program store (the takeover's at a start with slices "
+                                         'down)')
+  first_step_run_s: float | None = entry('s', "the first step itself: from the training loop's "
+                                         'start to its end, blocked on its metrics (data, '
+                                         'dispatch, run)')
+  first_step_s: float | None = entry('s', 'wall time from first_step_from to the end of this '
+                                     "process's first step, blocked on its metrics; null if it "
+                                     'trained none')
+  first_step_from: Literal[ORIGINS] = entry('', "'process': the process start (train.py on Linux: "
+                                            "/proc/self/stat), 'train.py': train.py's first "
+                                            "statement (no /proc), 'trainer': Trainer() (a "
+                                            'notebook or a script)')
+
+
+# The clock's phases, filled by step/initializer.create, resume.initial_state and the trainer,
+# in this order.
+KEYS = tuple(f.name for f in dataclasses.fields(Startup))[:-1]
 _entry: float | None = None  # time.time() at train.py's first statement, when it runs
 
 
@@ -70,8 +105,8 @@ class StartupClock:
       if self._loop_start is not None:
         self.seconds['first_step_run_s'] = time.perf_counter() - self._loop_start
 
-  def report(self) -> dict:
-    return {**self.seconds, 'first_step_from': self.origin_kind}
+  def report(self) -> Startup:
+    return Startup(**self.seconds, first_step_from=self.origin_kind)
 
   def describe(self) -> str:
     """The start line's part: init lower+compile+run, restore, the first step's programs."""

@@ -28,7 +28,7 @@ from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.durable import DurableGuard
 from mecefo_jax.snapshot.interval import Interval
 from mecefo_jax.snapshot.manifest import verify_manifest
-from mecefo_jax.snapshot.store import OFF_DURABLE
+from mecefo_jax.snapshot.store import Snapshots, tiers_report
 from mecefo_jax.snapshot.tier import Tier, is_per_block, private_copy
 
 log = logging.getLogger('mecefo')
@@ -131,12 +131,10 @@ class HostSnapshots:
     self.saved += saved
     return saved
 
-  def report(self) -> dict:
+  def report(self) -> Snapshots:
     """report.json's `snapshots` section: this host's part, and the durable tier."""
-    durable = (self._durable.report('durable_', self.durable_every, self.durable_saved,
-                                    self.durable.failed) if self._durable else OFF_DURABLE)
-    return {'enabled': True, **self._tier.report('', self.every, self.saved), 'skipped': 0,
-            **durable}
+    return tiers_report(self._tier, self.every, self.saved, 0, self._durable, self.durable_every,
+                        self.durable_saved, self.durable.failed if self.durable else 0)
 
   def _held(self) -> dict[int, tuple[int, ...]]:
     """{step: layout} of the intact snapshot parts in this host's directory; parts of the

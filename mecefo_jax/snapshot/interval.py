@@ -10,15 +10,36 @@ cost / (k * idle) <= budget, capped at max_every (the steps a crash may cost).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import statistics
 
 from mecefo_jax import multihost
+from mecefo_jax.sections import entry
 
 log = logging.getLogger('mecefo')
 
 START = 8  # the interval auto starts from: room for idle steps between saves to compare with
+
+
+@dataclasses.dataclass
+class SnapshotInterval:
+  """report.json's `snapshot_interval` section (the defaults: a fixed interval, `every`)."""
+  auto: bool = entry('', 'snapshot.every=auto: the interval was chosen from measured costs '
+                     '(snapshot/interval.py)', default=False)
+  every: int = entry('steps', 'the in-memory snapshot interval at the end; 0 when disabled',
+                     default=0)
+  budget: float | None = entry('', 'snapshot.overhead_budget (auto); null otherwise', default=None)
+  max_every: int | None = entry('steps', 'snapshot.max_every (auto); null otherwise', default=None)
+  cost_s: float | None = entry('s', 'measured cost of one snapshot to the loop: its wait plus its '
+                               "background work's slowdown of the steps beside it (auto)",
+                               default=None)
+  idle_step_s: float | None = entry('s', 'median wall of a step with no snapshot work (auto)',
+                                    default=None)
+  changes: list[list[int]] = entry('', '[step, every] at each re-measure of auto (every 4 '
+                                   'save-to-save periods), the interval set from that step on',
+                                   factory=list)
 
 
 def smallest_interval(cost_s: float, step_s: float, budget: float, max_every: int) -> int:
@@ -93,9 +114,10 @@ class IntervalTuner:
       interval.every = every
     self.changes.append([steps_done, every])
 
-  def report(self) -> dict:
-    return {'budget': self.budget, 'max_every': self.max_every, 'every': self.every,
-            'cost_s': self.cost_s, 'idle_step_s': self.idle_s, 'changes': self.changes}
+  def report(self, every: int) -> SnapshotInterval:
+    """The section, with `every`: the interval at the end."""
+    return SnapshotInterval(auto=True, every=every, budget=self.budget, max_every=self.max_every,
+                            cost_s=self.cost_s, idle_step_s=self.idle_s, changes=self.changes)
 
 
 class Interval:
@@ -122,16 +144,9 @@ class Interval:
     if self.tuner:
       self.tuner.after_step(self, steps_done, wall_s, busy)
 
-  def report(self) -> dict:
+  def report(self) -> SnapshotInterval:
     """report.json's `snapshot_interval` section."""
-    if not self.tuner:
-      return {**OFF, 'every': self.every}
-    return {'auto': True, **self.tuner.report(), 'every': self.every}
-
-
-# The `snapshot_interval` section of a run with a fixed interval (every 0: snapshots off).
-OFF = {'auto': False, 'budget': None, 'max_every': None, 'cost_s': None, 'idle_step_s': None,
-       'every': 0, 'changes': []}
+    return self.tuner.report(self.every) if self.tuner else SnapshotInterval(every=self.every)
 
 
 def _rounded(x: float | None) -> str:

@@ -1,6 +1,7 @@
 """REFT-style snapshots: async Orbax saves to tmpfs with checksum manifests, plus a durable tier."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ import numpy as np
 
 from mecefo_jax import sharding
 from mecefo_jax.config import check_setting
+from mecefo_jax.sections import entry
 from mecefo_jax.snapshot import image
 from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.durable import DurableGuard
@@ -22,11 +24,36 @@ from mecefo_jax.snapshot.tier import PerBlockLayout, Tier, _on_cpu, private_copy
 
 log = logging.getLogger(__name__)
 
-# report.json's `snapshots` section of a run without snapshots, or its durable part without that tier.
-OFF_DURABLE = {'durable_dir': None, 'durable_every': 0, 'durable_saved': 0, 'durable_failed': 0,
-               'durable_retained_steps': []}
-OFF = {'enabled': False, 'dir': None, 'every': 0, 'saved': 0, 'skipped': 0, 'retained_steps': [],
-       **OFF_DURABLE}
+@dataclasses.dataclass
+class Snapshots:
+  """report.json's `snapshots` section (the defaults: a run without snapshots)."""
+  enabled: bool = entry('', 'snapshot.enabled (false with --no-snapshots)', default=False)
+  dir: str | None = entry('', 'in-memory tier directory (tmpfs); null when disabled', default=None)
+  every: int = entry('steps', 'snapshot.every; 0 when disabled', default=0)
+  saved: int = entry('', 'in-memory snapshots written by this process', default=0)
+  skipped: int = entry('', 'in-memory snapshots skipped on a write error (e.g. tmpfs full), with a '
+                       'warning each; training went on', default=0)
+  retained_steps: list[int] = entry('steps', 'in-memory snapshots on disk at the end', factory=list)
+  durable_dir: str | None = entry('', 'durable checkpoint directory; null if none', default=None)
+  durable_every: int = entry('steps', 'snapshot.durable_every; 0 if no durable tier', default=0)
+  durable_saved: int = entry('', 'durable checkpoints written by this process', default=0)
+  durable_failed: int = entry('', 'durable checkpoints that failed to save, with a line each; '
+                              'training went on (3 in a row stop the run, exit 5)', default=0)
+  durable_retained_steps: list[int] = entry('steps', 'durable checkpoints on disk at the end',
+                                            factory=list)
+
+
+def tiers_report(memory: Tier, every: int, saved: int, skipped: int, durable: Tier | None,
+                 durable_every: int, durable_saved: int, durable_failed: int) -> Snapshots:
+  """The `snapshots` section of a manager with these tiers (`durable`: None without one)."""
+  section = Snapshots(enabled=True, dir=str(memory.directory), every=every, saved=saved,
+                      skipped=skipped, retained_steps=sorted(memory.steps()))
+  if durable is None:
+    return section
+  return dataclasses.replace(section, durable_dir=str(durable.directory),
+                             durable_every=durable_every, durable_saved=durable_saved,
+                             durable_failed=durable_failed,
+                             durable_retained_steps=sorted(durable.steps()))
 
 
 def state_nbytes(state: Any) -> int:
@@ -195,12 +222,10 @@ class SnapshotManager:
     """Where the snapshots of `step` that maybe_save started (`tiers`) are, in words."""
     return [tier.describe(step) for tier in self.tiers if tier.name in tiers]
 
-  def report(self) -> dict:
-    """report.json's `snapshots` section (docs/report.md)."""
-    durable = (self._durable.report('durable_', self.durable_every, self.started['durable'],
-                                    self.durable.failed) if self._durable else OFF_DURABLE)
-    return {'enabled': True, **self._memory.report('', self.every, self.started['memory']),
-            'skipped': self.skipped, **durable}
+  def report(self) -> Snapshots:
+    return tiers_report(self._memory, self.every, self.started['memory'], self.skipped,
+                        self._durable, self.durable_every, self.started['durable'],
+                        self.durable.failed if self.durable else 0)
 
   def busy(self) -> bool:
     """Whether the in-memory snapshot is still being written in the background."""

@@ -276,12 +276,6 @@ class Tier:
     self.delete(step)
     return False
 
-  def report(self, prefix: str, every: int, saved: int, failed: int | None = None) -> dict:
-    """This tier's part of report.json's `snapshots` section (`failed`: the durable tier's)."""
-    return {f'{prefix}dir': str(self.directory), f'{prefix}every': every,
-            f'{prefix}saved': saved, **({} if failed is None else {f'{prefix}failed': failed}),
-            f'{prefix}retained_steps': sorted(self.steps())}
-
   def close(self) -> None:
     try:
       self.wait()

@@ -14,6 +14,7 @@ from mecefo_jax import multihost
 from mecefo_jax.config import Config
 from mecefo_jax.core import programs
 from mecefo_jax.core.programs import ProgramKey
+from mecefo_jax.sections import entry
 from mecefo_jax.step import lowering, retarget, store
 
 log = logging.getLogger('mecefo')
@@ -21,19 +22,46 @@ log = logging.getLogger('mecefo')
 
 @dataclasses.dataclass
 class BuildStats:
-  """Programs built by each source, and their seconds (report.json's `programs`)."""
-  compiled: int = 0
-  compiled_s: float = 0.0
-  loaded: int = 0
-  loaded_s: float = 0.0
-  moved: int = 0
-  moved_s: float = 0.0
-  moved_ahead: int = 0  # of the moves, those made in the background before their set was live
-  moved_ahead_s: float = 0.0
+  """Programs built by each source, and their seconds (report.json's `programs` counters)."""
+  compiled: int = entry('', 'programs compiled by this process (background compiles included)',
+                        default=0)
+  compiled_s: float = entry('s', 'their lowering and compile time', default=0.0)
+  loaded: int = entry('', "programs loaded instead of compiled: from the program store, or hits "
+                      "of JAX's persistent compilation cache", default=0)
+  loaded_s: float = entry('s', 'their lowering and load time', default=0.0)
+  moved: int = entry('', 'programs moved onto another set of slices instead of compiled', default=0)
+  moved_s: float = entry('s', 'time spent moving them', default=0.0)
+  moved_ahead: int = entry('', 'of the moves, those made in the background before their set of '
+                           'slices was live (faults.precompile)', default=0)
+  moved_ahead_s: float = entry('s', 'their time, off the critical path', default=0.0)
 
   def book(self, how: str, seconds: float) -> None:
-    setattr(self, how, getattr(self, how) + 1)
-    setattr(self, f'{how}_s', getattr(self, f'{how}_s') + seconds)
+    """One program built `how`: 'compiled', 'loaded', 'moved' (a source's `how`) or
+    'moved_ahead' (a move in the background, booked besides as moved)."""
+    match how:
+      case 'compiled':
+        self.compiled, self.compiled_s = self.compiled + 1, self.compiled_s + seconds
+      case 'loaded':
+        self.loaded, self.loaded_s = self.loaded + 1, self.loaded_s + seconds
+      case 'moved':
+        self.moved, self.moved_s = self.moved + 1, self.moved_s + seconds
+      case 'moved_ahead':
+        self.moved_ahead, self.moved_ahead_s = self.moved_ahead + 1, self.moved_ahead_s + seconds
+      case _:
+        raise ValueError(f'no program is built {how!r}')
+
+
+@dataclasses.dataclass(kw_only=True)
+class Programs(BuildStats):
+  """report.json's `programs` section: the counters, and how this process built its programs."""
+  move: bool = entry('', 'train.move_programs resolved: programs moved between sets of slices of '
+                     'one shape (step/retarget.py)')
+  store: str | None = entry('', 'the program store directory (step/store.py), null if none')
+  scan_unroll: int = entry('', "lax.scan's unroll over the stacked blocks in every program (the "
+                           'same at every depth)')
+  other_compiles: int = entry('', 'XLA compiles of this process besides the programs above and the '
+                              'initializer (eager ops, layout conversions; jax.monitoring)')
+  other_compile_s: float = entry('s', 'their XLA compile time')
 
 
 @dataclasses.dataclass

@@ -1,12 +1,24 @@
 """Background building of the programs of live sets one failure or repair away."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from typing import Callable, Iterable
 
+from mecefo_jax.sections import entry
+
 log = logging.getLogger('mecefo')
+
+
+@dataclasses.dataclass
+class Precompile:
+  """report.json's `precompile` section (the defaults: no precompiler)."""
+  enabled: bool = entry('', 'faults.precompile resolved (auto: on for GPU/TPU single-process)',
+                        default=False)
+  live_sets: int = entry('', 'live sets whose programs were compiled in the background', default=0)
+  seconds: float = entry('s', 'background compile time, off the critical path', default=0.0)
 
 
 class Precompiler:
@@ -37,9 +49,8 @@ class Precompiler:
       self._pending = [s for s in live_sets if s not in self._done]
       self._cond.notify_all()
 
-  def summary(self) -> dict:
-    """report.json's `precompile` section."""
-    return {'enabled': True, 'live_sets': self.compiled, 'seconds': self.seconds}
+  def summary(self) -> Precompile:
+    return Precompile(enabled=True, live_sets=self.compiled, seconds=self.seconds)
 
   def wait(self) -> None:
     """Blocks until every live set wanted so far is built."""
