@@ -314,14 +314,20 @@ def test_precompile_keeps_at_most_precompile_max_programs_ahead_of_need():
 
 # --- the program cache ---------------------------------------------------------------------
 
-def test_program_cache_builds_a_key_once_and_books_the_wait_of_the_training_thread():
+def test_program_cache_builds_a_key_once_and_books_only_the_waits_of_steps():
   mesh, _, graphdef = _mesh('4x2')
-  booked, built = [], []
+  booked = []
   cache = ProgramCache(load_config(None, [*TINY, *MESHES['4x2']]),
                        sharding.PresentSlices(mesh, ALL4), graphdef, booked.append)
-  build = lambda: built.append(1) or 'program'
-  assert cache.get(K('eval', (0,)), build) == cache.get(K('eval', (0,)), build) == 'program'
-  assert built == [1] and len(booked) == 1 and cache.keys() == {K('eval', (0,))}
+  first, second = K('eval', (0,)), K('eval', (1,))
+  built = cache.program(first, ahead=True)  # the background builder's request: no step waits
+  assert booked == [] and cache.ahead == {first}
+  assert cache.program(first) is built  # a step asks: built once, no longer ahead of need
+  assert booked == [] and cache.ahead == set()
+  cache.program(second)  # built for a step that waits for it
+  assert len(booked) == 1 and cache.keys() == {first, second}
+  assert [(key, ahead) for key, _, ahead in cache.built] == [(first, True), (second, False)]
+  assert cache.stats.compiled + cache.stats.loaded + cache.stats.moved == 2
 
 
 # --- the goodput ledger --------------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 
 from mecefo_jax.config import load_config
 from mecefo_jax.run import loop_hooks  # noqa: F401  (the order: tests/test_resume.py)
+from mecefo_jax.run.evaluation import Evals
 from mecefo_jax.run.hooks import Divergence, Every, Hook, Hooks, RunEnd, StepRecord, StopRun
 from mecefo_jax.run.metric_rows import MetricRows
 from mecefo_jax.run.records import RunRecords
@@ -141,3 +142,25 @@ def test_run_files_lock_the_run_and_write_nothing_before_its_start(tmp_path):
     files.release(refused=True)
   assert not out.exists()  # a refused start's empty run directory goes
 
+
+
+def test_evals_run_where_the_plan_has_one_unless_the_run_stops_and_once_more_at_the_end():
+  losses = iter([2.0, 1.5, 1.0])
+  controller = types.SimpleNamespace(evaluate=lambda n: next(losses), live=lambda: (0, 1),
+                                     exclude_from_steps=lambda s: None)
+  emitted, stopping = [], {3}
+  hook = Evals(controller, 2, last_step=4, has_eval=True, stopping=lambda r: r.step in stopping,
+               emit=emitted.append, evals=[{'step': 0, 'loss': 3.0, 'perplexity': 20.1}])
+  for step in range(1, 5):
+    plan = types.SimpleNamespace(live=(0, 1), eval=None if step == 2 else 'eval program')
+    record = StepRecord(step, plan, {'loss': 1.0}, loop_start=0.0)
+    hook.after_step(record)
+    assert [r['step'] for r in record.rows] == ([step] if step in (1, 4) else [])
+  hook.at_end(0.0, stopped=None)  # the last step's eval ran: no second one
+  assert [e['step'] for e in hook.evals] == [0, 1, 4] and emitted == []
+  report = Draft(Report)
+  hook.report(RunEnd(5, 1.0, None), report)
+  assert report.eval_loss == 1.5 and [e.step for e in report.evals] == [0, 1, 4]
+  hook.last_step = 5
+  hook.at_end(0.0, stopped=None)  # a final eval after a step without one
+  assert [r['step'] for r in emitted] == [5] and emitted[0]['loss'] == 1.0
