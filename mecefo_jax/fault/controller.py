@@ -39,7 +39,15 @@ class SliceFailure(RuntimeError):
 
 
 class Controller:
-  """Runs each step on the live slices: the decider plans it, the executor runs the plan."""
+  """Runs each step on the live slices: the decider plans it, the executor runs the plan. It
+  owns both, the program cache and the background builder.
+
+  What the run layer asks of it (run/; tests/test_layout.py keeps it to this): `start` (the
+  first step's programs built), `step` and `last_plan`, `fetch`, `evaluate`, the state and
+  where it lives (`state`, `state_mesh`, `live`), what happened (`events`, `samples`,
+  `goodput`, `tokens_trained`, `step_memory`, `programs_report`, `dump_meta`), bookings
+  (`book`, `exclude_from_steps`) and `settle` / `close`.
+  """
 
   def __init__(self, cfg: Config, mesh, graphdef, corpus, schedule: FailureSchedule, state,
                n_slices: int | None = None, present: tuple[int, ...] | None = None,
@@ -55,11 +63,11 @@ class Controller:
     self.decider = Decider(planner, run, schedule, cfg.mecefo.tau, present)
     self.decider.bases_step = _host_int(state.bases_step)
     slices = sharding.PresentSlices(mesh, present)
-    self.programs = ProgramCache(cfg, slices, graphdef, lambda s: self.ledger.book('compile', s),
+    self.programs = ProgramCache(cfg, slices, graphdef, lambda s: self._ledger.book('compile', s),
                                  move=retarget.enabled(cfg.train.move_programs),
                                  program_store=program_store)
     self.executor = Executor(cfg, slices, self.programs, corpus, self.n_slices, state,
-                             lambda bucket, s: self.ledger.book(bucket, s))
+                             lambda bucket, s: self._ledger.book(bucket, s))
     self.error_hooks: list[Callable[[int, int], None]] = []  # (slice, step); may raise
     self.precompiler: Precompiler | None = None
     self._hosts: list[tuple[int, ...]] | None = None  # start_precompile
@@ -109,12 +117,12 @@ class Controller:
     return self.submesh(self.state_slices)
 
   @property
-  def ledger(self) -> Goodput:
+  def _ledger(self) -> Goodput:
     return self.decider.state.goodput
 
   @property
   def goodput(self) -> dict:
-    return self.ledger.seconds
+    return self._ledger.seconds
 
   @property
   def events(self) -> list[dict]:
@@ -147,11 +155,11 @@ class Controller:
 
   def book(self, bucket: str, seconds: float) -> None:
     """`seconds` into goodput's `bucket` (core/goodput.py), e.g. a restart's."""
-    self.ledger.book(bucket, seconds)
+    self._ledger.book(bucket, seconds)
 
   def exclude_from_steps(self, seconds: float) -> None:
     """`seconds` spent outside steps (an eval): no step's time in the goodput ledger."""
-    self.ledger.exclude(seconds)
+    self._ledger.exclude(seconds)
 
   def settle(self) -> None:
     """Waits for the programs being built in the background (a test's death lands alike)."""
@@ -196,14 +204,14 @@ class Controller:
 
   def _timed(self, step: int) -> dict:
     """Decides, runs and books the step's wall time in the goodput ledger."""
-    self.ledger.start_step()
+    self._ledger.start_step()
     plan = self.last_plan = self.decider.decide(step)
     self.plans.add(plan)
     self.decider.commit(plan)
     metrics = self.executor.run(plan)
     if self.failed:
       jax.block_until_ready(metrics)  # a step under failure is booked by what it processed
-    self.ledger.end_step(plan.processed, self.n_slices * self.micro_batch, bool(self.failed))
+    self._ledger.end_step(plan.processed, self.n_slices * self.micro_batch, bool(self.failed))
     return metrics
 
   # --- programs ----------------------------------------------------------------------------
