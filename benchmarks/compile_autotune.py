@@ -23,7 +23,7 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama
 from mecefo_jax.core.roles import Role
-from mecefo_jax.step import store, train_step
+from mecefo_jax.step import program_store, train_step
 
 
 def main(argv=None) -> None:
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     shutil.rmtree(cache, ignore_errors=True)
   cache.mkdir(parents=True, exist_ok=True)
   options = ({'xla_gpu_autotune_level': 0} if args.mode == 'off'
-             else {store.AUTOTUNE_OPTION: str(cache)})
+             else {program_store.AUTOTUNE_OPTION: str(cache)})
   role = Role(degraded=2 * cfg.train.micro_batch)
   t0 = time.perf_counter()
   lowered = train_step.lower_step(cfg, mesh, role, llama.abstract(cfg.model)[0])

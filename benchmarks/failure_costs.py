@@ -17,7 +17,7 @@ from benchmarks.simulate import ClusterCosts
 from mecefo_jax import sharding
 from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.core.roles import Role
-from mecefo_jax.snapshot import recovery, store
+from mecefo_jax.snapshot import recovery, manager
 from mecefo_jax.step import retarget, slice_steps, train_step
 
 
@@ -145,13 +145,13 @@ def time_restore(cfg, mesh, state, repeats: int = 3) -> dict:
   with tempfile.TemporaryDirectory(dir=os.environ.get('MECEFO_RESTORE_DIR')) as root:
     root = Path(root)
     # Memory tier never due (every=huge): the save and the restores go to the durable tier only.
-    with store.SnapshotManager(root / 'memory', every=1 << 40, durable_dir=root / 'durable',
+    with manager.SnapshotManager(root / 'memory', every=1 << 40, durable_dir=root / 'durable',
                                   durable_every=1) as saver:
       saver.maybe_save(1, state, {'step': 1})
       saver.wait_until_finished()
     want, seconds = train_state.params_sha256(state.params), []
     for _ in range(repeats):
-      with store.SnapshotManager(root / 'memory2', every=1 << 40, durable_dir=root / 'durable',
+      with manager.SnapshotManager(root / 'memory2', every=1 << 40, durable_dir=root / 'durable',
                                     durable_every=1) as fresh:
         t0 = time.perf_counter()
         step, restored, *_ = recovery.restore(fresh, cfg, mesh)

@@ -33,7 +33,7 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/mecefo-gpu-check.XXXXXX")  # part outputs; rem
 remove_work() {
   "$py" -c 'import shutil, sys
 from mecefo_jax.run.rundir import run_name
-from mecefo_jax.snapshot.store import default_snapshot_dir
+from mecefo_jax.snapshot.manager import default_snapshot_dir
 for run in sys.argv[1:]:
   shutil.rmtree(default_snapshot_dir(run_name(run)), ignore_errors=True)' "$work"/* 2>/dev/null
   rm -rf "$work"

@@ -47,7 +47,7 @@ from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
 from mecefo_jax.model.train_state import params_sha256
 from mecefo_jax.core.roles import Role
-from mecefo_jax.snapshot import host, image, manifest, parity, recovery, store
+from mecefo_jax.snapshot import host, image, manifest, parity, recovery, manager
 from mecefo_jax.step import slice_steps, train_step
 
 N_HOSTS = 4
@@ -71,7 +71,7 @@ class Bench:
     rng = np.random.default_rng(0)
     self.tokens = jnp.asarray(rng.integers(0, cfg.model.vocab_size,
                                            train_step.batch_shape(cfg, 1, role)), jnp.int32)
-    self.manager = store.SnapshotManager(root / 'memory', every=1, keep=2)
+    self.manager = manager.SnapshotManager(root / 'memory', every=1, keep=2)
     self.saves, self.save_block_s = 0, []
 
   def one_replica(self, state):
@@ -126,7 +126,7 @@ def time_restore(bench: Bench, repeats: int) -> dict:
     t0 = time.perf_counter()
     assert manifest.verify_manifest(newest) is None
     verify_s.append(time.perf_counter() - t0)
-    with store.SnapshotManager(newest.parent, keep=2) as fresh:
+    with manager.SnapshotManager(newest.parent, keep=2) as fresh:
       t0 = time.perf_counter()
       step, state, *_ = recovery.restore(fresh, bench.cfg, bench.mesh)
       jax.block_until_ready(state)
@@ -197,7 +197,7 @@ def main(argv=None):
   if args.only_parity:
     state = train_state.create_sharded(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
     result = {**info, 'config': args.config, 'overrides': args.overrides,
-              'state_bytes': store.state_nbytes(state), **time_parity(state)}
+              'state_bytes': manager.state_nbytes(state), **time_parity(state)}
     rows = [{'quantity': k, 'value': v} for k, v in result.items() if k.startswith('parity_')]
     common.emit(result, common.markdown_table(rows, list(rows[0])), args.json)
     return result
@@ -228,7 +228,7 @@ def run(cfg, root: Path, args, info: dict) -> tuple[dict, list[dict]]:
       'snapshot_cpu_s': snap['cpu_s_per_step'] - plain['cpu_s_per_step'],
       'cpu_cores': os.cpu_count(),
       'snapshot_bytes': dir_bytes(newest),
-      'state_bytes': store.state_nbytes(bench.one_replica(bench.states['snapshot'])),
+      'state_bytes': manager.state_nbytes(bench.one_replica(bench.states['snapshot'])),
       'snapshot_files': sum(1 for p in newest.rglob('*') if p.is_file()),
   }
   result.update(time_restore(bench, args.restores))

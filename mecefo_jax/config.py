@@ -142,7 +142,7 @@ class TrainConfig:
   plot: bool = setting(True, 'write `training.png` at the end of the run (python -m '
                        'mecefo_jax.run.plot)')
   compile_cache: str = setting(
-      '~/.cache/mecefo-jax/xla', 'directory of the program store of `train.py` (step/store.py; '
+      '~/.cache/mecefo-jax/xla', 'directory of the program store of `train.py` (step/program_store.py; '
       '`programs/` in it; \'\' = off; `JAX_COMPILATION_CACHE_DIR` takes precedence): restarts '
       'and new runs load their programs instead of compiling them')
   program_store_mb: int = setting(4096, 'size limit of the program store (least recently used '

@@ -41,7 +41,7 @@ def suite_cache(tmp_path_factory) -> Path:
   $JAX_COMPILATION_CACHE_DIR (procs.Launcher) and in-process runs open its program store
   (`programs/`) as train.py does, or take it from procs.suite_store() to hand to a Trainer or
   Controller as a user would. Entries are keyed by the lowered program, its argument trees, the
-  backend and the devices (step/store.py: fingerprint), so a test only ever gets the program it
+  backend and the devices (step/program_store.py: fingerprint), so a test only ever gets the program it
   would have compiled itself; tests about compiling opt out (`cold_programs`). One for all
   pytest-xdist workers: the store is safe for concurrent processes."""
   root = tmp_path_factory.getbasetemp()
@@ -53,7 +53,7 @@ def suite_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope='session', autouse=True)
 def _train_opens_the_suite_store(suite_cache):
   """In-process `cli.main` runs open the suite's program store ($JAX_COMPILATION_CACHE_DIR
-  comes before train.compile_cache: step/store.py open_store)."""
+  comes before train.compile_cache: step/program_store.py open_store)."""
   with pytest.MonkeyPatch.context() as m:
     m.setenv('JAX_COMPILATION_CACHE_DIR', str(suite_cache))
     yield

@@ -94,8 +94,8 @@ class Launcher:
 
 def suite_store():
   """The suite's program store (conftest.py: suite_cache), opened as train.py opens one."""
-  from mecefo_jax.step import store
-  return store.open_store('', 8 << 10)
+  from mecefo_jax.step import program_store
+  return program_store.open_store('', 8 << 10)
 
 
 def kill(proc: subprocess.Popen) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import gpu_check
 from mecefo_jax import install
-from mecefo_jax.snapshot.store import default_snapshot_dir
+from mecefo_jax.snapshot.manager import default_snapshot_dir
 from procs import ROOT, TINY
 
 SCRIPT = ROOT / 'benchmarks' / 'gpu_check.sh'

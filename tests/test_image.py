@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mecefo_jax.config import load_config
 from mecefo_jax.model import train_state
 from mecefo_jax.snapshot import image
-from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager
+from mecefo_jax.snapshot.manager import SnapshotError, SnapshotManager
 
 
 @pytest.fixture(scope='module')

@@ -12,7 +12,7 @@ from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.snapshot import hold
 from mecefo_jax.snapshot.hold import HOLD_ENV
 from mecefo_jax.snapshot.manifest import verify_manifest
-from mecefo_jax.snapshot.store import default_snapshot_dir
+from mecefo_jax.snapshot.manager import default_snapshot_dir
 from procs import ROOT, TINY, error_lines, kill, report, tree, wait_all, wait_for
 
 STEPS = 3

@@ -15,7 +15,7 @@ from mecefo_jax.config import load_config
 from mecefo_jax.model import layout, train_state
 from mecefo_jax.run import cli, rundir
 from mecefo_jax.run.exits import STOPPED
-from mecefo_jax.snapshot.store import SnapshotManager
+from mecefo_jax.snapshot.manager import SnapshotManager
 from procs import error_lines
 
 FIXTURE = Path(__file__).parent / 'fixtures' / 'old_layout'

@@ -12,7 +12,7 @@ import pytest
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import llama, train_state
-from mecefo_jax.step import retarget, store
+from mecefo_jax.step import program_store, retarget
 from mecefo_jax.core.programs import EVAL, ProgramKey
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.lowering import LOWER
@@ -53,7 +53,7 @@ def _counts(cache):
 
 
 def test_a_later_process_loads_a_stored_program_onto_any_slices_of_its_shape(tmp_path):
-  programs = store.ProgramStore(tmp_path, 1 << 30)
+  programs = program_store.ProgramStore(tmp_path, 1 << 30)
   _cache(programs).program(ProgramKey(EVAL, (0, 1)))
   later = _cache(programs)
   loaded = later.program(ProgramKey(EVAL, (2, 3)))
@@ -82,14 +82,14 @@ def _flip_payload(path):
 
 
 def _another_programs_entry(path):
-  other = next(p for p in path.parent.glob(f'*{store.SUFFIX}') if p != path)
+  other = next(p for p in path.parent.glob(f'*{program_store.SUFFIX}') if p != path)
   path.write_bytes(other.read_bytes())
 
 
 @pytest.mark.parametrize('damage', [_truncate, _flip_payload, _another_programs_entry,
                                     lambda p: p.write_bytes(b'not a program')])
 def test_a_bad_entry_is_a_warning_and_a_compile_then_is_replaced(tmp_path, damage, caplog):
-  programs = store.ProgramStore(tmp_path, 1 << 30)
+  programs = program_store.ProgramStore(tmp_path, 1 << 30)
   first = _cache(programs)
   first.program(ProgramKey(EVAL, (0, 1)))
   first.program(ProgramKey(EVAL, (0,)))  # a second entry
@@ -107,17 +107,17 @@ def test_a_bad_entry_is_a_warning_and_a_compile_then_is_replaced(tmp_path, damag
 
 
 def _key(slices):
-  return store.fingerprint(LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF, None), None)
+  return program_store.fingerprint(LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF, None), None)
 
 
 def test_the_key_covers_xla_flags_and_where_programs_do_not_move_their_devices(monkeypatch):
   a, b = SLICES.sub((0, 1)), SLICES.sub((2, 3))
   low_a, low_b = (LOWER['eval'](CFG, m, GRAPHDEF, None) for m in (a, b))
-  assert store.fingerprint(low_a, None) == store.fingerprint(low_b, None)
-  assert store.fingerprint(low_a, list(a.devices.flat)) != store.fingerprint(low_b, list(b.devices.flat))
-  before = store.fingerprint(low_a, None)
+  assert program_store.fingerprint(low_a, None) == program_store.fingerprint(low_b, None)
+  assert program_store.fingerprint(low_a, list(a.devices.flat)) != program_store.fingerprint(low_b, list(b.devices.flat))
+  before = program_store.fingerprint(low_a, None)
   monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
-  assert store.fingerprint(low_a, None) != before
+  assert program_store.fingerprint(low_a, None) != before
 
 
 def test_the_key_covers_the_argument_trees_that_leave_no_trace_in_the_module():
@@ -127,7 +127,7 @@ def test_the_key_covers_the_argument_trees_that_leave_no_trace_in_the_module():
   x = np.ones(4, np.float32)
   plain, with_empty = double.lower({'x': x}), double.lower({'x': x, 'bases': {}})
   assert plain.as_text() == with_empty.as_text()
-  assert store.fingerprint(plain, None) != store.fingerprint(with_empty, None)
+  assert program_store.fingerprint(plain, None) != program_store.fingerprint(with_empty, None)
 
 
 def _entry(n_bytes: int) -> retarget.Serialized:
@@ -135,7 +135,7 @@ def _entry(n_bytes: int) -> retarget.Serialized:
 
 
 def test_the_least_recently_used_entries_are_evicted_above_the_size_limit(tmp_path):
-  programs = store.ProgramStore(tmp_path, 25_000)
+  programs = program_store.ProgramStore(tmp_path, 25_000)
   programs.write('a', _entry(10_000))
   programs.write('b', _entry(10_000))
   for age, key in ((300, 'a'), (200, 'b')):
@@ -143,13 +143,13 @@ def test_the_least_recently_used_entries_are_evicted_above_the_size_limit(tmp_pa
     os.utime(programs.path(key), (t, t))
   assert programs.read('a') is not None  # used: now the newest
   programs.write('c', _entry(10_000))
-  assert {p.stem for p in tmp_path.glob(f'*{store.SUFFIX}')} == {'a', 'c'}
+  assert {p.stem for p in tmp_path.glob(f'*{program_store.SUFFIX}')} == {'a', 'c'}
   programs.write('huge', _entry(40_000))  # larger than the limit: kept alone
-  assert {p.stem for p in tmp_path.glob(f'*{store.SUFFIX}')} == {'huge'}
+  assert {p.stem for p in tmp_path.glob(f'*{program_store.SUFFIX}')} == {'huge'}
 
 
 def test_concurrent_writers_never_show_a_reader_a_partial_entry(tmp_path, caplog):
-  programs = store.ProgramStore(tmp_path, 1 << 30)
+  programs = program_store.ProgramStore(tmp_path, 1 << 30)
   seen, stop = [], threading.Event()
 
   def write(n):
@@ -173,7 +173,7 @@ def test_concurrent_writers_never_show_a_reader_a_partial_entry(tmp_path, caplog
     stop.set()
     reader.join()
   assert seen and 'program store' not in caplog.text
-  assert [p.name for p in tmp_path.iterdir()] == [f'k{store.SUFFIX}']  # no temporary left
+  assert [p.name for p in tmp_path.iterdir()] == [f'k{program_store.SUFFIX}']  # no temporary left
 
 
 def test_a_hit_of_jaxs_persistent_cache_is_counted_as_a_load(tmp_path):
@@ -200,7 +200,7 @@ def test_a_hit_of_jaxs_persistent_cache_is_counted_as_a_load(tmp_path):
 def test_autotune_cache_option_reaches_the_compile_on_gpu_only(tmp_path, monkeypatch, platform):
   """On GPU every compile gets XLA's per-fusion autotune cache under the store (by jaxlib
   version and device kind), a compiler option, so the store's keys stay the same."""
-  monkeypatch.setattr(store, '_platform', lambda devices: platform)
+  monkeypatch.setattr(program_store, '_platform', lambda devices: platform)
   seen, compile_ = [], jax.stages.Lowered.compile
 
   def spy(self, compiler_options=None):
@@ -208,16 +208,16 @@ def test_autotune_cache_option_reaches_the_compile_on_gpu_only(tmp_path, monkeyp
     return compile_(self, compiler_options)  # XLA CPU takes the option and ignores it
 
   monkeypatch.setattr(jax.stages.Lowered, 'compile', spy)
-  program_store = store.ProgramStore(tmp_path / 'programs', 1 << 30)
-  _cache(program_store).program(ProgramKey(EVAL, (0, 1)))
-  (key,) = [p.name for p in program_store.dir.glob(f'*{store.SUFFIX}')]
+  kept = program_store.ProgramStore(tmp_path / 'programs', 1 << 30)
+  _cache(kept).program(ProgramKey(EVAL, (0, 1)))
+  (key,) = [p.name for p in kept.dir.glob(f'*{program_store.SUFFIX}')]
   if platform == 'cpu':
-    assert seen == [None] and not (program_store.dir / 'autotune').exists()
+    assert seen == [None] and not (kept.dir / 'autotune').exists()
     return
   (options,) = seen
-  directory = program_store.dir / 'autotune' / f'{jaxlib.__version__}-cpu'
-  assert options == {store.AUTOTUNE_OPTION: str(directory)} and directory.is_dir()
+  directory = kept.dir / 'autotune' / f'{jaxlib.__version__}-cpu'
+  assert options == {program_store.AUTOTUNE_OPTION: str(directory)} and directory.is_dir()
   # The same program's key without the option: identical (the option is not part of it).
-  monkeypatch.setattr(store, '_platform', lambda devices: 'cpu')
+  monkeypatch.setattr(program_store, '_platform', lambda devices: 'cpu')
   lowered = LOWER['eval'](CFG, SLICES.sub((0, 1)), GRAPHDEF, None)
-  assert f'{store.fingerprint(lowered, None)}{store.SUFFIX}' == key
+  assert f'{program_store.fingerprint(lowered, None)}{program_store.SUFFIX}' == key

@@ -183,7 +183,7 @@ def test_no_report_key_is_spelled_where_the_report_is_assembled():
   scanned, found = _scan(_sources())
   for fn in ['run/report.py:build', 'run/hooks.py:report', 'run/saving.py:report',
              'run/evaluation.py:report', 'run/metric_rows.py:report',
-             'snapshot/store.py:tiers_report', 'snapshot/store.py:report',
+             'snapshot/manager.py:tiers_report', 'snapshot/manager.py:report',
              'snapshot/host.py:report', 'snapshot/interval.py:report',
              'fault/controller.py:programs_report', 'fault/controller.py:summary',
              'step/precompile.py:summary', 'run/startup.py:report', 'core/goodput.py:report']:

@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax.model.train_state import TrainState
-from mecefo_jax.snapshot import capacity, manifest, parity, store
-from mecefo_jax.snapshot.store import SnapshotError, SnapshotManager
+from mecefo_jax.snapshot import capacity, manifest, parity, manager
+from mecefo_jax.snapshot.manager import SnapshotError, SnapshotManager
 from mecefo_jax.snapshot.tier import SnapshotWarning
 
 META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
@@ -182,7 +182,7 @@ def test_bad_directories_are_rejected_before_training(tmp_path):
 def test_state_nbytes_counts_concrete_and_abstract_leaves(mesh):
   state = make_state(mesh)
   expected = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(state))
-  assert store.state_nbytes(state) == store.state_nbytes(abstract(state)) == expected
+  assert manager.state_nbytes(state) == manager.state_nbytes(abstract(state)) == expected
 
 
 # ---- parity -------------------------------------------------------------------------------------

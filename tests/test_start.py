@@ -9,7 +9,7 @@ import pytest
 from mecefo_jax.fault.controller import Controller
 from mecefo_jax.run import cli, rundir
 from mecefo_jax.run.exits import CHECKPOINTS_FAILING, STOPPED
-from mecefo_jax.snapshot import durable, store, tier
+from mecefo_jax.snapshot import durable, manager, tier
 from mecefo_jax.snapshot.capacity import SnapshotError
 from procs import TINY, report, tree
 
@@ -107,7 +107,7 @@ def test_a_durable_failure_while_the_in_memory_tier_fails_too_stops_at_once(
   def no_room(self, *args, **kwargs):
     raise SnapshotError('tmpfs full (a test)')
   _failing_durable_saves(monkeypatch)
-  monkeypatch.setattr(store.SnapshotManager, '_split_sources', no_room)  # every memory save
+  monkeypatch.setattr(manager.SnapshotManager, '_split_sources', no_room)  # every memory save
   out = tmp_path / 'run'
   assert cli.main(['--out', str(out), *RUN, f'snapshot.dir={tmp_path / "m"}', 'snapshot.every=1',
                    'snapshot.durable_every=1']) == CHECKPOINTS_FAILING

@@ -13,7 +13,7 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import train_state
 from mecefo_jax.run import cli, startup
-from mecefo_jax.step import initializer, store
+from mecefo_jax.step import initializer, program_store
 from procs import TINY
 
 linux = pytest.mark.skipif(not sys.platform.startswith('linux'), reason='/proc is Linux only')
@@ -55,7 +55,7 @@ def test_only_the_first_step_stops_the_clock():
 def test_the_initializer_is_timed_and_kept_in_the_program_store(devices, tmp_path):
   cfg = load_config(None, [*TINY, 'mesh.slice=2'])
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2])
-  programs = store.ProgramStore(tmp_path / 'programs', 1 << 30)
+  programs = program_store.ProgramStore(tmp_path / 'programs', 1 << 30)
   times = {}
   state = initializer.create(cfg, mesh, programs, times)
   assert set(times) == {'init_lower_s', 'init_compile_s', 'init_run_s', 'init_loaded'}

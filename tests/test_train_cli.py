@@ -8,7 +8,7 @@ from mecefo_jax import config
 from mecefo_jax.model import bases
 from mecefo_jax.run import cli
 from mecefo_jax.run.rundir import run_name
-from mecefo_jax.snapshot.store import default_snapshot_dir
+from mecefo_jax.snapshot.manager import default_snapshot_dir
 from procs import ROOT, error_lines, report
 
 

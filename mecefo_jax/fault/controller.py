@@ -24,7 +24,7 @@ from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.step import retarget, train_step
 from mecefo_jax.step.cache import ProgramCache, Programs
 from mecefo_jax.step.precompile import Precompile, Precompiler
-from mecefo_jax.step.store import ProgramStore
+from mecefo_jax.step.program_store import ProgramStore
 
 __all__ = ['AllSlicesDown', 'Controller', 'SliceFailure']
 log = logging.getLogger('mecefo')
@@ -54,7 +54,7 @@ class Controller:
                program_store: ProgramStore | None = None):
     """`n_slices`: the run's logical slice count N; `present`: the logical ids of `mesh`'s rows
     (default 0, 1, ...). The others are absent (no devices): failed until a later start.
-    `program_store`: compiled programs kept across processes (step/store.py)."""
+    `program_store`: compiled programs kept across processes (step/program_store.py)."""
     self.cfg, self.corpus, self.schedule = cfg, corpus, schedule
     self.n_slices, self.micro_batch = n_slices or mesh.shape['slice'], cfg.train.micro_batch
     present = tuple(present or range(mesh.shape['slice']))

@@ -269,7 +269,7 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
                                args.heartbeat_s)
     _test_start_error(args)
     from mecefo_jax.run import trainer
-    from mecefo_jax.step import store as program_store
+    from mecefo_jax.step import program_store
     from mecefo_jax.run import rundir, stop
     resume = scratch is None and (args.resume or (not args.fresh and rundir.unfinished(out_dir)))
     stop_request = stop.StopRequest(args.stop_after)
@@ -319,7 +319,7 @@ def _test_start_error(args) -> None:
 
 
 def _no_jax_cache() -> None:
-  """train.py keeps its compiled programs in the program store (step/store.py); JAX's own
+  """train.py keeps its compiled programs in the program store (step/program_store.py); JAX's own
   persistent cache is off, even where $JAX_COMPILATION_CACHE_DIR names one: on CPU an
   executable it loaded is serialized again without its functions (jax 0.10.2), so it could
   be neither stored nor moved; and with several processes a process that loads from it reaches

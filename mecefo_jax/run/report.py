@@ -14,8 +14,8 @@ from mecefo_jax.model import train_state
 from mecefo_jax.run.hooks import RunEnd
 from mecefo_jax.run.report_schema import SCHEMA_VERSION, Report
 from mecefo_jax.sections import Draft
-from mecefo_jax.snapshot import image, store
-from mecefo_jax.step import store as program_store
+from mecefo_jax.snapshot import image, manager
+from mecefo_jax.step import program_store
 
 
 def param_count(params) -> int:
@@ -68,7 +68,7 @@ def dry_run_info(run) -> dict:
           'devices': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
           'global_batch': [run.presence.n_slices, run.cfg.train.micro_batch,
                            run.cfg.model.seq_len],
-          'compute_dtype': run.files.compute_dtype, 'state_bytes': store.state_nbytes(run.state),
+          'compute_dtype': run.files.compute_dtype, 'state_bytes': manager.state_nbytes(run.state),
           'compile_s': round(run.startup.compile_s, 2),
           'startup': dataclasses.asdict(run.startup.report()),
           'step_memory_bytes': run.controller.step_memory, 'data': run.corpus.describe()}

@@ -18,7 +18,7 @@ from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.startup import Startup
 from mecefo_jax.sections import entry
 from mecefo_jax.snapshot.interval import SnapshotInterval
-from mecefo_jax.snapshot.store import Snapshots
+from mecefo_jax.snapshot.manager import Snapshots
 from mecefo_jax.step.cache import Programs
 from mecefo_jax.step.precompile import Precompile
 

@@ -12,7 +12,7 @@ from mecefo_jax.run.stop import StopRequest
 from mecefo_jax.sections import Draft
 from mecefo_jax.snapshot import durable
 from mecefo_jax.snapshot.interval import SnapshotInterval
-from mecefo_jax.snapshot.store import Snapshots as SnapshotsSection
+from mecefo_jax.snapshot.manager import Snapshots as SnapshotsSection
 
 log = logging.getLogger('mecefo')
 

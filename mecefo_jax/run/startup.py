@@ -85,7 +85,7 @@ class StartupClock:
     self.origin, self.origin_kind = origin()
     self.seconds: dict[str, float | None] = dict.fromkeys(KEYS)
     self.compile_s = 0.0  # the state built and the first step's programs (report: compile_s)
-    from mecefo_jax.step.store import compile_counts  # (jax: this module stays standard-only)
+    from mecefo_jax.step.program_store import compile_counts  # (jax: this module stays standard-only)
     self.compiles_at_start = compile_counts()  # report: programs.other_compiles
     self._loop_start: float | None = None
 

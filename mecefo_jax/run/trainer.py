@@ -23,8 +23,8 @@ from mecefo_jax.run.run_files import RunFiles
 from mecefo_jax.run.startup import StartupClock
 from mecefo_jax.run.stop import StopRequest, test_death
 from mecefo_jax.snapshot import recovery
-from mecefo_jax.snapshot.store import state_nbytes
-from mecefo_jax.step.store import ProgramStore
+from mecefo_jax.snapshot.manager import state_nbytes
+from mecefo_jax.step.program_store import ProgramStore
 
 log = logging.getLogger('mecefo')
 
@@ -47,7 +47,7 @@ class Trainer:
   stop (e.g. `Every(50, fn)`: `fn(record)` after every 50th step).
   `stop`: the run's stop request (run/stop.py; train.py installs its signal handlers).
   `program_store`: compiled programs loaded instead of compiled, and kept for later starts
-  (train.py opens one in train.compile_cache: step/store.py).
+  (train.py opens one in train.compile_cache: step/program_store.py).
   """
 
   def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,

@@ -28,7 +28,7 @@ from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.durable import DurableGuard
 from mecefo_jax.snapshot.interval import Interval
 from mecefo_jax.snapshot.manifest import verify_manifest
-from mecefo_jax.snapshot.store import Snapshots, tiers_report
+from mecefo_jax.snapshot.manager import Snapshots, tiers_report
 from mecefo_jax.snapshot.tier import Tier, is_per_block, private_copy
 
 log = logging.getLogger('mecefo')

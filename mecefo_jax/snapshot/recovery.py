@@ -14,7 +14,7 @@ from mecefo_jax.model.train_state import abstract_state, state_shardings
 from mecefo_jax.snapshot.interval import Interval
 from mecefo_jax.snapshot.host import HostSnapshots
 from mecefo_jax.snapshot.capacity import SnapshotError, check_writable
-from mecefo_jax.snapshot.store import SnapshotManager
+from mecefo_jax.snapshot.manager import SnapshotManager
 
 log = logging.getLogger('mecefo')
 

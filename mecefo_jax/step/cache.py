@@ -1,5 +1,5 @@
 """The run's compiled programs, each built once by the first source that has it: moved from a
-program of the same shape (step/retarget.py), loaded from the program store (step/store.py),
+program of the same shape (step/retarget.py), loaded from the program store (step/program_store.py),
 or compiled."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from mecefo_jax.config import Config
 from mecefo_jax.core import programs
 from mecefo_jax.core.programs import ProgramKey
 from mecefo_jax.sections import entry
-from mecefo_jax.step import lowering, retarget, store
+from mecefo_jax.step import lowering, retarget
+from mecefo_jax.step.program_store import booking, cache_hits, compiler_options, fingerprint, ProgramStore
 
 log = logging.getLogger('mecefo')
 
@@ -56,7 +57,7 @@ class Programs(BuildStats):
   """report.json's `programs` section: the counters, and how this process built its programs."""
   move: bool = entry('', 'train.move_programs resolved: programs moved between sets of slices of '
                      'one shape (step/retarget.py)')
-  store: str | None = entry('', 'the program store directory (step/store.py), null if none')
+  store: str | None = entry('', 'the program store directory (step/program_store.py), null if none')
   scan_unroll: int = entry('', "lax.scan's unroll over the stacked blocks in every program (the "
                            'same at every depth)')
   other_compiles: int = entry('', 'XLA compiles of this process besides the programs above and the '
@@ -84,7 +85,7 @@ class Request:
 
   @functools.cached_property
   def store_key(self) -> str:
-    return store.fingerprint(self.lowered, self.devices if self.store_devices else None)
+    return fingerprint(self.lowered, self.devices if self.store_devices else None)
 
   def __str__(self) -> str:
     """E.g. 'group program onto slices [0, 2]': onto where programs move, else for."""
@@ -136,7 +137,7 @@ class _WithStore:
   """A source that reads or writes the program store (None: no store) and keeps what it builds
   for moves."""
 
-  def __init__(self, program_store: store.ProgramStore | None, moved: Moved):
+  def __init__(self, program_store: ProgramStore | None, moved: Moved):
     self.store, self.moved = program_store, moved
 
 
@@ -183,10 +184,10 @@ def compile_lowered(lowered, devices, program_store, serialize: bool):
   had it). No copy of a program that cache loaded: on CPU such an executable is serialized
   again without its functions (jax 0.10.2: `NOT_FOUND: Function ... not found` where the copy
   runs), so it is neither moved nor stored (train.py turns that cache off)."""
-  hits = store.cache_hits()
-  with store.booking():
-    program = lowered.compile(store.compiler_options(program_store, devices) or None)
-  from_jax_cache = store.cache_hits() > hits
+  hits = cache_hits()
+  with booking():
+    program = lowered.compile(compiler_options(program_store, devices) or None)
+  from_jax_cache = cache_hits() > hits
   copy = serialize and not from_jax_cache
   return program, retarget.Serialized.of(program, devices) if copy else None, from_jax_cache
 
@@ -200,7 +201,7 @@ class ProgramCache:
   """
 
   def __init__(self, cfg: Config, slices, graphdef, on_compile: Callable[[float], None],
-               move: bool = False, program_store: store.ProgramStore | None = None):
+               move: bool = False, program_store: ProgramStore | None = None):
     """`slices`: the run's sharding.PresentSlices (a program's slices are logical ids); `move`:
     programs move between sets of slices of one shape (retarget.enabled); `program_store`:
     where compiled programs are loaded from and written to (None: nowhere)."""

@@ -10,16 +10,17 @@ from jax.sharding import Mesh
 
 from mecefo_jax.config import Config
 from mecefo_jax.model import train_state
-from mecefo_jax.step import retarget, store
+from mecefo_jax.step import retarget
+from mecefo_jax.step.program_store import booking, cache_hits, compiler_options, fingerprint, ProgramStore
 
 log = logging.getLogger('mecefo')
 
 
 def compile_or_load(lowered: jax.stages.Lowered, devices: Sequence,
-                    program_store: store.ProgramStore | None) -> tuple[jax.stages.Compiled, bool]:
+                    program_store: ProgramStore | None) -> tuple[jax.stages.Compiled, bool]:
   """(`lowered` as a program for `devices`, whether it came from the store): loaded from the
   store (keyed with the devices' ids), else compiled and kept there."""
-  key = program_store and store.fingerprint(lowered, devices)
+  key = program_store and fingerprint(lowered, devices)
   entry = program_store.read(key) if key else None
   if entry is not None:
     try:
@@ -27,17 +28,17 @@ def compile_or_load(lowered: jax.stages.Lowered, devices: Sequence,
     except Exception as err:  # noqa: BLE001 -- private APIs: compile instead
       log.warning('loading the initializer from the store failed (%s: %s); compiling it',
                   type(err).__name__, err)
-  hits = store.cache_hits()
-  with store.booking():
-    compiled = lowered.compile(store.compiler_options(program_store, devices) or None)
+  hits = cache_hits()
+  with booking():
+    compiled = lowered.compile(compiler_options(program_store, devices) or None)
   # Not a program JAX's persistent cache gave back: on CPU its copy would lack its functions
   # (step/cache.py ProgramCache._compiled).
-  if program_store is not None and store.cache_hits() == hits:
+  if program_store is not None and cache_hits() == hits:
     program_store.write(key, retarget.Serialized.of(compiled, devices))
   return compiled, False
 
 
-def create(cfg: Config, mesh: Mesh, program_store: store.ProgramStore | None = None,
+def create(cfg: Config, mesh: Mesh, program_store: ProgramStore | None = None,
            times: dict | None = None) -> train_state.TrainState:
   """A fresh state created directly in its shardings on `mesh`, returned once it exists.
   `times` gets init_lower_s, init_compile_s (compiled, or loaded from the store: init_loaded)
