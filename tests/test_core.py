@@ -177,16 +177,6 @@ def test_the_state_is_the_snapshot_meta_written_before_the_decider_key_for_key()
   assert json.loads(json.dumps(again)) == again
 
 
-@pytest.mark.parametrize('policy', ['neighbor', 'spread', 'exact', 'budget', 'drop', 'naive'])
-def test_roles_without_rows_are_the_plans_roles_on_every_live_set(policy):
-  import itertools
-  for n, b, granule in [(4, 4, 1), (5, 4, 2), (6, 8, 2)]:
-    planner = Planner(n, b, policy, granule, time_budget=1.05)
-    for k in range(1, n + 1):
-      for live in itertools.combinations(range(n), k):
-        assert planner.roles(live) == planner.plan(live).roles, (n, live)
-
-
 def test_the_failure_schedule_keeps_its_old_import_path():
   from mecefo_jax.fault.failures import FailureSchedule as old_home
   assert old_home is FailureSchedule

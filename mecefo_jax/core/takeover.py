@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Sequence
+from typing import ClassVar, Sequence
 
-from mecefo_jax.config import DEGRADED_COST, POLICIES, Config
+from mecefo_jax.config import DEGRADED_COST, Config
 from mecefo_jax.core import budget
 from mecefo_jax.core.roles import Role, split_passes
 
@@ -62,54 +61,135 @@ def spread_shares(live: list[int], orphans: list[int], n_slices: int, micro_batc
       start += n
 
 
+# --- policies (docs/algorithm.md §1) ---------------------------------------------------------
+Work = dict[int, SliceWork]
+
+
+class Policy:
+  """A takeover policy: for a live set (sorted, not empty) and the planner's settings, the rows
+  each live slice runs, exact and degraded, and the rows nobody runs. The planner derives the
+  roles from the rows, so a new policy is one subclass here, registered with `@register`."""
+  name: ClassVar[str]
+
+  def work(self, p: Planner, live: list[int]) -> tuple[Work, list[Rows]]:
+    raise NotImplementedError
+
+
+REGISTRY: dict[str, Policy] = {}  # name -> policy; config.POLICIES names them (a test checks)
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+  if cls.name in REGISTRY:
+    raise ValueError(f'takeover policy {cls.name!r} is registered already')
+  REGISTRY[cls.name] = cls()
+  return cls
+
+
+def own_rows(p: Planner, live: Sequence[int]) -> Work:
+  """Every live slice its own micro-batch, exactly."""
+  return {s: SliceWork(exact=[Rows(s, 0, p.micro_batch)]) for s in live}
+
+
+def orphans(p: Planner, live: Sequence[int]) -> list[int]:
+  """The failed slices, whose micro-batches the live ones take over, in slice order."""
+  members = set(live)
+  return [s for s in range(p.n_slices) if s not in members]
+
+
+def _carried(p: Planner, live: list[int], kind: str) -> Work:
+  """Each orphaned micro-batch whole on the next live slice of the ring, as `kind` rows."""
+  work = own_rows(p, live)
+  for f in orphans(p, live):
+    getattr(work[ring_next(work, f, p.n_slices)], kind).append(Rows(f, 0, p.micro_batch))
+  return work
+
+
+@register
+class Neighbor(Policy):
+  """The next live slice on the ring does its own micro-batch and the orphans, all degraded
+  (the paper's neighbour runs the degraded step on both of its micro-batches)."""
+  name = 'neighbor'
+
+  def work(self, p, live):
+    work = _carried(p, live, 'degraded')
+    for w in work.values():
+      if w.degraded:
+        w.degraded, w.exact = w.exact + w.degraded, []
+    return work, []
+
+
+@register
+class Spread(Policy):
+  """Each orphaned micro-batch split evenly over all live slices (in multiples of the granule,
+  which keeps shares shardable over a slice's fsdp devices); each runs its own rows exactly and
+  only its share degraded."""
+  name = 'spread'
+
+  def work(self, p, live):
+    work = own_rows(p, live)
+    for f, s, start, n in spread_shares(live, orphans(p, live), p.n_slices, p.micro_batch,
+                                        p.granule):
+      work[s].degraded.append(Rows(f, start, start + n))
+    return work, []
+
+
+class _WithinBudget(Policy):
+  """Every live slice within `limit` granules of cost (exact row 1, degraded row
+  `degraded_cost`) with the fewest degraded rows (core/budget.py)."""
+
+  def limit(self, p: Planner) -> float:
+    raise NotImplementedError
+
+  def work(self, p, live):
+    return _within_budget(budget_loads(p, live, self.limit(p)), p), []
+
+
+@register
+class Exact(_WithinBudget):
+  """Every row processed exactly, the orphans split evenly over the live slices (no
+  approximation; the step costs n/(n-d) of a normal one): the quality reference."""
+  name = 'exact'
+
+  def limit(self, p):
+    return math.inf
+
+
+@register
+class Budget(_WithinBudget):
+  """Every live slice within `time_budget` times the fault-free step's cost, with the fewest
+  degraded rows."""
+  name = 'budget'
+
+  def limit(self, p):
+    return p.time_budget * p.micro_batch / p.granule
+
+
+@register
+class Drop(Policy):
+  """Orphans are skipped (a smaller global batch), like torchft."""
+  name = 'drop'
+
+  def work(self, p, live):
+    return own_rows(p, live), [Rows(f, 0, p.micro_batch) for f in orphans(p, live)]
+
+
+@register
+class Naive(Policy):
+  """The next live slice on the ring does its own micro-batch and the orphans exactly (the
+  baseline that runs out of memory)."""
+  name = 'naive'
+
+  def work(self, p, live):
+    return _carried(p, live, 'exact'), []
+
+
 def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
          degraded_cost: float = DEGRADED_COST, time_budget: float = 1.0
-         ) -> tuple[dict[int, SliceWork], list[Rows]]:
-  """(work of every live slice, rows dropped) for one step. docs/algorithm.md §1.
-
-  neighbor: the next live slice on the ring does its own and the orphans, all degraded.
-  naive: the same neighbour does both exactly (the baseline that runs out of memory).
-  spread: each orphaned micro-batch is split evenly over all live slices (starting after the
-    failed one); each runs its own rows exactly and only its share degraded.
-  drop: orphans are skipped (smaller global batch), like torchft.
-  exact: every row processed exactly, the orphans split evenly over the live slices (no
-    approximation; the step costs n/(n-d) of a normal one): the quality reference.
-  budget: every live slice stays within `time_budget` times the fault-free step's cost (exact
-    row 1, degraded row `degraded_cost`) with the fewest degraded rows (core/budget.py).
-  `granule` (dividing micro_batch) keeps spread shares shardable over a slice's fsdp devices.
-  """
-  if not 0.0 < degraded_cost < 1.0:
-    raise ValueError(f'degraded_cost must be in (0, 1), got {degraded_cost}')
-  if micro_batch % granule:
-    raise ValueError(f'granule {granule} must divide micro_batch {micro_batch}')
-  if policy not in POLICIES:
-    raise ValueError(f'takeover policy must be one of {POLICIES}, got {policy!r}')
-  live = sorted(live)
-  if not live:
-    raise ValueError('no live slice')
-  if policy in ('exact', 'budget'):
-    loads = budget_loads(live, n_slices, micro_batch, policy, granule, degraded_cost, time_budget)
-    return _within_budget(loads, n_slices, micro_batch, granule), []
-  work = {s: SliceWork(exact=[Rows(s, 0, micro_batch)]) for s in live}
-  orphans = [s for s in range(n_slices) if s not in work]
-  dropped: list[Rows] = []
-  if policy == 'drop':
-    dropped = [Rows(f, 0, micro_batch) for f in orphans]
-  elif policy in ('neighbor', 'naive'):
-    for f in orphans:
-      carrier = work[ring_next(work, f, n_slices)]
-      whole = Rows(f, 0, micro_batch)
-      carrier.exact.append(whole) if policy == 'naive' else carrier.degraded.append(whole)
-  else:  # spread
-    for f, s, start, n in spread_shares(live, orphans, n_slices, micro_batch, granule):
-      work[s].degraded.append(Rows(f, start, start + n))
-  if policy == 'neighbor':
-    # The paper's neighbour runs the degraded step on both of its micro-batches.
-    for w in work.values():
-      if w.degraded and w.exact:
-        w.degraded = w.exact + w.degraded
-        w.exact = []
-  return work, dropped
+         ) -> tuple[Work, list[Rows]]:
+  """(work of every live slice, rows dropped) for one step: `Planner.plan` without roles."""
+  a = Planner(n_slices, micro_batch, policy, granule, degraded_cost=degraded_cost,
+              time_budget=time_budget).plan(live)
+  return a.work, a.dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,58 +227,48 @@ class Planner:
                f.time_budget if time_budget is None else time_budget)
 
   def plan(self, live: Sequence[int]) -> Assignment:
-    work, dropped = plan(live, self.n_slices, self.micro_batch, self.policy, self.granule,
-                         self.degraded_cost, self.time_budget)
+    """The rows and roles of `live` under the policy (its roles derived from its rows)."""
+    policy = self.checked_policy()
+    live = sorted(live)
+    if not live:
+      raise ValueError('no live slice')
+    work, dropped = policy.work(self, live)
     return Assignment(work, dropped, {s: self.role(w) for s, w in work.items()})
 
   def roles(self, live: Sequence[int]) -> dict[int, Role]:
-    """plan(live).roles from row counts, without listing rows: a failure replay at scale plans
-    thousands of live sets (tests/test_core.py checks both agree)."""
-    if self.policy not in POLICIES or not live:
-      return self.plan(live).roles  # its error
-    live, b, role = sorted(live), self.micro_batch, self._role_of_rows
-    if self.policy in ('exact', 'budget'):
-      loads = budget_loads(live, self.n_slices, b, self.policy, self.granule,
-                           self.degraded_cost, self.time_budget)
-      g = self.granule
-      return {s: role(g * e, g * d) for s, e, d in sorted(loads)}
-    degraded = dict.fromkeys(live, 0)
-    orphans = [s for s in range(self.n_slices) if s not in degraded]
-    if self.policy == 'spread':
-      for _, s, _, n in spread_shares(live, orphans, self.n_slices, b, self.granule):
-        degraded[s] += n
-      return {s: role(b, degraded[s]) for s in live}
-    if self.policy != 'drop':  # neighbor, naive: the ring's next live slice carries each orphan
-      for f in orphans:
-        degraded[ring_next(degraded, f, self.n_slices)] += b
-    if self.policy == 'naive':
-      return {s: role(b + degraded[s], 0) for s in live}
-    # neighbor: a carrier runs its own micro-batch degraded too (drop: none carries)
-    return {s: role(0, b + d) if d else role(b, 0) for s, d in degraded.items()}
+    return self.plan(live).roles
 
   def role(self, w: SliceWork) -> Role:
-    return self._role_of_rows(*w.counts())
-
-  @functools.lru_cache(maxsize=256)
-  def _role_of_rows(self, exact: int, degraded: int) -> Role:
-    """One Role object per load, built once (a replay at scale plans thousands of sets)."""
+    exact, degraded = w.counts()
     return Role(exact, degraded, split_passes(degraded, self.max_rows))
 
+  def checked_policy(self) -> Policy:
+    """The registered policy of this planner, its settings checked."""
+    if not 0.0 < self.degraded_cost < 1.0:
+      raise ValueError(f'degraded_cost must be in (0, 1), got {self.degraded_cost}')
+    if self.micro_batch % self.granule:
+      raise ValueError(f'granule {self.granule} must divide micro_batch {self.micro_batch}')
+    if self.policy not in REGISTRY:
+      raise ValueError(f'takeover policy must be one of {tuple(REGISTRY)}, got {self.policy!r}')
+    return REGISTRY[self.policy]
 
-def budget_loads(live, n_slices, micro_batch, policy, granule, cost, time_budget
-                 ) -> list[tuple[int, int, int]]:
-  """[(slice, exact, degraded granules)] of policy exact or budget: the budget's counts, the
-  heavier loads on the failed slices' ring successors (ring order from the first failed one)."""
-  limit = math.inf if policy == 'exact' else time_budget * micro_batch / granule
-  loads = budget.counts(len(live), n_slices * (micro_batch // granule), limit, cost)
+
+def budget_loads(p: Planner, live: list[int], limit: float) -> list[tuple[int, int, int]]:
+  """[(slice, exact, degraded granules)] within `limit` granules of cost each: the budget's
+  counts, the heavier loads on the failed slices' ring successors (ring order from the first
+  failed one)."""
+  n_slices = p.n_slices
+  loads = budget.counts(len(live), n_slices * (p.micro_batch // p.granule), limit,
+                        p.degraded_cost)
   first_down = min((s for s in range(n_slices) if s not in live), default=n_slices - 1)
   ring = sorted(live, key=lambda s: (s - first_down) % n_slices)
   return [(s, e, g) for s, (e, g) in zip(ring, loads)]
 
 
-def _within_budget(loads, n_slices, micro_batch, granule) -> dict[int, SliceWork]:
+def _within_budget(loads, p: Planner) -> Work:
   """Rows by budget_loads: each slice its own rows first (exact first), then the orphans in
   order."""
+  n_slices, micro_batch, granule = p.n_slices, p.micro_batch, p.granule
   per_slice = micro_batch // granule
   taken = {s: [Rows(s, 0, granule * min(e + g, per_slice))] for s, e, g in loads}
   queue = [Rows(o, taken[o][0].stop if o in taken else 0, micro_batch) for o in range(n_slices)]
