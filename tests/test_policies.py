@@ -76,15 +76,14 @@ def test_a_new_policy_is_one_registration(monkeypatch):
   class FirstTakesAll(takeover.Policy):
     name = 'first_takes_all'
 
-    def work(self, p, live):
-      work = takeover.own_rows(p, live)
-      for f in takeover.orphans(p, live):
-        work[live[0]].exact.append(takeover.Rows(f, 0, p.micro_batch))
-      return work, []
+    def handout(self, p, live):
+      orphaned = [(live[0], f, p.micro_batch) for f in takeover.orphans(p, live)]
+      return takeover.Handout.of(takeover.own_pieces(p, live) + orphaned)  # all exact
 
   planner = Planner(4, 8, 'first_takes_all')
   a = planner.plan((1, 3))
-  assert a.work[1].counts() == (24, 0) and a.work[3].counts() == (8, 0)
+  assert a.work[1].exact == [takeover.Rows(1, 0, 8), takeover.Rows(0, 0, 8), takeover.Rows(2, 0, 8)]
+  assert a.work[3].counts() == (8, 0) and not a.dropped
   assert planner.roles((1, 3)) == {1: takeover.Role(24), 3: takeover.Role(8)}
   with pytest.raises(ValueError, match='registered already'):
     takeover.register(FirstTakesAll)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Mapping, Sequence
 
 from mecefo_jax.config import DEGRADED_COST, Config
 from mecefo_jax.core import budget
@@ -63,15 +64,86 @@ def spread_shares(live: list[int], orphans: list[int], n_slices: int, micro_batc
 
 # --- policies (docs/algorithm.md §1) ---------------------------------------------------------
 Work = dict[int, SliceWork]
+Piece = tuple[int | None, int, int]  # (live slice, or None: dropped; owner; rows)
+
+
+class Handout:
+  """What a policy decides for a live set: how many rows each live slice runs (`totals`, in
+  the order its work is listed), how many of them exactly, its first ones (`exact`; None:
+  all), and the pieces of the micro-batches handed out, in order: (live slice, or None:
+  dropped; owner; rows), each owner's rows handed out from row 0 up. The roles come from the
+  counts, the rows from the pieces, listed only when asked for (`lay_out`): a failure replay
+  needs the roles of ~10^5 live sets, the rows of none."""
+
+  def __init__(self, totals: dict[int, int], exact: Mapping[int, int] | None,
+               pieces: Callable[[], list[Piece]]):
+    self.totals, self.exact, self.pieces = totals, exact, pieces
+
+  @classmethod
+  def of(cls, pieces: list[Piece], exact: Mapping[int, int] | None = None) -> 'Handout':
+    """The handout of `pieces` (totals in order of each slice's first piece)."""
+    totals: dict[int, int] = {}
+    for s, _, n in pieces:
+      if s is not None:
+        totals[s] = totals.get(s, 0) + n
+    return cls(totals, exact, lambda: pieces)
+
+  @classmethod
+  def filled(cls, p: Planner, totals: dict[int, int], exact: Mapping[int, int] | None,
+             order: Sequence[int]) -> 'Handout':
+    """The handout of `totals`: each live slice its own rows first, then, slice by slice in
+    `order`, what it lacks from the rows left, by owner; the rows nobody takes are dropped."""
+    return cls(totals, exact, lambda: _fill(p, totals, order))
+
+  def lay_out(self) -> tuple[Work, list[Rows]]:
+    """(rows of every live slice, exact first, rows dropped)."""
+    first_free: dict[int, int] = {}  # owner -> its first row not handed out yet
+    rows_of: dict[int, list[Rows]] = {s: [] for s in self.totals}
+    dropped: list[Rows] = []
+    for s, owner, n in self.pieces():
+      start = first_free.get(owner, 0)
+      first_free[owner] = start + n
+      (dropped if s is None else rows_of[s]).append(Rows(owner, start, start + n))
+    exact = self.exact
+    return {s: SliceWork(exact=rows if exact is None else _pop_rows(rows, exact[s]),
+                         degraded=[] if exact is None else rows)
+            for s, rows in rows_of.items()}, dropped
+
+
+def _fill(p: Planner, totals: dict[int, int], order: Sequence[int]) -> list[Piece]:
+  """Handout.filled's pieces."""
+  b = p.micro_batch
+  pieces: list[Piece] = [(s, s, min(totals[s], b)) for s in order]
+  left = [[o, b - min(totals.get(o, 0), b)] for o in range(p.n_slices)]
+  left = [q for q in left if q[1]]  # [owner, rows not handed out yet], by owner
+  for s in order:
+    lacking = totals[s] - b
+    while lacking > 0:
+      owner, rows = left[0]
+      n = min(rows, lacking)
+      pieces.append((s, owner, n))
+      lacking -= n
+      if n == rows:
+        left.pop(0)
+      else:
+        left[0][1] = rows - n
+  return pieces + [(None, owner, rows) for owner, rows in left]
+
+
+def _ring_from_first_down(p: Planner, live: Sequence[int]) -> list[int]:
+  """The live slices in ring order from the first failed one (slice order if none failed)."""
+  members = set(live)
+  first_down = min((s for s in range(p.n_slices) if s not in members), default=p.n_slices - 1)
+  return sorted(live, key=lambda s: (s - first_down) % p.n_slices)
 
 
 class Policy:
-  """A takeover policy: for a live set (sorted, not empty) and the planner's settings, the rows
-  each live slice runs, exact and degraded, and the rows nobody runs. The planner derives the
-  roles from the rows, so a new policy is one subclass here, registered with `@register`."""
+  """A takeover policy: for a live set (sorted, not empty) and the planner's settings, the
+  `Handout` of every micro-batch; the planner derives rows and roles from it. A new policy is
+  one subclass here, registered with `@register`."""
   name: ClassVar[str]
 
-  def work(self, p: Planner, live: list[int]) -> tuple[Work, list[Rows]]:
+  def handout(self, p: Planner, live: list[int]) -> Handout:
     raise NotImplementedError
 
 
@@ -85,9 +157,9 @@ def register(cls: type[Policy]) -> type[Policy]:
   return cls
 
 
-def own_rows(p: Planner, live: Sequence[int]) -> Work:
-  """Every live slice its own micro-batch, exactly."""
-  return {s: SliceWork(exact=[Rows(s, 0, p.micro_batch)]) for s in live}
+def own_pieces(p: Planner, live: Sequence[int]) -> list[Piece]:
+  """Every live slice its own micro-batch."""
+  return [(s, s, p.micro_batch) for s in live]
 
 
 def orphans(p: Planner, live: Sequence[int]) -> list[int]:
@@ -96,12 +168,16 @@ def orphans(p: Planner, live: Sequence[int]) -> list[int]:
   return [s for s in range(p.n_slices) if s not in members]
 
 
-def _carried(p: Planner, live: list[int], kind: str) -> Work:
-  """Each orphaned micro-batch whole on the next live slice of the ring, as `kind` rows."""
-  work = own_rows(p, live)
-  for f in orphans(p, live):
-    getattr(work[ring_next(work, f, p.n_slices)], kind).append(Rows(f, 0, p.micro_batch))
-  return work
+def _carried(p: Planner, live: list[int], exact: Callable[[int], int] | None) -> Handout:
+  """Each orphaned micro-batch whole on the next live slice of the ring; `exact(rows)`: the
+  exact rows of a slice running `rows` (None: all)."""
+  b, members = p.micro_batch, set(live)
+  carrier = {f: ring_next(members, f, p.n_slices) for f in orphans(p, live)}
+  totals = dict.fromkeys(live, b)
+  for s in carrier.values():
+    totals[s] += b
+  return Handout(totals, exact and {s: exact(n) for s, n in totals.items()},
+                 lambda: own_pieces(p, live) + [(s, f, b) for f, s in carrier.items()])
 
 
 @register
@@ -110,12 +186,8 @@ class Neighbor(Policy):
   (the paper's neighbour runs the degraded step on both of its micro-batches)."""
   name = 'neighbor'
 
-  def work(self, p, live):
-    work = _carried(p, live, 'degraded')
-    for w in work.values():
-      if w.degraded:
-        w.degraded, w.exact = w.exact + w.degraded, []
-    return work, []
+  def handout(self, p, live):
+    return _carried(p, live, lambda rows: 0 if rows > p.micro_batch else rows)
 
 
 @register
@@ -125,12 +197,10 @@ class Spread(Policy):
   only its share degraded."""
   name = 'spread'
 
-  def work(self, p, live):
-    work = own_rows(p, live)
-    for f, s, start, n in spread_shares(live, orphans(p, live), p.n_slices, p.micro_batch,
-                                        p.granule):
-      work[s].degraded.append(Rows(f, start, start + n))
-    return work, []
+  def handout(self, p, live):
+    shares = spread_shares(live, orphans(p, live), p.n_slices, p.micro_batch, p.granule)
+    return Handout.of(own_pieces(p, live) + [(s, f, n) for f, s, _, n in shares],
+                      dict.fromkeys(live, p.micro_batch))
 
 
 class _WithinBudget(Policy):
@@ -140,8 +210,8 @@ class _WithinBudget(Policy):
   def limit(self, p: Planner) -> float:
     raise NotImplementedError
 
-  def work(self, p, live):
-    return _within_budget(budget_loads(p, live, self.limit(p)), p), []
+  def handout(self, p, live):
+    return _within_budget(budget_loads(p, live, self.limit(p)), p)
 
 
 @register
@@ -169,8 +239,9 @@ class Drop(Policy):
   """Orphans are skipped (a smaller global batch), like torchft."""
   name = 'drop'
 
-  def work(self, p, live):
-    return own_rows(p, live), [Rows(f, 0, p.micro_batch) for f in orphans(p, live)]
+  def handout(self, p, live):
+    totals = dict.fromkeys(live, p.micro_batch)
+    return Handout.filled(p, totals, totals, live)  # nobody lacks rows: the orphans' dropped
 
 
 @register
@@ -179,8 +250,8 @@ class Naive(Policy):
   baseline that runs out of memory)."""
   name = 'naive'
 
-  def work(self, p, live):
-    return _carried(p, live, 'exact'), []
+  def handout(self, p, live):
+    return _carried(p, live, None)
 
 
 def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
@@ -194,10 +265,24 @@ def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, gran
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-  """A live set's takeover: the rows each live slice runs, and its role."""
-  work: dict[int, SliceWork]  # rows every live slice processes, exact and degraded
-  dropped: list[Rows]  # rows nobody processes (policy drop)
+  """A live set's takeover: the role of every live slice, and the rows each runs (laid out
+  when first asked for: a failure replay needs the roles of thousands of live sets only)."""
   roles: dict[int, Role]  # the program shape every live slice runs
+  handout: Handout
+
+  @functools.cached_property
+  def _rows(self) -> tuple[Work, list[Rows]]:
+    return self.handout.lay_out()
+
+  @property
+  def work(self) -> Work:
+    """Rows every live slice processes, exact and degraded."""
+    return self._rows[0]
+
+  @property
+  def dropped(self) -> list[Rows]:
+    """Rows nobody processes (policy drop)."""
+    return self._rows[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +300,7 @@ class Planner:
   def __post_init__(self):
     if not self.max_rows:
       object.__setattr__(self, 'max_rows', 2 * self.micro_batch)
+    object.__setattr__(self, '_roles_made', {})
 
   @classmethod
   def from_config(cls, cfg: Config, n_slices: int, granule: int = 1, policy: str | None = None,
@@ -227,20 +313,32 @@ class Planner:
                f.time_budget if time_budget is None else time_budget)
 
   def plan(self, live: Sequence[int]) -> Assignment:
-    """The rows and roles of `live` under the policy (its roles derived from its rows)."""
+    """The roles and rows of `live` under the policy, both from its handout."""
     policy = self.checked_policy()
     live = sorted(live)
     if not live:
       raise ValueError('no live slice')
-    work, dropped = policy.work(self, live)
-    return Assignment(work, dropped, {s: self.role(w) for s, w in work.items()})
+    handout = policy.handout(self, live)
+    totals, exact = handout.totals, handout.exact
+    return Assignment({s: self._role(n if exact is None else exact[s], n)
+                       for s, n in totals.items()}, handout)
 
   def roles(self, live: Sequence[int]) -> dict[int, Role]:
     return self.plan(live).roles
 
   def role(self, w: SliceWork) -> Role:
     exact, degraded = w.counts()
-    return Role(exact, degraded, split_passes(degraded, self.max_rows))
+    return self._role(exact, exact + degraded)
+
+  def _role(self, exact: int, rows: int) -> Role:
+    """The role of `rows` rows, `exact` of them exact; one object per load, built once (a plan
+    at scale has hundreds of slices, most of them in a few roles)."""
+    role = self._roles_made.get((exact, rows))
+    if role is None:
+      degraded = rows - exact
+      role = self._roles_made[exact, rows] = Role(exact, degraded,
+                                                  split_passes(degraded, self.max_rows))
+    return role
 
   def checked_policy(self) -> Policy:
     """The registered policy of this planner, its settings checked."""
@@ -257,30 +355,17 @@ def budget_loads(p: Planner, live: list[int], limit: float) -> list[tuple[int, i
   """[(slice, exact, degraded granules)] within `limit` granules of cost each: the budget's
   counts, the heavier loads on the failed slices' ring successors (ring order from the first
   failed one)."""
-  n_slices = p.n_slices
-  loads = budget.counts(len(live), n_slices * (p.micro_batch // p.granule), limit,
+  loads = budget.counts(len(live), p.n_slices * (p.micro_batch // p.granule), limit,
                         p.degraded_cost)
-  first_down = min((s for s in range(n_slices) if s not in live), default=n_slices - 1)
-  ring = sorted(live, key=lambda s: (s - first_down) % n_slices)
-  return [(s, e, g) for s, (e, g) in zip(ring, loads)]
+  return [(s, e, g) for s, (e, g) in zip(_ring_from_first_down(p, live), loads)]
 
 
-def _within_budget(loads, p: Planner) -> Work:
-  """Rows by budget_loads: each slice its own rows first (exact first), then the orphans in
-  order."""
-  n_slices, micro_batch, granule = p.n_slices, p.micro_batch, p.granule
-  per_slice = micro_batch // granule
-  taken = {s: [Rows(s, 0, granule * min(e + g, per_slice))] for s, e, g in loads}
-  queue = [Rows(o, taken[o][0].stop if o in taken else 0, micro_batch) for o in range(n_slices)]
-  queue = [r for r in queue if r.n]
-  work = {}
-  for s, e, g in loads:
-    rows = taken[s]
-    rows += _pop_rows(queue, granule * (e + g) - rows[0].n)
-    exact = _pop_rows(rows, granule * e)
-    work[s] = SliceWork(exact=exact, degraded=rows)
-  assert not queue, queue  # every row has a slice
-  return work
+def _within_budget(loads, p: Planner) -> Handout:
+  """The handout of budget_loads: each slice its own rows first (exact first), then the rest
+  of the micro-batches filled in the loads' order."""
+  g = p.granule
+  return Handout.filled(p, {s: g * (e + d) for s, e, d in loads}, {s: g * e for s, e, _ in loads},
+                        [s for s, _, _ in loads])
 
 
 def _pop_rows(rows: list[Rows], n: int) -> list[Rows]:
