@@ -138,6 +138,16 @@ def test_next_change_is_the_next_refresh_or_eval():
   assert d.next_change(3) == 4 and d.eval_due(4)  # the eval after step 4
 
 
+def test_refreshes_from_is_the_cadence_the_plans_refresh_at():
+  """Decider.refreshes_from (the replay's refresh clock) names the steps whose plans refresh."""
+  d = _decider(FailureSchedule(N).fail_at(2, 0))
+  d.advance(0)
+  assert d.refreshes_from(0) == (0, 3)  # no refresh yet: due now
+  plans = _plans(d, 8)
+  assert [p.step for p in plans if p.refresh] == [0, 3, 6] and d.refreshes_from(8) == (9, 3)
+  assert _decider().refreshes_from(0) == (None, 3)  # nothing degraded: no refresh
+
+
 def test_every_process_makes_the_same_plans():
   sched = FailureSchedule(N).fail_at(1, 1).fail_at(2, 2).repair_at(1, 4).fail_at(3, 4)
   one, two = (_plans(_decider(sched, 'budget'), 7) for _ in range(2))

@@ -176,7 +176,7 @@ def _carried(p: Planner, live: list[int], exact: Callable[[int], int] | None) ->
   totals = dict.fromkeys(live, b)
   for s in carrier.values():
     totals[s] += b
-  return Handout(totals, exact and {s: exact(n) for s, n in totals.items()},
+  return Handout(totals, None if exact is None else {s: exact(n) for s, n in totals.items()},
                  lambda: own_pieces(p, live) + [(s, f, b) for f, s in carrier.items()])
 
 
