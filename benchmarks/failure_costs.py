@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from benchmarks import common
-from benchmarks.simulate import ClusterCosts
+from benchmarks.cost_model import ClusterCosts
 from mecefo_jax import sharding
 from mecefo_jax.model import bases, llama, train_state
 from mecefo_jax.core.roles import Role

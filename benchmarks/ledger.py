@@ -5,9 +5,10 @@ import dataclasses
 import math
 from typing import Callable, Iterable, Sequence
 
-from mecefo_jax.core.programs import ProgramKey
+from mecefo_jax.core import programs
+from mecefo_jax.core.programs import MOVED, ProgramKey
 
-COMPILED, MOVED, PREMOVED = 'compiled', 'moved', 'premoved'  # how a program came to be built
+PREMOVED = 'premoved'  # moved by the background worker (COMPILED, MOVED: in the foreground)
 
 
 @dataclasses.dataclass
@@ -22,9 +23,9 @@ class BuildStats:
 
 
 class ProgramLedger:
-  """What building programs costs, as the executor's program cache builds them: with moves on, a
-  compile for each new `key.shape` and a move (`move_s`) for each new key of a known shape;
-  with moves off, a compile for each new key."""
+  """What building programs costs, as the executor's program cache builds them, by its rule
+  (programs.how_built: with moves on, a move (`move_s`) for each new key of a shape built
+  before, else a compile), with no program store."""
 
   def __init__(self, compile_s: Callable[[ProgramKey], float], move_s: float, move: bool,
                built: Iterable[ProgramKey] = ()):
@@ -46,7 +47,10 @@ class ProgramLedger:
 
   def movable(self, key: ProgramKey) -> bool:
     """`key` is not built and building it would move a program of its shape."""
-    return self.move and key not in self._built and key.shape in self._shapes
+    return key not in self._built and self._how(key) == MOVED
+
+  def _how(self, key: ProgramKey) -> str:
+    return programs.how_built(key, self._shapes, self.move)
 
   def build(self, key: ProgramKey, ready_at: float | None = None, now: float = 0.0
             ) -> tuple[str | None, float]:
@@ -54,15 +58,15 @@ class ProgramLedger:
     background worker finishes moving it (None: it does not move it)."""
     if key in self._built:
       return None, 0.0
-    s = self.stats
-    if ready_at is not None:
-      how, wait = PREMOVED, max(0.0, ready_at - now)
+    s, how = self.stats, PREMOVED if ready_at is not None else self._how(key)
+    if how == PREMOVED:
+      wait = max(0.0, ready_at - now)
       s.premoved, s.premove_wait_s = s.premoved + 1, s.premove_wait_s + wait
-    elif self.movable(key):
-      how, wait = MOVED, self.move_s
+    elif how == MOVED:
+      wait = self.move_s
       s.moved, s.move_s = s.moved + 1, s.move_s + wait
     else:
-      how, wait = COMPILED, self.compile_s(key)
+      wait = self.compile_s(key)
       s.compiled, s.compile_s = s.compiled + 1, s.compile_s + wait
     self._add(key)
     return how, wait

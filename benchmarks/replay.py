@@ -6,17 +6,15 @@ import contextlib
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
+from benchmarks.cost_model import ClusterCosts
 from benchmarks.ledger import PREMOVED, BuildStats, Premover, ProgramLedger
 from mecefo_jax.core import goodput, programs
 from mecefo_jax.core.decider import Decider, StepPlan
 from mecefo_jax.core.goodput import Bucket
 from mecefo_jax.core.programs import ProgramKey
 from mecefo_jax.core.roles import Role
-
-if TYPE_CHECKING:
-  from benchmarks.simulate import ClusterCosts
 
 
 @dataclasses.dataclass
@@ -101,14 +99,11 @@ class Replay:
     `t_next` (at least one; the horizon may end inside a step), in bulk: one plan, its basis
     refreshes every tau steps, the refresh and eval programs built where first run."""
     d, s = self.decider, self.step
+    clock = _Refreshes(*d.refreshes_from(s))  # before `begin` commits step s
     plan, _, _ = self.begin()
-    # The live set's refresh and eval programs (Decider.programs_for less the step's, built).
-    need = programs.Need(plan.live, plan.roles, d.run, d.bases_step >= 0)
-    step_s, listed = step_seconds(plan, self.costs, self.normal), programs.programs_for(
-        need, ('refresh', 'eval'))
-    refreshing = any(k.kind.stage == 'refresh' for k in listed)
-    # The decider refreshes every tau degraded steps after its last refresh (next_change).
-    clock = _Refreshes(s if plan.refresh else d.bases_step + d.tau if refreshing else None, d.tau)
+    # The live set's refresh and eval programs (the step's are built).
+    step_s = step_seconds(plan, self.costs, self.normal)
+    listed = [k for k in d.programs_for(plan.live) if k.kind.stage != 'step']
     refresh_s = self.costs.refresh_s
     spent = lambda a, b: (b - a) * step_s + refresh_s * (clock.before(b) - clock.before(a))
     a, t = s, self.now
@@ -158,13 +153,17 @@ class Replay:
 
   def _commit(self, plan: StepPlan, end: int, clock: _Refreshes, refresh: ProgramKey | None
               ) -> None:
-    """Steps up to `end` ran (the plan's first is committed): the decider counts their samples
-    and moves its last basis refresh to the window's last refresh step, committing the plan it
-    makes there without planning it again: the same live set and assignment, its refresh due."""
-    self.decider.commit(plan, steps=end - plan.step - 1)
+    """Steps up to `end` ran (the plan's first is committed): the decider commits the plan it
+    makes at the window's last refresh step, without planning it again (the same live set and
+    assignment, its refresh due), and counts the other steps' samples in bulk, as a commit of
+    each would."""
+    d, bulk = self.decider, end - plan.step - 1
     last = clock.last_before(end)
     if last is not None and last > plan.step:
-      self.decider.commit(dataclasses.replace(plan, step=last, refresh=refresh, eval=None), 0)
+      d.commit(dataclasses.replace(plan, step=last, refresh=refresh, eval=None))
+      bulk -= 1
+    for key, n in plan.samples.items():
+      d.state.samples[key] += n * bulk
     self.step = end
 
   def _build(self, key: ProgramKey, ready_at: float | None = None) -> bool:

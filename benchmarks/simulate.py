@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from benchmarks.cost_model import ClusterCosts, features, fit, predict
 from benchmarks.ledger import ProgramLedger
 from benchmarks.replay import Replay, Tally, quiet, replay_trace, step_seconds
 from mecefo_jax.core import goodput, programs
@@ -19,8 +20,8 @@ from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Planner
 
 CHECKPOINT = 'checkpoint-restart'
-__all__ = ['CHECKPOINT', 'ClusterCosts', 'Event', 'PolicyModel', 'Tally', 'quiet', 'replay',
-           'replay_trace', 'step_seconds']
+__all__ = ['CHECKPOINT', 'ClusterCosts', 'Event', 'PolicyModel', 'Tally', 'features', 'fit',
+           'predict', 'quiet', 'replay', 'replay_trace', 'step_seconds']
 
 
 # --- roles --------------------------------------------------------------------------------------
@@ -34,83 +35,6 @@ def live_sets(n_slices: int):
 def needed_roles(planners: Sequence[Planner]) -> set[Role]:
   """Every role any failure pattern can give a slice under `planners` (all 2^n - 1 live sets)."""
   return {r for p in planners for live in live_sets(p.n_slices) for r in p.plan(live).roles.values()}
-
-
-# --- cost model ---------------------------------------------------------------------------------
-
-def features(role: Role) -> list[float]:
-  """Linear model: program overhead + exact rows + degraded passes + degraded rows."""
-  degraded = role.degraded > 0
-  return [1.0, role.exact, role.passes if degraded else 0.0, role.degraded]
-
-
-def fit(costs: dict[Role, float]) -> np.ndarray:
-  """Least-squares coefficients of `features` from measured role costs."""
-  roles = sorted(costs)
-  a = np.asarray([features(r) for r in roles])
-  return np.linalg.lstsq(a, np.asarray([costs[r] for r in roles]), rcond=None)[0]
-
-
-def predict(coef: np.ndarray, role: Role) -> float:
-  return float(np.dot(coef, features(role)))
-
-
-@dataclasses.dataclass
-class ClusterCosts:
-  """Seconds, measured on one slice. Group programs run per slice, then one update program."""
-  normal_s: float  # fused normal step: fault-free, and any step where all live slices are normal
-  update_s: float  # cross-slice update program (the §3 combine + optimizer) after the groups
-  group_s: dict[Role, float]  # per-slice contribution program of each role
-  group_compile_s: dict[Role, float]
-  fused_compile_s: float  # also charged for the fused step of any other role
-  # Compile seconds of every other kind of program, by kind name (core/programs.py KINDS).
-  compile_s_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
-  refresh_s: float = 0.0  # svd bases refresh, run before the steps where the decider plans one
-  move_s: float = 0.0  # a compiled program moved onto other slices (step/retarget.py)
-  rejoin_s: float = 0.0  # state copy onto a repaired slice
-  restore_s: float = 0.0  # checkpoint-restart: restore of a durable checkpoint on restart
-  modelled: set = dataclasses.field(default_factory=set)  # roles whose cost is predicted
-
-  def complete(self, roles: set[Role]) -> 'ClusterCosts':
-    """Fills roles not measured from the linear fit (and mean compile time); marks them modelled."""
-    missing = set(roles) - set(self.group_s)
-    if not missing:
-      return self
-    if not hasattr(self, '_fit'):  # of the measured roles only, once
-      measured = {r: s for r, s in self.group_s.items() if r not in self.modelled}
-      self._fit = (fit(measured), float(np.mean([self.group_compile_s[r] for r in measured])))
-    coef, compile_mean = self._fit
-    for r in missing:
-      self.group_s[r] = predict(coef, r)
-      self.group_compile_s[r] = compile_mean
-    self.modelled |= missing
-    return self
-
-  def group(self, role: Role) -> float:
-    """Seconds of `role`'s group program: measured, else predicted (and then kept)."""
-    found = self.group_s.get(role)
-    return self.complete({role}).group_s[role] if found is None else found
-
-  def group_compile(self, role: Role) -> float:
-    return self.complete({role}).group_compile_s[role]
-
-  def compile_of(self, key: ProgramKey) -> float:
-    """Compile seconds of the program `key`: a group program by its role, a fused step as the
-    fused normal one, any other kind by its name."""
-    if key.kind is programs.GROUP:
-      return self.group_compile(key.variant)
-    if key.kind is programs.FUSED:
-      return self.fused_compile_s
-    return self.compile_s_by_kind[key.kind.name]
-
-  def to_json(self) -> dict:
-    roles = [{'exact': r.exact, 'degraded': r.degraded, 'passes': r.passes,
-              'step_s': self.group_s[r], 'compile_s': self.group_compile_s[r],
-              'modelled': r in self.modelled}
-             for r in sorted(self.group_s)]
-    scalars = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ('group_s', 'group_compile_s', 'modelled')}
-    return {**scalars, 'roles': roles}
 
 
 @dataclasses.dataclass
@@ -137,9 +61,8 @@ class PolicyModel:
     return self.planner.micro_batch
 
   def decider(self) -> Decider:
-    """A fresh decider: no event scheduled (a replay applies them), every slice present, its
-    plans roles only (a replay needs no rows)."""
-    return Decider(self.planner, self.run, FailureSchedule(self.n), self.tau, rows=False)
+    """A fresh decider: no event scheduled (a replay applies them), every slice present."""
+    return Decider(self.planner, self.run, FailureSchedule(self.n), self.tau)
 
   def fault_free(self) -> list[ProgramKey]:
     """The programs of the fault-free run (every slice normal), built before a replay."""

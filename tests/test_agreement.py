@@ -45,7 +45,7 @@ def test_the_executor_and_the_simulator_agree_step_by_step_on_what_they_build():
   mesh, init, graphdef = _mesh('4x2')
   c = Controller(cfg, mesh, graphdef, CORPUS, _schedule(), init())  # compiles its own programs
   d = c.decider
-  twin = Decider(d.planner, d.run, _schedule(), d.tau, rows=False)
+  twin = Decider(d.planner, d.run, _schedule(), d.tau)
   records = replay_trace(twin, STEPS, _costs())
   assert c.programs.move  # programs move between sets of one shape, in both
   moved = 0

@@ -138,6 +138,16 @@ def test_next_change_is_the_next_refresh_or_eval():
   assert d.next_change(3) == 4 and d.eval_due(4)  # the eval after step 4
 
 
+def test_refreshes_from_is_the_cadence_the_plans_refresh_at():
+  """Decider.refreshes_from (the replay's refresh clock) names the steps whose plans refresh."""
+  d = _decider(FailureSchedule(N).fail_at(2, 0))
+  d.advance(0)
+  assert d.refreshes_from(0) == (0, 3)  # no refresh yet: due now
+  plans = _plans(d, 8)
+  assert [p.step for p in plans if p.refresh] == [0, 3, 6] and d.refreshes_from(8) == (9, 3)
+  assert _decider().refreshes_from(0) == (None, 3)  # nothing degraded: no refresh
+
+
 def test_every_process_makes_the_same_plans():
   sched = FailureSchedule(N).fail_at(1, 1).fail_at(2, 2).repair_at(1, 4).fail_at(3, 4)
   one, two = (_plans(_decider(sched, 'budget'), 7) for _ in range(2))
@@ -175,16 +185,6 @@ def test_the_state_is_the_snapshot_meta_written_before_the_decider_key_for_key()
   assert again == {**old, 'goodput': {**old['goodput'], 'restart': 0.0}}
   assert list(again) == ['failed', 'events', 'goodput', 'samples']
   assert json.loads(json.dumps(again)) == again
-
-
-@pytest.mark.parametrize('policy', ['neighbor', 'spread', 'exact', 'budget', 'drop', 'naive'])
-def test_roles_without_rows_are_the_plans_roles_on_every_live_set(policy):
-  import itertools
-  for n, b, granule in [(4, 4, 1), (5, 4, 2), (6, 8, 2)]:
-    planner = Planner(n, b, policy, granule, time_budget=1.05)
-    for k in range(1, n + 1):
-      for live in itertools.combinations(range(n), k):
-        assert planner.roles(live) == planner.plan(live).roles, (n, live)
 
 
 def test_the_failure_schedule_keeps_its_old_import_path():

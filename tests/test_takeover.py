@@ -37,7 +37,7 @@ def _carrier(f, live, n):
   return next((f + k) % n for k in range(1, n) if (f + k) % n in live)
 
 
-@pytest.mark.parametrize('policy', takeover.POLICIES)
+@pytest.mark.parametrize('policy', list(takeover.REGISTRY))
 def test_every_row_processed_once_on_a_live_slice(policy):
   for n, b, granule, live in _traces():
     work, dropped = takeover.plan(live, n, b, policy, granule)
@@ -103,7 +103,7 @@ def test_plan_rejects_bad_degraded_cost():
       takeover.plan([0], 2, 4, 'budget', degraded_cost=bad)
 
 
-@pytest.mark.parametrize('policy', takeover.POLICIES)
+@pytest.mark.parametrize('policy', list(takeover.REGISTRY))
 def test_no_fault_every_slice_its_own_rows_exact(policy):
   for n in (2, 4, 8):
     work, dropped = takeover.plan(range(n), n, 8, policy, 2)

@@ -274,7 +274,7 @@ def _assert_close(got, want):
 ONE_DOWN = [(1, 2, 'fail')]
 
 
-@pytest.mark.parametrize('policy', takeover.POLICIES)
+@pytest.mark.parametrize('policy', list(takeover.REGISTRY))
 def test_update_under_one_failure_matches_reference(policy):
   cfg = _cfg(f'faults.takeover={policy}')
   params0, params, live_sets, _ = controller_run(cfg, ONE_DOWN, 4)

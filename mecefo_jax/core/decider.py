@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 from mecefo_jax.core import programs
 from mecefo_jax.core.failures import AppliedEvent, FailureEvent, FailureSchedule, apply_event
@@ -22,7 +22,6 @@ from mecefo_jax.core.takeover import Assignment, Planner
 from mecefo_jax.sections import entry
 
 log = logging.getLogger('mecefo')
-_PLANS_KEPT = 256  # assignments cached by live set (a replay at scale meets thousands)
 
 
 @dataclasses.dataclass
@@ -94,36 +93,22 @@ def _plain(x):
   return dataclasses.astuple(x) if dataclasses.is_dataclass(x) else x
 
 
-def _kept(cache: dict, key, make: Callable):
-  """cache[key], made by `make()` where missing; the oldest entry goes past _PLANS_KEPT."""
-  found = cache.get(key)
-  if found is None:
-    if len(cache) >= _PLANS_KEPT:
-      cache.pop(next(iter(cache)))
-    found = cache[key] = make()
-  return found
-
-
 class Decider:
   """The failure state and every decision made from it: the live slices, their roles and rows,
   the programs, rejoins, basis refreshes and evals of each step, the sample counts."""
 
   def __init__(self, planner: Planner, run: RunPrograms, schedule: FailureSchedule, tau: int,
-               present: tuple[int, ...] | None = None, state: DeciderState | None = None,
-               rows: bool = True):
+               present: tuple[int, ...] | None = None, state: DeciderState | None = None):
     """`present`: the slices with devices in this start (default all); the others are absent,
-    failed until a later start; `tau`: steps between svd basis refreshes (mecefo.tau); `rows`:
-    plans list the rows of each slice (False: roles only, for a replay without devices)."""
+    failed until a later start; `tau`: steps between svd basis refreshes (mecefo.tau)."""
     self.planner, self.run, self.schedule, self.tau = planner, run, schedule, tau
-    self.rows = rows
     self.n_slices = planner.n_slices
     self.present = tuple(range(self.n_slices) if present is None else present)
     self.state = state or DeciderState()
     self.held = self.present  # the slices holding the train state
     self.bases_step = -1  # the step of the last basis refresh (the state's bases_step)
     self.devices_back_at: int | None = None  # resumed after every slice was down at this step
-    self._assignments: dict[tuple[int, ...], Assignment] = {}
-    self._listed: dict[tuple, tuple[ProgramKey, ...]] = {}  # (live, refreshed) -> programs_for
+    self._forget_plans()
     self._down: dict[int, None] = {}  # the failed slices in the order they failed
     for e in self.state.events:
       self._note(e['slice'], e['kind'])
@@ -148,12 +133,20 @@ class Decider:
     if not apply_event(failed, event.kind, event.slice):
       return False  # no change (already failed / not failed)
     self._note(event.slice, event.kind)
+    self._forget_plans()
     applied = AppliedEvent(**event.to_dict(), wall_s=wall_s, live=len(self.live()))
     self.state.events.append(applied.to_dict())
     log.warning('step %d: slice %d %s (%s); live slices %s', event.step, event.slice,
                 'FAILED' if event.kind == 'fail' else 'repaired, rejoining', event.source,
                 list(self.live()))
     return True
+
+  def _forget_plans(self) -> None:
+    """Plans and program lists are kept by live set from one event to the next: a step plans
+    its live set every step, the controller lists the programs of the sets one event away twice
+    per change (to keep and to build). Rebound, not cleared: the background builder reads them."""
+    self._assignments: dict[tuple[int, ...], Assignment] = {}
+    self._listed: dict[tuple, tuple[ProgramKey, ...]] = {}  # (live, refreshed) -> programs_for
 
   def _note(self, s: int, kind: str) -> None:
     self._down.pop(s, None)
@@ -198,9 +191,11 @@ class Decider:
 
   # --- plans ---------------------------------------------------------------------------------
   def assignment(self, live: tuple[int, ...]) -> Assignment:
-    """The planner's rows and roles of `live` (planned once per live set while it is recent)."""
-    return _kept(self._assignments, live, lambda: (
-        self.planner.plan(live) if self.rows else Assignment({}, [], self.planner.roles(live))))
+    """The planner's rows and roles of `live` (planned once per live set between events)."""
+    found = self._assignments.get(live)
+    if found is None:
+      found = self._assignments[live] = self.planner.plan(live)
+    return found
 
   def decide(self, step: int) -> StepPlan:
     """The plan of `step` on the live slices (no change until `commit`)."""
@@ -219,10 +214,10 @@ class Decider:
     evaluate = ProgramKey(programs.EVAL, live) if self.eval_due(step) else None
     return StepPlan(step, live, a, tuple(step_programs), refresh, rejoins, samples, evaluate)
 
-  def commit(self, plan: StepPlan, steps: int = 1) -> None:
-    """`plan` runs (its samples counted `steps` times: a replay runs steps in bulk)."""
+  def commit(self, plan: StepPlan) -> None:
+    """`plan` runs."""
     for key, n in plan.samples.items():
-      self.state.samples[key] += n * steps
+      self.state.samples[key] += n
     if plan.refresh is not None:
       self.bases_step = plan.step
     self.held = plan.live
@@ -231,11 +226,19 @@ class Decider:
     """The first step after `step` whose plan may differ from `step`'s other than by its step
     number when no event comes: a basis refresh or an eval is due then (after `commit`)."""
     nxt = []
-    if self.run.refresh and self._degraded(self.assignment(self.live())):
-      nxt.append(max(step + 1, self.bases_step + self.tau))
+    first, _ = self.refreshes_from(step + 1)
+    if first is not None:
+      nxt.append(first)
     if self.run.eval_every:
       nxt.append(self.next_eval(step))
     return min(nxt, default=1 << 62)
+
+  def refreshes_from(self, step: int) -> tuple[int | None, int]:
+    """(first, every): the steps from `step` on, first, first + every, ..., whose plans run
+    the basis refresh while no event comes (first None: none, no degraded work or no refresh)."""
+    if not (self.run.refresh and self._degraded(self.assignment(self.live()))):
+      return None, self.tau
+    return (step if self._refresh_due(step) else self.bases_step + self.tau), self.tau
 
   def eval_due(self, step: int) -> bool:
     """An eval runs after `step` (train.eval_every)."""
@@ -258,15 +261,13 @@ class Decider:
   # --- programs ahead of need ----------------------------------------------------------------
   def programs_for(self, live: tuple[int, ...]) -> list[ProgramKey]:
     """Every program steps on `live` request: the step's, the basis refreshes, the eval (listed
-    once per live set while it is recent: the controller asks twice per change, to keep and to
-    build)."""
+    once per live set between events)."""
     refreshed = self.bases_step >= 0
-    return list(_kept(self._listed, (live, refreshed), lambda: tuple(programs.programs_for(
-        programs.Need(live, self._roles(live), self.run, refreshed)))))
-
-  def _roles(self, live: tuple[int, ...]) -> Mapping[int, Role]:
-    found = self._assignments.get(live)
-    return found.roles if found else self.planner.roles(live)
+    found = self._listed.get((live, refreshed))
+    if found is None:
+      need = programs.Need(live, self.assignment(live).roles, self.run, refreshed)
+      found = self._listed[live, refreshed] = tuple(programs.programs_for(need))
+    return list(found)
 
   def next_live_sets(self, hosts: list[tuple[int, ...]] | None = None
                      ) -> Iterator[tuple[int, ...]]:

@@ -7,8 +7,7 @@ the controller, the precompiler and the failure simulator all list programs thro
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Callable, Container, Hashable, Iterator, Mapping, Sequence
 
 from mecefo_jax.core.roles import Role
 
@@ -21,10 +20,10 @@ class RunPrograms:
   eval_every: int = 0  # train.eval_every: an eval program on the live set every N steps
 
   @classmethod
-  def of(cls, cfg, bases_refreshed: bool) -> 'RunPrograms':
-    """The run's; `bases_refreshed`: the basis kind keeps bases and refreshes them
+  def of(cls, cfg, keeps_bases: bool) -> 'RunPrograms':
+    """The run's; `keeps_bases`: the basis kind keeps bases, refreshed every mecefo.tau steps
     (model/bases.py decides, below this package)."""
-    return cls(cfg.mesh.ordered_reduce, cfg.mecefo.refresh if bases_refreshed else None,
+    return cls(cfg.mesh.ordered_reduce, cfg.mecefo.refresh if keeps_bases else None,
                cfg.train.eval_every)
 
 
@@ -37,24 +36,18 @@ class Need:
   run: RunPrograms
   refreshed: bool = False
 
-  @functools.cached_property
-  def fused(self) -> bool:
-    """One SPMD program for the whole step: every slice plays one single-pass role."""
-    groups = self.groups
-    return (len(groups) == 1 and next(iter(groups)).passes == 1
-            and not self.run.ordered_reduce)
-
-  @functools.cached_property
-  def degraded(self) -> bool:
-    return any(r.degraded for r in self.roles.values())
-
-  @functools.cached_property
-  def groups(self) -> dict[Role, tuple[int, ...]]:
-    """The slices of each role, in live order (roles in order of first appearance)."""
-    out: dict[Role, list[int]] = {}
+  def __post_init__(self):
+    # Worked out at once, not as cached properties: every kind's rule asks for them, and a
+    # cached property takes a lock at each access on Python 3.11 (a replay lists ~10^5 sets).
+    groups: dict[Role, list[int]] = {}
     for s in self.live:
-      out.setdefault(self.roles[s], []).append(s)
-    return {role: tuple(slices) for role, slices in out.items()}
+      groups.setdefault(self.roles[s], []).append(s)
+    # The slices of each role, in live order (roles in order of first appearance).
+    object.__setattr__(self, 'groups', {role: tuple(slices) for role, slices in groups.items()})
+    object.__setattr__(self, 'degraded', any(r.degraded for r in self.roles.values()))
+    # One SPMD program for the whole step: every slice plays one single-pass role.
+    object.__setattr__(self, 'fused', len(groups) == 1 and next(iter(groups)).passes == 1
+                       and not self.run.ordered_reduce)
 
 
 # A rule lists the (slices, variant) of the programs of its kind that a live set needs.
@@ -134,6 +127,16 @@ class ProgramKey:
   def __str__(self) -> str:
     variant = '' if self.variant is None else f' {self.variant}'
     return f'{self.kind.name}{variant} program for slices {list(self.slices)}'
+
+
+MOVED, COMPILED = 'moved', 'compiled'  # how the program cache builds what no store holds
+
+
+def how_built(key: ProgramKey, shapes_built: Container[tuple], move: bool) -> str:
+  """How the program cache (step/cache.py) builds `key` where the program store lacks it:
+  moved from the program of its shape built before, with moves on (step/retarget.py), else
+  compiled. The failure replay's stand-in cache (benchmarks/ledger.py) follows the same rule."""
+  return MOVED if move and key.shape in shapes_built else COMPILED
 
 
 def programs_for(need: Need, stages: tuple[str, ...] = ('step', 'refresh', 'eval')

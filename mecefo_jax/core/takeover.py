@@ -4,9 +4,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Callable, ClassVar, Mapping, Sequence
 
-from mecefo_jax.config import DEGRADED_COST, POLICIES, Config, check_setting
+from mecefo_jax.config import DEGRADED_COST, Config, check_setting
 from mecefo_jax.core import budget
 from mecefo_jax.core.roles import Role, split_passes
 
@@ -62,61 +62,227 @@ def spread_shares(live: list[int], orphans: list[int], n_slices: int, micro_batc
       start += n
 
 
+# --- policies (docs/algorithm.md §1) ---------------------------------------------------------
+Work = dict[int, SliceWork]
+Piece = tuple[int | None, int, int]  # (live slice, or None: dropped; owner; rows)
+
+
+class Handout:
+  """What a policy decides for a live set: how many rows each live slice runs (`totals`, in
+  the order its work is listed), how many of them exactly, its first ones (`exact`; None:
+  all), and the pieces of the micro-batches handed out, in order: (live slice, or None:
+  dropped; owner; rows), each owner's rows handed out from row 0 up. The roles come from the
+  counts, the rows from the pieces, listed only when asked for (`lay_out`): a failure replay
+  needs the roles of ~10^5 live sets, the rows of none."""
+
+  def __init__(self, totals: dict[int, int], exact: Mapping[int, int] | None,
+               pieces: Callable[[], list[Piece]]):
+    self.totals, self.exact, self.pieces = totals, exact, pieces
+
+  @classmethod
+  def of(cls, pieces: list[Piece], exact: Mapping[int, int] | None = None) -> 'Handout':
+    """The handout of `pieces` (totals in order of each slice's first piece)."""
+    totals: dict[int, int] = {}
+    for s, _, n in pieces:
+      if s is not None:
+        totals[s] = totals.get(s, 0) + n
+    return cls(totals, exact, lambda: pieces)
+
+  @classmethod
+  def filled(cls, p: Planner, totals: dict[int, int], exact: Mapping[int, int] | None,
+             order: Sequence[int]) -> 'Handout':
+    """The handout of `totals`: each live slice its own rows first, then, slice by slice in
+    `order`, what it lacks from the rows left, by owner; the rows nobody takes are dropped."""
+    return cls(totals, exact, lambda: _fill(p, totals, order))
+
+  def lay_out(self) -> tuple[Work, list[Rows]]:
+    """(rows of every live slice, exact first, rows dropped)."""
+    first_free: dict[int, int] = {}  # owner -> its first row not handed out yet
+    rows_of: dict[int, list[Rows]] = {s: [] for s in self.totals}
+    dropped: list[Rows] = []
+    for s, owner, n in self.pieces():
+      start = first_free.get(owner, 0)
+      first_free[owner] = start + n
+      (dropped if s is None else rows_of[s]).append(Rows(owner, start, start + n))
+    exact = self.exact
+    return {s: SliceWork(exact=rows if exact is None else _pop_rows(rows, exact[s]),
+                         degraded=[] if exact is None else rows)
+            for s, rows in rows_of.items()}, dropped
+
+
+def _fill(p: Planner, totals: dict[int, int], order: Sequence[int]) -> list[Piece]:
+  """Handout.filled's pieces."""
+  b = p.micro_batch
+  pieces: list[Piece] = [(s, s, min(totals[s], b)) for s in order]
+  left = [[o, b - min(totals.get(o, 0), b)] for o in range(p.n_slices)]
+  left = [q for q in left if q[1]]  # [owner, rows not handed out yet], by owner
+  for s in order:
+    lacking = totals[s] - b
+    while lacking > 0:
+      owner, rows = left[0]
+      n = min(rows, lacking)
+      pieces.append((s, owner, n))
+      lacking -= n
+      if n == rows:
+        left.pop(0)
+      else:
+        left[0][1] = rows - n
+  return pieces + [(None, owner, rows) for owner, rows in left]
+
+
+def _ring_from_first_down(p: Planner, live: Sequence[int]) -> list[int]:
+  """The live slices in ring order from the first failed one (slice order if none failed)."""
+  members = set(live)
+  first_down = min((s for s in range(p.n_slices) if s not in members), default=p.n_slices - 1)
+  return sorted(live, key=lambda s: (s - first_down) % p.n_slices)
+
+
+class Policy:
+  """A takeover policy: for a live set (sorted, not empty) and the planner's settings, the
+  `Handout` of every micro-batch; the planner derives rows and roles from it. A new policy is
+  one subclass here, registered with `@register`."""
+  name: ClassVar[str]
+
+  def handout(self, p: Planner, live: list[int]) -> Handout:
+    raise NotImplementedError
+
+
+REGISTRY: dict[str, Policy] = {}  # name -> policy; config.POLICIES names them (a test checks)
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+  if cls.name in REGISTRY:
+    raise ValueError(f'takeover policy {cls.name!r} is registered already')
+  REGISTRY[cls.name] = cls()
+  return cls
+
+
+def own_pieces(p: Planner, live: Sequence[int]) -> list[Piece]:
+  """Every live slice its own micro-batch."""
+  return [(s, s, p.micro_batch) for s in live]
+
+
+def orphans(p: Planner, live: Sequence[int]) -> list[int]:
+  """The failed slices, whose micro-batches the live ones take over, in slice order."""
+  members = set(live)
+  return [s for s in range(p.n_slices) if s not in members]
+
+
+def _carried(p: Planner, live: list[int], exact: Callable[[int], int] | None) -> Handout:
+  """Each orphaned micro-batch whole on the next live slice of the ring; `exact(rows)`: the
+  exact rows of a slice running `rows` (None: all)."""
+  b, members = p.micro_batch, set(live)
+  carrier = {f: ring_next(members, f, p.n_slices) for f in orphans(p, live)}
+  totals = dict.fromkeys(live, b)
+  for s in carrier.values():
+    totals[s] += b
+  return Handout(totals, None if exact is None else {s: exact(n) for s, n in totals.items()},
+                 lambda: own_pieces(p, live) + [(s, f, b) for f, s in carrier.items()])
+
+
+@register
+class Neighbor(Policy):
+  """The next live slice on the ring does its own micro-batch and the orphans, all degraded
+  (the paper's neighbour runs the degraded step on both of its micro-batches)."""
+  name = 'neighbor'
+
+  def handout(self, p, live):
+    return _carried(p, live, lambda rows: 0 if rows > p.micro_batch else rows)
+
+
+@register
+class Spread(Policy):
+  """Each orphaned micro-batch split evenly over all live slices (in multiples of the granule,
+  which keeps shares shardable over a slice's fsdp devices); each runs its own rows exactly and
+  only its share degraded."""
+  name = 'spread'
+
+  def handout(self, p, live):
+    shares = spread_shares(live, orphans(p, live), p.n_slices, p.micro_batch, p.granule)
+    return Handout.of(own_pieces(p, live) + [(s, f, n) for f, s, _, n in shares],
+                      dict.fromkeys(live, p.micro_batch))
+
+
+class _WithinBudget(Policy):
+  """Every live slice within `limit` granules of cost (exact row 1, degraded row
+  `degraded_cost`) with the fewest degraded rows (core/budget.py)."""
+
+  def limit(self, p: Planner) -> float:
+    raise NotImplementedError
+
+  def handout(self, p, live):
+    return _within_budget(budget_loads(p, live, self.limit(p)), p)
+
+
+@register
+class Exact(_WithinBudget):
+  """Every row processed exactly, the orphans split evenly over the live slices (no
+  approximation; the step costs n/(n-d) of a normal one): the quality reference."""
+  name = 'exact'
+
+  def limit(self, p):
+    return math.inf
+
+
+@register
+class Budget(_WithinBudget):
+  """Every live slice within `time_budget` times the fault-free step's cost, with the fewest
+  degraded rows."""
+  name = 'budget'
+
+  def limit(self, p):
+    return p.time_budget * p.micro_batch / p.granule
+
+
+@register
+class Drop(Policy):
+  """Orphans are skipped (a smaller global batch), like torchft."""
+  name = 'drop'
+
+  def handout(self, p, live):
+    totals = dict.fromkeys(live, p.micro_batch)
+    return Handout.filled(p, totals, totals, live)  # nobody lacks rows: the orphans' dropped
+
+
+@register
+class Naive(Policy):
+  """The next live slice on the ring does its own micro-batch and the orphans exactly (the
+  baseline that runs out of memory)."""
+  name = 'naive'
+
+  def handout(self, p, live):
+    return _carried(p, live, None)
+
+
 def plan(live: Sequence[int], n_slices: int, micro_batch: int, policy: str, granule: int = 1,
          degraded_cost: float = DEGRADED_COST, time_budget: float = 1.0
-         ) -> tuple[dict[int, SliceWork], list[Rows]]:
-  """(work of every live slice, rows dropped) for one step. docs/algorithm.md §1.
-
-  neighbor: the next live slice on the ring does its own and the orphans, all degraded.
-  naive: the same neighbour does both exactly (the baseline that runs out of memory).
-  spread: each orphaned micro-batch is split evenly over all live slices (starting after the
-    failed one); each runs its own rows exactly and only its share degraded.
-  drop: orphans are skipped (smaller global batch), like torchft.
-  exact: every row processed exactly, the orphans split evenly over the live slices (no
-    approximation; the step costs n/(n-d) of a normal one): the quality reference.
-  budget: every live slice stays within `time_budget` times the fault-free step's cost (exact
-    row 1, degraded row `degraded_cost`) with the fewest degraded rows (core/budget.py).
-  `granule` (dividing micro_batch) keeps spread shares shardable over a slice's fsdp devices.
-  """
-  check_setting('faults.degraded_cost', degraded_cost)
-  if micro_batch % granule:
-    raise ValueError(f'granule {granule} must divide micro_batch {micro_batch}')
-  if policy not in POLICIES:
-    raise ValueError(f'takeover policy must be one of {POLICIES}, got {policy!r}')
-  live = sorted(live)
-  if not live:
-    raise ValueError('no live slice')
-  if policy in ('exact', 'budget'):
-    loads = budget_loads(live, n_slices, micro_batch, policy, granule, degraded_cost, time_budget)
-    return _within_budget(loads, n_slices, micro_batch, granule), []
-  work = {s: SliceWork(exact=[Rows(s, 0, micro_batch)]) for s in live}
-  orphans = [s for s in range(n_slices) if s not in work]
-  dropped: list[Rows] = []
-  if policy == 'drop':
-    dropped = [Rows(f, 0, micro_batch) for f in orphans]
-  elif policy in ('neighbor', 'naive'):
-    for f in orphans:
-      carrier = work[ring_next(work, f, n_slices)]
-      whole = Rows(f, 0, micro_batch)
-      carrier.exact.append(whole) if policy == 'naive' else carrier.degraded.append(whole)
-  else:  # spread
-    for f, s, start, n in spread_shares(live, orphans, n_slices, micro_batch, granule):
-      work[s].degraded.append(Rows(f, start, start + n))
-  if policy == 'neighbor':
-    # The paper's neighbour runs the degraded step on both of its micro-batches.
-    for w in work.values():
-      if w.degraded and w.exact:
-        w.degraded = w.exact + w.degraded
-        w.exact = []
-  return work, dropped
+         ) -> tuple[Work, list[Rows]]:
+  """(work of every live slice, rows dropped) for one step: `Planner.plan` without roles."""
+  a = Planner(n_slices, micro_batch, policy, granule, degraded_cost=degraded_cost,
+              time_budget=time_budget).plan(live)
+  return a.work, a.dropped
 
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-  """A live set's takeover: the rows each live slice runs, and its role."""
-  work: dict[int, SliceWork]  # rows every live slice processes, exact and degraded
-  dropped: list[Rows]  # rows nobody processes (policy drop)
+  """A live set's takeover: the role of every live slice, and the rows each runs (laid out
+  when first asked for: a failure replay needs the roles of thousands of live sets only)."""
   roles: dict[int, Role]  # the program shape every live slice runs
+  handout: Handout
+
+  @functools.cached_property
+  def _rows(self) -> tuple[Work, list[Rows]]:
+    return self.handout.lay_out()
+
+  @property
+  def work(self) -> Work:
+    """Rows every live slice processes, exact and degraded."""
+    return self._rows[0]
+
+  @property
+  def dropped(self) -> list[Rows]:
+    """Rows nobody processes (policy drop)."""
+    return self._rows[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +300,7 @@ class Planner:
   def __post_init__(self):
     if not self.max_rows:
       object.__setattr__(self, 'max_rows', 2 * self.micro_batch)
+    object.__setattr__(self, '_roles_made', {})
 
   @classmethod
   def from_config(cls, cfg: Config, n_slices: int, granule: int = 1, policy: str | None = None,
@@ -146,70 +313,58 @@ class Planner:
                f.time_budget if time_budget is None else time_budget)
 
   def plan(self, live: Sequence[int]) -> Assignment:
-    work, dropped = plan(live, self.n_slices, self.micro_batch, self.policy, self.granule,
-                         self.degraded_cost, self.time_budget)
-    return Assignment(work, dropped, {s: self.role(w) for s, w in work.items()})
+    """The roles and rows of `live` under the policy, both from its handout."""
+    policy = self.checked_policy()
+    live = sorted(live)
+    if not live:
+      raise ValueError('no live slice')
+    handout = policy.handout(self, live)
+    totals, exact = handout.totals, handout.exact
+    return Assignment({s: self._role(n if exact is None else exact[s], n)
+                       for s, n in totals.items()}, handout)
 
   def roles(self, live: Sequence[int]) -> dict[int, Role]:
-    """plan(live).roles from row counts, without listing rows: a failure replay at scale plans
-    thousands of live sets (tests/test_core.py checks both agree)."""
-    if self.policy not in POLICIES or not live:
-      return self.plan(live).roles  # its error
-    live, b, role = sorted(live), self.micro_batch, self._role_of_rows
-    if self.policy in ('exact', 'budget'):
-      loads = budget_loads(live, self.n_slices, b, self.policy, self.granule,
-                           self.degraded_cost, self.time_budget)
-      g = self.granule
-      return {s: role(g * e, g * d) for s, e, d in sorted(loads)}
-    degraded = dict.fromkeys(live, 0)
-    orphans = [s for s in range(self.n_slices) if s not in degraded]
-    if self.policy == 'spread':
-      for _, s, _, n in spread_shares(live, orphans, self.n_slices, b, self.granule):
-        degraded[s] += n
-      return {s: role(b, degraded[s]) for s in live}
-    if self.policy != 'drop':  # neighbor, naive: the ring's next live slice carries each orphan
-      for f in orphans:
-        degraded[ring_next(degraded, f, self.n_slices)] += b
-    if self.policy == 'naive':
-      return {s: role(b + degraded[s], 0) for s in live}
-    # neighbor: a carrier runs its own micro-batch degraded too (drop: none carries)
-    return {s: role(0, b + d) if d else role(b, 0) for s, d in degraded.items()}
+    return self.plan(live).roles
 
   def role(self, w: SliceWork) -> Role:
-    return self._role_of_rows(*w.counts())
+    exact, degraded = w.counts()
+    return self._role(exact, exact + degraded)
 
-  @functools.lru_cache(maxsize=256)
-  def _role_of_rows(self, exact: int, degraded: int) -> Role:
-    """One Role object per load, built once (a replay at scale plans thousands of sets)."""
-    return Role(exact, degraded, split_passes(degraded, self.max_rows))
+  def _role(self, exact: int, rows: int) -> Role:
+    """The role of `rows` rows, `exact` of them exact; one object per load, built once (a plan
+    at scale has hundreds of slices, most of them in a few roles)."""
+    role = self._roles_made.get((exact, rows))
+    if role is None:
+      degraded = rows - exact
+      role = self._roles_made[exact, rows] = Role(exact, degraded,
+                                                  split_passes(degraded, self.max_rows))
+    return role
+
+  def checked_policy(self) -> Policy:
+    """The registered policy of this planner, its settings checked."""
+    check_setting('faults.degraded_cost', self.degraded_cost)
+    if self.micro_batch % self.granule:
+      raise ValueError(f'granule {self.granule} must divide micro_batch {self.micro_batch}')
+    if self.policy not in REGISTRY:
+      raise ValueError(f'takeover policy must be one of {tuple(REGISTRY)}, got {self.policy!r}')
+    return REGISTRY[self.policy]
 
 
-def budget_loads(live, n_slices, micro_batch, policy, granule, cost, time_budget
-                 ) -> list[tuple[int, int, int]]:
-  """[(slice, exact, degraded granules)] of policy exact or budget: the budget's counts, the
-  heavier loads on the failed slices' ring successors (ring order from the first failed one)."""
-  limit = math.inf if policy == 'exact' else time_budget * micro_batch / granule
-  loads = budget.counts(len(live), n_slices * (micro_batch // granule), limit, cost)
-  first_down = min((s for s in range(n_slices) if s not in live), default=n_slices - 1)
-  ring = sorted(live, key=lambda s: (s - first_down) % n_slices)
-  return [(s, e, g) for s, (e, g) in zip(ring, loads)]
+def budget_loads(p: Planner, live: list[int], limit: float) -> list[tuple[int, int, int]]:
+  """[(slice, exact, degraded granules)] within `limit` granules of cost each: the budget's
+  counts, the heavier loads on the failed slices' ring successors (ring order from the first
+  failed one)."""
+  loads = budget.counts(len(live), p.n_slices * (p.micro_batch // p.granule), limit,
+                        p.degraded_cost)
+  return [(s, e, g) for s, (e, g) in zip(_ring_from_first_down(p, live), loads)]
 
 
-def _within_budget(loads, n_slices, micro_batch, granule) -> dict[int, SliceWork]:
-  """Rows by budget_loads: each slice its own rows first (exact first), then the orphans in
-  order."""
-  per_slice = micro_batch // granule
-  taken = {s: [Rows(s, 0, granule * min(e + g, per_slice))] for s, e, g in loads}
-  queue = [Rows(o, taken[o][0].stop if o in taken else 0, micro_batch) for o in range(n_slices)]
-  queue = [r for r in queue if r.n]
-  work = {}
-  for s, e, g in loads:
-    rows = taken[s]
-    rows += _pop_rows(queue, granule * (e + g) - rows[0].n)
-    exact = _pop_rows(rows, granule * e)
-    work[s] = SliceWork(exact=exact, degraded=rows)
-  assert not queue, queue  # every row has a slice
-  return work
+def _within_budget(loads, p: Planner) -> Handout:
+  """The handout of budget_loads: each slice its own rows first (exact first), then the rest
+  of the micro-batches filled in the loads' order."""
+  g = p.granule
+  return Handout.filled(p, {s: g * (e + d) for s, e, d in loads}, {s: g * e for s, e, _ in loads},
+                        [s for s, _, _ in loads])
 
 
 def _pop_rows(rows: list[Rows], n: int) -> list[Rows]:

@@ -111,7 +111,7 @@ class Moved:
     self._by_shape: dict[tuple, retarget.Serialized] = {}  # key.shape -> the first program
 
   def has(self, key: ProgramKey) -> bool:
-    return self.enabled and key.shape in self._by_shape
+    return programs.how_built(key, self._by_shape, self.enabled) == programs.MOVED
 
   def keep(self, key: ProgramKey, serialized: retarget.Serialized) -> None:
     if self.enabled:
