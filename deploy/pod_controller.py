@@ -104,11 +104,11 @@ def parse_args(argv=None):
 
 
 def check_train_args(argv: list[str]):
-  """train.py's parse of `argv`, whose config (--config relative to the repository, as on the
-  hosts) is loaded as train.py loads a new run's: a bad flag or override fails here, in one
-  line (exit BAD_INPUT), before any host is reached."""
+  """train.py's parse of `argv`, whose config (a built-in name, or a path relative to the
+  repository as on the hosts) is loaded as train.py loads a new run's: a bad flag or override
+  fails here, in one line (exit BAD_INPUT), before any host is reached."""
   args = cli.parse_args(argv)
-  if args.config is not None and not Path(args.config).is_absolute():
+  if args.config is not None and (ROOT / args.config).is_file():
     args.config = str(ROOT / args.config)
   try:
     cli.new_config(args)
@@ -135,9 +135,10 @@ def megascale_env(args, hosts: list[int], slot: int) -> dict[str, str]:
 
 def remote_command(args, hosts: list[int], pid: int, port: int, train_args: list[str]) -> str:
   """The shell command that runs process `pid` of the job of logical hosts `hosts` on its host:
-  its pid kept in a file (to signal it later), then train.py in place of the shell."""
+  its pid kept in a file (to signal it later), then the installed trainer (`python -m
+  mecefo_jax`, which the checkout's `train.py` also is) in place of the shell."""
   slot = hosts[pid]
-  train = [args.python, 'train.py', f'--coordinator={args.hosts[hosts[0]]}:{port}',
+  train = [args.python, '-m', 'mecefo_jax', f'--coordinator={args.hosts[hosts[0]]}:{port}',
            f'--num-processes={len(hosts)}', f'--process-id={pid}', f'--host-slot={slot}',
            *train_args]
   env = [f'{k}={v}' for k, v in megascale_env(args, hosts, slot).items()] if args.megascale else []

@@ -364,6 +364,26 @@ def check_setting(key: str, value, error: type[ValueError] = ConfigError) -> Non
     raise error(problem)
 
 
+CONFIGS = Path(__file__).parent / 'configs'  # the built-in configs, shipped in the package
+
+
+def builtin_configs() -> list[str]:
+  return sorted(p.stem for p in CONFIGS.glob('*.yaml'))
+
+
+def config_file(given: str | Path) -> Path:
+  """--config: a YAML file, or the name of a built-in one (`tiny` or `tiny.yaml`: CONFIGS), so
+  that an installed package finds its configs from any directory."""
+  path = Path(given)
+  if path.exists() or len(path.parts) > 1:
+    return path
+  builtin = CONFIGS / (path.name if path.suffix == '.yaml' else f'{path.name}.yaml')
+  if builtin.is_file():
+    return builtin
+  raise ConfigError(f'config {str(given)!r} is neither a file nor a built-in config (one of '
+                    f'{", ".join(builtin_configs())})')
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
                 base: dict | None = None) -> Config:
   """Defaults (or `base`: a recorded config, e.g. of a run to resume), then the YAML file at

@@ -1,8 +1,9 @@
 """Supervisor: a training job as N local processes that keeps training when one of them dies.
 
-  python -m mecefo_jax.launch -n N [--devices-per-process K] [--rejoin-after S] -- <train.py args>
+  mecefo-launch -n N [--devices-per-process K] [--rejoin-after S] -- <mecefo-train args>
+  (= python -m mecefo_jax.launch ...)
 
-Starts N train.py processes (logical hosts 0..N-1) with a local coordinator. When one dies
+Starts N training processes (`python -m mecefo_jax` of this very package, installed or not) (logical hosts 0..N-1) with a local coordinator. When one dies
 (SIGKILL, a crash, the OOM killer), the survivors are stopped at once and restarted as a job of
 the survivors that resumes the same run: each keeps its logical host (`--host-slot`) and so its
 in-memory snapshot part, the dead host's part is rebuilt from parity, and its slices are taken
@@ -32,7 +33,8 @@ from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, STOPPED
 from mecefo_jax.run.hints import LAUNCH_ENV
 from mecefo_jax.run.stop import STOP_FILE
 
-ROOT = Path(__file__).resolve().parents[1]
+# The directory holding this package: the processes import the same one from any cwd.
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
 _POLL_S, _GRACE_S = 0.1, 60.0
 _GPU_DEVICES = '/dev/nvidia[0-9]*'  # one device file per NVIDIA GPU the machine shows
@@ -191,7 +193,8 @@ class Supervisor:
     k = self.args.devices_per_process
     env = dict(os.environ, PYTHONUNBUFFERED='1')
     env[LAUNCH_ENV] = shlex.join(self.args.argv)  # for the hints it prints: rerun this
-    cmd = [sys.executable, str(ROOT / 'train.py'), f'--coordinator=127.0.0.1:{port}',
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get('PYTHONPATH')]))
+    cmd = [sys.executable, '-m', 'mecefo_jax', f'--coordinator=127.0.0.1:{port}',
            f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
     if self.args.gpus:
       env['CUDA_VISIBLE_DEVICES'] = ','.join(str(host * k + i) for i in range(k))

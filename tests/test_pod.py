@@ -3,9 +3,11 @@ parser), its probe rules, its restarts run on fake devices (processes on this ma
 GKE JobSet manifest's command checked against train.py's parser and config. Nothing here ran on
 a TPU pod or a GKE cluster."""
 import json
+import re
 import shlex
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -37,8 +39,8 @@ def _train_part(remote: str) -> tuple[dict, list[str]]:
     while '=' in last[0] and not last[0].startswith('-'):
       key, value = last.pop(0).split('=', 1)
       env[key] = value
-  assert last[1] == 'train.py', last
-  return env, last[2:]
+  assert last[1:3] == ['-m', 'mecefo_jax'], last  # the installed trainer, not a checkout file
+  return env, last[3:]
 
 
 def test_first_start_every_host_its_slot_and_the_coordinator_on_host_0(capsys):
@@ -103,7 +105,7 @@ def _command(container: dict) -> list[str]:
   return [*container.get('command', []), *container.get('args', [])]
 
 
-def test_jobset_manifest_runs_train_py_with_flags_it_accepts():
+def test_jobset_manifest_runs_the_installed_trainer_with_flags_it_accepts():
   manifest = yaml.safe_load((ROOT / 'deploy' / 'jobset-tpu.yaml').read_text())
   assert manifest['kind'] == 'JobSet' and manifest['apiVersion'].startswith('jobset.x-k8s.io/')
   [job] = manifest['spec']['replicatedJobs']
@@ -111,8 +113,8 @@ def test_jobset_manifest_runs_train_py_with_flags_it_accepts():
   pod = spec['template']['spec']
   [container] = pod['containers']
   command = _command(container)
-  assert command[:2] == ['python', 'train.py'], command
-  args = pc.check_train_args(command[2:])  # train.py's parser and load_config: exits if bad
+  assert command[0] == 'mecefo-train', command  # the package's console script (pyproject.toml)
+  args = pc.check_train_args(command[1:])  # train.py's parser and load_config: exits if bad
   cfg = cli.new_config(args)
   assert not {'coordinator', 'process_id', 'host_slot', 'resume', 'fresh'} & {
       k for k, v in vars(args).items() if v not in (None, False)}  # auto-detected / resumed
@@ -127,6 +129,19 @@ def test_jobset_manifest_runs_train_py_with_flags_it_accepts():
   shared = [path for path, name in mounts.items() if 'persistentVolumeClaim' in volumes[name]]
   for path in (args.out, cfg.train.data.split(':', 1)[1]):  # on the volume every pod shares
     assert any(path.startswith(root + '/') for root in shared), path
+
+
+def test_the_image_installs_the_package_and_the_docs_run_the_installed_commands():
+  """deploy/Dockerfile installs the package (its console scripts on PATH, configs inside it);
+  docs/tpu.md starts training with the installed commands, never a file of the checkout."""
+  dockerfile = (ROOT / 'deploy' / 'Dockerfile').read_text()
+  assert re.search(r'^RUN pip install [^\n]*--no-deps \.$', dockerfile, re.M), dockerfile
+  scripts = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scripts']
+  tpu = (ROOT / 'docs' / 'tpu.md').read_text()
+  runs_a_checkout_file = re.findall(r'python\S*\s+(?:train\.py|-m mecefo_jax\.launch)\b', tpu)
+  assert not runs_a_checkout_file, runs_a_checkout_file
+  used = set(re.findall(r'\b(mecefo-[a-z]+)\b', tpu))
+  assert {'mecefo-train', 'mecefo-launch'} <= used <= set(scripts), used
 
 
 def _events(path: Path) -> list[dict]:

@@ -13,16 +13,14 @@ import traceback
 from pathlib import Path
 
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
-from mecefo_jax.config import (DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
-                               load_config, rule_of, to_dict)
+from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
+                               builtin_configs, config_file, load_config, rule_of, to_dict)
 from mecefo_jax.run import hints
 from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
                                   STOPPED)
 
 
-# configs/ lies next to train.py in the repository: the default must not depend on the cwd.
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / 'configs' / 'tiny.yaml'
+DEFAULT_CONFIG = CONFIGS / 'tiny.yaml'  # in the package: the default does not depend on the cwd
 # A test hook: `HOST` makes the process of logical host HOST fail in its start-up with an
 # `error:` line (tests/test_launch.py: the supervisor ends the job and shows that line).
 TEST_START_ERROR_ENV = 'MECEFO_TEST_START_ERROR'
@@ -54,10 +52,10 @@ def at_least(low: int, kind: type = int):
 def parse_args(argv=None) -> argparse.Namespace:
   p = OneLineParser(
       prog='train.py', description='MeCeFO fault-tolerant LLM training (JAX/Flax).',
-      epilog='example: python train.py --config configs/tiny.yaml train.steps=50 model.n_layers=4')
-  p.add_argument('--config', default=None,
-                 help="YAML file overriding the defaults (default: the repository's "
-                      'configs/tiny.yaml, whatever the current directory)')
+      epilog='example: mecefo-train --config tiny train.steps=50 model.n_layers=4')
+  p.add_argument('--config', default=None, metavar='NAME|FILE',
+                 help=f'a built-in config by name ({", ".join(builtin_configs())}; shipped in '
+                      'the package) or a YAML file, overriding the defaults (default: tiny)')
   p.add_argument('--out', default=None, help='run directory (default: train.out_dir)')
   p.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
   p.add_argument('--data', default=None,
@@ -138,12 +136,7 @@ def _overrides(args) -> list[str]:
 
 
 def _config_path(args) -> Path:
-  if args.config is not None:
-    return Path(args.config)
-  if not DEFAULT_CONFIG.is_file():
-    raise ConfigError(f'default config {str(DEFAULT_CONFIG)!r} not found (package installed '
-                      'without its repository?); pass --config FILE')
-  return DEFAULT_CONFIG
+  return config_file(args.config) if args.config is not None else DEFAULT_CONFIG
 
 
 def new_config(args) -> Config:
@@ -161,7 +154,8 @@ def _config(args) -> tuple[Config, Path]:
   if args.out and not args.fresh and not args.dry_run:
     recorded = rundir.read_run_state(Path(args.out))
     if recorded.get('config') and (args.resume or rundir.unfinished(Path(args.out))):
-      cfg = load_config(args.config, _overrides(args), base=recorded['config'])
+      given = args.config and config_file(args.config)
+      cfg = load_config(given, _overrides(args), base=recorded['config'])
       if args.host_devices is None and recorded.get('host_devices'):
         _setup_devices(recorded['host_devices'])  # jax is not imported yet
       return cfg, Path(args.out)
@@ -169,7 +163,7 @@ def _config(args) -> tuple[Config, Path]:
   if replay is None:
     cfg = new_config(args)
   else:
-    cfg = load_config(args.config, _overrides(args), base=replay[0])
+    cfg = load_config(args.config and config_file(args.config), _overrides(args), base=replay[0])
     if args.host_devices is None:  # jax is not imported yet: the run's device count holds
       _setup_devices(replay[1])
   return cfg, Path(args.out or cfg.train.out_dir)
