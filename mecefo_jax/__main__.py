@@ -11,7 +11,9 @@ from mecefo_jax.run import startup  # noqa: E402  (standard library only)
 def main(argv=None, started: float = STARTED) -> int:
   """`started`: time.time() at the entry's first statement (train.py passes its own)."""
   startup.mark_entry(started)
+  from mecefo_jax.run import hints
   from mecefo_jax.run.cli import main as train
+  hints.entered(sys.argv[0])
   return train(argv)
 
 

@@ -35,13 +35,25 @@ def test_a_config_is_a_file_or_the_name_of_a_built_in_one(tmp_path, monkeypatch)
 
 
 def test_python_m_mecefo_jax_is_train_py_and_every_command_has_its_entry(capsys, monkeypatch):
+  from mecefo_jax.run import hints
   monkeypatch.setattr(startup, '_entry', None)  # main() marks the entry: restored after
+  monkeypatch.setattr(hints, '_TRAIN', list(hints._TRAIN))  # and how it was started
   assert entry.main(['--config', 'tiny', '--print-config']) == 0
   assert '  n_layers: 2\n' in capsys.readouterr().out
   assert SCRIPTS['mecefo-train'] == 'mecefo_jax.__main__:main'
   for name, target in SCRIPTS.items():
     module, function = target.split(':')
     assert callable(vars(__import__(module, fromlist=[function]))[function]), name
+
+
+def test_printed_commands_name_the_command_that_started_the_trainer(monkeypatch):
+  from mecefo_jax.run import hints
+  monkeypatch.setattr(hints, '_TRAIN', list(hints._TRAIN))
+  for argv0, command in [('/venv/bin/mecefo-train', 'mecefo-train'),
+                         ('/site/mecefo_jax/__main__.py', 'python -m mecefo_jax'),
+                         ('train.py', 'python train.py')]:
+    hints.entered(argv0)
+    assert hints.resume(Path('X')) == f'`{command} --out X --resume`'
 
 
 def test_the_supervisor_starts_this_package_not_a_file_of_the_checkout():

@@ -288,7 +288,7 @@ def test_the_readme_commands_with_a_kill_and_a_rerun_of_prepare(launcher, corpus
   assert proc.returncode == -signal.SIGKILL
   assert not (tmp_path / 'data' / 'corpus' / tokendir.META).exists()
   finished = launcher.python(*prepare_cmd[1:], **run)
-  assert finished.returncode == 0 and 'train on it: python train.py --data tokens:' in \
+  assert finished.returncode == 0 and 'train on it: mecefo-train --data tokens:' in \
       finished.stdout, finished.stderr
   prep.prepare([str(tmp_path / 'corpus')], tmp_path / 'whole')
   assert (tmp_path / 'data' / 'corpus' / tokendir.TOKENS).read_bytes() == (

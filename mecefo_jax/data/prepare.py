@@ -241,8 +241,8 @@ def main(argv=None) -> int:
   print(f'{args.out}: {meta["token_count"]:,} tokens ({meta["dtype"]}) of {meta["doc_count"]:,} '
         f'documents, ids {meta["token_min"]}..{meta["token_max"]} of a vocabulary of '
         f'{meta["vocab_size"]} (tokenizer {meta["tokenizer"]}), from {meta["text_bytes"]:,} '
-        f'bytes of text; {done}\ntrain on it: python train.py --data tokens:{args.out} '
-        f'model.vocab_size={meta["vocab_size"]}')
+        f'bytes of text; {done}\ntrain on it: mecefo-train --data tokens:{args.out} '
+        f'model.vocab_size={meta["vocab_size"]} (in a checkout: python train.py, the same)')
   return 0
 
 

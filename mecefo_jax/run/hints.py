@@ -13,6 +13,16 @@ LAUNCH_ENV = 'MECEFO_LAUNCH_ARGS'
 # own arguments (a notebook has no --resume to pass).
 _ARGUMENTS = {'--resume': 'resume=True', '--fresh': 'replace=True', '--out': 'out_dir'}
 _command_line = False
+# How the user started training, for the commands printed: the checkout's train.py unless an
+# installed entry says otherwise (mecefo_jax/__main__.py: `mecefo-train`, `python -m mecefo_jax`).
+_TRAIN = ['python', 'train.py']
+
+
+def entered(argv0: str) -> None:
+  """The trainer was started as `argv0` (sys.argv[0] of mecefo_jax/__main__.py)."""
+  name = Path(argv0).name
+  _TRAIN[:] = (['mecefo-train'] if name == 'mecefo-train' else
+               ['python', '-m', 'mecefo_jax'] if name == '__main__.py' else ['python', 'train.py'])
 
 
 @contextlib.contextmanager
@@ -32,7 +42,7 @@ def flag(name: str) -> str:
 
 
 def _train(*args) -> str:
-  return shlex.join(['python', 'train.py', *map(str, args)])
+  return shlex.join([*_TRAIN, *map(str, args)])
 
 
 def launch_command() -> str | None:
