@@ -96,9 +96,11 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   # failures.txt's own replay line, run exactly as printed (from tmp_path: runs/latest there):
   # one process with every device, the same records and parameters.
   line = (run / 'failures.txt').read_text().splitlines()[0]
-  replay_cmd = re.fullmatch(r'# replay: `(python train\.py [^`]*)`', line).group(1)
-  replay = launcher.run([sys.executable, ROOT / 'train.py', *shlex.split(replay_cmd)[2:]],
-                        timeout=600, cwd=tmp_path, env=env)
+  # The supervised processes are `python -m mecefo_jax`: the line names that (the package
+  # importable, as where it is installed).
+  replay_cmd = re.fullmatch(r'# replay: `(python -m mecefo_jax [^`]*)`', line).group(1)
+  replay = launcher.run([sys.executable, *shlex.split(replay_cmd)[1:]], timeout=600,
+                        cwd=tmp_path, env={**env, 'PYTHONPATH': str(ROOT)})
   assert replay.returncode == 0, replay.stderr[-3000:]
   reference = report(tmp_path / 'runs' / 'latest')
   assert result['params_sha256'] == reference['params_sha256']

@@ -140,8 +140,8 @@ def test_the_image_installs_the_package_and_the_docs_run_the_installed_commands(
   tpu = (ROOT / 'docs' / 'tpu.md').read_text()
   runs_a_checkout_file = re.findall(r'python\S*\s+(?:train\.py|-m mecefo_jax\.launch)\b', tpu)
   assert not runs_a_checkout_file, runs_a_checkout_file
-  used = set(re.findall(r'\b(mecefo-[a-z]+)\b', tpu))
-  assert {'mecefo-train', 'mecefo-launch'} <= used <= set(scripts), used
+  used = set(re.findall(r'\bmecefo-(?:train|launch|prepare|plot|report)\b', tpu))
+  assert {'mecefo-train', 'mecefo-launch', 'mecefo-prepare'} <= used <= set(scripts), used
 
 
 def _events(path: Path) -> list[dict]:
