@@ -293,11 +293,6 @@ class ProgramCache:
       if ahead and how == 'moved':
         self.stats.book('moved_ahead', seconds)
 
-  def has_shape(self, key: ProgramKey) -> bool:
-    """Whether the program `key` would be moved, not compiled: one of its shape is built
-    already (and moving is on)."""
-    return self.moved.has(key)
-
   def step_programs(self, keys: tuple[ProgramKey, ...]) -> 'StepPrograms':
     """The programs of a step's keys (StepPlan.programs): the fused one, or the groups and
     the update."""
