@@ -116,8 +116,10 @@ def test_goodput_after_failures(name):
 
 def test_no_fault_runs_only_the_fused_program():
   c = _controller()
-  for t in range(2):
-    c.step(t)
+  c.step(0)
+  assert [key for key, _ in c.last_built] == [K('fused', ALL4, Role(exact=B))]
+  c.step(1)
+  assert c.last_built == ()  # built once, for the first step that needed it
   assert set(c.programs.keys()) == {K('fused', ALL4, Role(exact=B))}
   assert c.samples == {'exact': 2 * 4 * B, 'degraded': 0, 'dropped': 0}
   assert c.goodput['degraded_productive'] == c.goodput['lost'] == 0.0
@@ -128,6 +130,9 @@ def test_naive_takeover_equals_fault_free_step():
   c = _controller('4x2', 'faults.takeover=naive', schedule=FailureSchedule(4).fail_at(2, 0))
   metrics = c.step(0)
   assert c.live() == (0, 1, 3) and K('group', (3,), Role(exact=2 * B)) in c.programs.keys()
+  built = dict(c.last_built)  # what the step waited for: its group programs and the update
+  assert K('group', (3,), Role(exact=2 * B)) in built and set(built.values()) <= {
+      'compiled', 'loaded', 'moved'}
   assert c.samples == {'exact': 4 * B, 'degraded': 0, 'dropped': 0}
   assert float(metrics['exact_tokens']) == 4 * B * L and float(metrics['degraded_tokens']) == 0
   np.testing.assert_allclose(float(metrics['loss']), loss, rtol=1e-6)

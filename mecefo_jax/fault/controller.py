@@ -43,7 +43,7 @@ class Controller:
   owns both, the program cache and the background builder.
 
   What the run layer asks of it (run/; tests/test_layout.py keeps it to this): `start` (the
-  first step's programs built), `step` and `last_plan`, `fetch`, `evaluate`, the state and
+  first step's programs built), `step`, `last_plan` and `last_built`, `fetch`, `evaluate`, the state and
   where it lives (`state`, `state_mesh`, `live`), what happened (`events`, `samples`,
   `goodput`, `tokens_trained`, `step_memory`, `programs_report`, `dump_meta`), bookings
   (`book`, `exclude_from_steps`) and `settle` / `close`.
@@ -73,6 +73,7 @@ class Controller:
     self._hosts: list[tuple[int, ...]] | None = None  # start_precompile
     self.plans = PlanChain()
     self.last_plan: StepPlan | None = None  # the plan of the last step run
+    self.last_built: tuple = ()  # the programs it waited for: ((key, how), ...)
     self.first_programs_s: float | None = None  # Controller.start: the first step's programs
     self.step_memory: dict = {}  # Controller.start: the fused step's memory per device
 
@@ -172,7 +173,16 @@ class Controller:
 
   # --- one step ----------------------------------------------------------------------------
   def step(self, step: int, wall_s: float = 0.0) -> dict:
-    """Runs training step `step`; returns its metrics (device scalars)."""
+    """Runs training step `step`; returns its metrics (device scalars). `last_plan` is then its
+    plan, `last_built` the programs it waited for: ((key, how), ...)."""
+    before = len(self.programs.built)
+    try:
+      return self._step(step, wall_s)
+    finally:
+      self.last_built = tuple((key, how) for key, how, ahead in self.programs.built[before:]
+                              if not ahead)
+
+  def _step(self, step: int, wall_s: float) -> dict:
     placements, changed = self.decider.advance(step, wall_s)
     for live in placements:
       self.executor.place(live)

@@ -20,6 +20,8 @@ class StepRecord:
   plan: StepPlan  # what the decider planned for it: live slices, roles, programs, eval
   values: dict | None  # its metrics on the host (loss, grad_norm, lr, ...); None: not fetched
   loop_start: float  # time.perf_counter() when the loop started (rows' wall_s count from it)
+  step_s: float = 0.0  # its wall until this record: dispatch, and the step itself if fetched
+  built: tuple = ()  # the programs it waited for: ((ProgramKey, 'compiled'|'loaded'|'moved'),)
   stop_voted: bool = False  # several processes: the job agreed to stop after this step
   rows: list[dict] = dataclasses.field(default_factory=list)  # metrics rows for after it
 

@@ -162,33 +162,35 @@ class Trainer:
     settled = ([self.snapshots.wait_until_finished] if self.snapshots else []) + [c.settle]
     for step in range(self.origin.step, self.cfg.train.steps):
       self.hooks.before_step(step)
+      t_step = time.perf_counter()
       try:
-        metrics = c.step(step, time.perf_counter() - loop_start)  # planned and executed
+        metrics = c.step(step, t_step - loop_start)  # planned and executed
       except AllSlicesDown as err:
         message = (f'{err}. When devices return, {hints.resume(self.out_dir)} continues from '
                    f'the newest snapshot (every slice back at step {step})')
         log.error('%s', message)
         self.files.all_down_at(step)
         return step, message
-      record = self._record(step, metrics, loop_start)
+      record = self._record(step, metrics, loop_start, t_step)
       stop = self.hooks.after_step(record)
       if stop is not None:
         return stop.steps_done, stop.message
       test_death(host, step + 1, *settled)
     return self.cfg.train.steps, None
 
-  def _record(self, step: int, metrics, loop_start: float) -> StepRecord:
+  def _record(self, step: int, metrics, loop_start: float, t_step: float) -> StepRecord:
     """The step's record, its metrics fetched where a hook wants them and for the first step
     (the start-up clock's end): the fetch waits for the step."""
     c = self.controller
     self.records.events(c.events)
-    record = StepRecord(step, c.last_plan, None, loop_start)
+    record = StepRecord(step, c.last_plan, None, loop_start, built=c.last_built)
     if self.hooks.wants_values(step) or step == self.origin.step:
       # Several processes: a collective every step, carrying this process's stop vote.
       vote = self.stop.due(step + 1) if multihost.is_multiprocess() else None
       record.values, record.stop_voted = c.fetch(metrics, vote)
       self.records.reached(step + 1)  # the fetch waited for the step: it is trained
       self.startup.step_done()
+    record.step_s = time.perf_counter() - t_step
     return record
 
   def close(self) -> None:
