@@ -12,7 +12,7 @@ from mecefo_jax.run.hooks import Divergence, Every, Hook, Hooks, RunEnd, StepRec
 from mecefo_jax.run.metric_rows import MetricRows
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.run_files import RunFiles
-from mecefo_jax.run.saving import Snapshots, Stop
+from mecefo_jax.run.saving import SnapshotSaver, Stop
 from mecefo_jax.run.stop import StopRequest
 from mecefo_jax.run.report_schema import Report
 from mecefo_jax.sections import Draft
@@ -92,7 +92,7 @@ def test_the_interval_is_snapshot_every_or_the_tuners_from_auto():
 
 def test_a_stop_request_ends_the_run_after_its_step_saved_where_snapshots_are():
   records = RunRecords('.', enabled=False)
-  saver = Snapshots(None, state=lambda: None, meta=lambda n: {}, records=records,
+  saver = SnapshotSaver(None, state=lambda: None, meta=lambda n: {}, records=records,
                     resume_hint='`python train.py --resume`')
   stop = Stop(StopRequest(after_step=2), saver, records, '`python train.py --resume`')
   assert stop.after_step(_record(0)) is None

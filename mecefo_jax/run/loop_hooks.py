@@ -7,11 +7,11 @@ from mecefo_jax.run import hints
 from mecefo_jax.run.evaluation import Evals
 from mecefo_jax.run.hooks import Divergence, Hook, Hooks
 from mecefo_jax.run.metric_rows import MetricRows
-from mecefo_jax.run.saving import Snapshots, Stop
+from mecefo_jax.run.saving import SnapshotSaver, Stop
 
 
 def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
-            extra: Sequence[Hook] = ()) -> tuple[Hooks, Snapshots]:
+            extra: Sequence[Hook] = ()) -> tuple[Hooks, SnapshotSaver]:
   """(The hooks of Trainer `run`, its snapshot hook), each carrying over what the restored
   snapshot held. The order: divergence first (no snapshot holds a diverged state), the eval
   before the snapshot (its result is in the snapshot's meta), the snapshot before the metrics
@@ -23,7 +23,7 @@ def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
                     tokens=c.tokens_trained, eval_s=lambda: evals.seconds,
                     losses=meta.get('losses', []), mode=progress, on_log=on_log,
                     enabled=run.files.is_chief)
-  saver = Snapshots(run.snapshots, lambda: c.state, lambda steps: {
+  saver = SnapshotSaver(run.snapshots, lambda: c.state, lambda steps: {
       'controller': c.dump_meta(), 'losses': rows.losses, 'reached': steps,
       'evals': evals.evals}, run.records, resume_hint)
   stop = Stop(run.stop, saver, run.records, resume_hint)

@@ -12,12 +12,12 @@ from mecefo_jax.run.stop import StopRequest
 from mecefo_jax.sections import Draft
 from mecefo_jax.snapshot import durable
 from mecefo_jax.snapshot.interval import SnapshotInterval
-from mecefo_jax.snapshot.manager import Snapshots as SnapshotsSection
+from mecefo_jax.snapshot.manager import Snapshots
 
 log = logging.getLogger('mecefo')
 
 
-class Snapshots(Hook):
+class SnapshotSaver(Hook):
   """Saves the state after the steps the tiers have due (async, one replica); stops the run when
   durable checkpoints keep failing. `meta(steps_done)`: what a snapshot carries besides the
   state (the decider's state, losses, evals)."""
@@ -86,7 +86,7 @@ class Snapshots(Hook):
   def report(self, end: RunEnd, report: Draft) -> None:
     """report.json's `snapshots` and `snapshot_interval` sections (their defaults: off)."""
     sn = self.snapshots
-    report.snapshots = sn.report() if sn else SnapshotsSection()
+    report.snapshots = sn.report() if sn else Snapshots()
     report.snapshot_interval = sn.interval.report() if sn else SnapshotInterval()
 
 
@@ -94,7 +94,7 @@ class Stop(Hook):
   """Ends the run after a step when a stop was requested (a signal, --stop-after, the stop file;
   several processes: as the job voted with the step's metrics), the step saved first."""
 
-  def __init__(self, request: StopRequest, saver: Snapshots, records: RunRecords,
+  def __init__(self, request: StopRequest, saver: SnapshotSaver, records: RunRecords,
                resume_hint: str):
     self.request, self.saver, self.records = request, saver, records
     self.resume_hint = resume_hint
