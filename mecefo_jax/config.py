@@ -1,7 +1,6 @@
 """Frozen typed run configuration; YAML files and dotted CLI overrides only override defaults."""
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import functools
 import itertools
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from mecefo_jax.files import read_user_text
 from mecefo_jax.settings import Rule, leaves, markdown as settings_markdown, setting
 
 # Value sets that other modules import; the fields below refer to them (their one declaration).
@@ -276,37 +276,6 @@ def _yaml_load(text: str, where: str):
     raise ConfigError(f'{where} is not valid YAML{at}: {problem}') from None
 
 
-def check_text(data: bytes, path: Path, what: str, *, final: bool = True,
-               error: type[ValueError] = ConfigError, offset: int = 0) -> None:
-  """Raises `error` (one line) where `data`, the bytes of `path`, are not text: a NUL byte or
-  bytes that are not UTF-8. `final=False`: `data` is only the file's start (it may end inside a
-  character). `offset`: where `data` starts in the file (the message counts from the file's
-  start)."""
-  nul = data.find(b'\0')
-  try:
-    codecs.getincrementaldecoder('utf-8')().decode(data[:nul] if nul >= 0 else data,
-                                                   final or nul >= 0)
-  except UnicodeDecodeError as err:
-    nul = err.start
-  if nul >= 0:
-    raise error(f'{what} {str(path)!r} is not UTF-8 text (byte {offset + nul}); is it a '
-                f'binary file?')
-
-
-def read_text(path: Path, what: str) -> str:
-  """The UTF-8 text of `path`; missing, a directory, unreadable or binary: one ConfigError line."""
-  if path.is_dir():
-    raise ConfigError(f'{what} {str(path)!r} is a directory; give the file itself')
-  if not path.is_file():
-    raise ConfigError(f'{what} {str(path)!r} not found')
-  try:
-    data = path.read_bytes()
-  except OSError as err:
-    raise ConfigError(f'cannot read {what} {str(path)!r}: {err.strerror or err}') from None
-  check_text(data, path, what)
-  return data.decode('utf-8')
-
-
 def parse_override(text: str) -> dict:
   """'model.n_layers=4' -> {'model': {'n_layers': 4}} (value parsed as YAML)."""
   if '=' not in text:
@@ -391,7 +360,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
   cfg = _apply(Config(), base) if base else Config()
   if path is not None:
     path = Path(path)
-    data = _yaml_load(read_text(path, 'config file'), f'config file {str(path)!r}') or {}
+    data = _yaml_load(read_user_text(path, 'config file', ConfigError), f'config file {str(path)!r}') or {}
     if not isinstance(data, dict):
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     cfg = _apply(cfg, data)

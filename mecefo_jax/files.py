@@ -1,6 +1,7 @@
 """The one checked reader (and durable writer) of the files the project reads back (errors.md)."""
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -143,3 +144,35 @@ def replace_text(path: Path, text: str) -> None:
     os.fsync(fd)  # the rename itself survives a power loss
   finally:
     os.close(fd)
+
+
+def check_text(data: bytes, path: Path, what: str, error: type[ValueError], *,
+               final: bool = True, offset: int = 0) -> None:
+  """Raises `error` (one line) where `data`, the bytes of `path`, are not text: a NUL byte or
+  bytes that are not UTF-8. `final=False`: `data` is only the file's start (it may end inside a
+  character). `offset`: where `data` starts in the file (the message counts from the file's
+  start)."""
+  nul = data.find(b'\0')
+  try:
+    codecs.getincrementaldecoder('utf-8')().decode(data[:nul] if nul >= 0 else data,
+                                                   final or nul >= 0)
+  except UnicodeDecodeError as err:
+    nul = err.start
+  if nul >= 0:
+    raise error(f'{what} {str(path)!r} is not UTF-8 text (byte {offset + nul}); is it a '
+                f'binary file?')
+
+
+def read_user_text(path: Path, what: str, error: type[ValueError]) -> str:
+  """The UTF-8 text of a file the user named (a config, a failure trace): missing, a directory,
+  unreadable or binary is one `error` line naming it as `what`."""
+  if path.is_dir():
+    raise error(f'{what} {str(path)!r} is a directory; give the file itself')
+  if not path.is_file():
+    raise error(f'{what} {str(path)!r} not found')
+  try:
+    data = path.read_bytes()
+  except OSError as err:
+    raise error(f'cannot read {what} {str(path)!r}: {err.strerror or err}') from None
+  check_text(data, path, what, error)
+  return data.decode('utf-8')

@@ -10,7 +10,8 @@ from typing import Literal
 import numpy as np
 
 # PRESETS (docs/algorithm.md §5) and RATES are declared with the config key that names them.
-from mecefo_jax.config import PRESETS, RATES, ConfigError, read_text
+from mecefo_jax.config import PRESETS, RATES, ConfigError
+from mecefo_jax.files import read_user_text
 from mecefo_jax.sections import entry
 
 PAPER_DEVICES = 32  # §5-6: the presets' rates are for the paper's 32-GPU cluster
@@ -150,7 +151,7 @@ class FailureSchedule:
     `text`: the file's text if already read; `source`: the events' (default trace:<name>)."""
     path = Path(path)
     sched, source = cls(n_slices), source or f'trace:{path.name}'
-    text = read_text(path, 'failure trace') if text is None else text
+    text = read_user_text(path, 'failure trace', ConfigError) if text is None else text
     for lineno, line in enumerate(text.splitlines(), 1):
       fields = line.split('#', 1)[0].split()
       if not fields:

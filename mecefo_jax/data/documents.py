@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
 
-from mecefo_jax.config import check_text
+from mecefo_jax.files import check_text
 
 TEXT_SUFFIXES = ('.txt', '.md')
 # A document is read in pieces of at most this many bytes, cut after a line end: memory stays

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mecefo_jax.config import check_text
+from mecefo_jax.files import check_text
 from mecefo_jax.data import tokendir
 from mecefo_jax.data.documents import DataError, first_line, open_documents
 from mecefo_jax.data.order import EVAL_BASE, check_int, check_sample_ids
@@ -273,7 +273,7 @@ def _text_memmap(spec: str, p: Path) -> np.ndarray:
     raise DataError(f'{spec}: file is empty: {p}')
   text = np.memmap(p, dtype=np.uint8, mode='r')
   head = text[:TEXT_PROBE_BYTES].tobytes()
-  check_text(head, p, f'{spec}: file', final=len(head) == len(text), error=DataError)
+  check_text(head, p, f'{spec}: file', DataError, final=len(head) == len(text))
   return text
 
 

@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 from mecefo_jax import files
-from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, read_text, to_dict
+from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, to_dict
 from mecefo_jax.run import hints
 from mecefo_jax.run.stop import STOP_FILE
 
@@ -131,12 +131,12 @@ def read_trace(out_dir: Path, failures: str, resume: bool) -> Trace | None:
   source = f'trace:{given.name}'
   if resume and copy.is_file():
     log.info('failure trace: the run\'s copy %s (started with %s)', copy, given)
-    return Trace(copy, read_text(copy, 'failure trace'), source)
+    return Trace(copy, files.read_user_text(copy, 'failure trace', ConfigError), source)
   if resume and not given.exists():
     raise ConfigError(f'failure trace {str(given)!r} not found, and {str(out_dir)!r} holds no '
                       f'copy of it ({TRACE}: the run was started before runs kept one); put '
                       f'the trace back there to resume')
-  return Trace(given, read_text(given, 'failure trace'), source)
+  return Trace(given, files.read_user_text(given, 'failure trace', ConfigError), source)
 
 
 def keep_trace(out_dir: Path, trace: Trace) -> None:
