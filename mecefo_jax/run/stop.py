@@ -81,12 +81,19 @@ class StopRequest:
 
 
 def test_death(host: int, steps_done: int, *ready) -> None:
-  """The death TEST_DEATH_ENV asks for, if it is this host's at `steps_done`: once every
-  callable in `ready` returned (the snapshot written, the background builds done)."""
+  """The death TEST_DEATH_ENV asks for, once `steps_done` steps are trained: every process
+  first waits for each callable in `ready` (its snapshot written, its background builds done)
+  and, in a multi-process job, for the others to do the same, so that where the death lands
+  (the newest complete snapshot of the survivors too) is the same in every run."""
   spec = os.environ.get(TEST_DEATH_ENV)
-  if spec and spec == f'{host}:{steps_done}':
-    for wait in ready:
-      wait()
+  if not spec or spec.split(':')[1] != str(steps_done):
+    return
+  for wait in ready:
+    wait()
+  from mecefo_jax import multihost  # jax: only where a test asks for a death
+  if multihost.is_multiprocess():
+    multihost.allgather_json(host)  # a barrier: every survivor's snapshot is complete
+  if spec == f'{host}:{steps_done}':
     log.warning('%s=%s: host %d kills itself (SIGKILL) after step %d', TEST_DEATH_ENV, spec,
                 host, steps_done)
     os.kill(os.getpid(), signal.SIGKILL)
