@@ -265,15 +265,33 @@ def _apply(cfg, updates: dict, prefix: str = ''):
   return dataclasses.replace(cfg, **changes)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """Refuses a key given twice in a mapping (PyYAML keeps the last: a 2nd `train:` drops the 1st)."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise ConfigError(f'{self.name} gives {key!r} twice (line {key_node.start_mark.line + 1}); '
+                          f'merge the two into one')
+      seen.add(key)
+    return super().construct_mapping(node, deep)
+
+
 def _yaml_load(text: str, where: str):
-  """yaml.safe_load, with a syntax error as one ConfigError line naming `where`."""
+  """Safe YAML; a syntax error or a key given twice is one ConfigError line naming `where`."""
+  loader = _UniqueKeyLoader(text)
+  loader.name = where
   try:
-    return yaml.safe_load(text)
+    return loader.get_single_data()
   except yaml.YAMLError as err:
     mark = getattr(err, 'problem_mark', None)
     at = f' (line {mark.line + 1}, column {mark.column + 1})' if mark else ''
     problem = getattr(err, 'problem', None) or str(err).splitlines()[0]
     raise ConfigError(f'{where} is not valid YAML{at}: {problem}') from None
+  finally:
+    loader.dispose()
 
 
 def parse_override(text: str) -> dict:
@@ -360,7 +378,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
   cfg = _apply(Config(), base) if base else Config()
   if path is not None:
     path = Path(path)
-    data = _yaml_load(read_user_text(path, 'config file', ConfigError), f'config file {str(path)!r}') or {}
+    where = f'config file {str(path)!r}'
+    data = _yaml_load(read_user_text(path, 'config file', ConfigError), where)
+    if data is None or data == {}:  # an empty file would silently train Config()'s defaults
+      raise ConfigError(f'{where} holds no settings (empty); leave out --config for the '
+                        f'built-in defaults, or give a built-in config (--config tiny)')
     if not isinstance(data, dict):
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     cfg = _apply(cfg, data)

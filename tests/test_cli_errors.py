@@ -63,6 +63,23 @@ def test_yaml_syntax_errors_fail_in_one_line(tmp_path, capsys):
              "override 'train.steps=[1,' is not valid YAML")
 
 
+def test_an_empty_config_or_a_section_given_twice_fails_in_one_line(tmp_path, capsys):
+  """Neither trains something the user did not ask for: an empty file would train Config()'s
+  defaults (not `tiny`), and PyYAML alone keeps only the second of two `train:` sections."""
+  empty, twice = tmp_path / 'empty.yaml', tmp_path / 'twice.yaml'
+  empty.write_text('# settings to come\n')
+  twice.write_text('train: {steps: 3}\nmodel: {d_model: 32}\ntrain: {seed: 1}\n')
+  _one_error(_main(capsys, '--config', empty, '--print-config'),
+             f"config file '{empty}' holds no settings (empty)")
+  _one_error(_main(capsys, '--config', twice, '--print-config'),
+             f"config file '{twice}' gives 'train' twice (line 3)")
+  _one_error(_main(capsys, 'train={steps: 1, steps: 2}', '--print-config'),
+             "gives 'steps' twice")
+  ok = tmp_path / 'ok.yaml'  # each section once: loads
+  ok.write_text('train: {seed: 3}\nfaults: {failures: none}\nsnapshot: {enabled: false}\n')
+  assert load_config(ok).train.seed == 3
+
+
 def test_binary_config_trace_and_text_data_fail_in_one_line(tmp_path, capsys):
   blob = tmp_path / 'blob.bin'
   blob.write_bytes(bytes(range(256)) * 4)
