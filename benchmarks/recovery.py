@@ -35,7 +35,7 @@ from pathlib import Path
 from benchmarks import common
 
 STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')
-RESUMED = re.compile(r'resumed from the .* after step (\d+);.* so (\d+) step\(s\) are trained')
+RESUMED = re.compile(r'resumed from the .* of (\d+) step\(s\);.* so (\d+) step\(s\) are trained')
 
 
 def _args(argv):

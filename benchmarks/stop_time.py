@@ -6,7 +6,7 @@ Run: python -m benchmarks.stop_time [--config configs/llama_60m.yaml] [--process
 Starts a run (one train.py process, or --processes N under the supervisor, which passes the
 SIGTERM on to every process), waits until it has logged --at-step, sends SIGTERM (a
 preemption's notice) and times it until the exit. The run must exit 143 having printed
-`stopped by SIGTERM after step N, saved as the in-memory snapshot ... and the durable checkpoint
+`stopped by SIGTERM after N steps, saved as the in-memory snapshot ... and the durable checkpoint
 ...`: the stop step in both tiers. A preemption's grace period is 30 s on the clouds we target
 (GCE, GKE): the time must stay well under it.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks import common
 
-STOP_LINE = re.compile(r'stopped by (.+?) after step (\d+), saved as the (.+?); resume with')
+STOP_LINE = re.compile(r'stopped by (.+?) after (\d+) steps?, saved as the (.+?); resume with')
 
 
 def _args(argv):

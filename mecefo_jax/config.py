@@ -128,8 +128,8 @@ class TrainConfig:
   # jax.random.PRNGKey takes a signed 64-bit seed.
   seed: int = setting(0, 'seed of the init, the data order and the failure presets',
                       within='[0, 2**63)')
-  log_every: int = setting(10, 'steps between metrics rows / log lines (the last step is always '
-                           'logged)', within='>= 1')
+  log_every: int = setting(10, 'steps between metrics rows / log lines (the last step '
+                           'trained, a stopped run\'s too, is always logged)', within='>= 1')
   out_dir: str = setting(DEFAULT_OUT, 'run directory (`--out`); a new run here replaces a '
                          'finished one (README: Snapshots)')
   data: str = setting('synthetic', 'synthetic | tokens:DIR (prepared) | text:PATH | pydoc | '

@@ -194,7 +194,7 @@ def test_the_closing_line_says_whether_the_run_finished_or_stopped(tmp_path):
             'eval_perplexity': None, 'entropy_floor': None, 'wall_s': 2.0, 'tokens_per_s': 10.0,
             'stopped': None, 'config': {'train': {'steps': 40}}}
   assert cli._summary(report, tmp_path).startswith('done: 40 steps, loss 5.0000 -> 3.0000, ')
-  report.update(stopped='stopped by SIGINT (Ctrl-C) after step 40, ...',
+  report.update(stopped='stopped by SIGINT (Ctrl-C) after 40 steps, ...',
                 config={'train': {'steps': 60}})
   assert cli._summary(report, tmp_path).startswith('stopped: 40 of 60 steps, loss 5.0000 -> ')
 

@@ -97,7 +97,7 @@ def test_a_stop_request_ends_the_run_after_its_step_saved_where_snapshots_are():
   stop = Stop(StopRequest(after_step=2), saver, records, '`python train.py --resume`')
   assert stop.after_step(_record(0)) is None
   end = stop.after_step(_record(1))
-  assert end == StopRun('stopped by --stop-after 2 after step 2, saved nothing (snapshots are '
+  assert end == StopRun('stopped by --stop-after 2 after 2 steps, saved nothing (snapshots are '
                         'off)', 2)
   report = Draft(Report)
   stop.report(RunEnd(2, 1.0, end.message), report)

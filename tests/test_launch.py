@@ -60,7 +60,7 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   # The survivors' job loaded the takeover's programs that the first job had stored, moved
   # onto its own devices, and stopped after its first step, saved in both tiers.
   assert 'loaded from the store the update program onto slices [0, 1, 4, 5]' in survivors
-  assert f'stopped by the grow-back of host(s) [1] after step {DEATH + 1}, saved as the ' \
+  assert f'stopped by the grow-back of host(s) [1] after {DEATH + 1} steps, saved as the ' \
          'in-memory snapshot parts' in survivors
   stopped = report(run)
   assert stopped['steps'] == STOP and stopped['preempted'] and 'durable checkpoint' in \

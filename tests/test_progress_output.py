@@ -47,7 +47,7 @@ def test_plain_lines_are_shown_when_logging_is_not_configured():
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3 and 'step 4/20 loss 3.2500' in lines[0], lines
     assert lines[1].endswith('compiling the fused program onto slices [0]'), lines
-    assert 'eval after step' in lines[2], lines
+    assert 'eval at step' in lines[2], lines
     assert not log.isEnabledFor(logging.INFO) and log.propagate and log.handlers == handlers
   finally:
     log.setLevel(saved[0])
@@ -60,7 +60,7 @@ def test_plain_log_lines_when_stderr_is_not_a_tty(caplog):
   mode, messages = _show('auto', stream, caplog)
   assert mode == 'plain' and stream.getvalue() == ''
   assert 'step 4/20 loss 3.2500 grad_norm 0.500 live 1/2 (neighbor takeover) tok/s 12345' in messages
-  assert any(m.startswith('eval after step 4: loss 3.0000') for m in messages)
+  assert any(m.startswith('eval at step 4: loss 3.0000') for m in messages)
 
 
 def test_progress_bar_on_a_tty(caplog):
@@ -101,3 +101,31 @@ def test_the_bar_and_the_plain_log_say_when_a_program_is_built(caplog):
       assert 'eval (background)' not in stream.getvalue()  # another thread's build: not ours
       p.step(1)
       assert not stream.getvalue().endswith('...]') and 'live 1/2' in stream.getvalue()
+
+
+class _DeviceLoss:
+  """A device scalar as the bar sees it: ready or not (jax.Array's is_ready), one shard."""
+
+  def __init__(self, value: float, ready: bool):
+    self.value, self.ready = value, ready
+    self.addressable_shards = [type('Shard', (), {'data': value})()]
+
+  def is_ready(self) -> bool:
+    return self.ready
+
+
+def test_the_bar_shows_the_newest_trained_steps_loss_not_the_last_logged_row():
+  """Between logged rows the bar follows every step's loss as soon as it is computed, without
+  waiting for it: a step still running leaves the previous step's loss shown."""
+  pytest.importorskip('tqdm')
+  stream = FakeTTY()
+  with progress.Progress(20, 0, 2, 'spread', mode='bar', stream=stream) as p:
+    p.train_row(ROW)  # step 4's row: loss 3.25
+    p.step(2, _DeviceLoss(3.125, ready=True))
+    assert p._fields['loss'] == 'loss 3.1250'
+    p.step(2, _DeviceLoss(3.0, ready=False))  # dispatched, not computed: the last ready one
+    assert p._fields['loss'] == 'loss 3.1250'
+    p.step(2, 2.5)  # a fetched loss (a logged step)
+    assert p._fields['loss'] == 'loss 2.5000'
+    p.step(2, None)  # a process that ran no part of the step
+    assert p._fields['loss'] == 'loss 2.5000'

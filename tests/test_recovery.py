@@ -155,7 +155,7 @@ def test_sigterm_saves_a_durable_checkpoint_and_exits(launcher, tmp_path, refere
   out, shm = tmp_path / 'run', tmp_path / 'shm'
   args = ('mesh.slice=1', f'snapshot.dir={shm}', 'snapshot.durable_every=1000')
   code, log = kill_after(launcher, out, 4, *args, sig=signal.SIGTERM)
-  assert code == 128 + signal.SIGTERM and 'stopped by SIGTERM after step' in log, log[-3000:]
+  assert code == 128 + signal.SIGTERM and 'stopped by SIGTERM after ' in log, log[-3000:]
   stopped = report(out)
   assert stopped['preempted'] and '--resume' in stopped['stopped']
   durable = complete_steps(durable_dir(out))

@@ -1,5 +1,6 @@
 """Resume: the snapshot a restart takes over a sweep of timings (made-up per-host inventories),
 initial_state's accounting, and every hint the product prints run exactly as printed."""
+import json
 import logging
 import re
 import shlex
@@ -114,25 +115,30 @@ def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
   """--stop-after (a stop request like SIGTERM's): the stop step in both tiers, the resume hint
   run exactly as printed continues it with the run's own config (train.steps=12, not the
   default) and its own copy of the trace (the given file is gone by then), the records count
-  no lost step, and failures.txt's replay line reproduces it."""
+  no lost step, and failures.txt's replay line reproduces it. The last trained step (5, not a
+  logged one) ends metrics.jsonl and the stop's summary line, not the last logged step (4)."""
   monkeypatch.setenv('XLA_FLAGS', '')  # a resume re-simulates the run's devices there
   monkeypatch.chdir(tmp_path)  # the replay writes runs/latest here
   (tmp_path / 'trace.txt').write_text('3 1 fail\n7 1 repair\n')
   caplog.set_level(logging.INFO, 'mecefo')
   code = cli.main(['--out', 'run', *TINY, 'mesh.slice=2', 'train.steps=12', 'train.log_every=4',
                    '--failures', 'trace:trace.txt', f'snapshot.dir={tmp_path}/shm',
-                   'train.compile_cache=', '--stop-after', '5'])
+                   'train.compile_cache=', '--stop-after', '6'])
   assert code == STOPPED
-  message = next(m for m in caplog.messages if m.startswith('stopped by --stop-after 5 after '
-                                                            'step 5, saved as the in-memory'))
+  message = next(m for m in caplog.messages if m.startswith('stopped by --stop-after 6 after '
+                                                            '6 steps, saved as the in-memory'))
+  rows = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').open()]
+  last = [r for r in rows if r['kind'] == 'train'][-1]
+  assert last['step'] == 5 and report(tmp_path / 'run')['final_loss'] == last['loss']
+  assert any(f"-> {last['loss']:.4f}, eval" in m for m in caplog.messages)  # the summary
   assert f'{tmp_path}/shm/' in message and 'checkpoints' in message, message
   (tmp_path / 'trace.txt').unlink()  # a cleaned /tmp, a run copied to another machine
   assert (tmp_path / 'run' / rundir.TRACE).read_text() == '3 1 fail\n7 1 repair\n'
   assert cli.main(_printed('resume with', message)) == 0
   result = report(tmp_path / 'run')
   assert (result['steps'], result['resumed_from_step'], result['steps_lost'],
-          result['steps_lost_total']) == (12, 5, 0, 0)
-  # Restored, not initialized; its first step (5: not a logged one) still stops the clock.
+          result['steps_lost_total']) == (12, 6, 0, 0)
+  # Restored, not initialized; its first step (6: not a logged one) still stops the clock.
   startup = result['startup']
   assert startup['init_lower_s'] is None and startup['init_run_s'] is None
   assert startup['first_step_s'] > startup['restore_s'] + startup['first_programs_s'] > 0

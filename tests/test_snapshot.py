@@ -5,7 +5,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mecefo_jax.model.train_state import TrainState
 from mecefo_jax.snapshot import capacity, manifest, parity, manager
 from mecefo_jax.snapshot.manager import SnapshotError, SnapshotManager
-from mecefo_jax.snapshot.tier import SnapshotWarning
 
 META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
 
@@ -138,7 +139,8 @@ def test_snapshot_without_manifest_is_ignored(tmp_path, mesh, caplog):
   assert 'no manifest' in caplog.text and step_dirs(tmp_path / 'mem') == [1]
 
 
-def test_truncated_file_fails_checksum_and_previous_snapshot_is_used(tmp_path, mesh):
+def test_truncated_file_fails_checksum_and_previous_snapshot_is_used(tmp_path, mesh, caplog,
+                                                                     capfd):
   old, new = make_state(mesh, seed=1), make_state(mesh, seed=2)
   with SnapshotManager(tmp_path / 'mem') as manager:
     manager.maybe_save(1, old, META)
@@ -147,9 +149,13 @@ def test_truncated_file_fails_checksum_and_previous_snapshot_is_used(tmp_path, m
   largest = max(files, key=lambda p: p.stat().st_size)
   os.truncate(largest, largest.stat().st_size // 2)
   with SnapshotManager(tmp_path / 'mem') as manager:
-    with pytest.warns(SnapshotWarning, match=r'snapshot .*/2: .*checksum'):
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')  # one log line, no Python warning with its source line
       step, restored, *_ = manager.restore_latest(abstract(old))
   assert step == 1 and digests(restored) == digests(old)
+  skipped = [r for r in caplog.records if re.search(r'^skipping memory snapshot .*/2: .*checksum',
+                                                    r.getMessage())]
+  assert len(skipped) == 1 and skipped[0].levelname == 'WARNING', caplog.messages
 
 
 def test_falls_back_to_durable_when_memory_is_empty(tmp_path, mesh):

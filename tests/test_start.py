@@ -88,7 +88,7 @@ def test_durable_saves_that_fail_are_a_line_each_then_stop_the_run(tmp_path,
   assert [msg.split(' failed')[0] for msg in failed] == [
       'durable checkpoint 1', 'durable checkpoint 2', 'durable checkpoint 3'], caplog.messages
   assert all('No space left on device (a test)' in msg for msg in failed)
-  stop = next(msg for msg in caplog.messages if 'the run stopped after step 4, saved as the '
+  stop = next(msg for msg in caplog.messages if 'the run stopped after 4 step(s), saved as the '
               'in-memory snapshot' in msg)
   assert stop.startswith(f'{durable.FAILURES_TO_STOP} durable checkpoint(s) in a row failed')
   result = report(out)
@@ -114,7 +114,7 @@ def test_a_durable_failure_while_the_in_memory_tier_fails_too_stops_at_once(
   result = report(out)
   assert result['steps'] == 2 and result['snapshots']['durable_failed'] == 1
   assert result['snapshots']['skipped'] == 3  # steps 1, 2, and 2 again at the stop
-  assert 'the run stopped after step 2, saved in no snapshot (the in-memory tier fails too' in \
+  assert 'the run stopped after 2 step(s), saved in no snapshot (the in-memory tier fails too' in \
       caplog.text
 
 

@@ -71,7 +71,7 @@ def test_train_py_on_a_text_folder(launcher, tmp_path):
   # stderr is a pipe here, not a terminal: plain log lines, no progress bar.
   assert '\r' not in proc.stderr and '%|' not in proc.stderr
   for needle in (' step 0/20 loss ', ' step 19/20 loss ',
-                 ' eval after step 19: loss ', ' done: 20 steps'):
+                 ' eval at step 19: loss ', ' done: 20 steps'):
     assert needle in proc.stderr, proc.stderr[-2000:]
 
 

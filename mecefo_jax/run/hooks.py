@@ -22,7 +22,8 @@ class StepRecord:
   loop_start: float  # time.perf_counter() when the loop started (rows' wall_s count from it)
   step_s: float = 0.0  # its wall until this record: dispatch, and the step itself if fetched
   built: tuple = ()  # the programs it waited for: ((ProgramKey, 'compiled'|'loaded'|'moved'),)
-  stop_voted: bool = False  # several processes: the job agreed to stop after this step
+  stop_voted: bool = False  # the run stops after this step (several processes: as the job voted)
+  metrics: dict | None = None  # its metrics still on the devices (values: fetched to the host)
   rows: list[dict] = dataclasses.field(default_factory=list)  # metrics rows for after it
 
   @property

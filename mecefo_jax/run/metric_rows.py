@@ -55,8 +55,9 @@ class MetricRows(Hook):
     return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps - 1
 
   def after_step(self, record: StepRecord) -> None:
-    self._progress.step(len(record.live))
-    if self.wants_values(record.step):
+    loss = record.values['loss'] if record.values else (record.metrics or {}).get('loss')
+    self._progress.step(len(record.live), loss)
+    if self.wants_values(record.step) or record.stop_voted:  # a stopped run's last step too
       record.rows.insert(0, self._train_row(record))
       self.losses.append((record.step, record.rows[0]['loss']))
     for row in record.rows:

@@ -46,6 +46,16 @@ def _rate(tokens_per_s: float) -> str:
   return f'{tokens_per_s:.0f}'
 
 
+def _ready(loss) -> float | None:
+  """`loss` on the host if it is computed: a float as it is, a device scalar once ready (a
+  process that ran no part of the step has None)."""
+  if loss is None or isinstance(loss, float):
+    return loss
+  if not loss.is_ready() or not loss.addressable_shards:
+    return None
+  return float(loss.addressable_shards[0].data)
+
+
 class Progress:
   """What the trainer shows per step. Use as a context manager around the training loop.
 
@@ -63,6 +73,7 @@ class Progress:
     self._bar = None
     self._stack = contextlib.ExitStack()
     self._fields = {'loss': '', 'rate': '', 'live': '', 'mode': '', 'eval': ''}
+    self._losses: list = []  # the last two steps' losses, floats or device scalars
 
   def __enter__(self) -> Progress:
     if self.mode == 'plain' and not log.isEnabledFor(logging.INFO):
@@ -109,12 +120,17 @@ class Progress:
       self._fields['state'] = what.rstrip('.') + ' ...'
       self._show(refresh=True)
 
-  def step(self, live: int) -> None:
-    """One training step done with `live` slices up (cheap: no device sync)."""
+  def step(self, live: int, loss=None) -> None:
+    """One training step done with `live` slices up; `loss`: its loss, a float or a device
+    scalar, shown once computed (no wait: the newest step whose loss is ready)."""
     if self._bar is None:
       return
     built = self._fields.pop('state', None) is not None
     self._fields.update(live=f'live {live}/{self.n_slices}', mode=self._mode(live))
+    self._losses = [*self._losses[-1:], loss]
+    shown = next((v for v in map(_ready, reversed(self._losses)) if v is not None), None)
+    if shown is not None:
+      self._fields['loss'] = f'loss {shown:.4f}'
     self._bar.update(1)
     self._show(refresh=built)  # at once after a build: the bar said it was building
 
@@ -136,7 +152,7 @@ class Progress:
     if self._bar is not None:
       self._fields['eval'] = f'eval {row["loss"]:.4f}'
       self._show()
-    log.info('eval after step %d: loss %.4f perplexity %.3f (%.1fs)', row['step'], row['loss'],
+    log.info('eval at step %d: loss %.4f perplexity %.3f (%.1fs)', row['step'], row['loss'],
              row['perplexity'], row['eval_s'])
 
   def _show(self, refresh: bool = False) -> None:

@@ -56,7 +56,7 @@ class Report:
   schema_version: int = entry('', f'version of this schema ({SCHEMA_VERSION})')
   steps: int = entry('steps', 'steps done (train.steps unless the run stopped early)')
   first_loss: float | None = entry(LOSS, 'training loss of the first logged step')
-  final_loss: float | None = entry(LOSS, 'training loss of the last logged step')
+  final_loss: float | None = entry(LOSS, 'training loss of the last step trained (always logged)')
   tokens: int = entry('tokens', 'tokens trained (exact + degraded samples x seq_len), all '
                       'processes of a resumed run')
   wall_s: float = entry('s', 'wall time of the training loop in this process: steps, snapshots, '

@@ -61,7 +61,7 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
       step, state, meta, where = restored
       reached = multihost.on_chief(lambda: _reached(out_dir))
       start = Start(step, state, meta, where, None if reached is None else max(reached, step))
-      log.warning('resumed from the %s after step %d; the previous processes had trained %s '
+      log.warning('resumed from the %s of %d step(s); the previous processes had trained %s '
                   'step(s), so %s step(s) are trained again', where, step, start.reached,
                   start.steps_lost)
       return start

@@ -105,9 +105,9 @@ class Stop(Hook):
 
   def stopping(self, record: StepRecord) -> bool:
     """Whether the run stops after `record`'s step (the same step on every process)."""
-    if multihost.is_multiprocess():
+    if multihost.is_multiprocess() or record.stop_voted:
       return record.stop_voted
-    return self.request.due(record.steps_done)
+    return self.request.due(record.steps_done)  # a request that came after the step's record
 
   def after_step(self, record: StepRecord) -> StopRun | None:
     if not self.stopping(record):
@@ -118,7 +118,7 @@ class Stop(Hook):
     saved = ('saved as the ' + ' and the '.join(where) if where else
              'saved nothing (snapshots are off)' if not self.saver.snapshots else
              'already saved in the snapshots of that step')
-    message = f'stopped by {self.reason} after step {steps}, {saved}'
+    message = f'stopped by {self.reason} after {steps} step{"s" * (steps != 1)}, {saved}'
     if self.saver.snapshots:
       message += f'; resume with {self.resume_hint}'
     log.warning('%s', message)

@@ -183,11 +183,13 @@ class Trainer:
     (the start-up clock's end): the fetch waits for the step."""
     c = self.controller
     self.records.events(c.events)
-    record = StepRecord(step, c.last_plan, None, loop_start, built=c.last_built)
-    if self.hooks.wants_values(step) or step == self.origin.step:
+    record = StepRecord(step, c.last_plan, None, loop_start, built=c.last_built, metrics=metrics)
+    due = self.stop.due(step + 1)  # a stop after this step: its loss is the run's last one
+    if self.hooks.wants_values(step) or step == self.origin.step or due:
       # Several processes: a collective every step, carrying this process's stop vote.
-      vote = self.stop.due(step + 1) if multihost.is_multiprocess() else None
-      record.values, record.stop_voted = c.fetch(metrics, vote)
+      vote = due if multihost.is_multiprocess() else None
+      record.values, voted = c.fetch(metrics, vote)
+      record.stop_voted = voted if multihost.is_multiprocess() else due
       self.records.reached(step + 1)  # the fetch waited for the step: it is trained
       self.startup.step_done()
     record.step_s = time.perf_counter() - t_step

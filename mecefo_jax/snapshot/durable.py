@@ -66,5 +66,5 @@ def stop_message(guard: DurableGuard, steps: int, where: list[str], resume: str)
            'saved in no snapshot (the in-memory tier fails too; the newest snapshot that was '
            'written is where a resume starts)')
   return (f'{guard.in_a_row} durable checkpoint(s) in a row failed to save (in '
-          f'{guard.tier.directory}; see the lines above): the run stopped after step {steps}, '
+          f'{guard.tier.directory}; see the lines above): the run stopped after {steps} step(s), '
           f'{saved}; once the durable directory works again, resume with {resume}')

@@ -6,7 +6,6 @@ import itertools
 import logging
 import os
 import threading
-import warnings
 from typing import Any
 
 import jax
@@ -22,10 +21,6 @@ from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
 log = logging.getLogger(__name__)
 
 _ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers) break its commit
-
-
-class SnapshotWarning(UserWarning):
-  """A snapshot was skipped because its checksums do not match."""
 
 
 # Every snapshot's meta says its parameter layout (model/layout.py); one without it was written
@@ -267,12 +262,11 @@ class Tier:
     problem = verify_manifest(self.step_dir(step)) if check else problem
     if problem is None:
       return True
-    message = (f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}; deleted (it '
-               f'cannot be restored, and the steps trained again are saved under its number)')
-    if problem.startswith('no manifest'):
-      log.warning(message)  # expected after a crash during a save
-    else:
-      warnings.warn(message, SnapshotWarning, stacklevel=3)
+    # One log line, a checksum mismatch as much as a crash mid-save (no manifest): the run's
+    # own format, where a Python warning would add its source line.
+    log.warning('skipping %s snapshot %s: %s; deleted (it cannot be restored, and the steps '
+                'trained again are saved under its number)', self.name, self.step_dir(step),
+                problem)
     self.delete(step)
     return False
 
