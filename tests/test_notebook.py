@@ -131,6 +131,7 @@ def test_notebook_runs_on_cpu(launcher, tmp_path):
   assert 'slice 1 FAILED' in text and 'slice 1 repaired' in text
   assert 'max |low-rank - V Vᵀ exact|' in text
   assert 'crash: the trainer process died at the start of step 14' in text
+  assert 'in-memory snapshots left by the crashed run (steps done): [10] in ' in text  # its own
   assert 'resumed from the snapshot taken after 10 steps' in text
   assert 'resume check: final params_sha256 matches the uninterrupted run' in text
   assert 'live plot through on_log' in text

@@ -1,0 +1,45 @@
+"""docs/results.md and README's results table are generated from docs/results/*.json and current."""
+import json
+
+import pytest
+
+from benchmarks import results
+
+RECORDED = ('date', 'device', 'commit', 'command')
+
+
+@pytest.fixture(scope='module')
+def loaded():
+  return results.load()
+
+
+def test_every_result_records_its_date_machine_commit_and_command(loaded):
+  assert loaded, 'no docs/results/*.json'
+  for name, d in loaded.items():
+    missing = [k for k in RECORDED if not d.get(k)]
+    assert not missing, f'{name} lacks {missing}'
+    assert d['command'].startswith('python -m benchmarks.'), (name, d['command'])
+    results.kind_of(name)  # a renderer for every file: none is left out of the page
+
+
+def test_docs_results_md_is_generated_from_the_json(loaded):
+  """A figure changed by hand in the page, or a JSON changed without rerunning the command, fails
+  here: `python -m benchmarks.results` rewrites it."""
+  assert results.PAGE.read_text() == results.page(loaded), \
+      'docs/results.md is stale: run python -m benchmarks.results'
+  for name in loaded:
+    assert f'[{name}](results/{name})' in results.PAGE.read_text()
+
+
+def test_readmes_results_table_is_generated_from_the_json(loaded):
+  text = results.README.read_text()
+  assert results.with_readme_table(text, results.readme_table(loaded)) == text, \
+      'README.md results table is stale: run python -m benchmarks.results'
+
+
+def test_a_changed_figure_makes_the_page_stale(loaded):
+  """The check can fail: one number moved in one JSON changes the rendered page."""
+  changed = json.loads(json.dumps(loaded))
+  changed['step_cost_llama_60m.json']['time_ratio'] += 0.5
+  assert results.page(changed) != results.page(loaded)
+  assert results.readme_table(changed) != results.readme_table(loaded)
