@@ -144,7 +144,7 @@ def test_colab_cell_on_python_3_12_with_jax_0_11_2_and_flax_0_12_8_installs_flax
 
 
 # ---- the install lines of the docs follow the files -------------------------------------------
-INSTALL_DOCS = ('README.md', 'docs/tpu.md', 'docs/benchmarks.md', 'colab/README.md',
+INSTALL_DOCS = ('README.md', 'docs/tpu.md', 'docs/history.md', 'docs/install.md', 'colab/README.md',
                 'deploy/Dockerfile')
 
 

@@ -1,4 +1,4 @@
-"""docs/results.md and README's results table are generated from docs/results/*.json and current."""
+"""docs/benchmarks.md's tables and README's results table: generated from docs/results/*.json, current."""
 import json
 
 import pytest
@@ -22,13 +22,16 @@ def test_every_result_records_its_date_machine_commit_and_command(loaded):
     results.kind_of(name)  # a renderer for every file: none is left out of the page
 
 
-def test_docs_results_md_is_generated_from_the_json(loaded):
-  """A figure changed by hand in the page, or a JSON changed without rerunning the command, fails
-  here: `python -m benchmarks.results` rewrites it."""
-  assert results.PAGE.read_text() == results.page(loaded), \
-      'docs/results.md is stale: run python -m benchmarks.results'
+def test_docs_benchmarks_md_tables_are_generated_from_the_json(loaded):
+  """A figure changed by hand in a table, or a JSON changed without rerunning the command, fails
+  here: `python -m benchmarks.results` rewrites them. Every JSON file has its row."""
+  text = results.PAGE.read_text()
+  assert results.page(text, loaded) == text, \
+      'docs/benchmarks.md is stale: run python -m benchmarks.results'
   for name in loaded:
-    assert f'[{name}](results/{name})' in results.PAGE.read_text()
+    assert f'| [{name}](results/{name}) |' in text, name
+  tables = [line for line in text.splitlines() if line.startswith('|---')]
+  assert len(tables) == len(results.KINDS)  # no table on the page but the generated ones
 
 
 def test_readmes_results_table_is_generated_from_the_json(loaded):
@@ -41,5 +44,6 @@ def test_a_changed_figure_makes_the_page_stale(loaded):
   """The check can fail: one number moved in one JSON changes the rendered page."""
   changed = json.loads(json.dumps(loaded))
   changed['step_cost_llama_60m.json']['time_ratio'] += 0.5
-  assert results.page(changed) != results.page(loaded)
+  text = results.PAGE.read_text()
+  assert results.page(text, changed) != results.page(text, loaded)
   assert results.readme_table(changed) != results.readme_table(loaded)
