@@ -165,11 +165,11 @@ def test_prepare_refusals_name_the_change_leave_nothing_and_usage_is_one_line(tm
 
 def test_the_docs_state_the_limits_the_code_has():
   from mecefo_jax.data import sources
-  readme = ' '.join((ROOT / 'README.md').read_text().split())
+  page = ' '.join((ROOT / 'docs' / 'data.md').read_text().split())  # the manual's data page
   errors = (ROOT / 'docs' / 'errors.md').read_text()
   limit = f'{sources.IN_MEMORY_TEXT_BYTES >> 20} MiB of text'
-  assert f'above {limit} they are refused' in readme and f'more than {limit}' in errors
-  assert f'chunk ({prep.CHUNK_MB} MiB of text, `--chunk-mb`)' in readme
+  assert f'above {limit} they are refused' in page and f'more than {limit}' in errors
+  assert f'chunk ({prep.CHUNK_MB} MiB of text, `--chunk-mb`)' in page
 
 
 def test_token_dtype_follows_the_vocabulary():
@@ -262,7 +262,7 @@ def test_each_process_reads_only_the_windows_of_its_rows():
 def _readme_commands() -> list[list[str]]:
   """The commands of the README's "Your own data" block, as argv lists."""
   text = (ROOT / 'README.md').read_text()
-  block = text[text.index('## Your own data: from a text corpus to a run'):]
+  block = text[text.index('## Your own data'):]
   block = block[block.index('```bash\n') + 8:block.index('```\n', block.index('```bash'))]
   return [shlex.split(line) for line in block.splitlines() if line and not line.startswith('#')]
 

@@ -138,22 +138,25 @@ def test_docs_report_md_documents_every_key():
                       '`python -m mecefo_jax.run.report_schema --markdown`'
 
 
-def test_readme_config_table_lists_every_key_with_its_default():
+def test_the_config_pages_list_every_key():
+  """docs/config.md (generated; tests/test_config_rules.py keeps it equal to the declarations)
+  holds every key, and the manual's configuration page and the index lead to it."""
   import dataclasses
 
   from mecefo_jax.config import Config
-  text = (ROOT / 'README.md').read_text()
+  text = (ROOT / 'docs' / 'config.md').read_text()
   cfg = Config()
-  missing = [f'{sec.name}.{f.name} = {getattr(getattr(cfg, sec.name), f.name)!r}'
-             for sec in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, sec.name))
-             if f'| `{sec.name}.{f.name}` | `{getattr(getattr(cfg, sec.name), f.name)!r}` |'
-             not in text]
-  assert not missing, f'README.md configuration table lacks or misstates {missing}'
+  missing = [f'{sec.name}.{f.name}' for sec in dataclasses.fields(cfg)
+             for f in dataclasses.fields(getattr(cfg, sec.name))
+             if f'| `{sec.name}.{f.name}` |' not in text]
+  assert not missing, f'docs/config.md lacks {missing}'
+  for page in ('configuration.md', 'index.md'):
+    assert '](config.md)' in (ROOT / 'docs' / page).read_text(), page
 
 
-def test_readme_layers_snippet_runs():
-  text = (ROOT / 'README.md').read_text()
-  section = text[text.index('## Importing the layers'):]
+def test_the_layers_snippet_of_the_manual_runs():
+  text = (ROOT / 'docs' / 'layers.md').read_text()
+  section = text[text.index('# The MeCeFO layers'):]
   start = section.index('```python\n') + len('```python\n')
   # from another folder the package must be installed: -r requirements.txt is not enough
   assert 'pip install /path/to/mecefo-jax' in section[:start] and '`pip install .`' in \
