@@ -1,7 +1,7 @@
 """Compile time against depth: a 2-slice run with one failure at n_layers = 2 and 16, cold.
 
 Run: python -m benchmarks.compile_depth --trees /path/to/base . --repeats 3 --json OUT.json
-Each run is the command of docs/benchmarks.md "The scanned model", in a fresh HOME with no
+Each run is the command of docs/history.md "The scanned model", in a fresh HOME with no
 compilation cache or program store; trees alternate run by run (a git worktree of the commit to
 compare with, and this tree). Figures per run: programs (compiled + loaded + moved seconds),
 report.json's `startup` where the tree writes one, the wall time and the CPU seconds.

@@ -40,8 +40,8 @@ from mecefo_jax.core.roles import Role, split_passes  # noqa: E402
 from mecefo_jax.core.takeover import Planner  # noqa: E402
 from mecefo_jax.model import bases, train_state  # noqa: E402
 
-# What the replay models and assumes: docs/benchmarks.md, "Throughput under failures".
-NOTES = 'docs/benchmarks.md#throughput-under-failures-controller'
+# What the replay models and assumes: docs/history.md, "Throughput under failures".
+NOTES = 'docs/history.md#throughput-under-failures-controller'
 
 
 def planner(spec: str, n: int, granule: int, cfg) -> Planner:
