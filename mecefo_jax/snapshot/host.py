@@ -168,7 +168,7 @@ class HostSnapshots:
         raise SnapshotError(f'no snapshot has all parts but one among the hosts present '
                             f'(parts by host and step: {found}) and there is no durable '
                             f'checkpoint: a wrong --host-slot, or more than one host\'s '
-                            f'snapshot memory lost; --fresh starts over')
+                            f'snapshot memory lost{self._set_aside_note()}; --fresh starts over')
       return None
     step, layout = choice
     if layout is None:
@@ -177,15 +177,28 @@ class HostSnapshots:
     return step, *self._restore_parts(step, layout, mine, target), self.where(step, ('memory',))[0]
 
   def _durable_steps(self) -> list[int]:
-    """The intact durable checkpoints, as process 0 checks them; a bad one is deleted by all
-    processes together (Orbax's delete of a shared checkpoint is a barrier of them all)."""
+    """The intact durable checkpoints, as process 0 checks them; a bad one is set aside by
+    process 0 (Tier.verified), then every process reloads the tier's steps."""
     if not self._durable:
       return []
     problems = ({str(s): verify_manifest(self._durable.step_dir(s))
                  for s in self._durable.steps()} if jax.process_index() == 0 else None)
     problems = multihost.allgather_json(problems)[0]
-    return [int(s) for s, problem in problems.items()
-            if self._durable.verified(int(s), problem, check=False)]
+    intact = [int(s) for s, problem in problems.items()
+              if self._durable.verified(int(s), problem, check=False)]
+    moved = multihost.allgather_json(self._durable.set_aside_where)[0]  # after process 0's moves
+    self._durable.set_aside_where = list(moved)
+    self._durable.steps()  # reloaded: the steps set aside are gone
+    return intact
+
+  def _set_aside_note(self) -> str:
+    where = self.set_aside
+    return f' (set aside, not deleted, as they failed their checks: {", ".join(where)})' * bool(where)
+
+  @property
+  def set_aside(self) -> list[str]:
+    """Where the snapshots this start set aside are: this host's parts and the durable ones."""
+    return self._tier.set_aside_where + (self._durable.set_aside_where if self._durable else [])
 
   def _restore_parts(self, step: int, layout: tuple[int, ...], mine: dict, target):
     """(state, meta) of in-memory snapshot `step` from its hosts' parts (all processes)."""

@@ -6,7 +6,6 @@ import itertools
 import logging
 import os
 import threading
-import warnings
 from typing import Any
 
 import jax
@@ -15,17 +14,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from mecefo_jax.model import layout as param_layout
-from mecefo_jax.snapshot import hold, image
+from mecefo_jax.snapshot import aside, hold, image
 from mecefo_jax.snapshot.capacity import SnapshotError
 from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
 _ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers) break its commit
-
-
-class SnapshotWarning(UserWarning):
-  """A snapshot was skipped because its checksums do not match."""
 
 
 # Every snapshot's meta says its parameter layout (model/layout.py); one without it was written
@@ -125,6 +120,7 @@ class Tier:
     self._finisher: concurrent.futures.Future | None = None
     self._last_saved: int | None = None
     self._error: BaseException | None = None
+    self.set_aside_where: list[str] = []  # the snapshots this tier set aside: where each now is
 
   def describe(self, step: int) -> str:
     """Where snapshot `step` is, in words (for messages)."""
@@ -150,8 +146,12 @@ class Tier:
       return False  # this tier saved that step's state already (a stop right after a save)
     if step in self._orbax.all_steps():
       # Not this timeline's: steps trained again after a restore from an older snapshot, or a
-      # torn save. Keeping it would resume from a state this run no longer holds.
-      self._orbax.delete(step)
+      # torn save. Keeping it would resume from a state this run no longer holds. A durable
+      # one is set aside (disk); an in-memory one (RAM) of a timeline no longer trained goes.
+      if self.name == 'durable' and self.writes_manifest:
+        self.set_aside(step, f'an older timeline\'s step {step}, replaced by this run\'s')
+      elif self.name != 'durable':
+        self._orbax.delete(step)
     self._last_saved = step
     items = {'meta': ocp.args.JsonSave({**meta, LAYOUT_KEY: param_layout.STACKED})}
     if self.packed:
@@ -262,19 +262,36 @@ class Tier:
 
   def verified(self, step: int, problem: str | None = None, *, check: bool = True) -> bool:
     """Whether snapshot `step` passes its checksums (`check`; else `problem` is what a check
-    found elsewhere); one that does not is skipped with a warning and deleted, so that the steps
-    trained again after a restore can be saved under its number."""
+    found elsewhere). One that does not is skipped and set aside (aside.py), never deleted,
+    with a line; but an in-memory snapshot without a manifest, a save its process did not
+    finish (it died writing it), is deleted, as Orbax deletes its own unfinished saves. In a
+    multi-process durable tier only process 0 moves it (the others skip it)."""
     problem = verify_manifest(self.step_dir(step)) if check else problem
     if problem is None:
       return True
-    message = (f'skipping {self.name} snapshot {self.step_dir(step)}: {problem}; deleted (it '
-               f'cannot be restored, and the steps trained again are saved under its number)')
-    if problem.startswith('no manifest'):
-      log.warning(message)  # expected after a crash during a save
-    else:
-      warnings.warn(message, SnapshotWarning, stacklevel=3)
-    self.delete(step)
+    if self.name == 'memory' and problem.startswith('no manifest'):
+      log.warning('skipping memory snapshot %s: %s; deleted (a save its process did not '
+                  'finish)', self.step_dir(step), problem)
+      self.delete(step)
+    elif self.writes_manifest:
+      self.set_aside(step, problem)
     return False
+
+  def set_aside(self, step: int, problem: str) -> None:
+    """Moves snapshot `step` aside with one line saying why and how to put it back; where it
+    cannot be moved (a bucket's error) it stays where it is, with a line."""
+    kind = 'memory snapshot' if self.name == 'memory' else 'durable checkpoint'
+    try:
+      where = aside.set_aside(self.directory, step, problem)
+    except OSError as err:
+      log.warning('skipping %s %s: %s; it could not be set aside (%s): left where it is',
+                  kind, self.step_dir(step), problem, err)
+      return
+    self._orbax.reload()
+    self.set_aside_where.append(str(where))
+    log.warning('skipping %s %s: %s; set aside as %s (not deleted; to restore it by hand: '
+                '%s)', kind, self.step_dir(step), problem, where,
+                aside.restore_hint(where, self.directory, step))
 
   def close(self) -> None:
     try:
