@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, to_dict
-from mecefo_jax.run import hints
+from mecefo_jax.run import hints, storage
 from mecefo_jax.run.stop import STOP_FILE
 
 log = logging.getLogger('mecefo')
@@ -71,8 +71,14 @@ def read_run_state(out_dir: Path) -> dict:
 
 
 def write_run_state(out_dir: Path, status: str, **extra) -> None:
-  """`running` until the run ends; a `running` or `stopped` run is resumed automatically."""
-  files.replace_text(Path(out_dir) / RUN_STATE, json.dumps({'status': status, **extra}))
+  """`running` until the run ends; a `running` or `stopped` run is resumed automatically. On a
+  full disk, written over the old file's own bytes (it holds the same keys)."""
+  path, text = Path(out_dir) / RUN_STATE, json.dumps({'status': status, **extra})
+  try:
+    files.replace_text(path, text)
+  except OSError:
+    if not storage.overwrite_in_place(path, text):
+      raise
 
 
 def unfinished(out_dir: Path) -> bool:

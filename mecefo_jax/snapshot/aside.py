@@ -51,5 +51,6 @@ def set_aside(tier_dir: epath.Path, step: int, problem: str) -> epath.Path:
 
 
 def restore_hint(where: epath.Path, tier_dir: epath.Path, step: int) -> str:
-  """How to put snapshot `step`, set aside as `where`, back by hand."""
-  return f'mv {where} {epath.Path(tier_dir) / str(step)}'
+  """How to put snapshot `step`, set aside as `where`, back by hand (a refused start removes
+  the tier's directory once empty)."""
+  return f'mkdir -p {tier_dir} && mv {where} {epath.Path(tier_dir) / str(step)}'

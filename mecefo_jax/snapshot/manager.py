@@ -120,7 +120,7 @@ class SnapshotManager:
     check_capacity(directory, state_bytes, self.keep, factor=self.min_free_factor)
     if durable_dir is not None and '://' not in str(durable_dir):  # buckets: nothing to check
       check_capacity(Path(durable_dir), state_bytes, self.durable_keep,
-                     factor=self.min_free_factor)
+                     factor=self.min_free_factor, key='snapshot.durable_dir')
 
   @property
   def every(self) -> int:
@@ -201,6 +201,8 @@ class SnapshotManager:
       self._skip(err)
 
   def _skip(self, err: BaseException) -> None:
+    if self._memory._last_saved is not None:  # no save is in flight: its leftovers go
+      self._memory.discard_failed(self._memory._last_saved)
     self.skipped, self._memory_ok = self.skipped + 1, False
     log.warning('in-memory snapshot skipped (%d so far), training goes on: %s', self.skipped, err)
 

@@ -15,8 +15,8 @@ from etils import epath
 
 from mecefo_jax.model import layout as param_layout
 from mecefo_jax.snapshot import aside, hold, image
-from mecefo_jax.snapshot.capacity import SnapshotError
-from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
+from mecefo_jax.snapshot.capacity import SnapshotError, test_dev_full
+from mecefo_jax.snapshot.manifest import NO_MANIFEST, verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,9 @@ class Tier:
       if args is not None:
         self._start_save(step, args)
       self._orbax.wait_until_finished()  # the step dir is renamed into place by now
+      if self.name == 'durable' and test_dev_full('durable'):
+        with open('/dev/full', 'w') as full:  # a test's full disk: ENOSPC at the flush
+          full.write('{}')
       if self.writes_manifest:
         write_manifest(self.step_dir(step))
     except BaseException as e:  # surfaced by the next wait() in the training thread
@@ -260,6 +263,22 @@ class Tier:
   def delete(self, step: int) -> None:
     self._orbax.delete(step)
 
+  def discard_failed(self, step: int) -> None:
+    """Removes what a failed save of `step` left: Orbax's `*.orbax-checkpoint-tmp` directories
+    and a step directory without its manifest (ours, never finished; no checkpoint that was
+    whole). Where this process writes the manifests, once no save is in flight."""
+    if not self.writes_manifest:
+      return
+    leftovers = list(self.directory.glob(f'{step}.orbax-checkpoint-tmp*'))
+    if self.step_dir(step).exists() and verify_manifest(self.step_dir(step)) == NO_MANIFEST:
+      leftovers.append(self.step_dir(step))
+    for path in leftovers:
+      try:
+        path.rmtree() if path.is_dir() else path.unlink()
+      except OSError as err:  # a bucket out of reach: the next start's Orbax cleans it up
+        log.warning('could not remove %s of a failed save: %s', path, err)
+    self._orbax.reload()
+
   def verified(self, step: int, problem: str | None = None, *, check: bool = True) -> bool:
     """Whether snapshot `step` passes its checksums (`check`; else `problem` is what a check
     found elsewhere). One that does not is skipped and set aside (aside.py), never deleted,
@@ -269,7 +288,7 @@ class Tier:
     problem = verify_manifest(self.step_dir(step)) if check else problem
     if problem is None:
       return True
-    if self.name == 'memory' and problem.startswith('no manifest'):
+    if self.name == 'memory' and problem == NO_MANIFEST:
       log.warning('skipping memory snapshot %s: %s; deleted (a save its process did not '
                   'finish)', self.step_dir(step), problem)
       self.delete(step)
