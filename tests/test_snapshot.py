@@ -164,7 +164,7 @@ def test_truncated_file_fails_checksum_is_set_aside_and_previous_snapshot_is_use
   assert step == 1 and digests(restored) == digests(old)
   [line] = [m for m in caplog.messages if 'set aside' in m]
   assert re.match(r'skipping memory snapshot .*/mem/2: .* fails its checksum; set aside as '
-                  r'.*/set_aside/mem/2-\d{8}T\d{6}Z/2 \(not deleted; to restore it by hand: mv ',
+                  r'.*/set_aside/mem/2-\d{8}T\d{6}Z/2 \(not deleted; to restore it by hand: mkdir -p ',
                   line), line
   [where] = reported
   assert where.startswith(str(tmp_path / 'set_aside' / 'mem')) and files_in(where) == damaged
