@@ -261,9 +261,10 @@ def test_resume_with_a_smaller_durable_keep_counts_what_pruning_frees(tmp_path, 
   assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q',
                    'snapshot.durable_keep=1']) == BAD_INPUT
   [line] = error_lines(capsys.readouterr().err)
-  assert 'MiB its snapshots hold' in line and line.endswith(
+  assert 'for the next snapshot' in line and 'MiB of older ones are pruned' in line and line.endswith(
       '(set snapshot.durable_dir=..., or --no-snapshots)'), line
-  monkeypatch.setattr(shutil, 'disk_usage', free(1.2))  # one save's room; 2.2 with what it holds
+  # One save's room: less than the 2 x 1.1 of keep+1 snapshots, which what it holds makes up.
+  monkeypatch.setattr(shutil, 'disk_usage', free(1.2))
   assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q',
                    'snapshot.durable_keep=1']) == 0
   assert report(tmp_path / 'run')['snapshots']['durable_retained_steps'] == [8]

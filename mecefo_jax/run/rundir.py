@@ -253,7 +253,8 @@ def lock(out_dir: Path):
   if holder and holder != str(os.getpid()):
     log.info('run directory lock of pid %s (no longer running) taken over', holder)
   os.ftruncate(fd, 0)
-  os.pwrite(fd, str(os.getpid()).encode(), 0)
+  with contextlib.suppress(OSError):  # a full disk: held all the same, its holder unnamed
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
   return os.fdopen(fd, 'r+')
 
 

@@ -62,9 +62,14 @@ def check_capacity(directory: str | os.PathLike, state_bytes: int, keep: int, *,
   existing = check_writable(directory, key)
   needed = int(state_bytes * (keep + 1) * factor)  # keep finished + one in flight
   free, held = shutil.disk_usage(existing).free, held_bytes(directory)
-  if free + held < needed or free < state_bytes * factor:
-    mib = 2 ** 20
+  mib, one = 2 ** 20, int(state_bytes * factor)
+  if free + held < needed:
     held_text = f' + {held / mib:.1f} MiB its snapshots hold' if held else ''
     raise SnapshotError(f'snapshot directory {directory}: {free / mib:.1f} MiB free{held_text} '
                         f'< {needed / mib:.1f} MiB needed ({keep}+1 snapshots of '
                         f'{state_bytes / mib:.1f} MiB x {factor:g}) {_hint(key)}')
+  if free < one:  # the snapshots it holds are pruned only once the next save is written
+    raise SnapshotError(f'snapshot directory {directory}: {free / mib:.1f} MiB free < '
+                        f'{one / mib:.1f} MiB for the next snapshot ({state_bytes / mib:.1f} '
+                        f'MiB x {factor:g}), which must be written before the '
+                        f'{held / mib:.1f} MiB of older ones are pruned {_hint(key)}')
