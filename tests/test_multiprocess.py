@@ -19,6 +19,7 @@ from mecefo_jax import multihost, sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.launch import free_port
 from mecefo_jax.run import rundir
+from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 from procs import report, wait_all
 
 STEPS = 8
@@ -70,15 +71,16 @@ def reference(launcher, tmp_path_factory):
 
 def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launcher, reference,
                                                                           tmp_path):
-  """A death the heartbeat notices, then every host's in-memory parts lost (all hosts replaced):
-  the durable checkpoint all processes wrote together is the newest usable state, and the
-  records count the steps trained again from what the killed job had trained."""
+  """A death the heartbeat notices, then every host's in-memory parts lost (all hosts replaced)
+  and a byte of the newest durable checkpoint flipped: process 0 sets that one aside (not
+  deleted), the older durable checkpoint all processes wrote together is the newest usable
+  state, and the records count the steps trained again from what the killed job had trained."""
   procs = _spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', heartbeat=5)
   metrics = tmp_path / 'run' / 'metrics.jsonl'
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and procs[0].poll() is None:
     lines = metrics.read_text().splitlines() if metrics.exists() else []
-    if len(lines) >= 5:
+    if len(lines) >= 6:  # durable checkpoints 2 and 4 written
       break
     time.sleep(0.2)
   assert len(metrics.read_text().splitlines()) < STEPS, 'the run finished before it was killed'
@@ -92,6 +94,15 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   assert 'heartbeat timeout' in text or 'stopped sending heartbeats' in text, text[-3000:]
   reached = rundir.read_reached(tmp_path / 'run')
   shutil.rmtree(_memory_tier(tmp_path))  # every host's parts: only the durable tier is left
+  run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
+  complete = sorted(int(d.name) for d in (tmp_path / 'run' / 'checkpoints' / run_id).iterdir()
+                    if d.name.isdigit() and (d / MANIFEST_NAME).exists())
+  assert len(complete) >= 2, complete
+  damaged = tmp_path / 'run' / 'checkpoints' / run_id / str(complete[-1])
+  block = sorted((damaged / 'state').glob('ocdbt.process_*/d/*'))[0]
+  data = bytearray(block.read_bytes())
+  data[len(data) // 2] ^= 1
+  block.write_bytes(bytes(data))
   codes = wait_all(_spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', '--resume'),
                    420)
   assert codes == [0, 0], _logs(tmp_path, 'run')
@@ -99,6 +110,9 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   result = report(tmp_path / 'run')
   assert result['params_sha256'] == reference['params_sha256']
   step = result['resumed_from_step']
+  [moved] = result['snapshots']['set_aside']  # process 0's report
+  assert moved.startswith(str(tmp_path / 'run' / 'checkpoints' / 'set_aside' / run_id))
+  assert Path(moved).name == str(complete[-1]) and Path(moved).is_dir() and step < complete[-1]
   assert step % 2 == 0 and result['steps_lost'] == reached - step >= 0, (step, reached, result)
   assert result['snapshots']['durable_retained_steps'][-1] == STEPS
   # Every process planned every step alike (the running hash of each one's plans).
