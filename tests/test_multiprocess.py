@@ -19,6 +19,7 @@ from mecefo_jax import multihost, sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.launch import free_port
 from mecefo_jax.run import rundir
+from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 from procs import report, wait_all
 
@@ -37,9 +38,9 @@ def _args(tmp: Path, out: str, *extra) -> list[str]:
           f'snapshot.dir={tmp / (out + "_shm")}', *extra]
 
 
-def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
+def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100, env=None):
   """n local processes of one job (gloo on CPU), output in <out>_<i>.log; the suite's program
-  store (a resume loads what the job before it compiled)."""
+  store (a resume loads what the job before it compiled); `env`: more environment."""
   port = free_port()
   procs = []
   for i in range(n):
@@ -47,7 +48,7 @@ def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
     cmd = [sys.executable, 'train.py', f'--host-devices={8 // n}', f'--coordinator=localhost:{port}',
            f'--num-processes={n}', f'--process-id={i}', f'--heartbeat-s={heartbeat}',
            *_args(tmp, out, *extra)]
-    procs.append(launcher.start(cmd, env=launcher.env(), stdout=log, stderr=log))
+    procs.append(launcher.start(cmd, env=launcher.env(**(env or {})), stdout=log, stderr=log))
   return procs
 
 
@@ -178,3 +179,20 @@ def test_fetch_and_gathers_in_one_process(slices):
       'loss': 2.5, 'grad_norm': 1.0, 'stop': 1.0}
   assert multihost.allgather_json({'a': [1]}) == [{'a': [1]}]
   assert multihost.broadcast_bytes(b'run', 0) == b'run'
+
+
+def test_a_job_whose_tmpfs_is_full_skips_its_parts_and_trains_on(launcher, reference, tmp_path):
+  """Every host's in-memory part fails with ENOSPC (MECEFO_TEST_DEV_FULL=memory: a real write to
+  /dev/full in each save; a full tmpfs needs a small mount and root): each process skips its
+  parts with a warning and trains on, as one process does; the same params as one process,
+  no leftovers in the tier."""
+  procs = _spawn(launcher, tmp_path, 'run', 2, env={TEST_DEV_FULL_ENV: 'memory'})
+  assert wait_all(procs, 420) == [0, 0], _logs(tmp_path, 'run')
+  logs = [log.read_text(errors='replace') for log in sorted(tmp_path.glob('run_*.log'))]
+  assert all('in-memory snapshot part skipped' in text for text in logs), _logs(tmp_path, 'run')
+  assert all('Traceback' not in text for text in logs), _logs(tmp_path, 'run')
+  result = report(tmp_path / 'run')
+  assert result['params_sha256'] == reference['params_sha256']
+  assert result['snapshots']['skipped'] >= 1
+  tier = tmp_path / 'run_shm'
+  assert not [p for p in tier.rglob('*') if 'orbax-checkpoint-tmp' in p.name], list(tier.rglob('*'))

@@ -325,3 +325,22 @@ def test_run_state_is_written_in_place_when_the_disk_has_no_room_for_a_new_file(
     rundir.write_run_state(tmp_path, 'finished', run_id='abc', config={'a': 1, 'b': 2})
   assert rundir.read_run_state(tmp_path)['status'] == 'stopped'
   assert [p.name for p in tmp_path.iterdir()] == [rundir.RUN_STATE]
+
+
+@pytest.mark.slow
+def test_a_full_tmpfs_skips_in_memory_snapshots_and_training_goes_on(tmp_path, capsys, caplog,
+                                                                    monkeypatch):
+  """Every in-memory save fails with ENOSPC (MECEFO_TEST_DEV_FULL=memory: a real write to
+  /dev/full in each save): a warning per skipped snapshot, counted in report.json, training and
+  the durable tier go on (exit 0, run_state.json `finished`), no failed save's leftovers."""
+  monkeypatch.setenv(TEST_DEV_FULL_ENV, 'memory')
+  caplog.set_level(logging.WARNING)
+  code = cli.main(_args(tmp_path, 'train.steps=4', 'snapshot.every=1',
+                        'snapshot.keep_when_finished=true'))
+  lines, err = _lines(caplog, capsys)
+  assert code == 0 and 'Traceback' not in err, lines
+  skipped = [line for line in lines if line.startswith('in-memory snapshot skipped (')]
+  assert len(skipped) == report(tmp_path / 'run')['snapshots']['skipped'] >= 3, lines
+  assert all('No space left on device' in line for line in skipped), skipped
+  assert _state(tmp_path) == 'finished'
+  assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')

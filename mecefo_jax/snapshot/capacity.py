@@ -8,10 +8,10 @@ import tempfile
 from pathlib import Path
 
 
-# A test hook at the OS boundary (tests/test_storage_faults.py), a comma-separated list of what
-# sees a full disk: `durable` makes each durable save write to /dev/full before its manifest (a
-# real ENOSPC from the kernel that fails the save, Orbax's part written; a portable stand-in
-# for a durable directory that fills, which needs a small mount and root).
+# A test hook at the OS boundary (tests/test_storage_faults.py), a comma-separated list of the
+# tiers that see a full disk: `durable` (`memory`) makes each durable (in-memory) save write to
+# /dev/full before its manifest (a real ENOSPC from the kernel that fails the save, Orbax's part
+# written; a portable stand-in for a directory that fills, which needs a small mount and root).
 TEST_DEV_FULL_ENV = 'MECEFO_TEST_DEV_FULL'
 
 

@@ -180,7 +180,7 @@ class Tier:
       if args is not None:
         self._start_save(step, args)
       self._orbax.wait_until_finished()  # the step dir is renamed into place by now
-      if self.name == 'durable' and test_dev_full('durable'):
+      if test_dev_full(self.name):
         with open('/dev/full', 'w') as full:  # a test's full disk: ENOSPC at the flush
           full.write('{}')
       if self.writes_manifest:
