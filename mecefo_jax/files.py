@@ -134,11 +134,15 @@ def replace_text(path: Path, text: str) -> None:
   """Replaces `path` atomically and durably: a crash leaves the old text or the new one."""
   path = Path(path)
   tmp = path.with_name(path.name + '.tmp')
-  with open(tmp, 'w') as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with open(tmp, 'w') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:  # a full disk, an I/O error: no half-written copy is left beside it
+    tmp.unlink(missing_ok=True)
+    raise
   fd = os.open(path.parent, os.O_RDONLY)
   try:
     os.fsync(fd)  # the rename itself survives a power loss

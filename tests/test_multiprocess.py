@@ -19,6 +19,8 @@ from mecefo_jax import multihost, sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.launch import free_port
 from mecefo_jax.run import rundir
+from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
+from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 from procs import report, wait_all
 
 STEPS = 8
@@ -36,9 +38,9 @@ def _args(tmp: Path, out: str, *extra) -> list[str]:
           f'snapshot.dir={tmp / (out + "_shm")}', *extra]
 
 
-def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
+def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100, env=None):
   """n local processes of one job (gloo on CPU), output in <out>_<i>.log; the suite's program
-  store (a resume loads what the job before it compiled)."""
+  store (a resume loads what the job before it compiled); `env`: more environment."""
   port = free_port()
   procs = []
   for i in range(n):
@@ -46,7 +48,7 @@ def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100):
     cmd = [sys.executable, 'train.py', f'--host-devices={8 // n}', f'--coordinator=localhost:{port}',
            f'--num-processes={n}', f'--process-id={i}', f'--heartbeat-s={heartbeat}',
            *_args(tmp, out, *extra)]
-    procs.append(launcher.start(cmd, env=launcher.env(), stdout=log, stderr=log))
+    procs.append(launcher.start(cmd, env=launcher.env(**(env or {})), stdout=log, stderr=log))
   return procs
 
 
@@ -70,15 +72,16 @@ def reference(launcher, tmp_path_factory):
 
 def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launcher, reference,
                                                                           tmp_path):
-  """A death the heartbeat notices, then every host's in-memory parts lost (all hosts replaced):
-  the durable checkpoint all processes wrote together is the newest usable state, and the
-  records count the steps trained again from what the killed job had trained."""
+  """A death the heartbeat notices, then every host's in-memory parts lost (all hosts replaced)
+  and a byte of the newest durable checkpoint flipped: process 0 sets that one aside (not
+  deleted), the older durable checkpoint all processes wrote together is the newest usable
+  state, and the records count the steps trained again from what the killed job had trained."""
   procs = _spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', heartbeat=5)
   metrics = tmp_path / 'run' / 'metrics.jsonl'
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and procs[0].poll() is None:
     lines = metrics.read_text().splitlines() if metrics.exists() else []
-    if len(lines) >= 5:
+    if len(lines) >= 6:  # durable checkpoints 2 and 4 written
       break
     time.sleep(0.2)
   assert len(metrics.read_text().splitlines()) < STEPS, 'the run finished before it was killed'
@@ -92,6 +95,15 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   assert 'heartbeat timeout' in text or 'stopped sending heartbeats' in text, text[-3000:]
   reached = rundir.read_reached(tmp_path / 'run')
   shutil.rmtree(_memory_tier(tmp_path))  # every host's parts: only the durable tier is left
+  run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
+  complete = sorted(int(d.name) for d in (tmp_path / 'run' / 'checkpoints' / run_id).iterdir()
+                    if d.name.isdigit() and (d / MANIFEST_NAME).exists())
+  assert len(complete) >= 2, complete
+  damaged = tmp_path / 'run' / 'checkpoints' / run_id / str(complete[-1])
+  block = sorted((damaged / 'state').glob('ocdbt.process_*/d/*'))[0]
+  data = bytearray(block.read_bytes())
+  data[len(data) // 2] ^= 1
+  block.write_bytes(bytes(data))
   codes = wait_all(_spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', '--resume'),
                    420)
   assert codes == [0, 0], _logs(tmp_path, 'run')
@@ -99,6 +111,9 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   result = report(tmp_path / 'run')
   assert result['params_sha256'] == reference['params_sha256']
   step = result['resumed_from_step']
+  [moved] = result['snapshots']['set_aside']  # process 0's report
+  assert moved.startswith(str(tmp_path / 'run' / 'checkpoints' / 'set_aside' / run_id))
+  assert Path(moved).name == str(complete[-1]) and Path(moved).is_dir() and step < complete[-1]
   assert step % 2 == 0 and result['steps_lost'] == reached - step >= 0, (step, reached, result)
   assert result['snapshots']['durable_retained_steps'][-1] == STEPS
   # Every process planned every step alike (the running hash of each one's plans).
@@ -164,3 +179,20 @@ def test_fetch_and_gathers_in_one_process(slices):
       'loss': 2.5, 'grad_norm': 1.0, 'stop': 1.0}
   assert multihost.allgather_json({'a': [1]}) == [{'a': [1]}]
   assert multihost.broadcast_bytes(b'run', 0) == b'run'
+
+
+def test_a_job_whose_tmpfs_is_full_skips_its_parts_and_trains_on(launcher, reference, tmp_path):
+  """Every host's in-memory part fails with ENOSPC (MECEFO_TEST_DEV_FULL=memory: a real write to
+  /dev/full in each save; a full tmpfs needs a small mount and root): each process skips its
+  parts with a warning and trains on, as one process does; the same params as one process,
+  no leftovers in the tier."""
+  procs = _spawn(launcher, tmp_path, 'run', 2, env={TEST_DEV_FULL_ENV: 'memory'})
+  assert wait_all(procs, 420) == [0, 0], _logs(tmp_path, 'run')
+  logs = [log.read_text(errors='replace') for log in sorted(tmp_path.glob('run_*.log'))]
+  assert all('in-memory snapshot part skipped' in text for text in logs), _logs(tmp_path, 'run')
+  assert all('Traceback' not in text for text in logs), _logs(tmp_path, 'run')
+  result = report(tmp_path / 'run')
+  assert result['params_sha256'] == reference['params_sha256']
+  assert result['snapshots']['skipped'] >= 1
+  tier = tmp_path / 'run_shm'
+  assert not [p for p in tier.rglob('*') if 'orbax-checkpoint-tmp' in p.name], list(tier.rglob('*'))

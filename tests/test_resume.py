@@ -62,6 +62,7 @@ class Inventory:
   def __init__(self, held, slots, durable, cfg):
     self.held, self.slots, self.durable, self.cfg = held, slots, durable, cfg
     self.per_block = []  # snapshots of the per-block layout passed over: none here
+    self.set_aside = []  # snapshots that failed their checks, set aside: none here
 
   def restore_latest(self, target):
     choice = choose(self.held, self.slots, self.durable)

@@ -7,7 +7,9 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +18,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax.model.train_state import TrainState
-from mecefo_jax.snapshot import capacity, manifest, parity, manager
+from mecefo_jax.snapshot import aside, capacity, manifest, parity, manager
 from mecefo_jax.snapshot.manager import SnapshotError, SnapshotManager
+from procs import tree
 
 META = {'data_position': 123, 'config_hash': 'abc123', 'controller': {'failed_slices': [1]}}
 
@@ -57,6 +60,11 @@ def digests(tree):
 
 def abstract(tree):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def files_in(root):
+  """procs.tree of `root`, its paths relative to it."""
+  return {str(Path(k).relative_to(root)): v for k, v in tree(root).items()}
 
 
 def step_dirs(directory):
@@ -139,8 +147,10 @@ def test_snapshot_without_manifest_is_ignored(tmp_path, mesh, caplog):
   assert 'no manifest' in caplog.text and step_dirs(tmp_path / 'mem') == [1]
 
 
-def test_truncated_file_fails_checksum_and_previous_snapshot_is_used(tmp_path, mesh, caplog,
-                                                                     capfd):
+def test_truncated_file_fails_checksum_is_set_aside_and_previous_snapshot_is_used(
+    tmp_path, mesh, caplog):
+  """A damaged snapshot is moved aside as it was (not deleted), reported, and the line's
+  command puts it back."""
   old, new = make_state(mesh, seed=1), make_state(mesh, seed=2)
   with SnapshotManager(tmp_path / 'mem') as manager:
     manager.maybe_save(1, old, META)
@@ -148,14 +158,25 @@ def test_truncated_file_fails_checksum_and_previous_snapshot_is_used(tmp_path, m
   files = [p for p in (tmp_path / 'mem' / '2').rglob('*') if p.is_file()]
   largest = max(files, key=lambda p: p.stat().st_size)
   os.truncate(largest, largest.stat().st_size // 2)
-  with SnapshotManager(tmp_path / 'mem') as manager:
-    with warnings.catch_warnings():
-      warnings.simplefilter('error')  # one log line, no Python warning with its source line
-      step, restored, *_ = manager.restore_latest(abstract(old))
+  damaged = files_in(tmp_path / 'mem' / '2')
+  with SnapshotManager(tmp_path / 'mem') as manager, caplog.at_level(logging.WARNING), \
+       warnings.catch_warnings():
+    warnings.simplefilter('error')  # one log line, no Python warning with its source line
+    step, restored, *_ = manager.restore_latest(abstract(old))
+    reported = manager.report().set_aside
   assert step == 1 and digests(restored) == digests(old)
-  skipped = [r for r in caplog.records if re.search(r'^skipping memory snapshot .*/2: .*checksum',
-                                                    r.getMessage())]
-  assert len(skipped) == 1 and skipped[0].levelname == 'WARNING', caplog.messages
+  [line] = [m for m in caplog.messages if 'set aside' in m]
+  assert re.match(r'skipping memory snapshot .*/mem/2: .* fails its checksum; set aside as '
+                  r'.*/set_aside/mem/2-\d{8}T\d{6}Z/2 \(not deleted; to restore it by hand: mkdir -p ',
+                  line), line
+  [where] = reported
+  assert where.startswith(str(tmp_path / 'set_aside' / 'mem')) and files_in(where) == damaged
+  why = json.loads((Path(where).parent / aside.WHY).read_text())
+  assert (why['step'], why['problem']) == (2, f'{largest.relative_to(tmp_path / "mem" / "2")} '
+                                              'fails its checksum')
+  assert step_dirs(tmp_path / 'mem') == [1]
+  subprocess.run(line.split('restore it by hand: ')[1].rstrip(')'), shell=True, check=True)
+  assert files_in(tmp_path / 'mem' / '2') == damaged  # back as it was: checked (and set aside) again
 
 
 def test_falls_back_to_durable_when_memory_is_empty(tmp_path, mesh):

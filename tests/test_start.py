@@ -123,6 +123,10 @@ class _Tier:
 
   def __init__(self, error):
     self.error = error
+    self.discarded = []  # the failed saves whose leftovers went (process 0's, in a real tier)
+
+  def discard_failed(self, step):
+    self.discarded.append(step)
 
   def wait(self):
     if self.error:
@@ -142,4 +146,5 @@ def test_the_processes_of_a_job_agree_on_a_durable_failure_any_of_them_saw():
       assert guard.save(1, None, {})
       guard.settle()
   assert [(g.failed, g.in_a_row, g.failing) for g in guards] == 2 * [(3, 3, True)]
+  assert [g.tier.discarded for g in guards] == 2 * [[1, 1, 1]]  # once all agreed it failed
   assert not guards[0].save(2, None, {})  # failing: nothing more is started

@@ -15,15 +15,21 @@ from pathlib import Path
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
                                builtin_configs, config_file, load_config, rule_of, to_dict)
-from mecefo_jax.run import hints
+from mecefo_jax.run import hints, storage
 from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
-                                  STOPPED)
+                                  OUTPUTS_FAILING, STOPPED)
 
 
 DEFAULT_CONFIG = CONFIGS / 'tiny.yaml'  # in the package: the default does not depend on the cwd
 # A test hook: `HOST` makes the process of logical host HOST fail in its start-up with an
 # `error:` line (tests/test_launch.py: the supervisor ends the job and shows that line).
 TEST_START_ERROR_ENV = 'MECEFO_TEST_START_ERROR'
+# Simulated CPU devices (--host-devices) XLA's CPU client runs a train step on, measured on a
+# 2-core host: 256 trained 2 tiny steps (37 s); 512 and 1000 waited in the all-reduce
+# rendezvous, then aborted (exit 134 after 142 s / 103 s, megabytes of rendezvous dumps, the
+# run left `running`): refused before any work instead.
+MAX_HOST_DEVICES = 256
+HIGH_WHY = {MAX_HOST_DEVICES: ' (simulated CPU devices; more wedge XLA\'s CPU collectives)'}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,8 +41,8 @@ class OneLineParser(argparse.ArgumentParser):
     sys.exit(BAD_INPUT)
 
 
-def at_least(low: int, kind: type = int):
-  """An argparse type: a finite `kind` (int or float) >= `low`."""
+def at_least(low: int, kind: type = int, high: int | None = None):
+  """An argparse type: a finite `kind` (int or float) >= `low` (and <= `high`)."""
   def parse(text: str):
     try:
       value = kind(text)
@@ -45,6 +51,8 @@ def at_least(low: int, kind: type = int):
           f'expected {"an integer" if kind is int else "a number"}, got {text!r}') from None
     if not (math.isfinite(value) and value >= low):  # NaN fails both
       raise argparse.ArgumentTypeError(f'must be >= {low}, got {text}')
+    if high is not None and value > high:
+      raise argparse.ArgumentTypeError(f'must be <= {high}, got {text}{HIGH_WHY.get(high, "")}')
     return value
   return parse
 
@@ -88,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--no-snapshots', action='store_true', help='no in-memory snapshots (= snapshot.enabled=false)')
   p.add_argument('--quiet', '-q', action='store_true',
                  help='only warnings, errors (failures, repairs) and the final summary line')
-  p.add_argument('--host-devices', type=at_least(1), default=None,
+  p.add_argument('--host-devices', type=at_least(1, high=MAX_HOST_DEVICES), default=None,
                  help='CPU only: simulate this many devices (XLA host platform), e.g. 8 slices')
   p.add_argument('--coordinator', default=None,
                  help='multi-process run: HOST:PORT of process 0 (automatic on TPU pods)')
@@ -116,6 +124,7 @@ def _setup_process(args) -> None:
   # Orbax logs a failed background save with its whole traceback; the snapshot code reports
   # it in one line (a skipped in-memory snapshot, or a durable-tier error), so keep it quiet.
   logging.getLogger('absl').setLevel(logging.CRITICAL)
+  storage.quiet_failed_saves()
 
 
 def _setup_devices(count: int) -> None:
@@ -351,6 +360,8 @@ def _train(args, run, out_dir: Path) -> int:
     log.info('plans: %d steps, digest %s', report['plans']['steps'], report['plans']['digest'])
     log.info('%s', _first_step(report['startup']))
   from mecefo_jax.run.stop import SIGINT_REASON
+  if run.outputs.error is not None:  # a full disk: stopped after the step, resumable
+    return OUTPUTS_FAILING
   if report['preempted'] and not run.snapshots and run.stop.reason == SIGINT_REASON:
     return _interrupted()  # nothing saved: not a resumable stop
   if report['preempted']:  # SIGTERM, Ctrl-C or --stop-after: snapshotted, resumable

@@ -22,7 +22,7 @@ def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
   rows = MetricRows(cfg, run.out_dir, run.origin.step, run.presence.n_slices,
                     tokens=c.tokens_trained, eval_s=lambda: evals.seconds,
                     losses=meta.get('losses', []), mode=progress, on_log=on_log,
-                    enabled=run.files.is_chief)
+                    enabled=run.files.is_chief, guard=run.outputs)
   saver = SnapshotSaver(run.snapshots, lambda: c.state, lambda steps: {
       'controller': c.dump_meta(), 'losses': rows.losses, 'reached': steps,
       'evals': evals.evals}, run.records, resume_hint)

@@ -12,6 +12,7 @@ from mecefo_jax.run.metrics import MetricsWriter
 from mecefo_jax.run.rundir import TB_DIR
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.report_schema import Throughput
+from mecefo_jax.run.storage import OutputGuard
 from mecefo_jax.sections import Draft
 
 
@@ -25,10 +26,10 @@ class MetricRows(Hook):
   def __init__(self, cfg: Config, out_dir: Path, start_step: int, n_slices: int, *,
                tokens: Callable[[], int], eval_s: Callable[[], float], losses: list,
                mode: str = 'auto', on_log: Callable[[dict], None] | None = None,
-               enabled: bool = True):
+               enabled: bool = True, guard: OutputGuard | None = None):
     self.cfg, self.out_dir, self.start_step, self.n_slices = cfg, out_dir, start_step, n_slices
     self.tokens, self.eval_s, self.losses = tokens, eval_s, losses
-    self.mode, self.on_log, self.enabled = mode, on_log, enabled
+    self.mode, self.on_log, self.enabled, self.guard = mode, on_log, enabled, guard
     self.tensorboard = False  # event files written
     self.tokens_at_start = 0
     self._progress: Progress | None = None
@@ -40,7 +41,8 @@ class MetricRows(Hook):
     t = self.cfg.train
     progress = Progress(t.steps, self.start_step, self.n_slices, self.cfg.faults.takeover,
                         self.mode)
-    writer = MetricsWriter(self.out_dir, fresh=self.start_step == 0, enabled=self.enabled)
+    writer = MetricsWriter(self.out_dir, fresh=self.start_step == 0, enabled=self.enabled,
+                           guard=self.guard)
     self.tokens_at_start = self.tokens()
     self._window = (time.perf_counter(), self.tokens_at_start, self.eval_s())
     with writer, progress:

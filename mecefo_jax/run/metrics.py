@@ -1,6 +1,7 @@
 """Metrics of a run: metrics.jsonl (written and read back), TensorBoard scalars when possible."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 
 from mecefo_jax import files
+from mecefo_jax.run.storage import OutputGuard
 from mecefo_jax.run.rundir import METRICS_FILE, TB_DIR
 
 log = logging.getLogger('mecefo')
@@ -60,6 +62,29 @@ def _tb_writer(directory: Path):
   return SummaryWriter(str(directory), flush_secs=10)
 
 
+def _catch_tb_errors(writer, failed: list) -> None:
+  """Makes the TensorBoard writer's file writes put their OSError in `failed` instead of
+  raising it: in tensorboardX's own thread it would print a traceback and end that thread,
+  whose full queue would then block the training thread. (Another tensorboardX without these
+  attributes keeps its own behaviour.)"""
+  try:
+    events = writer._get_file_writer().event_writer._ev_writer
+  except AttributeError:
+    return
+  def guarded(write):
+    def call(*args):
+      if failed:
+        return None
+      try:
+        return write(*args)
+      except OSError as err:
+        failed.append(err)
+        return None
+    return call
+  events.write_event, events.flush = guarded(events.write_event), guarded(events.flush)
+  events.close = guarded(events.close)  # its file's close flushes what is buffered
+
+
 class MetricsWriter:
   """Writes each metrics row as one JSON line (flushed at once) and as TensorBoard scalars.
 
@@ -69,11 +94,15 @@ class MetricsWriter:
   """
 
   def __init__(self, out_dir: str | Path, fresh: bool = True, tensorboard: bool = True,
-               enabled: bool = True):
+               enabled: bool = True, guard: OutputGuard | None = None):
+    """`guard`: a failed write of metrics.jsonl goes to it (the run stops after its step)
+    instead of raising; a failed TensorBoard write turns TensorBoard off with one line."""
     out_dir = Path(out_dir)
     self.path = out_dir / METRICS_FILE
     self.tb_dir = out_dir / TB_DIR
     self._file = self._tb = None
+    self._guard = guard or OutputGuard()
+    self._tb_failed: list[OSError] = []
     self.tensorboard = False  # event files written (stays True after close)
     if not enabled:
       return
@@ -85,14 +114,16 @@ class MetricsWriter:
     self._file = open(self.path, 'w' if fresh else 'a')
     self._tb = _tb_writer(self.tb_dir) if tensorboard else None
     self.tensorboard = self._tb is not None
+    if self._tb is not None:
+      _catch_tb_errors(self._tb, self._tb_failed)
 
   def write(self, row: dict) -> None:
     """Writes `row`, stamped with its Unix `time` (the plot's time axis across restarts)."""
     row.setdefault('time', round(time.time(), 3))
     if self._file is None:
       return
-    self._file.write(to_json(row) + '\n')
-    self._file.flush()  # last_logged_step reads it while (or after) we crash
+    self._guard.attempt(self.path, self._write_line, to_json(row) + '\n')
+    self._check_tb()
     if self._tb is not None:
       kind = row.get('kind', 'train')
       for key in TB_KEYS.get(kind, ()):
@@ -100,12 +131,28 @@ class MetricsWriter:
         if isinstance(value, (int, float)) and math.isfinite(value):
           self._tb.add_scalar(f'{kind}/{key}', value, row['step'])
 
+  def _write_line(self, line: str) -> None:
+    self._file.write(line)
+    self._file.flush()  # last_logged_step reads it while (or after) we crash
+
+  def _check_tb(self) -> None:
+    """A failed TensorBoard write: one line, TensorBoard off (metrics.jsonl goes on)."""
+    if self._tb is None or not self._tb_failed:
+      return
+    log.warning('TensorBoard files in %s cannot be written (%s): TensorBoard is off for the rest '
+                'of this start; training goes on, metrics.jsonl has every row', self.tb_dir,
+                self._tb_failed[0].strerror or self._tb_failed[0])
+    tb, self._tb = self._tb, None
+    with contextlib.suppress(OSError):
+      tb.close()
+
   def close(self) -> None:
     if self._file is not None:
-      self._file.close()
+      self._guard.attempt(self.path, self._file.close)
       self._file = None
     if self._tb is not None:
-      self._tb.close()
+      self._tb.close()  # its errors are caught (_catch_tb_errors)
+      self._check_tb()
       self._tb = None
 
   def __enter__(self) -> MetricsWriter:

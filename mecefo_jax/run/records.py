@@ -5,14 +5,17 @@ from pathlib import Path
 
 from mecefo_jax import multihost
 from mecefo_jax.run import hints, rundir
+from mecefo_jax.run.storage import OutputGuard
 
 
 class RunRecords:
   """The run files a training process keeps (run/rundir.py lists them); on processes other
   than 0 every method does nothing but steps_lost_total, which all call."""
 
-  def __init__(self, out_dir: Path, enabled: bool):
+  def __init__(self, out_dir: Path, enabled: bool, guard: OutputGuard | None = None):
+    """`guard`: where a failed write goes (the run stops after its step) instead of raising."""
     self.out_dir, self.enabled = Path(out_dir), enabled
+    self.guard = guard or OutputGuard()
     self._events_written = 0
     self._reached: rundir.Reached | None = None
 
@@ -23,10 +26,9 @@ class RunRecords:
     if not self.enabled:
       return
     if start.steps_lost:
-      rundir.append_history(self.out_dir, 'thrown_away', from_step=start.step,
-                            to_step=start.reached)
-    rundir.append_history(self.out_dir, 'start', step=start.step, restored=start.where,
-                          hosts=sorted(hosts), live=list(live))
+      self.history('thrown_away', from_step=start.step, to_step=start.reached)
+    self.history('start', step=start.step, restored=start.where, hosts=sorted(hosts),
+                 live=list(live))
     self.events(events, cut_back=True)
 
   def events(self, events: list[dict], cut_back: bool = False) -> None:
@@ -34,8 +36,9 @@ class RunRecords:
     if not self.enabled or (len(events) == self._events_written and not cut_back):
       return
     for event in events[self._events_written:]:
-      rundir.append_history(self.out_dir, 'failure', event=event)
-    rundir.write_failures(self.out_dir, events, hints.replay(self.out_dir))
+      self.history('failure', event=event)
+    self.guard.attempt(self.out_dir / rundir.FAILURES, rundir.write_failures, self.out_dir,
+                       events, hints.replay(self.out_dir))
     self._events_written = len(events)
 
   def open_reached(self) -> None:
@@ -44,7 +47,7 @@ class RunRecords:
   def reached(self, steps: int) -> None:
     """`steps` are trained (the fetch of the last one waited for it)."""
     if self._reached:
-      self._reached.write(steps)
+      self.guard.attempt(self.out_dir / rundir.REACHED, self._reached.write, steps)
 
   def close_reached(self) -> None:
     if self._reached:
@@ -53,7 +56,8 @@ class RunRecords:
 
   def history(self, kind: str, **fields) -> None:
     if self.enabled:
-      rundir.append_history(self.out_dir, kind, **fields)
+      self.guard.attempt(self.out_dir / rundir.HISTORY, rundir.append_history, self.out_dir,
+                         kind, **fields)
 
   def steps_lost_total(self) -> int:
     """Steps trained again over the run's life (history.jsonl, process 0's; all call it)."""

@@ -70,13 +70,22 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
                         f'layout of mecefo-jax before the scanned model ({snapshots.per_block[0]}, '
                         f'kept) and no durable checkpoint: resume it with that version, or start '
                         f'anew with {hints.fresh(out_dir)}')
+    found = 'snapshots are off' if not snapshots else _none_intact(snapshots.set_aside)
     if explicit:
       raise ConfigError(f'{hints.flag("--resume")}: no usable snapshot or checkpoint of the run '
-                        f'in {out_dir} ({"snapshots are off" if not snapshots else "none intact"})'
-                        f'; nothing was started. Start it anew with {hints.fresh(out_dir)}')
-    log.warning('resume: no intact snapshot or checkpoint of the run in %s found; starting '
-                'from step 0', out_dir)
+                        f'in {out_dir} ({found}); nothing was started. Start it anew with '
+                        f'{hints.fresh(out_dir)}')
+    log.warning('resume: no intact snapshot or checkpoint of the run in %s found (%s); starting '
+                'from step 0', out_dir, found)
   return Start(0, initializer.create(cfg, presence.mesh, program_store, times))
+
+
+def _none_intact(set_aside: list[str]) -> str:
+  """What a resume that found nothing usable found, in words."""
+  if not set_aside:
+    return 'none intact'
+  return (f'none intact; set aside, not deleted, as it failed its checks: {", ".join(set_aside)}'
+          f' (docs/snapshots.md: how to restore one by hand)')
 
 
 def _reached(out_dir: Path) -> int | None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, to_dict
-from mecefo_jax.run import hints
+from mecefo_jax.run import hints, storage
 from mecefo_jax.run.stop import STOP_FILE
 
 log = logging.getLogger('mecefo')
@@ -71,8 +71,14 @@ def read_run_state(out_dir: Path) -> dict:
 
 
 def write_run_state(out_dir: Path, status: str, **extra) -> None:
-  """`running` until the run ends; a `running` or `stopped` run is resumed automatically."""
-  files.replace_text(Path(out_dir) / RUN_STATE, json.dumps({'status': status, **extra}))
+  """`running` until the run ends; a `running` or `stopped` run is resumed automatically. On a
+  full disk, written over the old file's own bytes (it holds the same keys)."""
+  path, text = Path(out_dir) / RUN_STATE, json.dumps({'status': status, **extra})
+  try:
+    files.replace_text(path, text)
+  except OSError:
+    if not storage.overwrite_in_place(path, text):
+      raise
 
 
 def unfinished(out_dir: Path) -> bool:
@@ -195,9 +201,15 @@ def remove_snapshots(sn: SnapshotConfig, out_dir: Path, run_id: str, *, durable:
   """Deletes run `run_id`'s in-memory snapshots (the tmpfs folder of `out_dir` too, once no
   run is left in it) and, with `durable`, its durable checkpoints, in a bucket too. `host`: a
   process of a multi-process run deletes only its own part (the others may still read theirs)."""
+  from mecefo_jax.snapshot import aside  # (etils: not for light readers)
   memory, durable_dir = snapshot_dirs(sn, out_dir, run_id)
-  shutil.rmtree(memory if host is None else memory / f'host{host}', ignore_errors=True)
-  for empty in (memory, memory.parent):  # the last process out removes them
+  mine = memory if host is None else memory / f'host{host}'
+  shutil.rmtree(mine, ignore_errors=True)
+  # In-memory snapshots set aside hold RAM: they go with the tier's (README: Snapshots and
+  # resume); durable ones set aside are never removed here.
+  set_aside = Path(aside.place(mine))
+  shutil.rmtree(set_aside, ignore_errors=True)
+  for empty in (set_aside.parent, memory, memory.parent):  # the last process out removes them
     with contextlib.suppress(OSError):
       empty.rmdir()
   if durable:
@@ -211,7 +223,8 @@ def remove_empty_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> None:
   for directory in (memory, Path(durable), Path(durable).parent):
     with contextlib.suppress(OSError):
       for empty in sorted(directory.glob('**/'), key=lambda p: -len(p.parts)):
-        empty.rmdir()  # deepest first; fails (kept) where a file is
+        if 'set_aside' not in empty.relative_to(directory).parts:  # kept as they were
+          empty.rmdir()  # deepest first; fails (kept) where a file is
   with contextlib.suppress(OSError):
     memory.parent.rmdir()
 
@@ -240,7 +253,8 @@ def lock(out_dir: Path):
   if holder and holder != str(os.getpid()):
     log.info('run directory lock of pid %s (no longer running) taken over', holder)
   os.ftruncate(fd, 0)
-  os.pwrite(fd, str(os.getpid()).encode(), 0)
+  with contextlib.suppress(OSError):  # a full disk: held all the same, its holder unnamed
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
   return os.fdopen(fd, 'r+')
 
 
@@ -333,9 +347,10 @@ def clear(out_dir: Path, previous: dict, unreadable: str | None = None) -> None:
   """Removes the outputs, snapshots and checkpoints of the run recorded in `out_dir` (and
   nothing else of the directory). `unreadable`: why its run_state.json could not be read; its
   snapshots and checkpoints, which that file names, are then left where they are."""
-  run_id = previous.get('run_id')
+  run_id, kept = previous.get('run_id'), ''
   if run_id and previous.get('config'):
     remove_snapshots(recorded_snapshot_config(previous), out_dir, run_id, durable=True)
+    kept = _set_aside_kept(recorded_snapshot_config(previous), out_dir, run_id)
   for name in OUTPUTS:
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
@@ -345,7 +360,18 @@ def clear(out_dir: Path, previous: dict, unreadable: str | None = None) -> None:
                 '(remove them by hand)', out_dir, RUN_STATE)
     return
   log.warning('a new run: removed the outputs, snapshots and checkpoints of the previous run '
-              '%s in %s (pass --out to keep runs apart)', run_id or '(unknown id)', out_dir)
+              '%s in %s (pass --out to keep runs apart)%s', run_id or '(unknown id)', out_dir, kept)
+
+
+def _set_aside_kept(sn: SnapshotConfig, out_dir: Path, run_id: str) -> str:
+  """'; kept: ...' naming the durable checkpoints run `run_id` set aside (a local tier's), if
+  any: a new run never removes them."""
+  from mecefo_jax.snapshot import aside
+  durable = snapshot_dirs(sn, out_dir, run_id)[1]
+  place = Path(aside.place(durable)) if '://' not in durable else None
+  if place is None or not place.is_dir():
+    return ''
+  return f'; kept: the checkpoints it set aside in {place} (remove them by hand)'
 
 
 def recorded_snapshot_config(state: dict) -> SnapshotConfig:

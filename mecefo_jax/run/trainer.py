@@ -21,6 +21,7 @@ from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.resume import initial_state
 from mecefo_jax.run.run_files import RunFiles
 from mecefo_jax.run.startup import StartupClock
+from mecefo_jax.run.storage import OutputGuard
 from mecefo_jax.run.stop import StopRequest, test_death
 from mecefo_jax.snapshot import recovery
 from mecefo_jax.snapshot.manager import state_nbytes
@@ -75,7 +76,9 @@ class Trainer:
     self.presence = presence.find(cfg, self.out_dir, resume, host_slot)
     if multihost.is_multiprocess():
       multihost.check_slices_within_processes(self.presence.mesh)
-    self.records = RunRecords(self.out_dir, self.files.is_chief)
+    # A failed write of the run directory (a full disk) stops the run after its step (exit 6).
+    self.outputs = OutputGuard(self.stop.request)
+    self.records = RunRecords(self.out_dir, self.files.is_chief, self.outputs)
     self.corpus = load_corpus(cfg.train.data, seq_len=cfg.model.seq_len, seed=cfg.train.seed,
                               vocab_size=cfg.model.vocab_size)
     if not self.corpus.has_eval:
@@ -131,7 +134,7 @@ class Trainer:
     restart.book(self.out_dir, self.controller, self.origin.meta)  # before its line
     self.records.start(self.origin, self.controller.events, self.presence.slots,
                        self.controller.live())
-    self.files.write_state('running')
+    self.outputs.attempt(self.out_dir / rundir.RUN_STATE, self.files.write_state, 'running')
     loop_start = time.perf_counter()
     self.records.open_reached()
     try:
@@ -146,12 +149,14 @@ class Trainer:
     result = report.build(self, end)
     status = 'stopped' if stopped else 'finished'
     if self.files.is_chief:
-      files.replace_text(self.out_dir / rundir.REPORT, to_json(result, indent=2))
+      self.outputs.attempt(self.out_dir / rundir.REPORT, files.replace_text,
+                           self.out_dir / rundir.REPORT, to_json(result, indent=2))
     self.records.history('end', status=status, step=steps_done,
                          why=stopped or 'trained train.steps')
-    self.files.write_state(status)
+    # run_state.json tells the truth on a full disk too: written in place if need be.
+    self.outputs.attempt(self.out_dir / rundir.RUN_STATE, self.files.write_state, status)
     self._finished = not stopped
-    if cfg.train.plot and self.files.is_chief:
+    if cfg.train.plot and self.files.is_chief and self.outputs.error is None:
       plot.plot_or_warn(self.out_dir)
     return result
 

@@ -44,6 +44,8 @@ class DurableGuard:
       self.in_a_row = 0 if step is not None else self.in_a_row
       self.last_ok = self.last_ok if step is None else True
       return
+    if step is not None and (agree or self._agree is None):  # no process writes it any more
+      self.tier.discard_failed(step)
     self.failed, self.in_a_row, self.last_ok = self.failed + 1, self.in_a_row + 1, False
     self.failing = self.in_a_row >= FAILURES_TO_STOP or not memory_ok
     log.error('durable checkpoint %s failed (%d in a row; the run stops at %d or when the '

@@ -68,6 +68,7 @@ class HostSnapshots:
     self.durable = (DurableGuard(self._durable, agree=multihost.allgather_json)
                     if self._durable else None)
     self.saved = self.durable_saved = 0  # by this process
+    self.skipped = 0  # this host's parts lost to write errors (tmpfs full), a warning each
     self.per_block: list[str] = []  # in-memory parts of the per-block layout passed over
     self._image = np.zeros(self.part_len * n, np.uint8)  # packed state + zero padding
     # Orbax saves no array that one process holds whole in a multi-process run, so a part is
@@ -119,7 +120,7 @@ class HostSnapshots:
     devices = multihost.local_replica_devices(state)
     if devices is None:
       return False  # every slice of this host is down: its part stays at an older step
-    self._tier.wait()  # the previous save may still read the image buffer
+    self._wait_part()  # the previous save may still read the image buffer
     # The state's bytes, packed into the reused, zero-padded image: a real host copy that
     # donation cannot touch.
     image.pack(state, self._image[:self.image_len], devices=devices)
@@ -127,13 +128,34 @@ class HostSnapshots:
              for p in range(len(self.layout))]
     me = self.layout.index(self.slot)
     tree = {'part': self._global(parts[me]), 'parity': self._global(parity.parity_block(parts, me))}
-    saved = self._tier.save(step, tree, {**meta, _LAYOUT: list(self.layout)}, background=True)
+    try:
+      saved = self._tier.save(step, tree, {**meta, _LAYOUT: list(self.layout)}, background=True)
+    except (SnapshotError, OSError) as err:
+      self._skip(err)
+      return False
     self.saved += saved
     return saved
 
+  def _wait_part(self) -> None:
+    try:
+      self._tier.wait()
+    except SnapshotError as err:  # the previous part failed while being written
+      self._skip(err)
+
+  def _skip(self, err: BaseException) -> None:
+    """A part that cannot be written (tmpfs full, I/O) is skipped with a warning, as one
+    process's in-memory snapshot is: the other hosts' parts and blocks rebuild it (parity),
+    the durable tier goes on, and so does training."""
+    if self._tier._last_saved is not None:  # no save in flight: its leftovers go
+      self._tier.discard_failed(self._tier._last_saved)
+    self.skipped += 1
+    log.warning('in-memory snapshot part skipped (%d so far), training goes on: %s',
+                self.skipped, err)
+
   def report(self) -> Snapshots:
     """report.json's `snapshots` section: this host's part, and the durable tier."""
-    return tiers_report(self._tier, self.every, self.saved, 0, self._durable, self.durable_every,
+    return tiers_report(self._tier, self.every, self.saved, self.skipped, self._durable,
+                        self.durable_every,
                         self.durable_saved, self.durable.failed if self.durable else 0)
 
   def _held(self) -> dict[int, tuple[int, ...]]:
@@ -168,7 +190,7 @@ class HostSnapshots:
         raise SnapshotError(f'no snapshot has all parts but one among the hosts present '
                             f'(parts by host and step: {found}) and there is no durable '
                             f'checkpoint: a wrong --host-slot, or more than one host\'s '
-                            f'snapshot memory lost; --fresh starts over')
+                            f'snapshot memory lost{self._set_aside_note()}; --fresh starts over')
       return None
     step, layout = choice
     if layout is None:
@@ -177,15 +199,28 @@ class HostSnapshots:
     return step, *self._restore_parts(step, layout, mine, target), self.where(step, ('memory',))[0]
 
   def _durable_steps(self) -> list[int]:
-    """The intact durable checkpoints, as process 0 checks them; a bad one is deleted by all
-    processes together (Orbax's delete of a shared checkpoint is a barrier of them all)."""
+    """The intact durable checkpoints, as process 0 checks them; a bad one is set aside by
+    process 0 (Tier.verified), then every process reloads the tier's steps."""
     if not self._durable:
       return []
     problems = ({str(s): verify_manifest(self._durable.step_dir(s))
                  for s in self._durable.steps()} if jax.process_index() == 0 else None)
     problems = multihost.allgather_json(problems)[0]
-    return [int(s) for s, problem in problems.items()
-            if self._durable.verified(int(s), problem, check=False)]
+    intact = [int(s) for s, problem in problems.items()
+              if self._durable.verified(int(s), problem, check=False)]
+    moved = multihost.allgather_json(self._durable.set_aside_where)[0]  # after process 0's moves
+    self._durable.set_aside_where = list(moved)
+    self._durable.steps()  # reloaded: the steps set aside are gone
+    return intact
+
+  def _set_aside_note(self) -> str:
+    where = self.set_aside
+    return f' (set aside, not deleted, as they failed their checks: {", ".join(where)})' * bool(where)
+
+  @property
+  def set_aside(self) -> list[str]:
+    """Where the snapshots this start set aside are: this host's parts and the durable ones."""
+    return self._tier.set_aside_where + (self._durable.set_aside_where if self._durable else [])
 
   def _restore_parts(self, step: int, layout: tuple[int, ...], mine: dict, target):
     """(state, meta) of in-memory snapshot `step` from its hosts' parts (all processes)."""
@@ -218,11 +253,12 @@ class HostSnapshots:
 
   def wait_until_finished(self, agree: bool = False) -> None:
     """`agree`: every process calls it now, and they agree on the durable save's outcome."""
-    self._tier.wait()
+    self._wait_part()
     if self._durable:
       self.durable.settle(agree=agree)
 
   def close(self) -> None:
+    self._wait_part()
     self._tier.close()
     if self._durable:
       self.durable.settle(agree=False)

@@ -41,13 +41,17 @@ class Snapshots:
                               'training went on (3 in a row stop the run, exit 5)', default=0)
   durable_retained_steps: list[int] = entry('steps', 'durable checkpoints on disk at the end',
                                             factory=list)
+  set_aside: list[str] = entry('', 'snapshots and checkpoints that failed their checks at this '
+                               'start, moved aside, not deleted: where each now is (README: '
+                               'Snapshots and resume)', factory=list)
 
 
 def tiers_report(memory: Tier, every: int, saved: int, skipped: int, durable: Tier | None,
                  durable_every: int, durable_saved: int, durable_failed: int) -> Snapshots:
   """The `snapshots` section of a manager with these tiers (`durable`: None without one)."""
   section = Snapshots(enabled=True, dir=str(memory.directory), every=every, saved=saved,
-                      skipped=skipped, retained_steps=sorted(memory.steps()))
+                      skipped=skipped, retained_steps=sorted(memory.steps()),
+                      set_aside=[w for t in (memory, durable) if t for w in t.set_aside_where])
   if durable is None:
     return section
   return dataclasses.replace(section, durable_dir=str(durable.directory),
@@ -107,11 +111,16 @@ class SnapshotManager:
   def tiers(self) -> list[Tier]:
     return [self._memory] + ([self._durable] if self._durable else [])
 
+  @property
+  def set_aside(self) -> list[str]:
+    """Where the snapshots this start set aside are."""
+    return [where for tier in self.tiers for where in tier.set_aside_where]
+
   def _check_dirs(self, directory: Path, durable_dir, state_bytes: int) -> None:
     check_capacity(directory, state_bytes, self.keep, factor=self.min_free_factor)
     if durable_dir is not None and '://' not in str(durable_dir):  # buckets: nothing to check
       check_capacity(Path(durable_dir), state_bytes, self.durable_keep,
-                     factor=self.min_free_factor)
+                     factor=self.min_free_factor, key='snapshot.durable_dir')
 
   @property
   def every(self) -> int:
@@ -192,6 +201,8 @@ class SnapshotManager:
       self._skip(err)
 
   def _skip(self, err: BaseException) -> None:
+    if self._memory._last_saved is not None:  # no save is in flight: its leftovers go
+      self._memory.discard_failed(self._memory._last_saved)
     self.skipped, self._memory_ok = self.skipped + 1, False
     log.warning('in-memory snapshot skipped (%d so far), training goes on: %s', self.skipped, err)
 
@@ -200,8 +211,8 @@ class SnapshotManager:
     None.
 
     `target`: pytree of jax.ShapeDtypeStruct with .sharding (or arrays) to restore onto.
-    Snapshots that fail their checks are skipped with a warning and deleted, so that the steps
-    trained again after this restore can be saved under their numbers.
+    Snapshots that fail their checks are skipped with a line and set aside (Tier.verified), so
+    that the steps trained again after this restore can be saved under their numbers.
     """
     self.wait_until_finished()
     candidates = sorted(((step, rank, tier) for rank, tier in enumerate(self.tiers)

@@ -17,6 +17,7 @@ _HASH_BLOCK = 1 << 22
 # it is not meant against tampering. Only this format verifies: a manifest of another (older)
 # format reads as unreadable, and the snapshot is skipped like any other damaged one.
 _FORMAT, _KEY = 3, 'xxh3'
+NO_MANIFEST = 'no manifest (incomplete snapshot)'  # verify_manifest's word for an unfinished save
 
 
 def _digest(path: epath.Path) -> str:
@@ -63,7 +64,7 @@ def verify_manifest(step_dir: str | os.PathLike) -> str | None:
   except files.FileError as e:
     return f'unreadable manifest ({e})'
   if content is None:
-    return 'no manifest (incomplete snapshot)'
+    return NO_MANIFEST
   if content['format'] != _FORMAT:
     return f"unreadable manifest (format {content['format']}, this version reads {_FORMAT})"
   for name, expected in content['files'].items():

@@ -32,13 +32,13 @@ def remove_tree(directory: str) -> None:
     log.warning('could not remove the durable checkpoints in %s: %s', directory, err)
 
 
-def _make_parent(tier_dir: Path, *, given: bool) -> None:
+def _make_parent(tier_dir: Path, *, given: bool, key: str) -> None:
   """Creates the directory that holds a tier's run-id directory. Defaults are made with their
   parents; a directory the user gave must have an existing, writable parent (one-line error)."""
   if not given:
     tier_dir.parent.mkdir(parents=True, exist_ok=True)
   elif not tier_dir.parent.exists():
-    check_writable(tier_dir.parent)
+    check_writable(tier_dir.parent, key)
     tier_dir.parent.mkdir(exist_ok=True)  # another process of the job may make it first
 
 
@@ -50,9 +50,9 @@ def open_manager(cfg: Config, memory_dir: Path, durable_dir: str, state_bytes: i
   if not sn.enabled:
     return None
   try:
-    _make_parent(memory_dir, given=bool(sn.dir))
+    _make_parent(memory_dir, given=bool(sn.dir), key='snapshot.dir')
     if sn.durable_every and '://' not in durable_dir:  # buckets: Orbax creates what it needs
-      _make_parent(Path(durable_dir), given=bool(sn.durable_dir))
+      _make_parent(Path(durable_dir), given=bool(sn.durable_dir), key='snapshot.durable_dir')
     every = Interval.of(sn.every, sn.overhead_budget, sn.max_every)
     if multihost.is_multiprocess():
       return HostSnapshots(memory_dir, cfg, every, slots=slots, durable_dir=durable_dir)
@@ -60,7 +60,7 @@ def open_manager(cfg: Config, memory_dir: Path, durable_dir: str, state_bytes: i
                            durable_every=sn.durable_every, durable_keep=sn.durable_keep,
                            state_bytes=state_bytes)
   except SnapshotError as err:
-    raise ConfigError(f'{err} (set snapshot.dir=..., or --no-snapshots)') from None
+    raise ConfigError(str(err)) from None  # it names the key to set
 
 
 def restore(manager: SnapshotManager | HostSnapshots, cfg: Config, mesh):

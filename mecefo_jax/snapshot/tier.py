@@ -14,9 +14,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from mecefo_jax.model import layout as param_layout
-from mecefo_jax.snapshot import hold, image
-from mecefo_jax.snapshot.capacity import SnapshotError
-from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
+from mecefo_jax.snapshot import aside, hold, image
+from mecefo_jax.snapshot.capacity import SnapshotError, test_dev_full
+from mecefo_jax.snapshot.manifest import NO_MANIFEST, verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Tier:
     self._finisher: concurrent.futures.Future | None = None
     self._last_saved: int | None = None
     self._error: BaseException | None = None
+    self.set_aside_where: list[str] = []  # the snapshots this tier set aside: where each now is
 
   def describe(self, step: int) -> str:
     """Where snapshot `step` is, in words (for messages)."""
@@ -145,8 +146,12 @@ class Tier:
       return False  # this tier saved that step's state already (a stop right after a save)
     if step in self._orbax.all_steps():
       # Not this timeline's: steps trained again after a restore from an older snapshot, or a
-      # torn save. Keeping it would resume from a state this run no longer holds.
-      self._orbax.delete(step)
+      # torn save. Keeping it would resume from a state this run no longer holds. A durable
+      # one is set aside (disk); an in-memory one (RAM) of a timeline no longer trained goes.
+      if self.name == 'durable' and self.writes_manifest:
+        self.set_aside(step, f'an older timeline\'s step {step}, replaced by this run\'s')
+      elif self.name != 'durable':
+        self._orbax.delete(step)
     self._last_saved = step
     items = {'meta': ocp.args.JsonSave({**meta, LAYOUT_KEY: param_layout.STACKED})}
     if self.packed:
@@ -175,6 +180,9 @@ class Tier:
       if args is not None:
         self._start_save(step, args)
       self._orbax.wait_until_finished()  # the step dir is renamed into place by now
+      if test_dev_full(self.name):
+        with open('/dev/full', 'w') as full:  # a test's full disk: ENOSPC at the flush
+          full.write('{}')
       if self.writes_manifest:
         write_manifest(self.step_dir(step))
     except BaseException as e:  # surfaced by the next wait() in the training thread
@@ -255,20 +263,54 @@ class Tier:
   def delete(self, step: int) -> None:
     self._orbax.delete(step)
 
+  def discard_failed(self, step: int) -> None:
+    """Removes what a failed save of `step` left: Orbax's `*.orbax-checkpoint-tmp` directories
+    and a step directory without its manifest (ours, never finished; no checkpoint that was
+    whole). Where this process writes the manifests, once no save is in flight."""
+    if not self.writes_manifest:
+      return
+    leftovers = list(self.directory.glob(f'{step}.orbax-checkpoint-tmp*'))
+    if self.step_dir(step).exists() and verify_manifest(self.step_dir(step)) == NO_MANIFEST:
+      leftovers.append(self.step_dir(step))
+    for path in leftovers:
+      try:
+        path.rmtree() if path.is_dir() else path.unlink()
+      except OSError as err:  # a bucket out of reach: the next start's Orbax cleans it up
+        log.warning('could not remove %s of a failed save: %s', path, err)
+    self._orbax.reload()
+
   def verified(self, step: int, problem: str | None = None, *, check: bool = True) -> bool:
     """Whether snapshot `step` passes its checksums (`check`; else `problem` is what a check
-    found elsewhere); one that does not is skipped with a warning and deleted, so that the steps
-    trained again after a restore can be saved under its number."""
+    found elsewhere). One that does not is skipped and set aside (aside.py), never deleted,
+    with a line; but an in-memory snapshot without a manifest, a save its process did not
+    finish (it died writing it), is deleted, as Orbax deletes its own unfinished saves. In a
+    multi-process durable tier only process 0 moves it (the others skip it)."""
     problem = verify_manifest(self.step_dir(step)) if check else problem
     if problem is None:
       return True
-    # One log line, a checksum mismatch as much as a crash mid-save (no manifest): the run's
-    # own format, where a Python warning would add its source line.
-    log.warning('skipping %s snapshot %s: %s; deleted (it cannot be restored, and the steps '
-                'trained again are saved under its number)', self.name, self.step_dir(step),
-                problem)
-    self.delete(step)
+    if self.name == 'memory' and problem == NO_MANIFEST:
+      log.warning('skipping memory snapshot %s: %s; deleted (a save its process did not '
+                  'finish)', self.step_dir(step), problem)
+      self.delete(step)
+    elif self.writes_manifest:
+      self.set_aside(step, problem)
     return False
+
+  def set_aside(self, step: int, problem: str) -> None:
+    """Moves snapshot `step` aside with one line saying why and how to put it back; where it
+    cannot be moved (a bucket's error) it stays where it is, with a line."""
+    kind = 'memory snapshot' if self.name == 'memory' else 'durable checkpoint'
+    try:
+      where = aside.set_aside(self.directory, step, problem)
+    except OSError as err:
+      log.warning('skipping %s %s: %s; it could not be set aside (%s): left where it is',
+                  kind, self.step_dir(step), problem, err)
+      return
+    self._orbax.reload()
+    self.set_aside_where.append(str(where))
+    log.warning('skipping %s %s: %s; set aside as %s (not deleted; to restore it by hand: '
+                '%s)', kind, self.step_dir(step), problem, where,
+                aside.restore_hint(where, self.directory, step))
 
   def close(self) -> None:
     try:

@@ -1,0 +1,346 @@
+"""Storage faults end in a true state: a damaged checkpoint is set aside (never deleted), a full
+disk under a durable save, metrics.jsonl or TensorBoard is one line and its documented exit code,
+run_state.json says what happened, and no temporary directory is left (docs/errors.md)."""
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from mecefo_jax.config import load_config
+from mecefo_jax.model import train_state
+from mecefo_jax import files
+from mecefo_jax.run import cli, metrics, rundir, storage
+from mecefo_jax.run.exits import BAD_INPUT, CHECKPOINTS_FAILING, OUTPUTS_FAILING
+from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
+from mecefo_jax.snapshot.manager import state_nbytes
+from mecefo_jax.snapshot.manifest import MANIFEST_NAME
+from procs import TINY, error_lines, report, tree
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [*TINY, 'mesh.slice=1', 'train.plot=false', 'train.log_every=1', 'train.eval_every=0']
+
+
+def _args(tmp_path, *more):
+  return ['--out', str(tmp_path / 'run'), *RUN, f'snapshot.dir={tmp_path / "shm"}', '-q', *more]
+
+
+def _state(tmp_path) -> str:
+  return json.loads((tmp_path / 'run' / rundir.RUN_STATE).read_text())['status']
+
+
+def _leftovers(*roots) -> list[str]:
+  """Temporary files and directories of failed writes: Orbax's, ours (*.tmp), step directories
+  without their manifest."""
+  found = []
+  for root in map(Path, roots):
+    for path in root.rglob('*') if root.is_dir() else ():
+      if 'set_aside' in path.parts:
+        continue
+      if path.name.endswith(('.orbax-checkpoint-tmp', '.tmp')) or '.orbax-checkpoint-tmp-' in path.name:
+        found.append(str(path))
+      elif path.is_dir() and path.name.isdigit() and path.parent.name != 'd' and \
+          (path.parent.parent.name in ('checkpoints', 'shm')) and not (path / MANIFEST_NAME).exists():
+        found.append(str(path))
+  return found
+
+
+def _lines(caplog, capsys) -> tuple[list[str], str]:
+  """(The warning and error lines of every logger, stderr): in-process, the log lines go to
+  pytest's handler, the rest (the summary, Python's own reports) to stderr."""
+  err = capsys.readouterr().err
+  lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+           and not r.getMessage().startswith('the mesh uses')]  # the suite's 8 devices
+  return lines + [line for line in err.splitlines() if line.strip()], err
+
+
+def _relative(root) -> dict:
+  return {str(Path(k).relative_to(root)): v for k, v in tree(root).items()}
+
+
+def _flip_a_byte(path: Path) -> None:
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 1
+  path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_damaged_only_durable_checkpoint_is_set_aside_and_resume_says_where(
+    tmp_path, capsys, caplog):
+  """The in-memory tier gone and one byte of the only durable checkpoint flipped: --resume sets
+  it aside as it was (not deleted), says where in one line (exit 2), leaves run_state.json as
+  it was; once repaired and moved back by the logged command, the run resumes from it."""
+  assert cli.main(_args(tmp_path, 'train.steps=6', 'snapshot.durable_every=3',
+                        '--stop-after', '3')) == 143
+  shutil.rmtree(tmp_path / 'shm')  # the machine rebooted: the in-memory tier is gone
+  run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
+  checkpoint = tmp_path / 'run' / 'checkpoints' / run_id / '3'
+  damaged_file = sorted((checkpoint / 'state' / 'ocdbt.process_0' / 'd').iterdir())[0]
+  _flip_a_byte(damaged_file)
+  damaged, run_state = _relative(checkpoint), (tmp_path / 'run' / rundir.RUN_STATE).read_bytes()
+  capsys.readouterr()
+  caplog.set_level(logging.WARNING, 'mecefo')
+  assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q']) == BAD_INPUT
+  [line] = error_lines(capsys.readouterr().err)
+  [moved] = (tmp_path / 'run' / 'checkpoints' / 'set_aside' / run_id).glob('3-*/3')
+  assert f'none intact; set aside, not deleted, as it failed its checks: {moved}' in line, line
+  assert not checkpoint.exists() and _relative(moved) == damaged  # every byte as it was
+  why = json.loads((moved.parent / 'why.json').read_text())
+  assert why['problem'] == f'{damaged_file.relative_to(checkpoint)} fails its checksum', why
+  assert (tmp_path / 'run' / rundir.RUN_STATE).read_bytes() == run_state
+  assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
+  [aside] = [m for m in caplog.messages if 'set aside as' in m]
+  command = aside.split('to restore it by hand: ')[1].rstrip(')')
+  assert command == f'mkdir -p {checkpoint.parent} && mv {moved} {checkpoint}', aside
+  _flip_a_byte(moved.parent / '3' / damaged_file.relative_to(checkpoint))  # repaired
+  subprocess.run(command, shell=True, check=True)
+  assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q']) == 0
+  assert report(tmp_path / 'run')['resumed_from_step'] == 3 and _state(tmp_path) == 'finished'
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_durable_saves_stops_with_exit_5_and_leaves_no_tmp(
+    tmp_path, capsys, caplog, monkeypatch):
+  """Every durable save fails with ENOSPC (the MECEFO_TEST_DEV_FULL=durable hook: a real write
+  to /dev/full in each save, Orbax's part already written): a line per failed save, the stop
+  line, exit 5, run_state.json `stopped`, no tmp or unfinished step directory, nothing deleted
+  but the failed saves' own remains; the in-memory snapshot of the stop resumes."""
+  monkeypatch.setenv(TEST_DEV_FULL_ENV, 'durable')
+  caplog.set_level(logging.WARNING)
+  code = cli.main(_args(tmp_path, 'train.steps=12', 'snapshot.every=1', 'snapshot.durable_every=2'))
+  lines, err = _lines(caplog, capsys)
+  assert code == CHECKPOINTS_FAILING, lines
+  assert 'Traceback' not in err and 'Event loop is closed' not in err, err
+  failed = [line for line in lines if re.search(r'durable checkpoint \d+ failed \(\d in a row', line)]
+  stop = [line for line in lines if '3 durable checkpoint(s) in a row failed to save' in line]
+  assert len(failed) == 3 and len(stop) == 1, lines
+  assert all('No space left on device' in line for line in failed), failed
+  assert len(lines) == 5, lines  # and the summary line
+  assert _state(tmp_path) == 'stopped'
+  run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
+  assert not list((tmp_path / 'run' / 'checkpoints' / run_id).iterdir())  # no failed save's remains
+  assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
+  monkeypatch.delenv(TEST_DEV_FULL_ENV)
+  assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q']) == 0
+  assert report(tmp_path / 'run')['resumed_from_step'] == 8  # the stop's in-memory snapshot
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+  where.mkdir()
+  if os.geteuid() != 0 or shutil.which('mount') is None:
+    return False
+  return subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(where)],
+                        capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_durable_directory_that_really_fills_stops_with_exit_5_in_lines_of_its_own(tmp_path):
+  """An extra to the hook's test, where a small tmpfs can be mounted (root): a real durable
+  directory fills mid-run under Orbax's async writes; train.py's whole stderr is the failed
+  saves' lines, the stop line and the summary (no ENOSPC traceback, no `Event loop is closed`),
+  exit 5, run_state.json `stopped`, no `*.orbax-checkpoint-tmp` left in the full directory."""
+  small = tmp_path / 'small'
+  if not _mount_tmpfs(small, '1500k'):
+    pytest.skip('mounting a small tmpfs needs root (the MECEFO_TEST_DEV_FULL test runs anyway)')
+  try:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / 'train.py'), *_args(tmp_path, 'train.steps=40',
+         'snapshot.every=1', 'snapshot.durable_every=2', f'snapshot.durable_dir={small}')],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines()
+             if line.strip() and 'the mesh uses' not in line]  # the suite's 8 devices
+    assert proc.returncode == CHECKPOINTS_FAILING, proc.stderr[-3000:]
+    assert 'Traceback' not in proc.stderr and 'Event loop' not in proc.stderr, proc.stderr[-3000:]
+    assert all(re.search(r'durable checkpoint \d+ failed|durable checkpoint\(s\) in a row|^stopped: ',
+                         line) for line in lines), lines
+    assert _state(tmp_path) == 'stopped'
+    assert not _leftovers(small), _leftovers(small)
+  finally:
+    subprocess.run(['umount', str(small)], check=False)
+
+
+def _dev_full_over(path_part: str) -> None:
+  """Points this process's open file whose path holds `path_part` at /dev/full: its next writes
+  fail with a real ENOSPC from the kernel (Linux: /proc/self/fd)."""
+  full = os.open('/dev/full', os.O_WRONLY)
+  try:
+    for fd in os.listdir('/proc/self/fd'):
+      try:
+        target = os.readlink(f'/proc/self/fd/{fd}')
+      except OSError:
+        continue
+      if path_part in target:
+        os.dup2(full, int(fd))
+        return
+    raise AssertionError(f'no open file of {path_part}')
+  finally:
+    os.close(full)
+
+
+def _fill_at_row(monkeypatch, step: int, path_part: str) -> None:
+  """The disk under `path_part` is full from the metrics row of `step` on."""
+  write = metrics.MetricsWriter.write
+
+  def writing(self, row):
+    if row.get('step') == step and row.get('kind') == 'train':
+      _dev_full_over(path_part)
+    return write(self, row)
+  monkeypatch.setattr(metrics.MetricsWriter, 'write', writing)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path('/dev/full').exists(), reason='Linux: /dev/full')
+def test_a_full_disk_under_metrics_jsonl_stops_after_the_step_with_exit_6(
+    tmp_path, capsys, caplog, monkeypatch):
+  """metrics.jsonl's writes fail with ENOSPC from step 4 on (its descriptor pointed at
+  /dev/full): one stop line naming the file, exit 6, the step snapshotted, run_state.json
+  `stopped`, no *.tmp; the run resumes from that step once the disk has room."""
+  _fill_at_row(monkeypatch, 4, str(tmp_path / 'run' / rundir.METRICS_FILE))
+  caplog.set_level(logging.WARNING)
+  code = cli.main(_args(tmp_path, 'train.steps=10', 'snapshot.every=5'))
+  lines, err = _lines(caplog, capsys)
+  assert code == OUTPUTS_FAILING, lines
+  assert 'Traceback' not in err and len(lines) == 2, lines  # the stop line, the summary
+  metrics_file = tmp_path / 'run' / rundir.METRICS_FILE
+  assert re.search(rf'stopped by a full disk \({metrics_file}: No space left on device\) after '
+                   r'step 5, saved as the in-memory snapshot .*/5 and the durable checkpoint '
+                   r'.*/5; resume with ', lines[0]), lines[0]
+  assert _state(tmp_path) == 'stopped'
+  assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
+  monkeypatch.undo()
+  assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q']) == 0
+  assert report(tmp_path / 'run')['resumed_from_step'] == 5 and _state(tmp_path) == 'finished'
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path('/dev/full').exists(), reason='Linux: /dev/full')
+def test_a_tensorboard_file_that_cannot_be_written_turns_tensorboard_off(
+    tmp_path, capsys, caplog, monkeypatch):
+  """The TensorBoard event file's writes fail with ENOSPC (its descriptor pointed at /dev/full,
+  flushed in tensorboardX's thread or at close): one warning, no thread traceback, training goes
+  on to the end (exit 0, run_state.json `finished`), metrics.jsonl has every row."""
+  _fill_at_row(monkeypatch, 2, 'events.out.tfevents')
+  caplog.set_level(logging.WARNING)
+  code = cli.main(_args(tmp_path, 'train.steps=6'))
+  lines, err = _lines(caplog, capsys)
+  assert code == 0, lines
+  assert 'Traceback' not in err and 'Exception in thread' not in err, err
+  [warning] = [line for line in lines if 'TensorBoard files in' in line]
+  assert 'cannot be written (No space left on device): TensorBoard is off' in warning
+  assert len(lines) == 2, lines  # the warning, the summary
+  assert _state(tmp_path) == 'finished'
+  assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
+  rows = metrics.read_metrics(tmp_path / 'run')
+  assert [r['step'] for r in rows if r['kind'] == 'train'] == list(range(6))
+
+
+@pytest.mark.slow
+def test_resume_with_a_smaller_durable_keep_counts_what_pruning_frees(tmp_path, capsys,
+                                                                        monkeypatch):
+  """A durable directory with room for one more save but not for keep+1: the checkpoints it
+  holds count, as they are pruned to durable_keep=1 (not refused); with no room for one save
+  it is refused in one line naming snapshot.durable_dir, the key of that directory."""
+  assert cli.main(_args(tmp_path, 'train.steps=8', 'snapshot.durable_every=1',
+                        '--stop-after', '4')) == 143
+  cfg = load_config(cli.DEFAULT_CONFIG, RUN)
+  state_bytes = state_nbytes(train_state.abstract_state(cfg))
+  usage = shutil.disk_usage
+
+  def free(fraction):
+    def disk_usage(path):
+      if 'checkpoints' in str(path):
+        return types.SimpleNamespace(free=int(state_bytes * fraction))
+      return usage(path)
+    return disk_usage
+  capsys.readouterr()
+  monkeypatch.setattr(shutil, 'disk_usage', free(0.5))  # not one save's room
+  assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q',
+                   'snapshot.durable_keep=1']) == BAD_INPUT
+  [line] = error_lines(capsys.readouterr().err)
+  assert 'for the next snapshot' in line and 'MiB of older ones are pruned' in line and line.endswith(
+      '(set snapshot.durable_dir=..., or --no-snapshots)'), line
+  # One save's room: less than the 2 x 1.1 of keep+1 snapshots, which what it holds makes up.
+  monkeypatch.setattr(shutil, 'disk_usage', free(1.2))
+  assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q',
+                   'snapshot.durable_keep=1']) == 0
+  assert report(tmp_path / 'run')['snapshots']['durable_retained_steps'] == [8]
+
+
+def test_an_impossible_device_count_is_refused_before_any_work(tmp_path, capsys):
+  """--host-devices beyond what XLA's CPU client runs is one line, exit 2, before jax starts
+  and before the run directory is made."""
+  with pytest.raises(SystemExit) as exited:
+    cli.main(['--out', str(tmp_path / 'run'), '--host-devices', '1000'])
+  assert exited.value.code == BAD_INPUT
+  [line] = error_lines(capsys.readouterr().err)
+  assert 'argument --host-devices: must be <= 256, got 1000' in line, line
+  assert not (tmp_path / 'run').exists()
+
+
+def test_orbax_closed_loop_noise_is_dropped_and_every_other_report_stays(monkeypatch, caplog):
+  """What a failed Orbax save leaves behind (tensorstore callbacks into its closed event loop,
+  futures nobody awaited) is dropped; any other unraisable exception or asyncio error still
+  reaches the hook before it (Python's, which prints it)."""
+  reached = []
+  monkeypatch.setattr(sys, 'unraisablehook', lambda u: reached.append(str(u.exc_value)))
+  storage.quiet_failed_saves()
+  hook = sys.unraisablehook
+  storage.quiet_failed_saves()  # once: a second call wraps nothing more
+  assert sys.unraisablehook is hook
+
+  def unraisable(err):
+    return types.SimpleNamespace(exc_type=type(err), exc_value=err, exc_traceback=None,
+                                 err_msg=None, object=None)
+  hook(unraisable(RuntimeError('Event loop is closed')))
+  hook(unraisable(RuntimeError('something else')))
+  assert reached == ['something else']
+  asyncio_log = logging.getLogger('asyncio')
+  with caplog.at_level(logging.ERROR, 'asyncio'):
+    asyncio_log.error('_GatheringFuture exception was never retrieved')
+    asyncio_log.error('Task was destroyed but it is pending!')
+  assert caplog.messages == ['Task was destroyed but it is pending!']
+
+
+def test_run_state_is_written_in_place_when_the_disk_has_no_room_for_a_new_file(
+    tmp_path, monkeypatch):
+  """An atomic replace needs a new file, which a full disk refuses (ENOSPC: made here by
+  failing files.replace_text, the OS boundary); run_state.json is then written over its own
+  bytes, so its status says the truth. Longer text than the file holds is not written."""
+  rundir.write_run_state(tmp_path, 'running', run_id='abc', config={'a': 1})
+
+  def full(path, text):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+  monkeypatch.setattr(files, 'replace_text', full)
+  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', config={'a': 1})
+  assert rundir.read_run_state(tmp_path) == {'status': 'stopped', 'run_id': 'abc',
+                                             'config': {'a': 1}}
+  with pytest.raises(OSError):
+    rundir.write_run_state(tmp_path, 'finished', run_id='abc', config={'a': 1, 'b': 2})
+  assert rundir.read_run_state(tmp_path)['status'] == 'stopped'
+  assert [p.name for p in tmp_path.iterdir()] == [rundir.RUN_STATE]
+
+
+@pytest.mark.slow
+def test_a_full_tmpfs_skips_in_memory_snapshots_and_training_goes_on(tmp_path, capsys, caplog,
+                                                                    monkeypatch):
+  """Every in-memory save fails with ENOSPC (MECEFO_TEST_DEV_FULL=memory: a real write to
+  /dev/full in each save): a warning per skipped snapshot, counted in report.json, training and
+  the durable tier go on (exit 0, run_state.json `finished`), no failed save's leftovers."""
+  monkeypatch.setenv(TEST_DEV_FULL_ENV, 'memory')
+  caplog.set_level(logging.WARNING)
+  code = cli.main(_args(tmp_path, 'train.steps=4', 'snapshot.every=1',
+                        'snapshot.keep_when_finished=true'))
+  lines, err = _lines(caplog, capsys)
+  assert code == 0 and 'Traceback' not in err, lines
+  skipped = [line for line in lines if line.startswith('in-memory snapshot skipped (')]
+  assert len(skipped) == report(tmp_path / 'run')['snapshots']['skipped'] >= 3, lines
+  assert all('No space left on device' in line for line in skipped), skipped
+  assert _state(tmp_path) == 'finished'
+  assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
