@@ -42,8 +42,8 @@ class Snapshots:
   durable_retained_steps: list[int] = entry('steps', 'durable checkpoints on disk at the end',
                                             factory=list)
   set_aside: list[str] = entry('', 'snapshots and checkpoints that failed their checks at this '
-                               'start, moved aside, not deleted: where each now is (README: '
-                               'Snapshots and resume)', factory=list)
+                               'start, moved aside, not deleted: where each now is '
+                               '(docs/snapshots.md)', factory=list)
 
 
 def tiers_report(memory: Tier, every: int, saved: int, skipped: int, durable: Tier | None,
