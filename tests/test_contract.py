@@ -150,6 +150,14 @@ class _MissingLayer(_Plain):
   bases_table = {('mlp',): ('mlp',), ('fc2',): ('fc2',)}
 
 
+def _no_attention(cfg, rngs):
+  return _Plain(cfg, rngs, mark_attention=False)
+
+
+def _no_basis(cfg, rngs):
+  return _Plain(cfg, rngs, mark_ffn=False)
+
+
 def _no_axes(cfg, rngs):
   model = _Plain(cfg, rngs)
   model.extra = nnx.Param(jnp.zeros((3,)))
@@ -157,12 +165,11 @@ def _no_axes(cfg, rngs):
 
 
 @pytest.mark.parametrize('factory, missing', [
-    (functools.partial(_Plain, mark_attention=False), 'no parameter is marked as its attention branch'),
+    (_no_attention, 'no parameter is marked as its attention branch'),
     (_MissingLayer, 'its basis fc2 is on layer fc2, which is no MeCeFOLinear marked to take a basis'),
-    (functools.partial(_Plain, mark_ffn=False), 'no layer takes a basis'),
+    (_no_basis, 'no layer takes a basis'),
     (_no_axes, 'parameter extra has no logical_axes metadata')])
 def test_a_model_that_breaks_the_contract_is_refused_in_one_line(factory, missing):
-  factory.__qualname__ = getattr(factory, '__qualname__', 'broken')  # partials: a name
   kind = models.register(factory)
   with pytest.raises(models.ContractError) as err:
     models.spec(load_config(None, [*TINY, f'model.kind={kind}']).model)

@@ -35,25 +35,27 @@ def _env(launcher):
   return launcher.env(PYTHONPATH=str(ROOT))  # the package importable, as where it is installed
 
 
-def test_the_supervisors_processes_train_a_users_model_as_a_one_process_replay(launcher, tmp_path):
+@pytest.mark.parametrize('kind', ['own_model:TinyLM', 'gpt2'])
+def test_the_supervisors_processes_train_a_model_as_a_one_process_replay(launcher, tmp_path, kind):
+  """A user's model by its module:factory name, and the built-in second model."""
   folder = _user_folder(tmp_path)
   cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '2', '--devices-per-process', '2', '--',
-         '--model', 'own_model:TinyLM', '--out', 'run', f'snapshot.dir={tmp_path / "shm"}',
+         '--model', kind, '--out', 'run', f'snapshot.dir={tmp_path / "shm"}',
          '--failures=trace:trace.txt', 'mesh.slice=4', 'mesh.ordered_reduce=true', *ARGS]
   job = launcher.run(cmd, timeout=600, cwd=folder, env=_env(launcher))
   assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
   result = report(folder / 'run')
-  assert result['config']['model']['kind'] == 'own_model:TinyLM'
+  assert result['config']['model']['kind'] == kind
   assert result['samples']['degraded'] > 0 and result['samples']['dropped'] == 0
   state = json.loads((folder / 'run' / 'run_state.json').read_text())
-  assert state['model']['kind'] == 'own_model:TinyLM' and len(state['model']['tree']) == 16
+  assert state['model']['kind'] == kind and len(state['model']['tree']) == 16
   line = (folder / 'run' / 'failures.txt').read_text().splitlines()[0]
   replay_cmd = re.fullmatch(r'# replay: `(python -m mecefo_jax [^`]*)`', line).group(1)
   replay = launcher.run([sys.executable, *shlex.split(replay_cmd)[1:]], timeout=600, cwd=folder,
                         env=_env(launcher))
   assert replay.returncode == 0, replay.stderr[-3000:]
   reference = report(folder / 'runs' / 'latest')
-  assert reference['config']['model']['kind'] == 'own_model:TinyLM'
+  assert reference['config']['model']['kind'] == kind
   assert result['params_sha256'] == reference['params_sha256']
   assert result['samples'] == reference['samples']
 

@@ -84,7 +84,10 @@ def combine(grads_sum, attention_tokens, total_tokens, model: models.Spec):
 def _frozen_with_attention(path, model: models.Spec) -> bool:
   """Attention-branch params and moments, and the attention partition's whole optimizer state
   (its count with them: make_optimizer)."""
-  return model.is_attention(path) or ATTENTION in models.keys_of(path)
+  keys = models.keys_of(path)
+  # optax.multi_transform's state: inner_states[label]; a parameter's own name is no label.
+  partition = next((keys[i + 1] for i, k in enumerate(keys[:-1]) if k == 'inner_states'), None)
+  return model.is_attention(path) or partition == ATTENTION
 
 
 def _freeze_attention(new, old, frozen, model: models.Spec):
