@@ -201,3 +201,20 @@ def test_no_name_of_the_built_in_models_parameters_outside_its_own_modules():
       if isinstance(node, ast.Constant) and node.value in names:
         found.append(f'{where}:{node.lineno} {node.value!r}')
   assert not found, found
+
+
+def test_a_models_logical_axes_shard_its_state_and_its_bases(devices):
+  """gpt2's parameters, moments and bases are sharded by the axes it declares (mesh.fsdp and
+  mesh.tensor > 1), as LLaMA's are."""
+  from jax.sharding import PartitionSpec as P
+
+  from mecefo_jax import sharding
+  from mecefo_jax.model import train_state
+  cfg = load_config(None, [*TINY, 'model.kind=gpt2', 'mesh.slice=2', 'mesh.fsdp=2',
+                           'mesh.tensor=2', 'train.micro_batch=4'])
+  shardings = train_state.state_shardings(cfg, sharding.make_mesh(cfg.mesh, devices))
+  params = shardings.params
+  assert params['wte'].spec == P('tensor', 'fsdp')
+  assert params['h']['mlp']['inner']['fc']['kernel'].spec == P(None, 'fsdp', 'tensor')
+  assert params['h']['attn']['inner']['proj']['kernel'].spec == P(None, 'tensor', 'fsdp')
+  assert shardings.bases['h']['mlp']['inner']['proj'].spec == P(None, 'tensor', None)
