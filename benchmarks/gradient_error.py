@@ -115,8 +115,8 @@ def _grad_fn(cfg, graphdef, basis, fraction):
 
   def fn(params, bases, tokens, key):
     if basis == 'none':  # attention cut, exact FFN weight gradients
-      return jax.grad(train_step._loss_sum)(params, tokens, graphdef, True, None,
-                                        vcfg.mecefo.ffn_remat)
+      return jax.grad(models.spec(vcfg.model).loss_sum, argnums=1)(
+          graphdef, params, tokens, True, None, vcfg.mecefo.ffn_remat)
     return train_step.contribution(params, bases or {}, tokens, key, role=Role(degraded=n),
                               graphdef=graphdef, cfg=vcfg)[0]
   return jax.jit(fn)

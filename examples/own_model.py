@@ -11,6 +11,7 @@ bases; the attention branch and the FFN's MeCeFOLinear layers are marked (here b
 AttentionBranch and FFNBranch blocks); every parameter has logical axes.
 """
 import argparse
+import logging
 import os
 
 import jax
@@ -98,6 +99,7 @@ def main():
   # Before jax starts its backend (at the first array): the simulated devices.
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              f' --xla_force_host_platform_device_count={args.host_devices}')
+  logging.basicConfig(format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
   from mecefo_jax.config import load_config
   from mecefo_jax.run.trainer import Trainer
   cfg = load_config(None, [f'mesh.slice={args.host_devices}', f'faults.failures={args.failures}',
