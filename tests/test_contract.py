@@ -218,3 +218,15 @@ def test_a_models_logical_axes_shard_its_state_and_its_bases(devices):
   assert params['h']['mlp']['inner']['fc']['kernel'].spec == P(None, 'fsdp', 'tensor')
   assert params['h']['attn']['inner']['proj']['kernel'].spec == P(None, 'tensor', 'fsdp')
   assert shardings.bases['h']['mlp']['inner']['proj'].spec == P(None, 'tensor', None)
+
+
+def test_train_py_refuses_a_broken_model_in_one_error_line_and_leaves_nothing(capsys, tmp_path):
+  from mecefo_jax.run import cli
+  from mecefo_jax.run.exits import BAD_INPUT
+  from procs import error_lines
+  out = tmp_path / 'run'
+  assert cli.main(['--model', 'test_contract:_no_attention', '--out', str(out), *TINY,
+                   'snapshot.enabled=false']) == BAD_INPUT
+  lines = error_lines(capsys.readouterr().err)
+  assert len(lines) == 1 and "model 'test_contract:_no_attention' breaks the contract" in lines[0]
+  assert not out.exists()
