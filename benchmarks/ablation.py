@@ -1,6 +1,6 @@
 """Ablation of the degraded step: one slice carrying two micro-batches, adding §2's techniques in turn.
 
-Run: python -m benchmarks.ablation --config configs/tiny.yaml --json OUT.json [--figure OUT.png]
+Run: python -m benchmarks.ablation --config configs/tiny.yaml [--model gpt2] --json OUT.json [--figure OUT.png]
      python -m benchmarks.ablation --from-json A.json,B.json --figure OUT.png  (re-plot only)
 Variants (as the paper's ablation): (a) naive Neighbor-Do-Both = the exact step on 2
 micro-batches, (b) + skip-MHA (attention branch cut in backward), (c) + FFN recompute
@@ -25,18 +25,18 @@ import numpy as np
 from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.model import bases, llama, train_state
-from mecefo_jax.model.llama import Degrade
+from mecefo_jax.model import bases, models, train_state
+from mecefo_jax.model.contract import FULL, NONE, Degrade
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 
 # name -> (label, role in units of micro-batches: (exact, degraded), techniques)
 VARIANTS = {
-    'normal_1': ('normal step, 1 micro-batch (reference)', (1, 0), llama.NONE),
-    'naive_2': ('(a) naive Neighbor-Do-Both, 2 exact', (2, 0), llama.NONE),
+    'normal_1': ('normal step, 1 micro-batch (reference)', (1, 0), NONE),
+    'naive_2': ('(a) naive Neighbor-Do-Both, 2 exact', (2, 0), NONE),
     'skip_2': ('(b) + skip-MHA', (0, 2), Degrade(skip_attention=True)),
     'skip_remat_2': ('(c) + FFN recompute', (0, 2), Degrade(skip_attention=True, remat_ffn=True)),
-    'mecefo_2': ('(d) + low-rank FFN Wgrad = MeCeFO', (0, 2), llama.FULL),
+    'mecefo_2': ('(d) + low-rank FFN Wgrad = MeCeFO', (0, 2), FULL),
 }
 
 
@@ -56,7 +56,7 @@ def compile_variants(cfg, mesh, graphdef) -> tuple[dict, dict]:
 
 def measure(cfg, repeats: int, warmup: int) -> dict:
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = llama.abstract(cfg.model)
+  graphdef = models.spec(cfg.model).graphdef
   programs, roles = compile_variants(cfg, mesh, graphdef)
   # Each donating program needs its own copy of the state; real svd bases for the low-rank one.
   state = train_state.create_sharded(cfg, mesh)
@@ -106,7 +106,7 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_xticks(x, ['normal\n1 mb', '(a) naive\n2 mb', '(b) +skip\nMHA', '(c) +FFN\nremat',
                       '(d) +low-rank\n= MeCeFO'], fontsize=8)
     ax.set_ylabel('× normal step (1 micro-batch)')
-    name = ' '.join([Path(result['config']).stem, *result['overrides']])
+    name = ' '.join([Path(result['config']).stem, result.get('model', 'llama'), *result['overrides']])
     ax.set_title(f"{name}: {result['micro_batch']}×{result['seq_len']} tokens per micro-batch",
                  fontsize=9)
     ax.legend(fontsize=8)
@@ -120,7 +120,7 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def main(argv=None):
-  p = common.parser(__doc__.splitlines()[0])
+  p = common.with_model(common.parser(__doc__.splitlines()[0]))
   p.add_argument('--repeats', type=int, default=10)
   p.add_argument('--warmup', type=int, default=2)
   p.add_argument('--figure', default=None, help='write a PNG bar chart here')
@@ -133,8 +133,9 @@ def main(argv=None):
     if args.figure:
       plot(results, args.figure)
     return results
-  cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
-  result = {**common.run_info(__spec__.name, argv), 'config': args.config,
+  cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1',
+                                 *common.model_overrides(args)])
+  result = {**common.run_info(__spec__.name, argv), 'config': args.config, 'model': cfg.model.kind,
             'overrides': args.overrides, 'micro_batch': cfg.train.micro_batch, 'seq_len': cfg.model.seq_len,
             'mecefo': vars(cfg.mecefo), 'repeats': args.repeats,
             'env': {'OPENBLAS_NUM_THREADS': os.environ.get('OPENBLAS_NUM_THREADS')},

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mecefo_jax.model import llama
+from mecefo_jax.config import MODELS
+from mecefo_jax.model import contract
 from mecefo_jax.step import train_step
 
 
@@ -29,6 +30,18 @@ def parser(description: str) -> argparse.ArgumentParser:
   p.add_argument('--json', default=None, help='write results to this JSON file')
   p.add_argument('overrides', nargs='*', help='dotted overrides, e.g. model.n_layers=4')
   return p
+
+
+def with_model(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """`--model KIND|MODULE:FACTORY` on `p` (= model.kind; model_overrides adds it)."""
+  p.add_argument('--model', default=None,
+                 help=f"{' | '.join(MODELS)} | MODULE:FACTORY (= model.kind)")
+  return p
+
+
+def model_overrides(args) -> list[str]:
+  """args.overrides, with model.kind=args.model where --model is given."""
+  return [*args.overrides, *([f'model.kind={args.model}'] if args.model else [])]
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,9 +130,9 @@ def emit(result: dict, table: str, json_path: str | None) -> None:
 
 def unrolled_flops(lower: Callable[[], 'jax.stages.Lowered']) -> float:
   """XLA's FLOP count of the program `lower()` lowers, traced with the blocks unrolled
-  (llama.unrolled) and not compiled: a compiled program's count holds the body of the scan
+  (contract.unrolled) and not compiled: a compiled program's count holds the body of the scan
   over the blocks once, whatever n_layers."""
-  with llama.unrolled():
+  with contract.unrolled():
     return float(cost_analysis(lower()).get('flops', 0.0))
 
 

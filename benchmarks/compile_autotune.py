@@ -21,7 +21,7 @@ import jax
 from benchmarks.common import emit, markdown_table, parser, run_info
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.model import llama
+from mecefo_jax.model import models
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step import program_store, train_step
 
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
              else {program_store.AUTOTUNE_OPTION: str(cache)})
   role = Role(degraded=2 * cfg.train.micro_batch)
   t0 = time.perf_counter()
-  lowered = train_step.lower_step(cfg, mesh, role, llama.abstract(cfg.model)[0])
+  lowered = train_step.lower_step(cfg, mesh, role, models.spec(cfg.model).graphdef)
   t1 = time.perf_counter()
   compiled = lowered.compile(options)
   t2 = time.perf_counter()

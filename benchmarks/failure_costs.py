@@ -15,7 +15,7 @@ import numpy as np
 from benchmarks import common
 from benchmarks.cost_model import ClusterCosts
 from mecefo_jax import sharding
-from mecefo_jax.model import bases, llama, train_state
+from mecefo_jax.model import bases, models, train_state
 from mecefo_jax.core.roles import Role
 from mecefo_jax.snapshot import recovery, manager
 from mecefo_jax.step import retarget, slice_steps, train_step
@@ -34,7 +34,7 @@ def _timed_compile(compile_s: dict, name: str, build):
 
 def _one_device(cfg):
   """(mesh of device 0, graphdef): where every program is compiled and timed."""
-  return sharding.make_mesh(cfg.mesh, jax.devices()[:1]), llama.abstract(cfg.model)[0]
+  return sharding.make_mesh(cfg.mesh, jax.devices()[:1]), models.spec(cfg.model).graphdef
 
 
 def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:

@@ -24,7 +24,7 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.data.order import sample_ids
 from mecefo_jax.data.synthetic import SyntheticCorpus
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import models, train_state
 from mecefo_jax.model.bases import svd_bases
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
@@ -39,9 +39,10 @@ def _select(tree, keep):
   return [x for path, x in flat if keep(path)]
 
 
-def _is_ffn_matrix(path) -> bool:
-  keys = [getattr(k, 'key', None) for k in path]
-  return 'ffn' in keys and 'kernel' in keys
+def _ffn_matrix(model: models.Spec):
+  """Whether a path is one of the model's basis-taking (FFN) kernels."""
+  kernels = {layer.kernel for layer in model.basis_layers}
+  return lambda path: models.keys_of(path) in kernels
 
 
 def _rel(a, b) -> float:
@@ -60,7 +61,7 @@ def main(argv=None) -> dict:
   args = p.parse_args(argv)
   cfg = load_config(args.config, ['mesh.slice=1', *args.overrides])
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = llama.abstract(cfg.model)
+  graphdef = models.spec(cfg.model).graphdef
   b = cfg.train.micro_batch
   corpus = SyntheticCorpus(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
   normal = train_step.lower_step(cfg, mesh, Role(exact=b), graphdef).compile()
@@ -81,7 +82,8 @@ def main(argv=None) -> dict:
       key = jax.random.PRNGKey(10_000 + step)
       bases.update({v: fn(state.params, key, bases[v]) for v, fn in refreshers.items()})
     if step % args.every == 0 or step == cfg.train.steps - 1:
-      rows.append(_measure(step, state.params, bases, tokens, exact_fn, cut_fn, grad_fns))
+      rows.append(_measure(step, state.params, bases, tokens, exact_fn, cut_fn, grad_fns,
+                           models.spec(cfg.model)))
     state, _ = normal(state, jnp.asarray(tokens)[None])
   result = {**common.run_info(__spec__.name, argv), 'config': args.config,
             'overrides': args.overrides, 'tau': args.tau, 'rows': rows, 'mean': _means(rows, variants)}
@@ -113,26 +115,27 @@ def _grad_fn(cfg, graphdef, basis, fraction):
 
   def fn(params, bases, tokens, key):
     if basis == 'none':  # attention cut, exact FFN weight gradients
-      return jax.grad(train_step._loss_sum)(params, tokens, graphdef, True, None,
-                                        vcfg.mecefo.ffn_remat)
+      return jax.grad(models.spec(vcfg.model).loss_sum, argnums=1)(
+          graphdef, params, tokens, True, None, vcfg.mecefo.ffn_remat)
     return train_step.contribution(params, bases or {}, tokens, key, role=Role(degraded=n),
                               graphdef=graphdef, cfg=vcfg)[0]
   return jax.jit(fn)
 
 
-def _measure(step, params, bases, tokens, exact_fn, cut_fn, grad_fns):
+def _measure(step, params, bases, tokens, exact_fn, cut_fn, grad_fns, model):
   tokens = jnp.asarray(tokens)
   key = jax.random.PRNGKey(step)
   exact = exact_fn(params, tokens)
   cut = cut_fn(params, None, tokens, key)
-  non_attn = lambda path: not llama.is_attention_branch(path)
+  non_attn = lambda path: not model.is_attention(path)
+  is_ffn = _ffn_matrix(model)
   row = {'step': step}
   for (kind, frac), fn in grad_fns.items():
     approx = fn(params, bases[(kind, frac)], tokens, key)
     row[f'{kind}:{frac}'] = {
         'non_attention': _rel(_select(approx, non_attn), _select(exact, non_attn)),
-        'ffn': _rel(_select(approx, _is_ffn_matrix), _select(exact, _is_ffn_matrix)),
-        'projection_only': _rel(_select(approx, _is_ffn_matrix), _select(cut, _is_ffn_matrix)),
+        'ffn': _rel(_select(approx, is_ffn), _select(exact, is_ffn)),
+        'projection_only': _rel(_select(approx, is_ffn), _select(cut, is_ffn)),
     }
   return row
 

@@ -20,7 +20,7 @@ import jax
 from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import Config, ModelConfig, load_config
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import contract, models, train_state
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 
@@ -52,7 +52,7 @@ def model_flops_per_token(m: ModelConfig) -> dict:
 def measure(cfg: Config, micro_batches: list[int], repeats: int) -> dict:
   """Times the normal step at each micro-batch size, all programs interleaved on one state."""
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = llama.abstract(cfg.model)
+  graphdef = models.spec(cfg.model).graphdef
   roles = {b: Role(exact=b) for b in micro_batches}
   compiled = {b: train_step.lower_step(cfg, mesh, r, graphdef).compile() for b, r in roles.items()}
   states = {'shared': train_state.create_sharded(cfg, mesh)}
@@ -104,7 +104,7 @@ def main(argv=None):
   peak = args.peak_tflops or peak_tflops(device['device_kind'])
   table = rows(cfg, measure(cfg, batches, args.repeats), peak)
   best = max((r['mfu'] for r in table if r['mfu'] is not None), default=None)
-  dtype = llama.compute_dtype(cfg.model).name  # `auto` resolved on this backend
+  dtype = contract.compute_dtype(cfg.model).name  # `auto` resolved on this backend
   result = {
       **info, 'config': args.config, 'overrides': args.overrides,
       'compute_dtype': dtype, 'peak_tflops': peak,

@@ -44,7 +44,7 @@ import numpy as np
 from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import models, train_state
 from mecefo_jax.model.train_state import params_sha256
 from mecefo_jax.core.roles import Role
 from mecefo_jax.snapshot import host, image, manifest, parity, recovery, manager
@@ -63,7 +63,7 @@ class Bench:
   def __init__(self, cfg, root: Path):
     self.cfg, self.root = cfg, root
     self.mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    graphdef, _, _ = llama.abstract(cfg.model)
+    graphdef = models.spec(cfg.model).graphdef
     role = Role(exact=cfg.train.micro_batch)
     self.step = train_step.lower_step(cfg, self.mesh, role, graphdef).compile()
     self.states = {mode: train_state.create_sharded(cfg, self.mesh)

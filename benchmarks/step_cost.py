@@ -1,6 +1,6 @@
 """Per-slice step cost: normal step on one micro-batch vs degraded and naive exact steps on two.
 
-Run: python -m benchmarks.step_cost --config configs/tiny.yaml --json OUT.json
+Run: python -m benchmarks.step_cost --config configs/tiny.yaml [--model gpt2] --json OUT.json
 Time is the median over interleaved repeats in one process; memory is XLA's compiled
 temp memory (activations, gradients, optimizer temporaries) of each program.
 """
@@ -15,18 +15,19 @@ import jax
 from benchmarks import common
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.model import bases, llama, train_state
+from mecefo_jax.model import bases, models, train_state
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 
 
 def main(argv=None):
-  p = common.parser(__doc__.splitlines()[0])
+  p = common.with_model(common.parser(__doc__.splitlines()[0]))
   p.add_argument('--repeats', type=int, default=10)
   args = p.parse_args(argv)
-  cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1', *args.overrides])
+  cfg = load_config(args.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1',
+                                 *common.model_overrides(args)])
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, _, _ = llama.abstract(cfg.model)
+  graphdef = models.spec(cfg.model).graphdef
   b = cfg.train.micro_batch
   roles = {'normal_1': Role(exact=b), 'degraded_2': Role(degraded=2 * b),
            'naive_2': Role(exact=2 * b)}
@@ -41,6 +42,7 @@ def main(argv=None):
   t = {n: v['median_s'] for n, v in times.items()}
   result = {
       **common.run_info(__spec__.name, argv), 'config': args.config, 'overrides': args.overrides,
+      'model': cfg.model.kind,
       'micro_batch': b, 'seq_len': cfg.model.seq_len, 'mecefo': vars(cfg.mecefo),
       'times': times, 'memory': mem,
       'time_ratio': t['degraded_2'] / t['normal_1'],

@@ -20,6 +20,9 @@ POLICIES = ('neighbor', 'spread', 'exact', 'budget', 'drop', 'naive')
 # Basis kinds: the names of model/bases.py's BASES (a test keeps them equal), here so that a bad
 # name is refused with the config, before any file of a run is touched.
 BASIS_NAMES = ('svd', 'gaussian')
+# Built-in models (model.kind): model/models.py's BUILTIN (a test keeps them equal); any other
+# kind is a MODULE:FACTORY of a model of the contract (model/contract.py).
+MODELS = ('llama', 'gpt2')
 COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
 # Failure presets, docs/algorithm.md §5: (mean hours between failures in the cluster, hours until
 # repair); core/failures.py draws them.
@@ -49,6 +52,9 @@ def resolve_compute_dtype(compute_dtype: str, platform: str) -> str:
 # bounds). The checks, the overrides' coercion and docs/config.md are derived from these.
 @dataclass(frozen=True)
 class ModelConfig:
+  kind: str = setting('llama', 'the model (`--model`): llama | gpt2 (built in) or '
+                      'MODULE:FACTORY, a model of the contract (model/contract.py) whose factory '
+                      'gets this section; a resume keeps the run\'s')
   vocab_size: int = setting(256, 'vocabulary size; follows the data\'s tokenizer (256 = bytes, '
                             'the built-in corpus)', within='>= 1')
   d_model: int = setting(64, 'residual width', within='>= 1')
@@ -312,15 +318,22 @@ def parse_override(text: str) -> dict:
 def _across_fields(cfg: Config) -> typing.Iterator[str]:
   """The refusals of the rules between fields (each rule of one field is declared on it)."""
   m, most = cfg.model, min(cfg.model.d_model, cfg.model.ffn_dim)
+  if m.kind not in MODELS and not _module_factory(m.kind):
+    yield f"model.kind must be one of {', '.join(MODELS)} or MODULE:FACTORY, got {m.kind!r}"
   if m.d_model % m.n_heads:
     yield f'model.n_heads={m.n_heads} must divide model.d_model={m.d_model}'
-  elif m.head_dim % 2:
+  elif m.head_dim % 2 and m.kind == 'llama':
     yield f'model.d_model / model.n_heads = {m.head_dim} must be even for RoPE'
   if cfg.train.micro_batch % cfg.mesh.fsdp:
     yield (f'train.micro_batch={cfg.train.micro_batch} must be divisible by '
            f'mesh.fsdp={cfg.mesh.fsdp}')
   if cfg.mecefo.rank > most:
     yield f'mecefo.rank must be in [0, {most}] (0 = auto), got {cfg.mecefo.rank}'
+
+
+def _module_factory(kind: str) -> bool:
+  module, _, factory = kind.partition(':')
+  return bool(module) and bool(factory)
 
 
 def validate(cfg: Config) -> Config:

@@ -24,6 +24,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     'norm': None,
     'rank': None,
     'layers': None,  # the stacked blocks' layer axis: every device holds every layer's share
+    'position': None,  # learned position embeddings' rows (model.kind=gpt2)
 }
 
 

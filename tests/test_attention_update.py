@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from mecefo_jax.model import layout, llama, train_state
+from mecefo_jax.model import layout, llama, models, train_state
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step import train_step
 from test_update_reference import (CORPUS, L, TOL, RefOptimizer, _assert_close, _cfg, _grad_sum,
@@ -51,10 +51,11 @@ def test_attention_averages_over_every_row_that_gave_it_a_gradient(exact):
   sums = _sums(state, tokens, graphdef, cfg, exact, ATTENTION_ON)
   want = jax.tree.map(lambda g: g / (4 * L), _grad_sum(state.params, tokens, cfg.model, False))
   n_attention = train_step.count_attention_tokens(sums[2], sums[3], ATTENTION_ON)
-  got = train_step.combine(sums[0], n_attention, sums[2] + sums[3])
+  got = train_step.combine(sums[0], n_attention, sums[2] + sums[3], models.spec(cfg.model))
   _assert_close(got, want)
   tx = train_state.make_optimizer(cfg)
   new, metrics = jax.jit(functools.partial(train_step.finish_step, tx=tx,
+                                           model=models.spec(cfg.model),
                                            degrade=ATTENTION_ON))(state, sums)
   np.testing.assert_allclose(metrics['grad_norm'], optax.tree.norm(want), rtol=1e-5)
   q0, q1 = state.params['blocks']['attn']['q']['kernel'], new.params['blocks']['attn']['q']['kernel']
@@ -82,7 +83,7 @@ def test_update_after_a_frozen_step_uses_attentions_own_adam_count():
   per_block = lambda tree: layout.per_block(tree, cfg.model.n_layers)  # the reference's layout
   ref = RefOptimizer(cfg, per_block(state.params))
   for g, n in zip(grads, attention_tokens):
-    state, _ = train_step.apply_gradients(state, g, jnp.float32(n), tx)
+    state, _ = train_step.apply_gradients(state, g, jnp.float32(n), tx, models.spec(cfg.model))
     ref.update(per_block(g), attention_updated=n > 0)
   _assert_close(per_block(state.params), ref.params)
   assert _adam_counts(state.opt_state) == {train_state.ATTENTION: 2, train_state.REST: 3}

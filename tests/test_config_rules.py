@@ -90,7 +90,8 @@ SCANNED = [ROOT / 'train.py', *(p for folder in ('mecefo_jax', 'benchmarks', 'de
                                 for p in sorted((ROOT / folder).rglob('*.py')))]
 HOME = 'mecefo_jax/config.py'
 # model/bases.py's BASES is the registry the basis names come from; test_train_cli keeps them equal.
-REGISTRY = {'mecefo_jax/model/bases.py': frozenset(config.BASIS_NAMES)}
+REGISTRY = {'mecefo_jax/model/bases.py': frozenset(config.BASIS_NAMES),
+            'mecefo_jax/model/models.py': frozenset(config.MODELS)}
 
 
 def _value_sets() -> dict[frozenset, str]:

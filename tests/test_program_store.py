@@ -107,15 +107,17 @@ def test_a_bad_entry_is_a_warning_and_a_compile_then_is_replaced(tmp_path, damag
 
 
 def _key(slices):
-  return program_store.fingerprint(LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF, None), None)
+  return program_store.fingerprint(LOWER['eval'](CFG, SLICES.sub(slices), GRAPHDEF, None), None,
+                                   CFG.model.kind)
 
 
-def test_the_key_covers_xla_flags_and_where_programs_do_not_move_their_devices(monkeypatch):
+def test_the_key_covers_the_model_xla_flags_and_where_programs_do_not_move_their_devices(monkeypatch):
   a, b = SLICES.sub((0, 1)), SLICES.sub((2, 3))
   low_a, low_b = (LOWER['eval'](CFG, m, GRAPHDEF, None) for m in (a, b))
   assert program_store.fingerprint(low_a, None) == program_store.fingerprint(low_b, None)
   assert program_store.fingerprint(low_a, list(a.devices.flat)) != program_store.fingerprint(low_b, list(b.devices.flat))
   before = program_store.fingerprint(low_a, None)
+  assert program_store.fingerprint(low_a, None, 'own_model:Model') != before  # the model's name
   monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
   assert program_store.fingerprint(low_a, None) != before
 
@@ -220,4 +222,4 @@ def test_autotune_cache_option_reaches_the_compile_on_gpu_only(tmp_path, monkeyp
   # The same program's key without the option: identical (the option is not part of it).
   monkeypatch.setattr(program_store, '_platform', lambda devices: 'cpu')
   lowered = LOWER['eval'](CFG, SLICES.sub((0, 1)), GRAPHDEF, None)
-  assert f'{program_store.fingerprint(lowered, None)}{program_store.SUFFIX}' == key
+  assert f'{program_store.fingerprint(lowered, None, CFG.model.kind)}{program_store.SUFFIX}' == key

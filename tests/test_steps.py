@@ -8,7 +8,7 @@ import pytest
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.layers import MeCeFOLinear
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import llama, models, train_state
 from mecefo_jax.model.bases import svd_bases
 from mecefo_jax.core.roles import Role, split_passes
 from mecefo_jax.step import initializer, slice_steps, train_step
@@ -118,12 +118,15 @@ def test_normal_step_equals_jax_grad_and_optax(devices):
 
 
 def test_combine_rule_attention_over_exact_only():
-  grads = {'block0': {'attn': {'q': jnp.full((2,), 6.0)}, 'ffn': {'up': jnp.full((2,), 6.0)}},
-           'head': jnp.full((2,), 6.0)}
-  out = train_step.combine(grads, attention_tokens=jnp.float32(2.0), total_tokens=jnp.float32(6.0))
-  np.testing.assert_allclose(out['block0']['attn']['q'], 3.0)
-  np.testing.assert_allclose(out['block0']['ffn']['up'], 1.0)
-  np.testing.assert_allclose(out['head'], 1.0)
+  model = models.spec(load_config(None, []).model)
+  grads = jax.tree.map(lambda s: jnp.full(s.shape, 6.0), model.shapes)
+  out = train_step.combine(grads, attention_tokens=jnp.float32(2.0), total_tokens=jnp.float32(6.0),
+                           model=model)
+  np.testing.assert_allclose(out['blocks']['attn']['q']['kernel'], 3.0)
+  np.testing.assert_allclose(out['blocks']['attn_norm']['scale'], 3.0)
+  np.testing.assert_allclose(out['blocks']['ffn']['up']['kernel'], 1.0)
+  np.testing.assert_allclose(out['blocks']['ffn_norm']['scale'], 1.0)
+  np.testing.assert_allclose(out['head']['kernel'], 1.0)
 
 
 def _run(cfg, mesh, n_steps):
@@ -232,7 +235,7 @@ def test_degrade_skip_attention_only_is_the_cut_graph_with_exact_ffn_grads():
   ref_loss, ref = _reference(params, tokens, cfg.model, True)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the forward is exact
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
-    if llama.is_attention_branch(path):
+    if models.spec(cfg.model).is_attention(path):
       assert not np.any(np.asarray(g)), path  # no gradient from this pass at all
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6, err_msg=str(path))
   # The last block's FFN sees no attention downstream: its grads equal the uncut ones.

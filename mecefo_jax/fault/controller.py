@@ -19,7 +19,7 @@ from mecefo_jax.core.programs import EVAL, FUSED, ProgramKey, RunPrograms
 from mecefo_jax.core.takeover import Planner
 from mecefo_jax.fault import evaluation
 from mecefo_jax.fault.executor import AllSlicesDown, Executor
-from mecefo_jax.model import llama
+from mecefo_jax.model import contract
 from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.step import retarget, train_step
 from mecefo_jax.step.cache import ProgramCache, Programs
@@ -294,7 +294,7 @@ class Controller:
     seconds: the XLA compiles of this process outside the programs (eager ops, conversions)."""
     cache = self.programs
     programs = Programs(**dataclasses.asdict(cache.stats), move=cache.move,
-                        store=cache.store and str(cache.store.dir), scan_unroll=llama.SCAN_UNROLL,
+                        store=cache.store and str(cache.store.dir), scan_unroll=contract.SCAN_UNROLL,
                         other_compiles=other_compiles, other_compile_s=other_compile_s)
     precompile = self.precompiler.summary() if self.precompiler else Precompile()
     return precompile, programs, self.plans.summary()

@@ -1,9 +1,6 @@
 """LLaMA-style decoder in Flax NNX: thin modules owning parameters and their logical axes."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import functools
 
 import jax
@@ -11,58 +8,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mecefo_jax import ops
-from mecefo_jax.config import ModelConfig, resolve_compute_dtype
+from mecefo_jax.config import ModelConfig
 from mecefo_jax.layers import MeCeFOLinear
+from mecefo_jax.model import contract
+# Re-exported: the contract's names as this module gave them before the contract.
+from mecefo_jax.model.contract import (FULL, NONE, SCAN_UNROLL, Degrade, compute_dtype,  # noqa: F401
+                                       unrolled)
 
-# Top-level parameter names inside a block whose gradient comes only from exact micro-batches.
-ATTENTION_BRANCH = ('attn', 'attn_norm')
 # The key of the stacked blocks: every leaf under it has a leading `layers` axis (one row per block).
 BLOCKS = 'blocks'
-# lax.scan's unroll over the blocks, the same at every depth: 1 keeps one block body in every
-# program, so that compile time does not grow with n_layers (report.json: programs.scan_unroll).
-SCAN_UNROLL = 1
-_unroll: contextvars.ContextVar[int | bool] = contextvars.ContextVar('scan_unroll')
-
-
-@contextlib.contextmanager
-def unrolled():
-  """Programs traced inside run the blocks unrolled (lax.scan unroll=True): only for XLA's cost
-  analysis, which counts a loop's body once whatever its trip count (benchmarks/mfu.py)."""
-  token = _unroll.set(True)
-  try:
-    yield
-  finally:
-    _unroll.reset(token)
-
-
-@dataclasses.dataclass(frozen=True)
-class Degrade:
-  """Which docs/algorithm.md §2 techniques a pass uses; frozen and hashable, so it is static under jit.
-
-  `degraded=True` everywhere means all three (the MeCeFO degraded step), `False` none; single
-  flags exist for the ablation (benchmarks/ablation.py).
-  """
-  skip_attention: bool = False  # §2.1: stop_gradient on the attention branch output
-  remat_ffn: bool = False  # §2.2: jax.checkpoint the FFN branch (policy from `remat`)
-  lowrank: bool = False  # §2.3: low-rank FFN weight gradients with the given bases
-
-  @classmethod
-  def of(cls, degraded: 'bool | Degrade') -> 'Degrade':
-    if isinstance(degraded, cls):
-      return degraded
-    return FULL if degraded else NONE
-
-  def __bool__(self) -> bool:
-    return self.skip_attention or self.remat_ffn or self.lowrank
-
-
-NONE, FULL = Degrade(), Degrade(True, True, True)
-
-
-def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
-  """The dtype activations and matmuls run in: cfg.compute_dtype, `auto` resolved for the
-  default backend (the one a run's devices are on)."""
-  return jnp.dtype(resolve_compute_dtype(cfg.compute_dtype, jax.default_backend()))
+# Its bases table: where each FFN basis lives in the train state (snapshots hold this layout),
+# {basis path: layer path}; the contract finds the layers by their marker (contract.mark_ffn).
+BASES_TABLE = {(BLOCKS, name): (BLOCKS, 'ffn', name) for name in ('gate', 'up', 'down')}
 
 
 def _linear(d_in, d_out, axes, cfg: ModelConfig, rngs):
@@ -114,74 +71,41 @@ class FeedForward(nnx.Module):
                           functools.partial(self.down, basis=b.get('down')))
 
 
-def ffn_branch(norm: RMSNorm, ffn: FeedForward, h_BxLxD, bases):
-  """Pre-FFN norm + FFN as one function, so a checkpoint of it keeps only its input h (and the
-  parameters, which stay live anyway)."""
-  return ffn(norm(h_BxLxD), bases)
-
-
 class Block(nnx.Module):
   """Pre-norm block; `degraded` (bool or Degrade) cuts the attention backward, remats the FFN
-  and makes its weight gradients low-rank."""
+  and makes its weight gradients low-rank (model/contract.py's blocks)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg)
-    self.attn = Attention(cfg, rngs)
+    self.attn_norm, self.attn = contract.mark_attention(RMSNorm(cfg.d_model, cfg),
+                                                        Attention(cfg, rngs))
     self.ffn_norm = RMSNorm(cfg.d_model, cfg)
-    self.ffn = FeedForward(cfg, rngs)
+    self.ffn = contract.mark_ffn(FeedForward(cfg, rngs))
 
   def __call__(self, h_BxLxD, degraded: bool | Degrade = False, bases=None, remat: str = 'dots'):
-    d = Degrade.of(degraded)
-    a = self.attn(self.attn_norm(h_BxLxD))
-    # Forward stays exact; backward sees only the residual path around attention.
-    h_BxLxD = h_BxLxD + (jax.lax.stop_gradient(a) if d.skip_attention else a)
-    branch = ffn_branch
-    if d.remat_ffn:
-      # nnx.remat is jax.checkpoint over the modules' params: the layers' own calls (dtype casts
-      # included) run inside the boundary and are recomputed in the backward pass.
-      branch = nnx.remat(ffn_branch, policy=ops.remat_policy(remat))
-    return h_BxLxD + branch(self.ffn_norm, self.ffn, h_BxLxD, bases if d.lowrank else None)
+    # Forward stays exact; degraded, the backward sees only the residual path around attention.
+    h_BxLxD = h_BxLxD + contract.attention_output(self.attn(self.attn_norm(h_BxLxD)), degraded)
+    return h_BxLxD + contract.ffn_branch(self.ffn_norm, self.ffn, h_BxLxD, degraded, bases, remat)
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-  """All cfg.n_layers blocks as one Block whose parameters have a leading `layers` axis; each
-  layer is initialised from its own key under one vmap, so a program that creates the model
-  holds one block's initializer at any depth."""
-  keys = jax.random.split(rngs.params(), cfg.n_layers)
-  graphdef, template = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(params=0))))
-  values = jax.vmap(lambda key: nnx.to_pure_dict(nnx.state(Block(cfg, nnx.Rngs(params=key)))))(keys)
-  values = jax.tree.leaves(values)
-  variables = jax.tree.leaves(template, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  stacked = [v.replace(value, logical_axes=('layers', *v.get_metadata()['logical_axes']))
-             for v, value in zip(variables, values)]
-  treedef = jax.tree.structure(template, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return nnx.merge(graphdef, jax.tree.unflatten(treedef, stacked))
-
-
-class LLaMA(nnx.Module):
+class LLaMA(contract.Model):
   """Decoder-only LM: embedding, n pre-norm blocks (stacked, run by one lax.scan), final
   RMSNorm, untied LM head."""
+  bases_table = BASES_TABLE
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.embed = nnx.Param(
         nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model),
                                               jnp.dtype(cfg.param_dtype)),
         logical_axes=('vocab', 'embed'))
-    self.blocks = _stacked_blocks(cfg, rngs)
+    self.blocks = contract.stack(lambda r: Block(cfg, r), cfg.n_layers, rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg)
     self.head = _linear(cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), cfg, rngs)
     self.dtype = compute_dtype(cfg)
 
   def __call__(self, tokens_BxL, degraded: bool | Degrade = False, bases=None, remat: str = 'dots'):
     h = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-    graphdef, stacked = nnx.split(self.blocks)
-
-    def layer(h_BxLxD, xs):
-      params, layer_bases = xs
-      return nnx.merge(graphdef, params)(h_BxLxD, degraded, layer_bases, remat), None
-
-    layer_bases = bases[BLOCKS] if bases is not None else None
-    h, _ = jax.lax.scan(layer, h, (stacked, layer_bases), unroll=_unroll.get(SCAN_UNROLL))
+    layer = lambda block, h_BxLxD, layer_bases: block(h_BxLxD, degraded, layer_bases, remat)
+    h = contract.scan(self.blocks, h, layer, bases[BLOCKS] if bases is not None else None)
     return self.head(self.final_norm(h))
 
 
@@ -208,21 +132,6 @@ def forward(graphdef, params, tokens_BxL, degraded: bool | Degrade = False, base
   return nnx.merge(graphdef, params)(tokens_BxL, degraded, bases, remat)
 
 
-def _keys(path) -> list:
-  return [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
-
-
-def is_stacked(path) -> bool:
-  """True for leaves of the stacked blocks (leading `layers` axis), in params or any tree that
-  mirrors them (optimizer moments, bases)."""
-  return BLOCKS in _keys(path)
-
-
 def layer(tree, i: int):
   """Layer i's slice of the stacked blocks of `tree` (params, gradients or bases)."""
   return jax.tree.map(lambda x: x[i], tree[BLOCKS])
-
-
-def is_attention_branch(path) -> bool:
-  """True for parameters that degraded micro-batches give no gradient (docs/algorithm.md §2.1)."""
-  return any(k in ATTENTION_BRANCH for k in _keys(path))

@@ -14,15 +14,15 @@ from jax._src import config as jax_config  # the context manager of a jax.config
 from jax.sharding import Mesh
 
 from mecefo_jax.config import Config
-from mecefo_jax.model import bases, llama
+from mecefo_jax.model import bases, models
 from mecefo_jax.sharding import replicated, tree_shardings
 
 
 class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: optimizer steps taken
-  params: Any  # pure dict of arrays (see llama.create)
+  params: Any  # pure dict of arrays (models.Spec.create)
   opt_state: Any
-  bases: Any  # {'blocks': {'gate','up','down': [layers, d_in, r]}} kept between steps; {} when drawn per step
+  bases: Any  # {basis path: [[layers,] d_in, r]} kept between steps (bases.py); {} when drawn per step
   bases_step: jax.Array  # int32: step the svd bases were computed at, -1 before the first
   rng: jax.Array  # uint32[2] raw PRNG key
 
@@ -32,16 +32,16 @@ class TrainState(NamedTuple):
 ATTENTION, REST = 'attention', 'rest'
 
 
-def partition_labels(params):
-  """ATTENTION for attention-branch leaves, REST for the others (same tree as params)."""
-  label = lambda path, _: ATTENTION if llama.is_attention_branch(path) else REST
+def partition_labels(params, model: models.Spec):
+  """ATTENTION for the model's attention-branch leaves, REST for the others (params' tree)."""
+  label = lambda path, _: ATTENTION if model.is_attention(path) else REST
   return jax.tree_util.tree_map_with_path(label, params)
 
 
-def decays(path, leaf) -> bool:
+def decays(path, leaf, model: models.Spec) -> bool:
   """Weight decay applies to matrices (per layer: a stacked leaf's layer axis does not count),
-  not to norm scales."""
-  return leaf.ndim - llama.is_stacked(path) >= 2
+  not to norm scales or biases."""
+  return leaf.ndim - model.is_stacked(path) >= 2
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -57,10 +57,13 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   schedule = optax.warmup_cosine_decay_schedule(
       o.lr / (warmup + 1), o.lr, warmup, max(cfg.train.steps, warmup + 1),
       end_value=o.lr * o.min_lr_ratio)
-  decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)
+  model = models.spec(cfg.model)
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, leaf: decays(path, leaf, model), params)
   adamw = lambda: optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                               mask=decay_mask)
-  parts = optax.multi_transform({ATTENTION: adamw(), REST: adamw()}, partition_labels)
+  parts = optax.multi_transform({ATTENTION: adamw(), REST: adamw()},
+                                lambda params: partition_labels(params, model))
   # Clipping stays outside the partitions: one global norm over every gradient.
   return optax.chain(optax.clip_by_global_norm(o.grad_clip), parts) if o.grad_clip > 0 else parts
 
@@ -70,7 +73,7 @@ def init_state(cfg: Config, seed: int | jax.Array | None = None) -> TrainState:
   out_shardings=state_shardings(...) to create it sharded (lower_init)."""
   seed = cfg.train.seed if seed is None else seed
   rng = jax.random.PRNGKey(seed)
-  _, params = llama.create(cfg.model, seed)
+  _, params = models.spec(cfg.model).create(seed)
   opt_state = make_optimizer(cfg).init(params)
   stored = jax.eval_shape(lambda: bases.kind(cfg).stored(params, cfg, rng))
   state_bases = jax.tree.map(jnp.zeros_like, stored)  # computed at the first degraded step
@@ -93,7 +96,7 @@ def _threefry_kernel():
 def lower_init(cfg: Config, mesh: Mesh) -> jax.stages.Lowered:
   """The initializer `() -> TrainState`, lowered to create the state directly in its shardings
   on `mesh` (no host copy, no unsharded copy). Its random draws are one block's, vmapped over
-  the layers (llama._stacked_blocks); on GPU threefry lowers to XLA's kernel, not to unrolled
+  the layers (contract.stack); on GPU threefry lowers to XLA's kernel, not to unrolled
   rounds at each draw (jax's `jax_threefry_gpu_kernel_lowering`; no effect elsewhere)."""
   # The seed is an argument, not a constant: with every input constant XLA would fold the whole
   # random initialisation at compile time (compile time then grows with the parameter count).
@@ -127,7 +130,8 @@ def params_sha256(params) -> str:
 @functools.lru_cache(maxsize=256)
 def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
   """NamedShardings of the state: replicated across slices, sharded inside a slice by the rules."""
-  _, param_shapes, param_axes = llama.abstract(cfg.model)
+  model = models.spec(cfg.model)
+  param_shapes, param_axes = model.shapes, model.axes
   shapes = jax.eval_shape(lambda: init_state(cfg))
   param_sh = tree_shardings(param_axes, param_shapes, mesh)
   # Each partition's moments hold MaskedNode where the other partition's params are: kept as is.
@@ -136,7 +140,7 @@ def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
                                  shapes.opt_state, param_sh,
                                  transform_non_params=lambda _: replicated(mesh),
                                  is_leaf=lambda x: isinstance(x, jax.sharding.Sharding) or masked(x))
-  bases_axes = {b: bases.AXES for b in shapes.bases}  # {} or {BLOCKS: AXES}
+  bases_axes = bases.axes(model) if shapes.bases else {}
   return TrainState(replicated(mesh), param_sh, opt_sh,
                     tree_shardings(bases_axes, shapes.bases, mesh),
                     replicated(mesh), replicated(mesh))

@@ -1,4 +1,5 @@
-"""Pure-JAX transformer math: RMSNorm, RoPE, causal attention, SwiGLU FFN, cross-entropy."""
+"""Pure-JAX transformer math: RMSNorm, LayerNorm, RoPE, causal attention, SwiGLU and GELU FFNs,
+cross-entropy."""
 from __future__ import annotations
 
 import jax
@@ -16,6 +17,15 @@ def rms_norm(x_BxLxD, scale_D, eps: float = 1e-6):
   x32 = x_BxLxD.astype(jnp.float32)
   inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (x32 * inv * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+def layer_norm(x_BxLxD, scale_D, bias_D, eps: float = 1e-5):
+  """LayerNorm computed in float32, returned in x's dtype."""
+  x32 = x_BxLxD.astype(jnp.float32)
+  mean = jnp.mean(x32, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+  out = (x32 - mean) * jax.lax.rsqrt(var + eps) * scale_D.astype(jnp.float32)
+  return (out + bias_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
 def rope(x_BxLxHxK, theta: float = 10000.0):
@@ -48,8 +58,15 @@ def swiglu_ffn(x_BxLxD, gate, up, down):
   return down(jax.nn.silu(g) * u)
 
 
+def gelu_ffn(x_BxLxD, up, down):
+  """GPT-2's MLP, down(gelu(up(x))), over two linear maps (callables); the up output carries a
+  name that remat_policy('dots') keeps."""
+  return down(jax.nn.gelu(checkpoint_name(up(x_BxLxD), 'ffn_up'), approximate=True))
+
+
 def remat_policy(name: str):
-  """jax.checkpoint policy for the degraded FFN: 'full' keeps only the input, 'dots' also the gate/up outputs."""
+  """jax.checkpoint policy for the degraded FFN: 'full' keeps only the input, 'dots' also the
+  named matmul outputs (gate/up)."""
   check_setting('mecefo.ffn_remat', name)
   if name == 'full':
     return jax.checkpoint_policies.nothing_saveable

@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
-from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
+from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, MODELS, POLICIES, Config, ConfigError, FaultConfig,
                                builtin_configs, config_file, load_config, rule_of, to_dict)
 from mecefo_jax.run import hints, storage
 from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--dry-run', action='store_true',
                  help='build, compile the step, print parameters, mesh and memory; no training '
                       'and no files left behind')
+  p.add_argument('--model', default=None, metavar='KIND|MODULE:FACTORY',
+                 help=f"the model: {' | '.join(MODELS)} (built in) or a model of the contract "
+                      'by its factory, imported from the current directory too (= model.kind; '
+                      'docs/own_model.md)')
   p.add_argument('--failures', default=None,
                  help=f"{rule_of('faults.failures').allowed()} (presets: docs/algorithm.md §5; "
                       '= faults.failures)')
@@ -133,7 +137,7 @@ def _setup_devices(count: int) -> None:
 
 
 def _overrides(args) -> list[str]:
-  flags = {'train.data': args.data, 'faults.failures': args.failures,
+  flags = {'model.kind': args.model, 'train.data': args.data, 'faults.failures': args.failures,
            'faults.takeover': args.takeover}
   overrides = list(args.overrides)
   # Quoted: a flag's value is the string as written, never YAML ('text:' reads as a mapping).

@@ -15,7 +15,7 @@ import jax
 
 from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError, to_dict
-from mecefo_jax.model import llama
+from mecefo_jax.model import contract, models
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.metrics import last_logged_step
 from mecefo_jax.snapshot import recovery
@@ -97,14 +97,17 @@ def _reached(out_dir: Path) -> int | None:
 
 
 def carried_state(cfg: Config, run_id: str, presence, previous: dict, resume: bool) -> dict:
-  """run_state.json's entries of this start: the run's identity, its config as given (`auto`
+  """run_state.json's entries of this start: the run's identity, its model's (model.kind and
+  its parameter tree's digest), its config as given (`auto`
   stays auto, so that a resume on another backend resolves it there), its layout, and the
   platform and compute dtype it trains in. A resume in another compute dtype than the run's
   says so in one warning line."""
   platform = jax.devices()[0].platform
+  model = models.spec(cfg.model)
   state = {'run_id': run_id, 'config': to_dict(cfg), 'n_slices': presence.n_slices,
+           'model': {'kind': model.kind, 'tree': model.tree_digest},
            'n_hosts': presence.n_hosts, 'platform': platform,
-           'compute_dtype': llama.compute_dtype(cfg.model).name}
+           'compute_dtype': contract.compute_dtype(cfg.model).name}
   if platform == 'cpu':  # simulated devices: a resume simulates as many
     state['host_devices'] = jax.local_device_count()
   before = previous.get('compute_dtype') if resume else None
@@ -117,3 +120,15 @@ def carried_state(cfg: Config, run_id: str, presence, previous: dict, resume: bo
                 state['compute_dtype'], cfg.model.compute_dtype, before,
                 previous.get('platform', 'another backend'), cfg.model.param_dtype)
   return state
+
+
+def check_model(cfg: Config, previous: dict, resume: bool) -> None:
+  """A resume trains the run's model: one whose parameter tree differs (its code changed under
+  the same model.kind) is refused in one line (ConfigError)."""
+  recorded = previous.get('model') if resume else None
+  model = models.spec(cfg.model)
+  if recorded and recorded.get('tree') != model.tree_digest:
+    raise ConfigError(f'resume with another model: model.kind={model.kind!r} now has parameter '
+                      f'tree {model.tree_digest}, the run trained tree {recorded.get("tree")} '
+                      '(its code changed?); resume with the run\'s model, or start anew with '
+                      '--fresh (or another --out)')

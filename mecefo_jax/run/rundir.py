@@ -390,6 +390,12 @@ def flat(tree: dict, prefix: str = '') -> dict:
 
 def _check_same_config(recorded: dict, current: dict) -> None:
   old, new = flat(recorded), flat(current)
+  # A run recorded before model.kind trained the built-in llama.
+  old_model, new_model = old.pop('model.kind', 'llama'), new.pop('model.kind', 'llama')
+  if old_model != new_model:
+    raise ConfigError(f'resume with another model: the run trained model.kind={old_model!r}, '
+                      f'this start gives {new_model!r}; resume with the run\'s model, or start '
+                      'anew with --fresh (or another --out)')
   changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and not (
       k in SAFE_ON_RESUME and not (k == 'train.steps' and new[k] < old[k]))]
   if changed:

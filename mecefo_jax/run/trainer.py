@@ -1,6 +1,7 @@
 """The training loop: each step planned, executed, recorded, then handed to the hooks in order."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -13,12 +14,12 @@ from mecefo_jax.config import Config
 from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import models, train_state
 from mecefo_jax.run import hints, loop_hooks, plot, presence, report, restart, rundir
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import to_json
 from mecefo_jax.run.records import RunRecords
-from mecefo_jax.run.resume import initial_state
+from mecefo_jax.run.resume import check_model, initial_state
 from mecefo_jax.run.run_files import RunFiles
 from mecefo_jax.run.startup import StartupClock
 from mecefo_jax.run.storage import OutputGuard
@@ -49,6 +50,8 @@ class Trainer:
   `stop`: the run's stop request (run/stop.py; train.py installs its signal handlers).
   `program_store`: compiled programs loaded instead of compiled, and kept for later starts
   (train.py opens one in train.compile_cache: step/program_store.py).
+  `model`: the model to train, a factory `(ModelConfig, nnx.Rngs) -> module` of the contract
+  (model/contract.py) or its `module:factory` name; it sets model.kind (default: cfg's).
   """
 
   def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,
@@ -56,8 +59,11 @@ class Trainer:
                on_log: Callable[[dict], None] | None = None, replace: bool = False,
                replace_finished: bool = False, host_slot: int | None = None,
                program_store: ProgramStore | None = None, stop: StopRequest | None = None,
-               hooks: Sequence[Hook] = ()):
+               hooks: Sequence[Hook] = (), model: Callable | str | None = None):
     self.startup = StartupClock()  # first: a Trainer built in a notebook is timed from here
+    if model is not None:
+      cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                               kind=models.register(model)))
     self.cfg, self.out_dir = cfg, Path(out_dir)
     self.stop = (stop if stop is not None else StopRequest()).watch(self.out_dir)
     self.files, self.snapshots = RunFiles(cfg, self.out_dir), None
@@ -73,6 +79,7 @@ class Trainer:
     """All but the lock, the first programs built last; no file of the run is written here.
     Everything that can refuse the run is checked before any of its files is touched."""
     cfg = self.cfg
+    self.model = models.spec(cfg.model)  # a model that breaks the contract: refused here
     self.presence = presence.find(cfg, self.out_dir, resume, host_slot)
     if multihost.is_multiprocess():
       multihost.check_slices_within_processes(self.presence.mesh)
@@ -86,6 +93,7 @@ class Trainer:
                   '(eval_loss null in report.json)', cfg.train.data)
     self.schedule = schedule or self.files.schedule(self.presence.n_slices, resume)
     previous = self.files.check(resume=resume, **replacing)
+    check_model(cfg, previous, resume)
     self.snapshots = recovery.open_manager(cfg, *self.files.snapshot_dirs(),
                                            state_nbytes(train_state.abstract_state(cfg)),
                                            self.presence.slots)
@@ -99,7 +107,7 @@ class Trainer:
       self.files.all_down_at(down_at)  # kept while resuming
     meta = self.origin.meta
     self.controller = Controller.start(
-        cfg, self.presence, llama.abstract(cfg.model)[0], self.corpus, self.schedule,
+        cfg, self.presence, self.model.graphdef, self.corpus, self.schedule,
         self.origin.state, meta=meta and meta['controller'], step=self.origin.step,
         all_down_at=down_at, program_store=store)
     self.startup.programs_built(self.controller.first_programs_s, time.perf_counter() - t0)

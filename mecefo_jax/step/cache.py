@@ -74,6 +74,7 @@ class Request:
   ahead: bool
   lower: Callable
   store_devices: bool  # the store's key names the devices (programs do not move)
+  model: str = ''  # model.kind: in the store's key
 
   @property
   def devices(self) -> list:
@@ -85,7 +86,7 @@ class Request:
 
   @functools.cached_property
   def store_key(self) -> str:
-    return fingerprint(self.lowered, self.devices if self.store_devices else None)
+    return fingerprint(self.lowered, self.devices if self.store_devices else None, self.model)
 
   def __str__(self) -> str:
     """E.g. 'group program onto slices [0, 2]': onto where programs move, else for."""
@@ -248,7 +249,7 @@ class ProgramCache:
   def _request(self, key: ProgramKey, ahead: bool) -> Request:
     mesh = self.slices.sub(key.slices)
     return Request(key, mesh, ahead, lambda: lowering.lower(key, self.cfg, mesh, self.graphdef),
-                   store_devices=not self.move)
+                   store_devices=not self.move, model=self.cfg.model.kind)
 
   def _build(self, request: Request):
     """From the first source that has it. Runs under the lock."""

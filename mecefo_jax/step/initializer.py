@@ -17,10 +17,11 @@ log = logging.getLogger('mecefo')
 
 
 def compile_or_load(lowered: jax.stages.Lowered, devices: Sequence,
-                    program_store: ProgramStore | None) -> tuple[jax.stages.Compiled, bool]:
+                    program_store: ProgramStore | None,
+                    model: str = '') -> tuple[jax.stages.Compiled, bool]:
   """(`lowered` as a program for `devices`, whether it came from the store): loaded from the
-  store (keyed with the devices' ids), else compiled and kept there."""
-  key = program_store and fingerprint(lowered, devices)
+  store (keyed with the devices' ids and the `model`), else compiled and kept there."""
+  key = program_store and fingerprint(lowered, devices, model)
   entry = program_store.read(key) if key else None
   if entry is not None:
     try:
@@ -46,7 +47,8 @@ def create(cfg: Config, mesh: Mesh, program_store: ProgramStore | None = None,
   t0 = time.perf_counter()
   lowered = train_state.lower_init(cfg, mesh)
   t1 = time.perf_counter()
-  compiled, loaded = compile_or_load(lowered, list(mesh.devices.flat), program_store)
+  compiled, loaded = compile_or_load(lowered, list(mesh.devices.flat), program_store,
+                                     cfg.model.kind)
   t2 = time.perf_counter()
   state = jax.block_until_ready(compiled(train_state.init_seed(cfg, mesh)))
   if times is not None:

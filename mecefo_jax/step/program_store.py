@@ -73,15 +73,15 @@ def compile_counts() -> dict:
     return dict(_compiles)
 
 
-def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None) -> str:
-  """The key of a compiled program: its lowered module (the model, config, shapes, dtypes,
-  shardings and jax config that shape it), its argument and result trees (empty containers
-  leave no trace in the module, yet a call checks them), the jax/jaxlib versions, the backend
-  and the XLA flags; `devices` (their ids) where the program cannot be moved between device
-  sets."""
+def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None, model: str = '') -> str:
+  """The key of a compiled program: the identity of its model (model.kind), its lowered module
+  (the model, config, shapes, dtypes, shardings and jax config that shape it), its argument and
+  result trees (empty containers leave no trace in the module, yet a call checks them), the
+  jax/jaxlib versions, the backend and the XLA flags; `devices` (their ids) where the program
+  cannot be moved between device sets."""
   backend = jax.extend.backend.get_backend()
   h = hashlib.sha256()
-  for part in (lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree), str(FORMAT),
+  for part in (model, lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree), str(FORMAT),
                jax.__version__, jaxlib.__version__,
                backend.platform, backend.platform_version, os.environ.get('XLA_FLAGS', ''),
                os.environ.get('LIBTPU_INIT_ARGS', ''),

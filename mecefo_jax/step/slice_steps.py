@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax import sharding
 from mecefo_jax.config import Config
+from mecefo_jax.model import models
 from mecefo_jax.model.train_state import TrainState, abstract_state, make_optimizer, state_shardings
 from mecefo_jax.core.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
@@ -78,7 +79,8 @@ def lower_update(cfg: Config, mesh: Mesh) -> jax.stages.Lowered:
     if cfg.mesh.ordered_reduce:  # every device gets all slices' sums, adds them in slice order
       sums = jax.tree.map(lambda x, sh: jax.lax.with_sharding_constraint(
           x, NamedSharding(mesh, P(None, *sh.spec[1:]))), sums, sums_sh)
-    return train_step.finish_step(state, jax.tree.map(lambda x: x.sum(0), sums), tx)
+    return train_step.finish_step(state, jax.tree.map(lambda x: x.sum(0), sums), tx,
+                                  models.spec(cfg.model))
 
   jitted = jax.jit(update, donate_argnums=0, in_shardings=(state_shardings(cfg, mesh), sums_sh),
                    out_shardings=(state_shardings(cfg, mesh), replicated(mesh)))

@@ -1,34 +1,37 @@
 """Normal and degraded train steps as pure functions, compiled ahead of time per slice plan."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from mecefo_jax import ops
 from mecefo_jax.config import Config
-from mecefo_jax.model import llama
+from mecefo_jax.model import models
 from mecefo_jax.model.bases import kind as basis_kind
+from mecefo_jax.model.contract import FULL, Degrade
 from mecefo_jax.model.train_state import (ATTENTION, TrainState, abstract_state, make_optimizer,
                                           state_shardings)
 from mecefo_jax.core.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
 
-def _loss_sum(params, tokens_NxL1, graphdef, degraded, bases, remat):
-  logits = llama.forward(graphdef, params, tokens_NxL1[:, :-1], degraded, bases, remat)
-  return ops.token_cross_entropy(logits, tokens_NxL1[:, 1:]).sum()
+
+def _loss_sum(params, tokens_NxL1, graphdef, degraded, bases, remat, model: models.Spec):
+  return model.loss_sum(graphdef, params, tokens_NxL1, degraded, bases, remat)
 
 
 def contribution(params, bases, tokens_RxL1, key, *, role: Role, graphdef, cfg: Config,
-                 degrade: llama.Degrade = llama.FULL):
+                 degrade: Degrade = FULL):
   """Summed loss and gradients of one slice's rows; degraded rows give attention no gradient.
 
   Returns (grads, loss_sum, exact_tokens, degraded_tokens); gradients are sums over tokens.
   `degrade` picks the §2 techniques of the degraded rows (all of them outside the ablation).
   """
   seq = tokens_RxL1.shape[-1] - 1
-  grad_fn = jax.value_and_grad(_loss_sum)
+  model = models.spec(cfg.model)
+  grad_fn = jax.value_and_grad(functools.partial(_loss_sum, model=model))
   loss, grads = jnp.zeros((), jnp.float32), None
   if role.exact:
     loss, grads = grad_fn(params, tokens_RxL1[:role.exact], graphdef, False, None, None)
@@ -63,35 +66,38 @@ def _degraded_passes(grad_fn, params, rows_DxL1, bases, passes, graphdef, cfg, d
   return acc
 
 
-def count_attention_tokens(exact_tokens, degraded_tokens, degrade: llama.Degrade = llama.FULL):
+def count_attention_tokens(exact_tokens, degraded_tokens, degrade: Degrade = FULL):
   """Tokens that gave the attention branch a gradient: exact rows, and degraded rows whose
   pass left attention's backward on (docs/algorithm.md §2.1 off, the ablation's variants)."""
-  return exact_tokens if llama.Degrade.of(degrade).skip_attention else exact_tokens + degraded_tokens
+  return exact_tokens if Degrade.of(degrade).skip_attention else exact_tokens + degraded_tokens
 
 
-def combine(grads_sum, attention_tokens, total_tokens):
-  """docs/algorithm.md §3: attention-branch grads average over the tokens that gave them one
-  (the exact ones in a MeCeFO step: count_attention_tokens), the rest over all tokens."""
+def combine(grads_sum, attention_tokens, total_tokens, model: models.Spec):
+  """docs/algorithm.md §3: the model's attention-branch grads average over the tokens that gave
+  them one (the exact ones in a MeCeFO step: count_attention_tokens), the rest over all tokens."""
   def mean(path, g):
-    denom = attention_tokens if llama.is_attention_branch(path) else total_tokens
+    denom = attention_tokens if model.is_attention(path) else total_tokens
     return g / jnp.maximum(denom, 1.0)
   return jax.tree_util.tree_map_with_path(mean, grads_sum)
 
 
-def _frozen_with_attention(path) -> bool:
+def _frozen_with_attention(path, model: models.Spec) -> bool:
   """Attention-branch params and moments, and the attention partition's whole optimizer state
   (its count with them: make_optimizer)."""
-  keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
-  return llama.is_attention_branch(path) or ATTENTION in keys
+  keys = models.keys_of(path)
+  # optax.multi_transform's state: inner_states[label]; a parameter's own name is no label.
+  partition = next((keys[i + 1] for i, k in enumerate(keys[:-1]) if k == 'inner_states'), None)
+  return model.is_attention(path) or partition == ATTENTION
 
 
-def _freeze_attention(new, old, frozen):
+def _freeze_attention(new, old, frozen, model: models.Spec):
   """Keep attention leaves (params, or the attention optimizer partition) at `old` when frozen."""
-  pick = lambda path, n, o: jnp.where(frozen, o, n) if _frozen_with_attention(path) else n
+  pick = lambda path, n, o: jnp.where(frozen, o, n) if _frozen_with_attention(path, model) else n
   return jax.tree_util.tree_map_with_path(pick, new, old)
 
 
-def apply_gradients(state: TrainState, grads, attention_tokens, tx) -> tuple[TrainState, jax.Array]:
+def apply_gradients(state: TrainState, grads, attention_tokens, tx,
+                    model: models.Spec) -> tuple[TrainState, jax.Array]:
   """One optimizer step; attention is frozen when no token gave it a gradient."""
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -99,8 +105,8 @@ def apply_gradients(state: TrainState, grads, attention_tokens, tx) -> tuple[Tra
   # update at all, not a zero-grad one, and its AdamW count stays with its own updates, so that
   # its next update is bias-corrected (and scheduled) by the updates it actually had.
   frozen = attention_tokens == 0
-  params = _freeze_attention(params, state.params, frozen)
-  opt_state = _freeze_attention(opt_state, state.opt_state, frozen)
+  params = _freeze_attention(params, state.params, frozen, model)
+  opt_state = _freeze_attention(opt_state, state.opt_state, frozen, model)
   return state._replace(step=state.step + 1, params=params, opt_state=opt_state), optax.tree.norm(grads)
 
 
@@ -117,7 +123,7 @@ def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg, degrade):
                       degrade=degrade)
 
 
-def make_step_fn(cfg: Config, role: Role, graphdef, degrade: llama.Degrade = llama.FULL):
+def make_step_fn(cfg: Config, role: Role, graphdef, degrade: Degrade = FULL):
   """The pure step `(state, tokens_SxRxL1) -> (state, metrics)`: every slice plays `role`.
 
   Role(exact=B) is the normal step; Role(degraded=k*B) a slice doing its own and k-1 extra
@@ -130,20 +136,20 @@ def make_step_fn(cfg: Config, role: Role, graphdef, degrade: llama.Degrade = lla
   def step(state: TrainState, tokens_SxRxL1):
     key = jax.random.fold_in(state.rng, state.step)
     sums = _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg, degrade)
-    return finish_step(state, sums, tx, degrade)
+    return finish_step(state, sums, tx, models.spec(cfg.model), degrade)
 
   return step
 
 
-def finish_step(state: TrainState, sums, tx,
-                degrade: llama.Degrade = llama.FULL) -> tuple[TrainState, dict]:
+def finish_step(state: TrainState, sums, tx, model: models.Spec,
+                degrade: Degrade = FULL) -> tuple[TrainState, dict]:
   """From summed (grads, loss, exact tokens, degraded tokens): §3 rule, optimizer, metrics.
   `degrade`: the techniques the degraded rows used (which of them gave attention a gradient)."""
   grads_sum, loss_sum, exact_tokens, degraded_tokens = sums
   total = exact_tokens + degraded_tokens
   attention = count_attention_tokens(exact_tokens, degraded_tokens, degrade)
-  grads = combine(grads_sum, attention, total)
-  new_state, grad_norm = apply_gradients(state, grads, attention, tx)
+  grads = combine(grads_sum, attention, total, model)
+  new_state, grad_norm = apply_gradients(state, grads, attention, tx, model)
   metrics = {'loss': loss_sum / jnp.maximum(total, 1.0), 'grad_norm': grad_norm,
              'exact_tokens': exact_tokens, 'degraded_tokens': degraded_tokens}
   return new_state, metrics
@@ -154,7 +160,7 @@ def batch_shape(cfg: Config, n_slices: int, role: Role) -> tuple[int, int, int]:
 
 
 def lower_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
-               degrade: llama.Degrade = llama.FULL) -> jax.stages.Lowered:
+               degrade: Degrade = FULL) -> jax.stages.Lowered:
   """The step for `role` on `mesh`, lowered: state donated, identical state in/out shardings."""
   state_sh = state_shardings(cfg, mesh)
   jitted = jax.jit(make_step_fn(cfg, role, graphdef, degrade), donate_argnums=0,
@@ -167,12 +173,13 @@ def lower_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
 def lower_eval(cfg: Config, mesh: Mesh, rows: int, graphdef) -> jax.stages.Lowered:
   """`(params, tokens_SxRxL1) -> {'loss_sum', 'tokens'}` (forward only); rows whose
   first token is negative are padding and count for nothing."""
+  model = models.spec(cfg.model)
+
   def evaluate(params, tokens_SxRxL1):
     flat_NxL1 = tokens_SxRxL1.reshape(-1, tokens_SxRxL1.shape[-1])
     valid_N = (flat_NxL1[:, 0] >= 0).astype(jnp.float32)
     flat_NxL1 = jnp.maximum(flat_NxL1, 0)
-    logits = llama.forward(graphdef, params, flat_NxL1[:, :-1], False, None, None)
-    loss_N = ops.token_cross_entropy(logits, flat_NxL1[:, 1:]).sum(axis=1)
+    loss_N = model.token_losses(graphdef, params, flat_NxL1, False, None, None).sum(axis=1)
     return {'loss_sum': (loss_N * valid_N).sum(), 'tokens': valid_N.sum() * (flat_NxL1.shape[1] - 1)}
 
   params_sh = state_shardings(cfg, mesh).params

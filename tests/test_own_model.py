@@ -1,0 +1,91 @@
+"""A model of the contract defined outside the package (examples/own_model.py, copied out of the
+checkout as a user would): trained by the supervisor's processes, which import it by its
+`module:factory` name, through failures equal to a one-process replay; through the Python API,
+killed and resumed bit-exact; a resume with another model refused in one line."""
+import json
+import re
+import shlex
+import shutil
+import sys
+
+import pytest
+
+from mecefo_jax.run import cli
+from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.run.stop import TEST_DEATH_ENV
+from procs import ROOT, TINY, error_lines, report
+
+EXAMPLE = ROOT / 'examples' / 'own_model.py'
+STEPS = 10
+ARGS = [*TINY, f'train.steps={STEPS}', 'train.eval_every=0', 'train.plot=false',
+        'train.log_every=1', 'mecefo.tau=3']
+TRACE = '2 1 fail\n3 3 fail\n6 1 repair\n8 3 repair\n'
+
+
+def _user_folder(tmp_path):
+  """A folder outside the checkout holding a copy of the example and a failure trace."""
+  folder = tmp_path / 'user'
+  folder.mkdir()
+  shutil.copy(EXAMPLE, folder / 'own_model.py')
+  (folder / 'trace.txt').write_text(TRACE)
+  return folder
+
+
+def _env(launcher):
+  return launcher.env(PYTHONPATH=str(ROOT))  # the package importable, as where it is installed
+
+
+@pytest.mark.parametrize('kind', ['own_model:TinyLM', 'gpt2'])
+def test_the_supervisors_processes_train_a_model_as_a_one_process_replay(launcher, tmp_path, kind):
+  """A user's model by its module:factory name, and the built-in second model."""
+  folder = _user_folder(tmp_path)
+  cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '2', '--devices-per-process', '2', '--',
+         '--model', kind, '--out', 'run', f'snapshot.dir={tmp_path / "shm"}',
+         '--failures=trace:trace.txt', 'mesh.slice=4', 'mesh.ordered_reduce=true', *ARGS]
+  job = launcher.run(cmd, timeout=600, cwd=folder, env=_env(launcher))
+  assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+  result = report(folder / 'run')
+  assert result['config']['model']['kind'] == kind
+  assert result['samples']['degraded'] > 0 and result['samples']['dropped'] == 0
+  state = json.loads((folder / 'run' / 'run_state.json').read_text())
+  assert state['model']['kind'] == kind and len(state['model']['tree']) == 16
+  line = (folder / 'run' / 'failures.txt').read_text().splitlines()[0]
+  replay_cmd = re.fullmatch(r'# replay: `(python -m mecefo_jax [^`]*)`', line).group(1)
+  replay = launcher.run([sys.executable, *shlex.split(replay_cmd)[1:]], timeout=600, cwd=folder,
+                        env=_env(launcher))
+  assert replay.returncode == 0, replay.stderr[-3000:]
+  reference = report(folder / 'runs' / 'latest')
+  assert reference['config']['model']['kind'] == kind
+  assert result['params_sha256'] == reference['params_sha256']
+  assert result['samples'] == reference['samples']
+
+
+def test_the_example_killed_and_resumed_ends_bit_exact(launcher, tmp_path):
+  folder = _user_folder(tmp_path)
+  (tmp_path / 'shm').mkdir()
+  run = lambda out, *extra, env=None: launcher.run(
+      [sys.executable, 'own_model.py', '--host-devices', '4', '--failures', 'trace:trace.txt',
+       '--out', out, *extra, f'snapshot.dir={tmp_path / "shm" / out}', 'snapshot.every=1',
+       *ARGS], timeout=600, cwd=folder, env={**_env(launcher), **(env or {})})
+  whole = run('whole')
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  killed = run('killed', env={TEST_DEATH_ENV: '0:5'})
+  assert killed.returncode == -9, killed.stderr[-3000:]
+  resumed = run('killed', '--resume')
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  done, again = report(folder / 'whole'), report(folder / 'killed')
+  assert again['resumed_from_step'] == 5 and done['samples']['degraded'] > 0
+  assert again['params_sha256'] == done['params_sha256']
+  assert again['samples'] == done['samples']
+
+
+def test_a_resume_with_another_model_is_refused_in_one_line(tmp_path, capsys, devices):
+  out = tmp_path / 'run'
+  base = ['--out', str(out), *TINY, 'train.steps=4', 'train.plot=false', 'snapshot.enabled=false',
+          '--stop-after', '2']
+  assert cli.main(base) != BAD_INPUT
+  capsys.readouterr()
+  assert cli.main(['--out', str(out), '--resume', '--model', 'gpt2']) == BAD_INPUT
+  lines = error_lines(capsys.readouterr().err)
+  assert len(lines) == 1 and 'resume with another model' in lines[0], lines
+  assert "model.kind='llama'" in lines[0] and "'gpt2'" in lines[0], lines
