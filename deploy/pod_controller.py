@@ -145,7 +145,9 @@ def remote_command(args, hosts: list[int], pid: int, port: int, train_args: list
   steps = [f'cd {shlex.quote(args.workdir)}']
   if pid == 0:  # a stop request that no job honoured must not stop this one
     steps.append(f'rm -f {shlex.quote(str(args.out / STOP_FILE))}')
-  steps += [f'echo $$ > {shlex.quote(_pid_file(args, slot))}',
+  # The process stops the job at an agreed step once its parent (the transport's session) is
+  # gone: a controller that died leaves no job training unwatched (run/supervised.py).
+  steps += [f'echo $$ > {shlex.quote(_pid_file(args, slot))}', 'export MECEFO_SUPERVISOR=parent',
             'exec ' + shlex.join(['env', *env, *train] if env else train)]
   return ' && '.join(steps)
 

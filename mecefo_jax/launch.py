@@ -32,6 +32,7 @@ from mecefo_jax.run.cli import OneLineParser, at_least
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, STOPPED
 from mecefo_jax.run.hints import LAUNCH_ENV
 from mecefo_jax.run.stop import STOP_FILE
+from mecefo_jax.run.supervised import SUPERVISOR_ENV, handed_down
 
 # The directory holding this package: the processes import the same one from any cwd.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
@@ -123,6 +124,10 @@ class Supervisor:
     self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
     self.interrupted: str | None = None  # the signal that stops the job
     self.resume = False
+    # Each process holds the read end; the write end is ours alone (os.pipe's fds are not
+    # inherited): however the supervisor ends, its processes see end-of-file and stop the job
+    # at an agreed step (run/supervised.py).
+    self.watched_fd, self._alive_fd = os.pipe()
 
   def say(self, kind: str, message: str, **fields) -> None:
     """Prints an event; appends it to --events and to the run's history.jsonl (run/rundir.py)."""
@@ -153,7 +158,8 @@ class Supervisor:
       cmd, env = self.command(pid, host, n, port)
       # Every process logs the same events: process 0 speaks for the job, the others to files.
       out = None if pid == 0 else open(self._log(host), 'ab')
-      self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out,
+      env = {**env, SUPERVISOR_ENV: handed_down(self.watched_fd, os.getpid())}
+      self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.watched_fd,),
                                           stderr=subprocess.STDOUT if out else None)
       if out:
         out.close()  # the child holds it
@@ -214,6 +220,16 @@ class Supervisor:
         p.kill()
     for p in self.procs.values():
       p.wait()
+
+  def stop_all(self) -> None:
+    """The supervisor leaves (an error of its own): a job still running is asked to stop at an
+    agreed step (snapshotted, resumable), killed only past the grace period."""
+    if any(p.poll() is None for p in self.procs.values()):
+      self._ask_stop()
+      deadline = time.monotonic() + _GRACE_S
+      while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    self.kill_all()
 
   def run(self) -> int:
     self.start()
@@ -372,7 +388,7 @@ def serve(sup: Supervisor) -> int:
   try:
     return sup.run()
   finally:
-    sup.kill_all()
+    sup.stop_all()
 
 
 def main(argv=None) -> int:

@@ -255,7 +255,10 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   """Builds the trainer (in `scratch` for a dry run), then trains."""
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.capacity import SnapshotError
+  from mecefo_jax.run import stop, supervised
   job = False  # a process of a multi-process job
+  stop_request = stop.StopRequest(args.stop_after)
+  supervised.watch_supervisor(lambda why: _supervisor_gone(stop_request, why))
   try:
     _no_jax_cache()
     from mecefo_jax import multihost
@@ -264,9 +267,8 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     _test_start_error(args)
     from mecefo_jax.run import trainer
     from mecefo_jax.step import program_store
-    from mecefo_jax.run import rundir, stop
+    from mecefo_jax.run import rundir
     resume = scratch is None and (args.resume or (not args.fresh and rundir.unfinished(out_dir)))
-    stop_request = stop.StopRequest(args.stop_after)
     run = trainer.Trainer(cfg, scratch or out_dir, resume=resume, explicit_resume=args.resume,
                           stop=stop_request,
                           progress='quiet' if args.quiet else 'auto', replace=args.fresh,
@@ -289,6 +291,13 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     return _train(args, run, out_dir)
   finally:
     stop_request.uninstall()
+
+
+def _supervisor_gone(stop_request, why: str) -> None:
+  """The supervisor's watch (run/supervised.py): the job stops at its next agreed step."""
+  logging.getLogger('mecefo').warning('%s: stopping the job after its next step (snapshotted, '
+                                      'resumable with the supervisor\'s command)', why)
+  stop_request.request(why)
 
 
 def _leave(job: bool, code: int) -> int:

@@ -1,0 +1,82 @@
+"""Faults of the supervised job beyond a clean death: a supervisor that is killed or stopped, a
+survivor's view of a peer's death, a SIGTERM during start-up, a dead host's tmpfs part, and the
+recovery's breakdown (real processes, real signals, a tiny model)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mecefo_jax.run import rundir
+from mecefo_jax.run.supervised import Watch, process_state
+from procs import TINY, wait_for
+
+BASE = ['mesh.slice=3', *TINY, 'train.log_every=1', 'snapshot.every=1', 'train.eval_every=0',
+        'train.plot=false']
+
+
+def _gone(pid: int) -> bool:
+  """The process has ended (a zombie that nobody reaps counts: it runs nothing)."""
+  return process_state(pid) in (None, 'Z')
+
+
+def _events(path: Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _rows(run: Path) -> int:
+  path = run / 'metrics.jsonl'
+  return path.read_text().count('"step"') if path.exists() else 0
+
+
+def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_path):
+  run, events, shm = tmp_path / 'run', tmp_path / 'events.jsonl', tmp_path / 'shm'
+  out = open(tmp_path / 'supervisor.log', 'wb')  # worker 0 writes here after the supervisor died
+  sup = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events', events,
+                        '--', '--out', run, f'snapshot.dir={shm}', 'train.steps=100000', *BASE],
+                       stdout=out, stderr=subprocess.STDOUT)
+  out.close()
+  wait_for(lambda: _rows(run) >= 3, 240, 'three trained steps', sup)
+  pids = [e for e in _events(events) if e['kind'] == 'start'][-1]['pids']
+  os.kill(sup.pid, signal.SIGKILL)  # the supervisor alone: its workers are left running
+  sup.wait()
+  wait_for(lambda: all(_gone(p) for p in pids.values()), 120, 'the workers to stop')
+  assert rundir.read_run_state(run)['status'] == 'stopped'
+  [stop] = [e for e in rundir.read_history(run) if e['kind'] == 'stop']
+  why = f'the supervisor (pid {sup.pid}) is gone'
+  assert stop['why'] == why, stop
+  said = f'stopped by {why} after step {stop["step"]}'
+  logs = [(tmp_path / 'supervisor.log').read_text()] + [
+      (run / 'logs' / f'host{h}.log').read_text() for h in (1, 2)]
+  assert all(said in log for log in logs), [log[-2000:] for log in logs]
+  # Every host's part of that step's in-memory snapshot, and the report of a stopped run.
+  [memory] = shm.iterdir()
+  assert all((memory / f'host{h}' / str(stop['step'])).is_dir() for h in range(3))
+  report = json.loads((run / 'report.json').read_text())
+  assert report['preempted'] and report['steps'] == stop['step']
+
+
+def test_the_watch_sees_a_closed_pipe_and_a_stopped_supervisor(launcher):
+  seen = []
+  read_fd, write_fd = os.pipe()
+  Watch(f'fd:{read_fd}:{os.getpid()}', seen.append)
+  time.sleep(1.5)
+  assert seen == []  # an open pipe and a running supervisor: nothing
+  os.close(write_fd)
+  wait_for(lambda: seen, 5, 'the end of the pipe seen')
+  assert seen == [f'the supervisor (pid {os.getpid()}) is gone']
+  os.close(read_fd)
+  # A stand-in supervisor, stopped: gone once stopped for stopped_s, not before.
+  stand_in = launcher.start(['sleep', '60'])
+  read_fd, write_fd = os.pipe()
+  stopped = []
+  Watch(f'fd:{read_fd}:{stand_in.pid}', stopped.append, stopped_s=2.0)
+  os.kill(stand_in.pid, signal.SIGSTOP)
+  time.sleep(1.0)
+  assert stopped == []
+  wait_for(lambda: stopped, 10, 'the stopped supervisor seen')
+  assert stopped == [f'the supervisor (pid {stand_in.pid}) has been stopped for 2 s']
+  os.kill(stand_in.pid, signal.SIGKILL)
+  os.close(write_fd)
