@@ -29,7 +29,7 @@ from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT, ConfigError
 from mecefo_jax.run import rundir
 from mecefo_jax.run.cli import OneLineParser, at_least
-from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, STOPPED
+from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
 from mecefo_jax.run.hints import LAUNCH_ENV
 from mecefo_jax.run.stop import STOP_FILE
 from mecefo_jax.run.supervised import SUPERVISOR_ENV, handed_down
@@ -38,6 +38,10 @@ from mecefo_jax.run.supervised import SUPERVISOR_ENV, handed_down
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
 _POLL_S, _GRACE_S = 0.1, 60.0
+# A survivor that lost a peer (PEER_LOST) is no death: the dead process shows within this
+# long (a remote one once its transport notices), else the whole job restarts.
+_PEER_WAIT_S = 45.0
+_SURVIVOR_EXITS = (STOPPED, PEER_LOST)  # a process's exits that are not its death
 _GPU_DEVICES = '/dev/nvidia[0-9]*'  # one device file per NVIDIA GPU the machine shows
 
 
@@ -109,7 +113,8 @@ def free_port() -> int:
 def _exit_text(code: int) -> str:
   if code < 0:
     return f'killed by {signal.Signals(-code).name}'
-  return f'exit {code}' + (f' ({JOB_EXITS[code]})' if code in JOB_EXITS else '')
+  names = {**JOB_EXITS, PEER_LOST: 'lost a peer'}
+  return f'exit {code}' + (f' ({names[code]})' if code in names else '')
 
 
 class Supervisor:
@@ -248,9 +253,12 @@ class Supervisor:
     failed = self._failed_start(exited)
     if failed is not None:
       return self._start_failed(failed, exited[failed])
-    dead = [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and c != STOPPED]
+    dead = [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and
+            c not in _SURVIVOR_EXITS]
     if dead:
       return self._death(dead[0], exited[dead[0]])
+    if PEER_LOST in exited.values():
+      return self._lost_peer(exited)
     if exited and len(exited) == len(codes):
       return self._finished(exited)
     if exited:  # others finish or stop with it: wait for them, within bounds
@@ -272,7 +280,8 @@ class Supervisor:
       return None
     local = self.args.out.is_dir()
     failed = sorted((h for h, c in exited.items() if c == BAD_INPUT or local and c > 0 and
-                     c not in JOB_EXITS and c != STOPPED), key=lambda h: h != self.hosts[0])
+                     c not in JOB_EXITS and c not in _SURVIVOR_EXITS),
+                    key=lambda h: h != self.hosts[0])
     if not failed or (exited[failed[0]] != BAD_INPUT and self._starts() > self.starts):
       return None
     return failed[0]
@@ -346,6 +355,19 @@ class Supervisor:
       time.sleep(max(0.0, at - time.monotonic()))
       del self.ready_at[host]
       self.hosts, self.rejoins = sorted(self.hosts + [host]), self.rejoins + 1
+    return self._restart()
+
+  def _lost_peer(self, exited: dict) -> int | None:
+    """Processes left with PEER_LOST: their peer's death shows next (waited for, bounded); if
+    none does, no process can be singled out and the whole job restarts from its snapshot."""
+    self.settle_since = self.settle_since or time.monotonic()
+    if time.monotonic() - self.settle_since <= _PEER_WAIT_S:
+      return None
+    lost = sorted(h for h, c in exited.items() if c == PEER_LOST)
+    self.say('peer-lost', f'host(s) {lost} lost a peer and no process died within '
+                          f'{_PEER_WAIT_S:.0f} s: restarting the whole job from its last snapshot',
+             hosts=lost)
+    self.kill_all()
     return self._restart()
 
   def _restart(self) -> int | None:

@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+from mecefo_jax.launch import free_port as launch_port
 from mecefo_jax.run import rundir
+from mecefo_jax.run.exits import PEER_LOST
 from mecefo_jax.run.supervised import Watch, process_state
-from procs import TINY, wait_for
+from procs import TINY, error_lines, wait_for
 
 BASE = ['mesh.slice=3', *TINY, 'train.log_every=1', 'snapshot.every=1', 'train.eval_every=0',
         'train.plot=false']
@@ -80,3 +82,42 @@ def test_the_watch_sees_a_closed_pipe_and_a_stopped_supervisor(launcher):
   assert stopped == [f'the supervisor (pid {stand_in.pid}) has been stopped for 2 s']
   os.kill(stand_in.pid, signal.SIGKILL)
   os.close(write_fd)
+
+
+def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(launcher, tmp_path):
+  """SIGTERM once the run is locked (data, state and first programs being built, a cold
+  compile): one line saying where, exit 143, no lock, no directory of its own left."""
+  run, shm = tmp_path / 'new' / 'run', tmp_path / 'shm'
+  proc = launcher.start([sys.executable, 'train.py', '--out', run, f'snapshot.dir={shm}',
+                         'train.steps=5', *TINY], env=launcher.env(compile_cache=False),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  wait_for(lambda: (run / rundir.LOCK).exists(), 120, 'the run locked', proc)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  lines = [line for line in err.splitlines() if 'error' in line.lower() or 'Traceback' in line]
+  assert proc.returncode == 143 and len(lines) == 1, err[-3000:]
+  assert lines[0].startswith('error: stopped by SIGTERM during start-up ('), lines
+  assert 'nothing of this start is kept' in lines[0]
+  assert not (tmp_path / 'new').exists()  # train.py made it: gone with the lock
+  assert not shm.exists() or not any(shm.rglob('*')), sorted(shm.rglob('*'))
+
+
+def test_a_survivor_of_a_peers_death_says_so_in_one_line(launcher, tmp_path):
+  """Three processes without a supervisor (nothing kills the survivors): host 1 dies after
+  step 2; hosts 0 and 2 fail in their next collective and each says so in one line."""
+  run, port = tmp_path / 'run', launch_port()
+  env = launcher.env(MECEFO_TEST_SIGKILL='1:2')
+  procs = [launcher.start([sys.executable, '-m', 'mecefo_jax', f'--coordinator=127.0.0.1:{port}',
+                           '--num-processes=3', f'--process-id={p}', '--host-devices=1',
+                           '--out', run, f'snapshot.dir={tmp_path / "shm"}', 'train.steps=50',
+                           *BASE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) for p in range(3)]
+  ended = [p.communicate(timeout=240) for p in procs]
+  assert procs[1].returncode == -signal.SIGKILL, ended[1][1][-3000:]
+  for host in (0, 2):
+    err = ended[host][1]
+    assert procs[host].returncode == PEER_LOST, (host, procs[host].returncode, err[-3000:])
+    assert 'Traceback' not in err, err[-3000:]
+    [line] = error_lines(err)
+    assert line.startswith(f'error: host {host}: a collective failed, a peer process of the job '
+                           'is gone ('), line
