@@ -121,3 +121,36 @@ def test_a_survivor_of_a_peers_death_says_so_in_one_line(launcher, tmp_path):
     [line] = error_lines(err)
     assert line.startswith(f'error: host {host}: a collective failed, a peer process of the job '
                            'is gone ('), line
+
+
+def test_a_death_is_timed_phase_by_phase_and_its_tmpfs_part_freed(launcher, tmp_path):
+  """Host 1 dies after step 3; the survivors' job resumes, stops after step 6 (--stop-after)
+  and then finishes at 8. Its report and the supervisor's line break the restart down; host 1's
+  tmpfs part goes once the survivors' own snapshot is complete, and nothing is left in tmpfs
+  once the run is finished."""
+  run, events, shm = tmp_path / 'run', tmp_path / 'events.jsonl', tmp_path / 'shm'
+  cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events', events, '--',
+         '--out', run, f'snapshot.dir={shm}', 'train.steps=8', *BASE]
+  first = launcher.run([*cmd, '--stop-after', '6'], timeout=400,
+                       env=launcher.env(MECEFO_TEST_SIGKILL='1:3'))
+  assert first.returncode == 143, first.stderr[-4000:]
+  recovery = json.loads((run / 'report.json').read_text())['recovery']
+  assert (recovery['cause'], recovery['host']) == ('death', 1), recovery
+  phases = ['stop_s', 'spawn_s', 'process_start_s', 'imports_s', 'distributed_s', 'setup_s',
+            'restore_s', 'programs_s', 'first_step_s']
+  assert all(recovery[p] >= 0 for p in phases) and 0 <= recovery['detect_s'] < 5, recovery
+  assert abs(sum(recovery[p] for p in phases) - recovery['total_s']) < 0.01, recovery
+  assert recovery['imports_s'] > 0 and recovery['programs_s'] > 0, recovery
+  history = rundir.read_history(run)
+  death = next(e['t'] for e in history if e['kind'] == 'launch-death')
+  recovered = next(e for e in history if e['kind'] == 'recovered')
+  assert recovered['total_s'] == recovery['total_s'] <= recovered['t'] - death + 0.01
+  assert 'trained again' in first.stderr and 'after the death of host 1 was seen' in \
+      first.stderr, first.stderr[-3000:]
+  [memory] = shm.iterdir()
+  assert sorted(p.name for p in memory.iterdir()) == ['host0', 'host2'], list(memory.iterdir())
+  second = launcher.run(cmd, timeout=400)
+  assert second.returncode == 0, second.stderr[-4000:]
+  assert not shm.exists() or not any(shm.iterdir()), sorted(shm.rglob('*'))
+  pids = [p for e in _events(events) if e['kind'] == 'start' for p in e['pids'].values()]
+  assert all(_gone(p) for p in pids)

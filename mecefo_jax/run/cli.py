@@ -15,7 +15,7 @@ from pathlib import Path
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, POLICIES, Config, ConfigError, FaultConfig,
                                builtin_configs, config_file, load_config, rule_of, to_dict)
-from mecefo_jax.run import ending, hints
+from mecefo_jax.run import ending, hints, startup
 from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
                                   STOPPED)
 
@@ -267,13 +267,16 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   supervised.watch_supervisor(lambda why: _supervisor_gone(stop_request, why))
   try:
     _no_jax_cache()
+    startup.mark('jax_imported')
     from mecefo_jax import multihost
     job = multihost.initialize(args.coordinator, args.num_processes, args.process_id,
                                args.heartbeat_s)
+    startup.mark('distributed')
     _test_start_error(args)
     from mecefo_jax.run import trainer
     from mecefo_jax.step import program_store
     from mecefo_jax.run import rundir
+    startup.mark('imported')
     resume = scratch is None and (args.resume or (not args.fresh and rundir.unfinished(out_dir)))
     run = trainer.Trainer(cfg, scratch or out_dir, resume=resume, explicit_resume=args.resume,
                           stop=stop_request,
