@@ -254,13 +254,13 @@ class PodController(Supervisor):
 
   def _death(self, host: int, code: int) -> int | None:
     self.deaths += 1
-    self.recovery_begins('death', host, round(self.look_t - self.last_look_t, 3))
+    self.clock.failure('death', host, self.clock.since_last_look())
     # Whichever process was seen first (the coordination service may end the survivors before
     # a lost host's ssh notices), every host is probed: only the probe decides who goes on.
     self.say('death', f'host {host}\'s process ended ({_exit_text(code)}): stopping the others, '
                       'asking every host whether it is usable', host=host, code=code)
     self.kill_all()  # they would wait in the next collective for the dead one
-    self._stopped_for_recovery()
+    self.clock.stopped()
     lost, deadline = self._regroup(), time.monotonic() + self.args.max_wait
     while len(self.hosts) < 2:
       if time.monotonic() > deadline:

@@ -14,7 +14,6 @@ agreed step (SIGTERM) and restarted with it. Exit code: the job's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import json
 import os
@@ -28,9 +27,8 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT, ConfigError
-from mecefo_jax.run import rundir
+from mecefo_jax.run import recovery_time, rundir
 from mecefo_jax.run.cli import OneLineParser, at_least
-from mecefo_jax.run import recovery_time
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
 from mecefo_jax.run.hints import LAUNCH_ENV
 from mecefo_jax.run.stop import STOP_FILE
@@ -135,9 +133,7 @@ class Supervisor:
     # inherited): however the supervisor ends, its processes see end-of-file and stop the job
     # at an agreed step (run/supervised.py).
     self.watched_fd, self._alive_fd = os.pipe()
-    self.look_t = self.last_look_t = time.time()  # this look at the job, and the one before
-    self.recovering: dict | None = None  # the failure that the next start recovers from
-    self.follower: recovery_time.Follower | None = None  # for the restarted job's `recovered`
+    self.clock = recovery_time.RestartClock(args.out / rundir.HISTORY)
 
   def say(self, kind: str, message: str, **fields) -> None:
     """Prints an event; appends it to --events and to the run's history.jsonl (run/rundir.py)."""
@@ -164,8 +160,7 @@ class Supervisor:
     self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
                       for h in self.hosts}
     self.starts = self._starts()
-    history = self.args.out / rundir.HISTORY
-    self.follower = recovery_time.Follower(history) if self.recovering else None
+    self.clock.spawning()
     for pid, host in enumerate(self.hosts):
       cmd, env = self.command(pid, host, n, port)
       # Every process logs the same events: process 0 speaks for the job, the others to files.
@@ -176,12 +171,9 @@ class Supervisor:
       if out:
         out.close()  # the child holds it
     pids = {h: p.pid for h, p in self.procs.items()}
-    recovery = self.recovering and {'recovery': dataclasses.asdict(recovery_time.SupervisorPart(
-        **self.recovering, spawned_t=time.time()))}
-    self.recovering = None
     self.say('start', f'started hosts {self.hosts} as a {n}-process job'
                       f'{" resuming the run" if self._resuming() else ""} (pids {pids})',
-             hosts=self.hosts, pids=pids, **(recovery or {}))
+             hosts=self.hosts, pids=pids, **self.clock.spawned())
 
   def _resuming(self) -> bool:
     """Whether the job started resumes the run: a restart, --resume, or an unfinished run in
@@ -256,9 +248,11 @@ class Supervisor:
   def _watch(self) -> int | None:
     """One look at the job; an exit code when the supervisor is done."""
     time.sleep(_POLL_S)
-    self.last_look_t, self.look_t = self.look_t, time.time()
+    self.clock.look()
     codes = {h: p.poll() for h, p in self.procs.items()}
-    self._follow()
+    done = self.clock.recovered()
+    if done:  # the restarted job trained its first step: where the restart's time went
+      self.say('recovered', recovery_time.describe(done), total_s=done['total_s'])
     exited = {h: c for h, c in codes.items() if c is not None}
     if self.stopping:
       return self._stopped(exited, codes)
@@ -346,31 +340,15 @@ class Supervisor:
     self.say('rejoin', f'host(s) {ready} rejoin', hosts=ready)
     return self._restart()
 
-  def recovery_begins(self, cause: str, host: int | None, detect_s: float | None) -> None:
-    """A failure seen at this look (a death, a stall): the restart that follows is timed
-    from here (run/recovery_time.py); call before kill_all."""
-    self.recovering = {'cause': cause, 'host': host, 'detect_s': detect_s,
-                       'detected_t': self.look_t, 'stopped_t': self.look_t}
-
-  def _stopped_for_recovery(self) -> None:
-    if self.recovering:
-      self.recovering['stopped_t'] = time.time()
-
-  def _follow(self) -> None:
-    """The restarted job's `recovered` line, once written: where the restart's time went."""
-    done = self.follower and self.follower.recovered()
-    if done:
-      self.follower = None
-      self.say('recovered', recovery_time.describe(done), total_s=done['total_s'])
-
   def _death(self, host: int, code: int) -> int | None:
     self.deaths += 1
-    self.recovery_begins('death', host, round(self.look_t - self.last_look_t, 3))
+    # A failure seen at this look: the restart is timed from here (a stall alike).
+    self.clock.failure('death', host, self.clock.since_last_look())
     self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({_exit_text(code)}): '
                       f'stopping the survivors {[h for h in self.hosts if h != host]}',
              host=host, code=code)
     self.kill_all()  # they would wait in the next collective for the dead one
-    self._stopped_for_recovery()
+    self.clock.stopped()
     self.hosts = [h for h in self.hosts if h != host]
     if self.args.rejoin_after is not None:
       self.ready_at[host] = time.monotonic() + self.args.rejoin_after
@@ -398,9 +376,9 @@ class Supervisor:
     self.say('peer-lost', f'host(s) {lost} lost a peer and no process died within '
                           f'{_PEER_WAIT_S:.0f} s: restarting the whole job from its last snapshot',
              hosts=lost)
-    self.recovery_begins('peer-lost', None, None)
+    self.clock.failure('peer-lost', None, None)
     self.kill_all()
-    self._stopped_for_recovery()
+    self.clock.stopped()
     return self._restart()
 
   def _restart(self) -> int | None:

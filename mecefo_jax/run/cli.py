@@ -264,7 +264,7 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   from mecefo_jax.run import stop, supervised
   job = False  # a process of a multi-process job
   stop_request = stop.StopRequest(args.stop_after)
-  supervised.watch_supervisor(lambda why: _supervisor_gone(stop_request, why))
+  supervised.watch_supervisor(stop_request)
   try:
     _no_jax_cache()
     startup.mark('jax_imported')
@@ -288,8 +288,8 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
                                                                  cfg.train.program_store_mb))
   except (ConfigError, DataError, SnapshotError) as e:
     return _leave(job, _error(e))
-  except ending.StartupStopped as stop:
-    stop.job = job  # (jax.distributed's shutdown at exit would wait for the others)
+  except ending.StartupStopped as stopped:
+    stopped.job = job  # (jax.distributed's shutdown at exit would wait for the others)
     raise
   except Exception as err:
     if not job:
@@ -309,13 +309,6 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     return _leave(job, ending.lost_peer(_host(args), err))
   finally:
     stop_request.uninstall()
-
-
-def _supervisor_gone(stop_request, why: str) -> None:
-  """The supervisor's watch (run/supervised.py): the job stops at its next agreed step."""
-  logging.getLogger('mecefo').warning('%s: stopping the job after its next step (snapshotted, '
-                                      'resumable with the supervisor\'s command)', why)
-  stop_request.request(why)
 
 
 def _leave(job: bool, code: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 from mecefo_jax.sections import entry
@@ -135,3 +136,49 @@ class Follower:
       if isinstance(row, dict) and row.get('kind') == RECOVERED:
         return row
     return None
+
+
+class RestartClock:
+  """The supervisor's side: the time of each look at the job, the failure the next start
+  recovers from (its part of the breakdown) and the restarted job's `recovered` line."""
+
+  def __init__(self, history: Path):
+    self.history = Path(history)
+    self.look_t = self.last_look_t = time.time()  # this look at the job, and the one before
+    self._failure: dict | None = None
+    self._follower: Follower | None = None
+
+  def look(self) -> None:
+    self.last_look_t, self.look_t = self.look_t, time.time()
+
+  def since_last_look(self) -> float:
+    """How late a process's end seen at this look was seen, at most."""
+    return round(self.look_t - self.last_look_t, 3)
+
+  def failure(self, cause: str, host: int | None, detect_s: float | None) -> None:
+    """A failure seen at this look; the next start recovers from it."""
+    self._failure = {'cause': cause, 'host': host, 'detect_s': detect_s,
+                     'detected_t': self.look_t, 'stopped_t': self.look_t}
+
+  def stopped(self) -> None:
+    """The other processes are stopped."""
+    if self._failure:
+      self._failure['stopped_t'] = time.time()
+
+  def spawning(self) -> None:
+    """A start is spawning: the `recovered` line it writes is looked for from here."""
+    self._follower = Follower(self.history) if self._failure else None
+
+  def spawned(self) -> dict:
+    """The start line's fields: `recovery`, the supervisor's part, where it restarts."""
+    if self._failure is None:
+      return {}
+    part, self._failure = SupervisorPart(**self._failure, spawned_t=time.time()), None
+    return {'recovery': dataclasses.asdict(part)}
+
+  def recovered(self) -> dict | None:
+    """The restarted job's `recovered` record, once (None until it is written)."""
+    done = self._follower and self._follower.recovered()
+    if done:
+      self._follower = None
+    return done or None

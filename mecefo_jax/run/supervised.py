@@ -85,7 +85,13 @@ class Watch:
         return
 
 
-def watch_supervisor(on_gone: Callable[[str], None]) -> Watch | None:
-  """Starts the watch SUPERVISOR_ENV asks for (a supervised process), else None."""
+def watch_supervisor(stop_request) -> Watch | None:
+  """Starts the watch SUPERVISOR_ENV asks for (a supervised process), else None; the
+  supervisor gone, `stop_request` (run/stop.py) asks the job to stop after its next step."""
   spec = os.environ.pop(SUPERVISOR_ENV, None)  # this process's own: not its children's
-  return Watch(spec, on_gone) if spec else None
+
+  def gone(why: str) -> None:
+    log.warning('%s: stopping the job after its next step (snapshotted, resumable with the '
+                "supervisor's command)", why)
+    stop_request.request(why)
+  return Watch(spec, gone) if spec else None
