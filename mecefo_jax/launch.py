@@ -135,10 +135,15 @@ class Supervisor:
     self.watched_fd, self._alive_fd = os.pipe()
     self.clock = recovery_time.RestartClock(args.out / rundir.HISTORY)
 
-  def say(self, kind: str, message: str, **fields) -> None:
-    """Prints an event; appends it to --events and to the run's history.jsonl (run/rundir.py)."""
+  def tell(self, message: str) -> float:
+    """Prints a line of the supervisor's; the seconds since it started."""
     elapsed = time.monotonic() - self.t0
     print(f'launch [{elapsed:7.1f}s]: {message}', file=sys.stderr, flush=True)
+    return elapsed
+
+  def say(self, kind: str, message: str, **fields) -> None:
+    """Prints an event; appends it to --events and to the run's history.jsonl (run/rundir.py)."""
+    elapsed = self.tell(message)
     line = json.dumps({'t': round(time.time(), 3), 'elapsed_s': round(elapsed, 3), 'kind': kind,
                        **fields})
     history = self.args.out / rundir.HISTORY
@@ -251,8 +256,8 @@ class Supervisor:
     self.clock.look()
     codes = {h: p.poll() for h, p in self.procs.items()}
     done = self.clock.recovered()
-    if done:  # the restarted job trained its first step: where the restart's time went
-      self.say('recovered', recovery_time.describe(done), total_s=done['total_s'])
+    if done:  # the restarted job's first step: where the restart's time went (its own line
+      self.tell(recovery_time.describe(done))  # in history.jsonl: `recovered`)
     exited = {h: c for h, c in codes.items() if c is not None}
     if self.stopping:
       return self._stopped(exited, codes)

@@ -154,3 +154,28 @@ def test_a_death_is_timed_phase_by_phase_and_its_tmpfs_part_freed(launcher, tmp_
   assert not shm.exists() or not any(shm.iterdir()), sorted(shm.rglob('*'))
   pids = [p for e in _events(events) if e['kind'] == 'start' for p in e['pids'].values()]
   assert all(_gone(p) for p in pids)
+
+
+def test_processes_sharing_a_store_take_turns_to_fill_an_entry(tmp_path):
+  """The restarts' programs are compiled once per store: a second claim on an entry is refused
+  while the first holds it; a claim whose process is gone, or too old, is taken over."""
+  import socket
+
+  from mecefo_jax.step.program_store import CLAIM_S, ProgramStore
+  store = ProgramStore(tmp_path, 1 << 20)
+  with store.claim('k') as first:
+    with store.claim('k') as second:
+      assert first and not second
+  with store.claim('k') as again:  # released
+    assert again
+  claim = tmp_path / 'k.claim'
+  claim.write_text(f'{socket.gethostname()} {2 ** 22 + 12345}')  # no such pid on Linux
+  with store.claim('k') as taken:
+    assert taken and f' {os.getpid()}' in claim.read_text()
+  claim.write_text(f'another-host {os.getpid()}')  # another machine's: fresh, then too old
+  with store.claim('k') as held_elsewhere:
+    assert not held_elsewhere
+  os.utime(claim, (time.time() - CLAIM_S - 1,) * 2)
+  with store.claim('k') as stale:
+    assert stale
+  assert not claim.exists()

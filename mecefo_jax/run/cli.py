@@ -218,6 +218,8 @@ def main(argv=None) -> int:
       return _main(args, scratch)
   except KeyboardInterrupt:  # before the handlers are in place, or twice
     return _interrupted()
+  except ending.StartupStopped as stopped:  # before --out was made (else _main says it)
+    return ending.startup_stopped(stopped)
   finally:
     ending.restore_sigterm(previous)
     if scratch is not None:
