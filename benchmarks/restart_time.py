@@ -115,7 +115,8 @@ def one(args, tmp: Path) -> dict:
                                            if when > t_kill and 'started hosts' in line), None),
                              120, "the survivors' job")
     again = run.wait_for(lambda: run.first_step_after(restarted), 900, 'step after the kill')
-    recovered = run.wait_for(lambda: any('trained again' in line for _, line in run.lines), 120,
+    said = lambda line: line.startswith('launch [') and 'trained again' in line
+    recovered = run.wait_for(lambda: any(said(line) for _, line in run.lines), 120,
                              "the supervisor's recovery line")
     run.proc.send_signal(signal.SIGTERM)  # the job stops at an agreed step: its report
     run.proc.wait(timeout=300)
@@ -125,7 +126,7 @@ def one(args, tmp: Path) -> dict:
   cold, restart = first - run.t0, again - t_kill
   return {'cold_start_s': cold, 'kill_to_first_step_s': restart, 'ratio': restart / cold,
           'recovery': report['recovery'], 'programs': report['programs'],
-          'supervisor_line': next(line for _, line in run.lines if 'trained again' in line)
+          'supervisor_line': next(line for _, line in run.lines if said(line))
           if recovered else None}
 
 
