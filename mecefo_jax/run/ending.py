@@ -38,8 +38,8 @@ def lost_peer(host: int, err: BaseException) -> int:
   """One line for a survivor of a peer's death (not the runtime's traceback); PEER_LOST."""
   what = re.sub(r'\[[^\]]*\.(cc|h):\d+\] ', '', str(err).strip().splitlines()[0])
   print(f'error: host {host}: a collective failed, a peer process of the job is gone ({what}); '
-        f'exit {PEER_LOST}: the supervisor restarts the job without the dead process, from its '
-        'last snapshot', file=sys.stderr, flush=True)
+        f'exit {PEER_LOST}: the job restarts without the dead process, from its last snapshot '
+        '(the supervisor does it)', file=sys.stderr, flush=True)
   return PEER_LOST
 
 
