@@ -179,3 +179,16 @@ def test_processes_sharing_a_store_take_turns_to_fill_an_entry(tmp_path):
   with store.claim('k') as stale:
     assert stale
   assert not claim.exists()
+
+
+def test_the_restart_benchmark_measures_a_kill_against_a_cold_start(launcher, tmp_path):
+  """benchmarks.restart_time on a tiny job: its cold start, the restart after a real SIGKILL,
+  and the report's breakdown, in its JSON."""
+  result = launcher.benchmark('restart_time', '--repeats', '1', '--steps', '12', '--kill-at', '4',
+                              *TINY, json_path=tmp_path / 'out.json')
+  [run] = result['runs']
+  assert 0 < run['kill_to_first_step_s'] and 0 < run['cold_start_s']
+  assert run['ratio'] == run['kill_to_first_step_s'] / run['cold_start_s']
+  assert run['recovery']['cause'] == 'death' and run['recovery']['host'] == 1
+  assert run['supervisor_line'] and 'trained again' in run['supervisor_line']
+  assert result['median']['ratio'] == run['ratio'] and 'load average' in result['load_before']
