@@ -285,8 +285,11 @@ class Controller:
     self.precompiler.want(live_sets)
 
   def store_live_set(self, live: tuple[int, ...]) -> None:
-    """Compiles into the program store the programs of `live` of shapes it lacks."""
+    """Compiles into the program store the programs of `live` of shapes it lacks (until the
+    run ends: a restart compiles what is left)."""
     for key in self.decider.programs_for(live):
+      if self.precompiler and self.precompiler.stopping:
+        return
       self.programs.prepare(key)
 
   def build_live_set(self, live: tuple[int, ...]) -> None:
