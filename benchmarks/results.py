@@ -115,6 +115,16 @@ def _recovery(d: dict) -> str:
           f"(cold start {d['cold_start']['first_step_s']:.1f} s)")
 
 
+def _restart_time(d: dict) -> str:
+  m = d['median']
+  phases = ', '.join(f"{k} {m[k + '_s']:.1f}" for k in (
+      'detect', 'stop', 'imports', 'distributed', 'setup', 'restore', 'programs', 'first_step'))
+  over = ' '.join(d['overrides']) or 'defaults'
+  return (f"{d['processes']} processes ({over}), medians of {d['repeats']}: SIGKILL to the first "
+          f"step trained again {m['kill_to_first_step_s']:.1f} s, cold start "
+          f"{m['cold_start_s']:.1f} s, ratio {m['ratio']:.2f}; phases (s): {phases}")
+
+
 def _stop_time(d: dict) -> str:
   return (f"{d['processes']} process(es): SIGTERM to exit {d['stop_s']} s, both tiers saved "
           f"{d['both_tiers']}, exit {d['exit_code']}")
@@ -136,6 +146,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('mfu', 'MFU of the normal step', _mfu),
     ('prepare_rate', 'Corpus preparation', _prepare_rate),
     ('recovery', 'Recovery from real deaths', _recovery),
+    ('restart_time', 'Restart after a death, phase by phase', _restart_time),
     ('stop_time', 'A stop within a grace period', _stop_time),
 ]
 
@@ -154,7 +165,8 @@ README_ROWS = [
     ('frontier_32slices.json', 'takeover policies at 32 slices, `high` failure rate',
      _frontier_short),
     ('snapshot_overhead_llama_60m_auto.json', 'every-step snapshots, llama_60m', _snapshot_overhead),
-    ('recovery_tiny_3proc_default.json', 'a process SIGKILLed under the supervisor', _recovery),
+    ('restart_time_3proc_default.json', 'a process SIGKILLed under the supervisor',
+     _restart_time),
 ]
 
 

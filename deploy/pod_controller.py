@@ -145,7 +145,9 @@ def remote_command(args, hosts: list[int], pid: int, port: int, train_args: list
   steps = [f'cd {shlex.quote(args.workdir)}']
   if pid == 0:  # a stop request that no job honoured must not stop this one
     steps.append(f'rm -f {shlex.quote(str(args.out / STOP_FILE))}')
-  steps += [f'echo $$ > {shlex.quote(_pid_file(args, slot))}',
+  # The process stops the job at an agreed step once its parent (the transport's session) is
+  # gone: a controller that died leaves no job training unwatched (run/supervised.py).
+  steps += [f'echo $$ > {shlex.quote(_pid_file(args, slot))}', 'export MECEFO_SUPERVISOR=parent',
             'exec ' + shlex.join(['env', *env, *train] if env else train)]
   return ' && '.join(steps)
 
@@ -252,11 +254,13 @@ class PodController(Supervisor):
 
   def _death(self, host: int, code: int) -> int | None:
     self.deaths += 1
+    self.clock.failure('death', host, self.clock.since_last_look())
     # Whichever process was seen first (the coordination service may end the survivors before
     # a lost host's ssh notices), every host is probed: only the probe decides who goes on.
     self.say('death', f'host {host}\'s process ended ({_exit_text(code)}): stopping the others, '
                       'asking every host whether it is usable', host=host, code=code)
     self.kill_all()  # they would wait in the next collective for the dead one
+    self.clock.stopped()
     lost, deadline = self._regroup(), time.monotonic() + self.args.max_wait
     while len(self.hosts) < 2:
       if time.monotonic() > deadline:

@@ -187,8 +187,9 @@ class FaultConfig:
   precompile: str = setting(
       'auto', 'build the programs of live sets one failure or repair away in a background thread, '
       'likeliest first (compile new shapes, move the others): auto = on for GPU/TPU, off on CPU '
-      '(it would take the step\'s cores); with several processes: compiles into the program '
-      'store for restarts', choices=AUTO_MODES)
+      '(it would take the step\'s cores) but for a job of several processes; with several '
+      'processes: compiles into the program store, after the first step, the programs of the '
+      'job that restarts after each host\'s death (once per shape)', choices=AUTO_MODES)
   precompile_max: int = setting(64, 'most programs kept built ahead of need; 0 = no limit',
                                 within='>= 0')
 

@@ -27,16 +27,21 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT, ConfigError
-from mecefo_jax.run import rundir
+from mecefo_jax.run import recovery_time, rundir
 from mecefo_jax.run.cli import OneLineParser, at_least
-from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, STOPPED
+from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
 from mecefo_jax.run.hints import LAUNCH_ENV
 from mecefo_jax.run.stop import STOP_FILE
+from mecefo_jax.run.supervised import SUPERVISOR_ENV, handed_down
 
 # The directory holding this package: the processes import the same one from any cwd.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
 _POLL_S, _GRACE_S = 0.1, 60.0
+# A survivor that lost a peer (PEER_LOST) is no death: the dead process shows within this
+# long (a remote one once its transport notices), else the whole job restarts.
+_PEER_WAIT_S = 45.0
+_SURVIVOR_EXITS = (STOPPED, PEER_LOST)  # a process's exits that are not its death
 _GPU_DEVICES = '/dev/nvidia[0-9]*'  # one device file per NVIDIA GPU the machine shows
 
 
@@ -108,7 +113,8 @@ def free_port() -> int:
 def _exit_text(code: int) -> str:
   if code < 0:
     return f'killed by {signal.Signals(-code).name}'
-  return f'exit {code}' + (f' ({JOB_EXITS[code]})' if code in JOB_EXITS else '')
+  names = {**JOB_EXITS, PEER_LOST: 'lost a peer'}
+  return f'exit {code}' + (f' ({names[code]})' if code in names else '')
 
 
 class Supervisor:
@@ -123,11 +129,21 @@ class Supervisor:
     self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
     self.interrupted: str | None = None  # the signal that stops the job
     self.resume = False
+    # Each process holds the read end; the write end is ours alone (os.pipe's fds are not
+    # inherited): however the supervisor ends, its processes see end-of-file and stop the job
+    # at an agreed step (run/supervised.py).
+    self.watched_fd, self._alive_fd = os.pipe()
+    self.clock = recovery_time.RestartClock(args.out / rundir.HISTORY)
+
+  def tell(self, message: str) -> float:
+    """Prints a line of the supervisor's; the seconds since it started."""
+    elapsed = time.monotonic() - self.t0
+    print(f'launch [{elapsed:7.1f}s]: {message}', file=sys.stderr, flush=True)
+    return elapsed
 
   def say(self, kind: str, message: str, **fields) -> None:
     """Prints an event; appends it to --events and to the run's history.jsonl (run/rundir.py)."""
-    elapsed = time.monotonic() - self.t0
-    print(f'launch [{elapsed:7.1f}s]: {message}', file=sys.stderr, flush=True)
+    elapsed = self.tell(message)
     line = json.dumps({'t': round(time.time(), 3), 'elapsed_s': round(elapsed, 3), 'kind': kind,
                        **fields})
     history = self.args.out / rundir.HISTORY
@@ -149,18 +165,20 @@ class Supervisor:
     self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
                       for h in self.hosts}
     self.starts = self._starts()
+    self.clock.spawning()
     for pid, host in enumerate(self.hosts):
       cmd, env = self.command(pid, host, n, port)
       # Every process logs the same events: process 0 speaks for the job, the others to files.
       out = None if pid == 0 else open(self._log(host), 'ab')
-      self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out,
+      env = {**env, SUPERVISOR_ENV: handed_down(self.watched_fd, os.getpid())}
+      self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.watched_fd,),
                                           stderr=subprocess.STDOUT if out else None)
       if out:
         out.close()  # the child holds it
     pids = {h: p.pid for h, p in self.procs.items()}
     self.say('start', f'started hosts {self.hosts} as a {n}-process job'
                       f'{" resuming the run" if self._resuming() else ""} (pids {pids})',
-             hosts=self.hosts, pids=pids)
+             hosts=self.hosts, pids=pids, **self.clock.spawned())
 
   def _resuming(self) -> bool:
     """Whether the job started resumes the run: a restart, --resume, or an unfinished run in
@@ -215,6 +233,16 @@ class Supervisor:
     for p in self.procs.values():
       p.wait()
 
+  def stop_all(self) -> None:
+    """The supervisor leaves (an error of its own): a job still running is asked to stop at an
+    agreed step (snapshotted, resumable), killed only past the grace period."""
+    if any(p.poll() is None for p in self.procs.values()):
+      self._ask_stop()
+      deadline = time.monotonic() + _GRACE_S
+      while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    self.kill_all()
+
   def run(self) -> int:
     self.start()
     while True:
@@ -225,16 +253,23 @@ class Supervisor:
   def _watch(self) -> int | None:
     """One look at the job; an exit code when the supervisor is done."""
     time.sleep(_POLL_S)
+    self.clock.look()
     codes = {h: p.poll() for h, p in self.procs.items()}
+    done = self.clock.recovered()
+    if done:  # the restarted job's first step: where the restart's time went (its own line
+      self.tell(recovery_time.describe(done))  # in history.jsonl: `recovered`)
     exited = {h: c for h, c in codes.items() if c is not None}
     if self.stopping:
       return self._stopped(exited, codes)
     failed = self._failed_start(exited)
     if failed is not None:
       return self._start_failed(failed, exited[failed])
-    dead = [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and c != STOPPED]
+    dead = [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and
+            c not in _SURVIVOR_EXITS]
     if dead:
       return self._death(dead[0], exited[dead[0]])
+    if PEER_LOST in exited.values():
+      return self._lost_peer(exited)
     if exited and len(exited) == len(codes):
       return self._finished(exited)
     if exited:  # others finish or stop with it: wait for them, within bounds
@@ -256,7 +291,8 @@ class Supervisor:
       return None
     local = self.args.out.is_dir()
     failed = sorted((h for h, c in exited.items() if c == BAD_INPUT or local and c > 0 and
-                     c not in JOB_EXITS and c != STOPPED), key=lambda h: h != self.hosts[0])
+                     c not in JOB_EXITS and c not in _SURVIVOR_EXITS),
+                    key=lambda h: h != self.hosts[0])
     if not failed or (exited[failed[0]] != BAD_INPUT and self._starts() > self.starts):
       return None
     return failed[0]
@@ -311,10 +347,13 @@ class Supervisor:
 
   def _death(self, host: int, code: int) -> int | None:
     self.deaths += 1
+    # A failure seen at this look: the restart is timed from here (a stall alike).
+    self.clock.failure('death', host, self.clock.since_last_look())
     self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({_exit_text(code)}): '
                       f'stopping the survivors {[h for h in self.hosts if h != host]}',
              host=host, code=code)
     self.kill_all()  # they would wait in the next collective for the dead one
+    self.clock.stopped()
     self.hosts = [h for h in self.hosts if h != host]
     if self.args.rejoin_after is not None:
       self.ready_at[host] = time.monotonic() + self.args.rejoin_after
@@ -330,6 +369,21 @@ class Supervisor:
       time.sleep(max(0.0, at - time.monotonic()))
       del self.ready_at[host]
       self.hosts, self.rejoins = sorted(self.hosts + [host]), self.rejoins + 1
+    return self._restart()
+
+  def _lost_peer(self, exited: dict) -> int | None:
+    """Processes left with PEER_LOST: their peer's death shows next (waited for, bounded); if
+    none does, no process can be singled out and the whole job restarts from its snapshot."""
+    self.settle_since = self.settle_since or time.monotonic()
+    if time.monotonic() - self.settle_since <= _PEER_WAIT_S:
+      return None
+    lost = sorted(h for h, c in exited.items() if c == PEER_LOST)
+    self.say('peer-lost', f'host(s) {lost} lost a peer and no process died within '
+                          f'{_PEER_WAIT_S:.0f} s: restarting the whole job from its last snapshot',
+             hosts=lost)
+    self.clock.failure('peer-lost', None, None)
+    self.kill_all()
+    self.clock.stopped()
     return self._restart()
 
   def _restart(self) -> int | None:
@@ -372,7 +426,7 @@ def serve(sup: Supervisor) -> int:
   try:
     return sup.run()
   finally:
-    sup.kill_all()
+    sup.stop_all()
 
 
 def main(argv=None) -> int:

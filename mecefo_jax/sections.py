@@ -154,8 +154,8 @@ def rows(section: type, prefix: str = '') -> Iterator[tuple[str, str, str, str]]
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is list and is_section(args[0]):
       yield from rows(args[0], f'{prefix}{k}[].')
-    elif is_section(tp):
-      yield from rows(tp, f'{prefix}{k}.')
+    elif is_section(tp) or is_section(nullable(tp)):  # a section, or one that may be null
+      yield from rows(nullable(tp) or tp, f'{prefix}{k}.')
 
 
 class Draft:

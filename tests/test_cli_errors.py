@@ -358,7 +358,8 @@ def test_a_stop_comes_from_stop_after_or_the_request_file_once(tmp_path):
 
 def test_exit_codes_are_the_documented_numbers():
   codes = {exits.BAD_INPUT: 2, exits.ALL_DOWN: 3, exits.DIVERGED: 4,
-           exits.CHECKPOINTS_FAILING: 5, exits.OUTPUTS_FAILING: 6, exits.STOPPED: 143,
+           exits.CHECKPOINTS_FAILING: 5, exits.OUTPUTS_FAILING: 6,
+           exits.PEER_LOST: 7, exits.STOPPED: 143,
            exits.INTERRUPTED: 130}
   assert all(named == number for named, number in codes.items()), codes
   table = (ROOT / 'docs' / 'errors.md').read_text()

@@ -71,6 +71,8 @@ class Controller:
     self.error_hooks: list[Callable[[int, int], None]] = []  # (slice, step); may raise
     self.precompiler: Precompiler | None = None
     self._hosts: list[tuple[int, ...]] | None = None  # start_precompile
+    self._deferred: list[tuple[int, ...]] | None = None  # hosts: the store's fill, once a step ran
+    self._steps_run = 0  # by this start
     self.plans = PlanChain()
     self.last_plan: StepPlan | None = None  # the plan of the last step run
     self.last_built: tuple = ()  # the programs it waited for: ((key, how), ...)
@@ -96,8 +98,12 @@ class Controller:
     fused = self.build_step_programs()
     self.first_programs_s = time.perf_counter() - t0
     self.step_memory = train_step.memory_summary(fused) if fused else {}
-    if self.wants_precompile():
-      self.start_precompile(presence.host_slices() if multihost.is_multiprocess() else None)
+    if self.wants_precompile() and multihost.is_multiprocess():
+      # Filling the store for restarts waits for this start's first step: it would take the
+      # cores of the first programs and step (the cold start's, and a restart's).
+      self._deferred = presence.host_slices()
+    elif self.wants_precompile():
+      self.start_precompile()
     return self
 
   # --- what the rest of the run reads ---------------------------------------------------------
@@ -176,6 +182,10 @@ class Controller:
     """Runs training step `step`; returns its metrics (device scalars). `last_plan` is then its
     plan, `last_built` the programs it waited for: ((key, how), ...)."""
     before = len(self.programs.built)
+    if self._deferred is not None and self._steps_run:
+      hosts, self._deferred = self._deferred, None
+      self.start_precompile(hosts)
+    self._steps_run += 1
     try:
       return self._step(step, wall_s)
     finally:
@@ -244,13 +254,14 @@ class Controller:
     return self.programs.program(ProgramKey(EVAL, live))
 
   def wants_precompile(self) -> bool:
-    """faults.precompile: auto = on where the host CPU is idle during steps (GPU/TPU). With
-    several processes it fills the program store for restarts: needs moves and a store."""
+    """faults.precompile: auto = on where the host CPU is idle during steps (GPU/TPU), and in
+    a job of several processes: there it fills the program store for restarts, once per
+    program shape (needs moves and a store)."""
     mode = self.cfg.faults.precompile
     if multihost.is_multiprocess() and not (self.programs.move and self.programs.store):
       return False
     if mode == 'auto':
-      return jax.devices()[0].platform != 'cpu'
+      return jax.devices()[0].platform != 'cpu' or multihost.is_multiprocess()
     return mode == 'always'
 
   def start_precompile(self, hosts: list[tuple[int, ...]] | None = None) -> None:
@@ -274,8 +285,11 @@ class Controller:
     self.precompiler.want(live_sets)
 
   def store_live_set(self, live: tuple[int, ...]) -> None:
-    """Compiles into the program store the programs of `live` of shapes it lacks."""
+    """Compiles into the program store the programs of `live` of shapes it lacks (until the
+    run ends: a restart compiles what is left)."""
     for key in self.decider.programs_for(live):
+      if self.precompiler and self.precompiler.stopping:
+        return
       self.programs.prepare(key)
 
   def build_live_set(self, live: tuple[int, ...]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, MODELS, POLICIES, Config, ConfigError, FaultConfig,
                                builtin_configs, config_file, load_config, rule_of, to_dict)
-from mecefo_jax.run import hints, storage
+from mecefo_jax.run import ending, hints, startup, storage
 from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
                                   OUTPUTS_FAILING, STOPPED)
 
@@ -225,12 +225,16 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   _setup_process(args)
   scratch = Path(tempfile.mkdtemp(prefix='mecefo-dry-run-')) if args.dry_run else None
+  previous = ending.stop_startup_on_sigterm()
   try:
     with hints.command_line():  # refusals name train.py's flags
       return _main(args, scratch)
   except KeyboardInterrupt:  # before the handlers are in place, or twice
     return _interrupted()
+  except ending.StartupStopped as stopped:  # before --out was made (else _main says it)
+    return ending.startup_stopped(stopped)
   finally:
+    ending.restore_sigterm(previous)
     if scratch is not None:
       shutil.rmtree(scratch, ignore_errors=True)
 
@@ -258,7 +262,11 @@ def _main(args, scratch: Path | None) -> int:
     import yaml
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return 0
-  code = _start(args, cfg, out_dir, scratch)
+  try:
+    code = _start(args, cfg, out_dir, scratch)
+  except ending.StartupStopped as stop:  # the Trainer's lock and folders are gone already
+    _remove_dirs(made)
+    return _leave(stop.job, ending.startup_stopped(stop))
   if code == BAD_INPUT:  # a refused start leaves no directory it made (the trainer's are gone)
     _remove_dirs(made)
   return code
@@ -268,18 +276,23 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   """Builds the trainer (in `scratch` for a dry run), then trains."""
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.capacity import SnapshotError
+  from mecefo_jax.run import stop, supervised
   job = False  # a process of a multi-process job
+  stop_request = stop.StopRequest(args.stop_after)
+  supervised.watch_supervisor(stop_request)
   try:
     _no_jax_cache()
+    startup.mark('jax_imported')
     from mecefo_jax import multihost
     job = multihost.initialize(args.coordinator, args.num_processes, args.process_id,
                                args.heartbeat_s)
+    startup.mark('distributed')
     _test_start_error(args)
     from mecefo_jax.run import trainer
     from mecefo_jax.step import program_store
-    from mecefo_jax.run import rundir, stop
+    from mecefo_jax.run import rundir
+    startup.mark('imported')
     resume = scratch is None and (args.resume or (not args.fresh and rundir.unfinished(out_dir)))
-    stop_request = stop.StopRequest(args.stop_after)
     run = trainer.Trainer(cfg, scratch or out_dir, resume=resume, explicit_resume=args.resume,
                           stop=stop_request,
                           progress='quiet' if args.quiet else 'auto', replace=args.fresh,
@@ -290,9 +303,14 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
                                                                  cfg.train.program_store_mb))
   except (ConfigError, DataError, SnapshotError) as e:
     return _leave(job, _error(e))
-  except Exception:
+  except ending.StartupStopped as stopped:
+    stopped.job = job  # (jax.distributed's shutdown at exit would wait for the others)
+    raise
+  except Exception as err:
     if not job:
       raise
+    if ending.peer_lost(err):
+      return _leave(job, ending.lost_peer(_host(args), err))
     traceback.print_exc()  # what Python prints for it, then the exit below (exit 1)
     return _leave(job, 1)
   # Installed with or without snapshots: a KeyboardInterrupt raised by Python's own handler can
@@ -300,6 +318,10 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   stop_request.install()
   try:
     return _train(args, run, out_dir)
+  except Exception as err:
+    if not (job and ending.peer_lost(err)):
+      raise
+    return _leave(job, ending.lost_peer(_host(args), err))
   finally:
     stop_request.uninstall()
 
@@ -316,10 +338,15 @@ def _leave(job: bool, code: int) -> int:
   return code
 
 
+def _host(args) -> int:
+  """This process's logical host."""
+  return args.host_slot if args.host_slot is not None else args.process_id or 0
+
+
 def _test_start_error(args) -> None:
   """The start-up failure TEST_START_ERROR_ENV asks for, if it is this host's (a test hook)."""
   spec = os.environ.get(TEST_START_ERROR_ENV)
-  host = args.host_slot if args.host_slot is not None else args.process_id or 0
+  host = _host(args)
   if spec is not None and spec == str(host):
     raise ConfigError(f'{TEST_START_ERROR_ENV}={spec}: host {host} fails in start-up (a test '
                       f'hook)')

@@ -29,6 +29,7 @@ def build(run, end: RunEnd) -> dict:
   r.schema_version, r.steps, r.wall_s = SCHEMA_VERSION, end.steps_done, end.wall_s
   r.stopped = end.stopped
   r.compile_s, r.startup = run.startup.compile_s, run.startup.report()
+  r.recovery = run.recovery
   r.params_sha256, r.param_count = params_sha256(run), param_count(run.state.params)
   r.entropy_floor, r.config = run.corpus.entropy_floor(), to_dict(cfg)
   r.mesh, r.device = dict(run.presence.mesh.shape), jax.devices()[0].device_kind

@@ -15,6 +15,7 @@ from mecefo_jax.core.failures import AppliedEvent, FailureEvent
 from mecefo_jax.core.goodput import Seconds
 from mecefo_jax.run.evaluation import Eval
 from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.run.recovery_time import Recovery
 from mecefo_jax.run.startup import Startup
 from mecefo_jax.sections import entry
 from mecefo_jax.snapshot.interval import SnapshotInterval
@@ -105,6 +106,9 @@ class Report:
   startup: Startup = entry('', "this process's wait for its first step: compile_s holds init_*, "
                            'restore_s and first_programs_s; first_step_s also the imports, data '
                            'and snapshot tiers before them and first_step_run_s after')
+  recovery: Recovery | None = entry('', 'a restart by the supervisor after a death or a stall: '
+                                    'where the time from the failure seen to the first step '
+                                    'trained again went (process 0); null for any other start')
   resumed_from_step: int | None = entry('step', 'step of the snapshot resumed from; null for a '
                                         'fresh run')
   steps_lost: int | None = entry('steps', 'steps trained again after this resume; null if not '

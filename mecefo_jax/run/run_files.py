@@ -88,17 +88,20 @@ class RunFiles:
     kept = self.cfg.snapshot.keep_when_finished or bool(guard and not guard.last_ok)
     if snapshots:
       snapshots.close()
-    self.release(host, remove_memory=bool(snapshots) and finished and not kept,
+    # A dead host's part (a job restarted without it) goes with the run's own.
+    hosts = (host, *getattr(snapshots, 'stale', ())) if host is not None else (None,)
+    self.release(hosts, remove_memory=bool(snapshots) and finished and not kept,
                  remove_dirs=bool(snapshots) and refused, refused=refused)
 
-  def release(self, host: int | None = None, *, remove_memory: bool = False,
+  def release(self, hosts: tuple = (None,), *, remove_memory: bool = False,
               remove_dirs: bool = False, refused: bool = False) -> None:
-    """`remove_memory`: deletes this host's in-memory snapshots (`host`: its part only);
+    """`remove_memory`: deletes the in-memory snapshots (`hosts`: these hosts' parts only;
+    (None,): all);
     `remove_dirs`: the tiers' directories where nothing is in them. Then unlocks the run
     (`refused`: a refused start's run directory goes if it holds nothing else)."""
     sn = self.cfg.snapshot
     try:
-      if remove_memory:
+      for host in hosts if remove_memory else ():
         rundir.remove_snapshots(sn, self.out_dir, self.run_id, durable=False, host=host)
       if remove_dirs:
         rundir.remove_empty_dirs(sn, self.out_dir, self.run_id)

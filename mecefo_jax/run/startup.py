@@ -46,6 +46,17 @@ class Startup:
 # in this order.
 KEYS = tuple(f.name for f in dataclasses.fields(Startup))[:-1]
 _entry: float | None = None  # time.time() at train.py's first statement, when it runs
+_marks: dict[str, float] = {}  # train.py's start-up marks: time.time() at each (mark)
+
+
+def mark(name: str) -> None:
+  """train.py reached `name` ('jax_imported', 'distributed', 'imported'): a restart's
+  breakdown (run/recovery_time.py) reads them."""
+  _marks[name] = time.time()
+
+
+def marks() -> dict[str, float]:
+  return dict(_marks)
 
 
 def mark_entry(at: float) -> None:
@@ -83,6 +94,7 @@ class StartupClock:
 
   def __init__(self):
     self.origin, self.origin_kind = origin()
+    self.first_step_end: float | None = None  # time.time() at the first step's end
     self.seconds: dict[str, float | None] = dict.fromkeys(KEYS)
     self.compile_s = 0.0  # the state built and the first step's programs (report: compile_s)
     from mecefo_jax.step.program_store import compile_counts  # (jax: this module stays standard-only)
@@ -101,7 +113,8 @@ class StartupClock:
   def step_done(self) -> None:
     """After a step's metrics were fetched (it is trained): the first one stops the clock."""
     if self.seconds['first_step_s'] is None:
-      self.seconds['first_step_s'] = time.time() - self.origin
+      self.first_step_end = time.time()
+      self.seconds['first_step_s'] = self.first_step_end - self.origin
       if self._loop_start is not None:
         self.seconds['first_step_run_s'] = time.perf_counter() - self._loop_start
 

@@ -15,13 +15,14 @@ from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.model import models, train_state
-from mecefo_jax.run import hints, loop_hooks, plot, presence, report, restart, rundir
+from mecefo_jax.run import (hints, loop_hooks, plot, presence, recovery_time, report, restart,
+                            rundir)
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import to_json
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.resume import check_model, initial_state
 from mecefo_jax.run.run_files import RunFiles
-from mecefo_jax.run.startup import StartupClock
+from mecefo_jax.run.startup import StartupClock, marks as startup_marks
 from mecefo_jax.run.storage import OutputGuard
 from mecefo_jax.run.stop import StopRequest, test_death
 from mecefo_jax.snapshot import recovery
@@ -67,6 +68,8 @@ class Trainer:
     self.cfg, self.out_dir = cfg, Path(out_dir)
     self.stop = (stop if stop is not None else StopRequest()).watch(self.out_dir)
     self.files, self.snapshots = RunFiles(cfg, self.out_dir), None
+    self.recovery: recovery_time.Recovery | None = None  # a restart's breakdown (process 0)
+    self._restarted_by: dict | None = None
     try:
       self._build(schedule, resume, explicit_resume, dict(replace=replace,
                   replace_finished=replace_finished), host_slot, program_store)
@@ -140,6 +143,9 @@ class Trainer:
     self.startup.loop_started()
     self.files.start()  # the run's files change from here on only
     restart.book(self.out_dir, self.controller, self.origin.meta)  # before its line
+    if self.files.is_chief:  # the supervisor's part of the restart this start is, if one
+      self._restarted_by = recovery_time.restarted_by(rundir.read_history(self.out_dir,
+                                                                          warn=False))
     self.records.start(self.origin, self.controller.events, self.presence.slots,
                        self.controller.live())
     self.outputs.attempt(self.out_dir / rundir.RUN_STATE, self.files.write_state, 'running')
@@ -205,8 +211,18 @@ class Trainer:
       record.stop_voted = voted if multihost.is_multiprocess() else due
       self.records.reached(step + 1)  # the fetch waited for the step: it is trained
       self.startup.step_done()
+      if step == self.origin.step and self._restarted_by is not None:
+        self._recovered()
     record.step_s = time.perf_counter() - t_step
     return record
+
+  def _recovered(self) -> None:
+    """A restart's first step is trained (process 0): where its time went, in history.jsonl
+    (the supervisor prints it) and in report.json."""
+    s = self.startup
+    self.recovery = recovery_time.measure(self._restarted_by, s.origin, startup_marks(),
+                                          s.seconds, s.first_step_end)
+    self.records.history(recovery_time.RECOVERED, **dataclasses.asdict(self.recovery))
 
   def close(self) -> None:
     """Ends the start: background builds stop, the snapshot tiers close, the run is unlocked."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import jax
@@ -70,6 +71,11 @@ class HostSnapshots:
     self.saved = self.durable_saved = 0  # by this process
     self.skipped = 0  # this host's parts lost to write errors (tmpfs full), a warning each
     self.per_block: list[str] = []  # in-memory parts of the per-block layout passed over
+    # Hosts of the restored snapshot's layout absent from this job (dead): their parts go once
+    # a snapshot of this job's layout is complete on every host (free_stale).
+    self.stale: tuple[int, ...] = ()
+    self._complete: int | None = None  # the newest step of this layout whose part is written
+    self._pending: int | None = None  # the step of this layout whose part is being written
     self._image = np.zeros(self.part_len * n, np.uint8)  # packed state + zero padding
     # Orbax saves no array that one process holds whole in a multi-process run, so a part is
     # saved as row 0 of a [processes, len] array of which this process holds only that row
@@ -98,6 +104,8 @@ class HostSnapshots:
     not. Returns the tiers it started."""
     meta = json.loads(json.dumps(meta))
     started = ()
+    if self.stale and (stop or self.interval.due(step)):
+      self._free_stale()
     if (stop or self.interval.due(step)) and self._save_part(step, state, meta):
       started += ('memory',)
     if self._durable and (stop or step % self.durable_every == 0):
@@ -134,6 +142,7 @@ class HostSnapshots:
       self._skip(err)
       return False
     self.saved += saved
+    self._pending = step if saved else None
     return saved
 
   def _wait_part(self) -> None:
@@ -151,6 +160,24 @@ class HostSnapshots:
     self.skipped += 1
     log.warning('in-memory snapshot part skipped (%d so far), training goes on: %s',
                 self.skipped, err)
+
+  def _free_stale(self) -> None:
+    """Frees the dead hosts' parts (self.stale) once every host of this job holds its part of
+    one snapshot of this job's layout, written: that snapshot is then the newest usable, with
+    this job's parity, so the dead hosts' parts can serve no restore. All processes call it."""
+    self._wait_part()
+    if self._pending is not None and self._pending in self._tier.steps():
+      self._complete = self._pending
+    steps = multihost.allgather_json(self._complete)
+    if steps[0] is None or any(s != steps[0] for s in steps):
+      return
+    for host in self.stale:
+      gone = self.directory.parent / f'host{host}'
+      if gone.is_dir():
+        shutil.rmtree(gone, ignore_errors=True)
+        log.info('in-memory snapshot part of host %d freed (%s): snapshot %d of hosts %s is '
+                 'complete without it', host, gone, steps[0], list(self.layout))
+    self.stale = ()
 
   def report(self) -> Snapshots:
     """report.json's `snapshots` section: this host's part, and the durable tier."""
@@ -193,6 +220,8 @@ class HostSnapshots:
                             f'snapshot memory lost{self._set_aside_note()}; --fresh starts over')
       return None
     step, layout = choice
+    if layout is not None:
+      self.stale = tuple(h for h in layout if h not in self.layout)
     if layout is None:
       state, meta = self._durable.restore(step, target)
       return step, state, meta, self._durable.describe(step)

@@ -275,8 +275,10 @@ class ProgramCache:
     request = self._request(key, ahead=True)
     if self.store.path(request.store_key).exists():
       return
-    built = self.compiled.build(request, keep=False)  # logs 'compiling the ... (background)'
-
+    with self.store.claim(request.store_key) as mine:
+      if not mine:
+        return  # another process of this machine compiles it into the shared store
+      built = self.compiled.build(request, keep=False)  # logs 'compiling the ... (background)'
     self._book(built.how, time.perf_counter() - t0, True)
 
   def evict_ahead(self, keep: set[ProgramKey]) -> int:

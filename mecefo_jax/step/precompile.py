@@ -57,6 +57,11 @@ class Precompiler:
     with self._cond:
       self._cond.wait_for(lambda: self._stop or not (self._pending or self._busy))
 
+  @property
+  def stopping(self) -> bool:
+    """stop() was called: a build of several programs may end after the one it is on."""
+    return self._stop
+
   def stop(self) -> None:
     """Stops after the live set being built (so the process can exit cleanly)."""
     with self._cond:

@@ -6,7 +6,9 @@ import hashlib
 import logging
 import os
 import pickle
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -18,6 +20,7 @@ from mecefo_jax.step import retarget
 log = logging.getLogger('mecefo')
 FORMAT = 3  # bump when an entry's layout changes: older entries are then misses
 SUFFIX = '.jaxprog'
+CLAIM_S = 600.0  # a claim to compile an entry older than this is stale (its holder is stuck)
 
 
 _hits = threading.local()  # this thread's hits of JAX's persistent compilation cache
@@ -131,6 +134,19 @@ class ProgramStore:
   def path(self, key: str) -> Path:
     return self.dir / f'{key}{SUFFIX}'
 
+  @contextlib.contextmanager
+  def claim(self, key: str):
+    """Yields whether this process should compile `key` for the store: False where another
+    live process of this machine holds its claim (processes sharing a store, as a local job's
+    do, fill each entry once); a claim of a dead process, or older than CLAIM_S, is taken over."""
+    path = self.dir / f'{key}.claim'
+    held = _take_claim(path) or (_stale_claim(path) and _take_claim(path))
+    try:
+      yield held
+    finally:
+      if held:
+        path.unlink(missing_ok=True)
+
   def read(self, key: str) -> retarget.Serialized | None:
     """The entry under `key`, checked; None if there is none or it is unusable (warned)."""
     path = self.path(key)
@@ -198,3 +214,32 @@ def _mismatch(entry, key: str) -> str | None:
 
 def _sha(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
+
+
+def _take_claim(path: Path) -> bool:
+  """Creates the claim file `path` (this machine and pid in it); False if it exists. A store
+  that cannot be written claims nothing and compiles (its write then fails quietly)."""
+  try:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+  except FileExistsError:
+    return False
+  except OSError:
+    return True
+  with os.fdopen(fd, 'w') as f:
+    f.write(f'{socket.gethostname()} {os.getpid()}')
+  return True
+
+
+def _stale_claim(path: Path) -> bool:
+  """The claim's holder is gone (a process of this machine no longer running) or it is older
+  than CLAIM_S; then it is removed."""
+  try:
+    host, pid = path.read_text().split()
+    age = time.time() - path.stat().st_mtime
+  except (OSError, ValueError):
+    return False  # being written, or just released: the other process's
+  gone = host == socket.gethostname() and not Path(f'/proc/{pid}').exists()
+  if gone or age > CLAIM_S:
+    path.unlink(missing_ok=True)
+    return True
+  return False

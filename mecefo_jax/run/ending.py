@@ -1,0 +1,91 @@
+"""How a training process ends outside its loop, in one line: a lost peer, a signal in start-up."""
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import threading
+
+from mecefo_jax.run.exits import PEER_LOST, STOPPED
+
+# What a collective's failure says when a peer process of the job is gone (gloo on CPU, NCCL
+# on GPU, the coordination service anywhere); jax raises it as a JaxRuntimeError.
+_PEER_LOSS = ('Gloo', 'NCCL', 'Connection reset by peer', 'Connection closed by peer',
+              'coordination service', 'heartbeat')
+# Where a start-up was: the first of these that the innermost frame of the package it was
+# running starts with (`module:function`).
+_PHASES = (('mecefo_jax.run.cli:_no_jax_cache', 'importing jax'),
+           ('mecefo_jax.multihost:initialize', 'jax.distributed.initialize (waiting for every '
+                                               'process)'),
+           ('mecefo_jax.data', 'loading the data'),
+           ('mecefo_jax.step', 'compiling or loading the first programs'),
+           ('mecefo_jax.fault', 'compiling or loading the first programs'),
+           ('mecefo_jax.run.resume', 'restoring the state'),
+           ('mecefo_jax.snapshot', 'opening the snapshot tiers or restoring from them'),
+           ('mecefo_jax.model', 'building the model'),
+           ('mecefo_jax.run', 'setting up the run'),
+           ('jax._src.compiler', 'compiling a program'),
+           ('jax._src.distributed', 'jax.distributed.initialize (waiting for every process)'))
+
+
+def peer_lost(err: BaseException) -> bool:
+  """Whether `err` is a collective's failure because a peer process of the job is gone."""
+  return (type(err).__name__ in ('JaxRuntimeError', 'XlaRuntimeError') and
+          any(mark in str(err) for mark in _PEER_LOSS))
+
+
+def lost_peer(host: int, err: BaseException) -> int:
+  """One line for a survivor of a peer's death (not the runtime's traceback); PEER_LOST."""
+  what = re.sub(r'\[[^\]]*\.(cc|h):\d+\] ', '', str(err).strip().splitlines()[0])
+  print(f'error: host {host}: a collective failed, a peer process of the job is gone ({what}); '
+        f'exit {PEER_LOST}: the job restarts without the dead process, from its last snapshot '
+        '(the supervisor does it)', file=sys.stderr, flush=True)
+  return PEER_LOST
+
+
+class StartupStopped(BaseException):
+  """SIGTERM before the training loop could honour it: the start-up unwinds (what it made goes:
+  the Trainer's lock and empty folders, train.py's new directories), then one line. A
+  BaseException: no `except Exception` on the way takes it for an error."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.job = False  # a process of a multi-process job (train.py sets it)
+
+
+def stop_startup_on_sigterm():
+  """Until the run's own stop request takes over (run/stop.py), SIGTERM stops the start-up at
+  the next Python line (a compile or a wait inside the runtime finishes first); once. Returns
+  the handler it replaced (restore_sigterm); main thread only, else nothing is changed."""
+  def on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one would cut the clean-up
+    raise StartupStopped(signum)
+  if threading.current_thread() is not threading.main_thread():
+    return None
+  return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def restore_sigterm(previous) -> None:
+  if previous is not None:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def phase(stop: BaseException) -> str:
+  """Where the start-up was when `stop` was raised, in words."""
+  tb, frames = stop.__traceback__, []
+  while tb is not None:
+    frames.append(f"{tb.tb_frame.f_globals.get('__name__', '')}:{tb.tb_frame.f_code.co_name}")
+    tb = tb.tb_next
+  for frame in reversed(frames):  # the innermost first
+    words = next((w for prefix, w in _PHASES if frame.startswith(prefix)), None)
+    if words:
+      return words
+  return 'starting'
+
+
+def startup_stopped(stop: StartupStopped) -> int:
+  """The start-up's one line; STOPPED (the run directory is as it was before this start)."""
+  print(f'error: stopped by {stop} during start-up ({phase(stop)}), before any step: nothing '
+        f'of this start is kept; run the same command to start again', file=sys.stderr,
+        flush=True)
+  return STOPPED

@@ -1,0 +1,194 @@
+"""Faults of the supervised job beyond a clean death: a supervisor that is killed or stopped, a
+survivor's view of a peer's death, a SIGTERM during start-up, a dead host's tmpfs part, and the
+recovery's breakdown (real processes, real signals, a tiny model)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mecefo_jax.launch import free_port as launch_port
+from mecefo_jax.run import rundir
+from mecefo_jax.run.exits import PEER_LOST
+from mecefo_jax.run.supervised import Watch, process_state
+from procs import TINY, error_lines, wait_for
+
+BASE = ['mesh.slice=3', *TINY, 'train.log_every=1', 'snapshot.every=1', 'train.eval_every=0',
+        'train.plot=false']
+
+
+def _gone(pid: int) -> bool:
+  """The process has ended (a zombie that nobody reaps counts: it runs nothing)."""
+  return process_state(pid) in (None, 'Z')
+
+
+def _events(path: Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _rows(run: Path) -> int:
+  path = run / 'metrics.jsonl'
+  return path.read_text().count('"step"') if path.exists() else 0
+
+
+def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_path):
+  run, events, shm = tmp_path / 'run', tmp_path / 'events.jsonl', tmp_path / 'shm'
+  out = open(tmp_path / 'supervisor.log', 'wb')  # worker 0 writes here after the supervisor died
+  sup = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events', events,
+                        '--', '--out', run, f'snapshot.dir={shm}', 'train.steps=100000', *BASE],
+                       stdout=out, stderr=subprocess.STDOUT)
+  out.close()
+  wait_for(lambda: _rows(run) >= 3, 240, 'three trained steps', sup)
+  pids = [e for e in _events(events) if e['kind'] == 'start'][-1]['pids']
+  os.kill(sup.pid, signal.SIGKILL)  # the supervisor alone: its workers are left running
+  sup.wait()
+  wait_for(lambda: all(_gone(p) for p in pids.values()), 120, 'the workers to stop')
+  assert rundir.read_run_state(run)['status'] == 'stopped'
+  [stop] = [e for e in rundir.read_history(run) if e['kind'] == 'stop']
+  why = f'the supervisor (pid {sup.pid}) is gone'
+  assert stop['why'] == why, stop
+  said = f'stopped by {why} after step {stop["step"]}'
+  logs = [(tmp_path / 'supervisor.log').read_text()] + [
+      (run / 'logs' / f'host{h}.log').read_text() for h in (1, 2)]
+  assert all(said in log for log in logs), [log[-2000:] for log in logs]
+  # Every host's part of that step's in-memory snapshot, and the report of a stopped run.
+  [memory] = shm.iterdir()
+  assert all((memory / f'host{h}' / str(stop['step'])).is_dir() for h in range(3))
+  report = json.loads((run / 'report.json').read_text())
+  assert report['preempted'] and report['steps'] == stop['step']
+
+
+def test_the_watch_sees_a_closed_pipe_and_a_stopped_supervisor(launcher):
+  seen = []
+  read_fd, write_fd = os.pipe()
+  Watch(f'fd:{read_fd}:{os.getpid()}', seen.append)
+  time.sleep(1.5)
+  assert seen == []  # an open pipe and a running supervisor: nothing
+  os.close(write_fd)
+  wait_for(lambda: seen, 5, 'the end of the pipe seen')
+  assert seen == [f'the supervisor (pid {os.getpid()}) is gone']
+  os.close(read_fd)
+  # A stand-in supervisor, stopped: gone once stopped for stopped_s, not before.
+  stand_in = launcher.start(['sleep', '60'])
+  read_fd, write_fd = os.pipe()
+  stopped = []
+  Watch(f'fd:{read_fd}:{stand_in.pid}', stopped.append, stopped_s=2.0)
+  os.kill(stand_in.pid, signal.SIGSTOP)
+  time.sleep(1.0)
+  assert stopped == []
+  wait_for(lambda: stopped, 10, 'the stopped supervisor seen')
+  assert stopped == [f'the supervisor (pid {stand_in.pid}) has been stopped for 2 s']
+  os.kill(stand_in.pid, signal.SIGKILL)
+  os.close(write_fd)
+
+
+def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(launcher, tmp_path):
+  """SIGTERM once the run is locked (data, state and first programs being built, a cold
+  compile): one line saying where, exit 143, no lock, no directory of its own left."""
+  run, shm = tmp_path / 'new' / 'run', tmp_path / 'shm'
+  proc = launcher.start([sys.executable, 'train.py', '--out', run, f'snapshot.dir={shm}',
+                         'train.steps=5', *TINY], env=launcher.env(compile_cache=False),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  wait_for(lambda: (run / rundir.LOCK).exists(), 120, 'the run locked', proc)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  lines = [line for line in err.splitlines() if 'error' in line.lower() or 'Traceback' in line]
+  assert proc.returncode == 143 and len(lines) == 1, err[-3000:]
+  assert lines[0].startswith('error: stopped by SIGTERM during start-up ('), lines
+  assert 'nothing of this start is kept' in lines[0]
+  assert not (tmp_path / 'new').exists()  # train.py made it: gone with the lock
+  assert not shm.exists() or not any(shm.rglob('*')), sorted(shm.rglob('*'))
+
+
+def test_a_survivor_of_a_peers_death_says_so_in_one_line(launcher, tmp_path):
+  """Three processes without a supervisor (nothing kills the survivors): host 1 dies after
+  step 2; hosts 0 and 2 fail in their next collective and each says so in one line."""
+  run, port = tmp_path / 'run', launch_port()
+  env = launcher.env(MECEFO_TEST_SIGKILL='1:2')
+  procs = [launcher.start([sys.executable, '-m', 'mecefo_jax', f'--coordinator=127.0.0.1:{port}',
+                           '--num-processes=3', f'--process-id={p}', '--host-devices=1',
+                           '--out', run, f'snapshot.dir={tmp_path / "shm"}', 'train.steps=50',
+                           *BASE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) for p in range(3)]
+  ended = [p.communicate(timeout=240) for p in procs]
+  assert procs[1].returncode == -signal.SIGKILL, ended[1][1][-3000:]
+  for host in (0, 2):
+    err = ended[host][1]
+    assert procs[host].returncode == PEER_LOST, (host, procs[host].returncode, err[-3000:])
+    assert 'Traceback' not in err, err[-3000:]
+    [line] = error_lines(err)
+    assert line.startswith(f'error: host {host}: a collective failed, a peer process of the job '
+                           'is gone ('), line
+
+
+def test_a_death_is_timed_phase_by_phase_and_its_tmpfs_part_freed(launcher, tmp_path):
+  """Host 1 dies after step 3; the survivors' job resumes, stops after step 6 (--stop-after)
+  and then finishes at 8. Its report and the supervisor's line break the restart down; host 1's
+  tmpfs part goes once the survivors' own snapshot is complete, and nothing is left in tmpfs
+  once the run is finished."""
+  run, events, shm = tmp_path / 'run', tmp_path / 'events.jsonl', tmp_path / 'shm'
+  cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events', events, '--',
+         '--out', run, f'snapshot.dir={shm}', 'train.steps=8', *BASE]
+  first = launcher.run([*cmd, '--stop-after', '6'], timeout=400,
+                       env=launcher.env(MECEFO_TEST_SIGKILL='1:3'))
+  assert first.returncode == 143, first.stderr[-4000:]
+  recovery = json.loads((run / 'report.json').read_text())['recovery']
+  assert (recovery['cause'], recovery['host']) == ('death', 1), recovery
+  phases = ['stop_s', 'spawn_s', 'process_start_s', 'imports_s', 'distributed_s', 'setup_s',
+            'restore_s', 'programs_s', 'first_step_s']
+  assert all(recovery[p] >= 0 for p in phases) and 0 <= recovery['detect_s'] < 5, recovery
+  assert abs(sum(recovery[p] for p in phases) - recovery['total_s']) < 0.01, recovery
+  assert recovery['imports_s'] > 0 and recovery['programs_s'] > 0, recovery
+  history = rundir.read_history(run)
+  death = next(e['t'] for e in history if e['kind'] == 'launch-death')
+  recovered = next(e for e in history if e['kind'] == 'recovered')
+  assert recovered['total_s'] == recovery['total_s'] <= recovered['t'] - death + 0.01
+  assert 'trained again' in first.stderr and 'after the death of host 1 was seen' in \
+      first.stderr, first.stderr[-3000:]
+  [memory] = shm.iterdir()
+  assert sorted(p.name for p in memory.iterdir()) == ['host0', 'host2'], list(memory.iterdir())
+  second = launcher.run(cmd, timeout=400)
+  assert second.returncode == 0, second.stderr[-4000:]
+  assert not shm.exists() or not any(shm.iterdir()), sorted(shm.rglob('*'))
+  pids = [p for e in _events(events) if e['kind'] == 'start' for p in e['pids'].values()]
+  assert all(_gone(p) for p in pids)
+
+
+def test_processes_sharing_a_store_take_turns_to_fill_an_entry(tmp_path):
+  """The restarts' programs are compiled once per store: a second claim on an entry is refused
+  while the first holds it; a claim whose process is gone, or too old, is taken over."""
+  import socket
+
+  from mecefo_jax.step.program_store import CLAIM_S, ProgramStore
+  store = ProgramStore(tmp_path, 1 << 20)
+  with store.claim('k') as first:
+    with store.claim('k') as second:
+      assert first and not second
+  with store.claim('k') as again:  # released
+    assert again
+  claim = tmp_path / 'k.claim'
+  claim.write_text(f'{socket.gethostname()} {2 ** 22 + 12345}')  # no such pid on Linux
+  with store.claim('k') as taken:
+    assert taken and f' {os.getpid()}' in claim.read_text()
+  claim.write_text(f'another-host {os.getpid()}')  # another machine's: fresh, then too old
+  with store.claim('k') as held_elsewhere:
+    assert not held_elsewhere
+  os.utime(claim, (time.time() - CLAIM_S - 1,) * 2)
+  with store.claim('k') as stale:
+    assert stale
+  assert not claim.exists()
+
+
+def test_the_restart_benchmark_measures_a_kill_against_a_cold_start(launcher, tmp_path):
+  """benchmarks.restart_time on a tiny job: its cold start, the restart after a real SIGKILL,
+  and the report's breakdown, in its JSON."""
+  result = launcher.benchmark('restart_time', '--repeats', '1', '--steps', '12', '--kill-at', '4',
+                              *TINY, json_path=tmp_path / 'out.json')
+  [run] = result['runs']
+  assert 0 < run['kill_to_first_step_s'] and 0 < run['cold_start_s']
+  assert run['ratio'] == run['kill_to_first_step_s'] / run['cold_start_s']
+  assert run['recovery']['cause'] == 'death' and run['recovery']['host'] == 1
+  assert run['supervisor_line'] and 'trained again' in run['supervisor_line']
+  assert result['median']['ratio'] == run['ratio'] and 'load average' in result['load_before']
