@@ -15,7 +15,7 @@ from mecefo_jax import config
 from mecefo_jax.config import load_config
 from mecefo_jax.core.roles import Role
 from mecefo_jax.layers import MeCeFOLinear
-from mecefo_jax.model import contract, llama, models
+from mecefo_jax.model import contract, gpt2 as gpt2_model, llama, models
 from mecefo_jax.model.bases import svd_bases
 from mecefo_jax.step import train_step
 from test_update_reference import _loss_sum as llama_reference
@@ -124,6 +124,7 @@ def test_llamas_markers_are_the_branch_and_layers_it_had_by_name():
   assert gpt2.attention == {p for p in models._flat(gpt2.shapes) if p[:2] == ('h', 'attn')}
   assert [layer.kernel[-2] for layer in gpt2.basis_layers] == ['fc', 'proj']
   assert sorted(models.BUILTIN) == sorted(config.MODELS)
+  assert models.factory('gpt2') is gpt2_model.GPT2 and models.factory('llama') is llama.LLaMA
 
 
 # --- models that break the contract -----------------------------------------------------------

@@ -29,7 +29,7 @@ def test_a_config_is_a_file_or_the_name_of_a_built_in_one(tmp_path, monkeypatch)
   assert config.config_file('tiny') == Path('tiny')
   assert config.config_file('sub/x.yaml') == Path('sub/x.yaml')  # a path: as given
   with pytest.raises(ConfigError, match=r"'nope' is neither a file nor a built-in config "
-                                        r'\(one of llama_130m, .*tiny\)'):
+                                        r'\(one of gpt2_tiny, llama_130m, .*tiny\)'):
     config.config_file('nope')
   assert (ROOT / 'configs').resolve() == config.CONFIGS.resolve()  # the checkout's link
 
