@@ -1,0 +1,147 @@
+"""Recovery from a stalled process under the supervisor: a worker SIGSTOPped (or blocked) mid-run.
+
+Run: python -m benchmarks.stall_recovery [--processes 3] [--steps 150] [--stop-at 50]
+    [--host 1] [--block] [--json OUT] [overrides...]
+
+One supervised job (`python -m mecefo_jax.launch -n P --devices-per-process 1 -- mesh.slice=P
+train.steps=S snapshot.every=1 train.log_every=1 train.eval_every=0`, the config's defaults
+otherwise); once it has logged step --stop-at, host --host is SIGSTOPped (with --block: it blocks
+itself inside that step, its heartbeat thread running: run/stop.py TEST_BLOCK_ENV). Every line
+is stamped on arrival, so the stall is cut into: detect (stop -> the supervisor's stall line),
+restart (-> the survivors' job is spawned), first_step (-> the first step trained again). The
+stall's history.jsonl record (the process named, each one's phase) and the report's samples
+are kept; the job must end with exit 0.
+"""
+from __future__ import annotations
+
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks import common
+from mecefo_jax.run.stop import TEST_BLOCK_ENV
+
+STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')
+
+
+def _args(argv):
+  p = common.parser(__doc__.splitlines()[0])
+  p.add_argument('--processes', type=int, default=3)
+  p.add_argument('--steps', type=int, default=150)
+  p.add_argument('--stop-at', type=int, default=50, help='the logged step after which it stops')
+  p.add_argument('--host', type=int, default=1, help='the logical host that stops')
+  p.add_argument('--block', action='store_true',
+                 help='the host blocks itself inside step --stop-at instead of a SIGSTOP')
+  p.add_argument('--timeout', type=float, default=1800.0, help='seconds the job may take')
+  return p.parse_intermixed_args(argv)
+
+
+class Job:
+  """One supervised run in a session of its own; every output line kept with its arrival time."""
+
+  def __init__(self, args, tmp: Path):
+    self.lines: list[tuple[float, str]] = []
+    self.out, self.events_path, n = tmp / 'run', tmp / 'events.jsonl', args.processes
+    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / 'cache'), PYTHONUNBUFFERED='1')
+    if args.block:
+      env[TEST_BLOCK_ENV] = f'{args.host}:{args.stop_at}'
+    cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', str(n), '--devices-per-process',
+           '1', '--events', str(self.events_path), '--', '--config', args.config, '--out',
+           str(self.out), f'snapshot.dir={tmp / "shm"}', f'mesh.slice={n}',
+           f'train.steps={args.steps}', 'snapshot.every=1', 'train.log_every=1',
+           'train.eval_every=0', *args.overrides]
+    self.t0 = time.time()
+    self.proc = subprocess.Popen(cmd, cwd=common.REPO, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self) -> None:
+    for line in self.proc.stdout:
+      self.lines.append((time.time(), line.rstrip()))
+
+  def last_step(self) -> int:
+    steps = [int(m.group(1)) for _, line in self.lines[-50:] if (m := STEP_LINE.search(line))]
+    return max(steps, default=-1)
+
+  def events(self) -> list[dict]:
+    if not self.events_path.exists():
+      return []
+    return [json.loads(x) for x in self.events_path.read_text().splitlines()]
+
+  def first_after(self, t: float, pattern) -> float | None:
+    return next((when for when, line in self.lines if when > t and pattern.search(line)), None)
+
+  def tail(self) -> str:
+    return '\n'.join(line for _, line in self.lines[-40:])
+
+  def kill(self) -> None:
+    """SIGKILL to the supervisor's session: it and every process it started."""
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.proc.wait()
+
+
+def run(args, tmp: Path) -> dict:
+  job = Job(args, tmp)
+  try:
+    while job.last_step() < args.stop_at:
+      assert job.proc.poll() is None, job.tail()
+      time.sleep(0.02)
+    t_stop, step_at_stop = time.time(), job.last_step()
+    pid = [e for e in job.events() if e['kind'] == 'start'][-1]['pids'][str(args.host)]
+    if not args.block:
+      os.kill(pid, signal.SIGSTOP)
+    code = job.proc.wait(timeout=args.timeout)
+    time.sleep(0.5)  # the reader thread takes the last lines
+  finally:
+    job.kill()
+  assert code == 0, job.tail()
+  events = job.events()
+  stall = next(e for e in events if e['kind'] == 'stall')
+  start = next(e for e in events if e['kind'] == 'start' and e['t'] >= stall['t'])
+  first = job.first_after(start['t'], STEP_LINE)
+  report = json.loads((job.out / 'report.json').read_text())
+  history = [json.loads(x) for x in (job.out / 'history.jsonl').read_text().splitlines()]
+  record = next(e for e in history if e['kind'] == 'launch-stall')
+  return {'processes': args.processes, 'steps': args.steps, 'how': 'block' if args.block
+          else 'SIGSTOP', 'host': args.host, 'step_at_stop': step_at_stop,
+          'stop_to_first_step_s': first - t_stop, 'detect_s': stall['t'] - t_stop,
+          'restart_s': start['t'] - stall['t'], 'first_step_s': first - start['t'],
+          'deadline_s': stall['deadline_s'], 'deadline_from': stall['deadline_from'],
+          'named_host': record['host'], 'why': record['why'], 'phases': record['phases'],
+          'samples': report['samples'], 'steps_lost_total': report['steps_lost_total'],
+          'cold_start_s': job.first_after(job.t0, STEP_LINE) - job.t0,
+          'failures_txt': (job.out / 'failures.txt').read_text().splitlines()[:3]}
+
+
+def main(argv=None) -> dict:
+  args = _args(argv)
+  info = common.run_info(__spec__.name, argv)
+  with tempfile.TemporaryDirectory(prefix='mecefo-stall-') as tmp:
+    result = {**info, **run(args, Path(tmp)), 'config': args.config,
+              'overrides': args.overrides, 'load_average': os.getloadavg()}
+  keys = ['how', 'host', 'step_at_stop', 'named_host', 'detect_s', 'restart_s', 'first_step_s',
+          'stop_to_first_step_s', 'deadline_s']
+  row = {k: round(result[k], 2) if isinstance(result[k], float) else result[k] for k in keys}
+  table = common.markdown_table([row], keys)
+  table += (f"\n\nsamples {result['samples']}; steps trained again "
+            f"{result['steps_lost_total']}; cold start {result['cold_start_s']:.1f} s; "
+            f"phases at the stall {result['phases']}")
+  common.emit(result, table, args.json)
+  return result
+
+
+if __name__ == '__main__':
+  main()
