@@ -11,6 +11,7 @@ Read by the supervisor (launch.py) every poll, without JAX: the marks are files
               PHASE_FIRST_S until one has ended
   start-up    (starting, compiling before the first step) START_FACTOR x the longest start-up
               of an earlier start of this job, at least START_FLOOR_S; START_FIRST_S at the first
+  a wait for the saves in flight, the run's end (NOT_MEASURED): PHASE_FIRST_S
 
 `--stall-s S` makes every deadline S; 0 turns the watch off. docs/tpu.md says why these.
 """
@@ -28,6 +29,9 @@ from mecefo_jax.progress_marks import mark_path, read_mark
 STEP_FACTOR, STEP_FLOOR_S, STEPS_TIMED = 10.0, 10.0, 3
 PHASE_FACTOR, PHASE_FLOOR_S, PHASE_FIRST_S = 5.0, 10.0, 300.0
 START_FACTOR, START_FLOOR_S, START_FIRST_S = 3.0, 60.0, 900.0
+# Phases whose length no earlier one bounds: a wait for the saves in flight (an async durable
+# write of any size), the run's end (the final save, the report, the plot).
+NOT_MEASURED = ('saving/wait', 'ending')
 _STOPPED_STATES = ('T', 't')  # /proc/PID/stat: stopped by a signal, or by a tracer
 
 
@@ -48,14 +52,16 @@ class Stall:
     """Every process was still starting (no step dispatched yet)."""
     return all(m.get('step', -1) < 0 for m in self.marks.values())
 
-  def where(self, host: int) -> str:
-    """'training at step 41' / 'starting (jax.distributed.initialize)' / 'no mark yet'."""
+  def where(self, host: int, stopped: bool = True) -> str:
+    """'training at step 41' / 'starting (jax.distributed.initialize)' / 'no mark yet';
+    `stopped`: says so where its process is stopped."""
     mark = self.marks.get(host) or {}
     if not mark:
       return 'starting (no mark yet: importing)'
     detail = f' ({mark["detail"]})' if mark.get('detail') else ''
     at = f' at step {mark["step"]}' if mark['step'] >= 0 else ''
-    return f'{mark["phase"]}{detail}{at}' + (' (stopped: SIGSTOP)' if host in self.stopped else '')
+    return f'{mark["phase"]}{detail}{at}' + (
+        ' (stopped: SIGSTOP)' if stopped and host in self.stopped else '')
 
   def phases(self) -> str:
     return ', '.join(f'host {h} {self.where(h)}' for h in sorted(self.marks))
@@ -68,7 +74,8 @@ class Stall:
     if self.host is None:
       return head + (f'no process could be singled out ({self.phases()}): restarting the whole '
                      'job from its last snapshot')
-    return head + (f'host {self.host} stopped first, in {self.where(self.host)} ({self.why}); '
+    return head + (f'host {self.host} stopped first, in {self.where(self.host, False)} '
+                   f'({self.why}); '
                    f'the others: ' + ', '.join(f'host {h} {self.where(h)}' for h in
                                                sorted(self.marks) if h != self.host))
 
@@ -99,7 +106,7 @@ def allowance(key: str, measured: dict[str, float], step_s: float | None,
     seen = measured.get('start-up')
     return ((max(START_FLOOR_S, START_FACTOR * seen), 'measured') if seen else
             (START_FIRST_S, 'first'))
-  seen = measured.get(key)
+  seen = None if key in NOT_MEASURED else measured.get(key)
   return ((max(PHASE_FLOOR_S, PHASE_FACTOR * seen), 'measured') if seen else
           (PHASE_FIRST_S, 'first'))
 
@@ -128,11 +135,10 @@ class StallWatch:
     return self.stall_s != 0
 
   def start(self, pids: dict[int, int]) -> None:
-    """A new job of hosts {host: pid}: the marks of an earlier job are gone."""
+    """A new job of hosts {host: pid}. An earlier job's marks are left where they are (a new
+    process truncates its file; look() reads only the marks of these pids): deleting them now
+    could delete a mark that a new process has just made."""
     self.pids, self.marks, self.changed_at = dict(pids), {}, time.monotonic()
-    self.directory.mkdir(parents=True, exist_ok=True)
-    for path in self.directory.glob('host*.mark'):
-      path.unlink(missing_ok=True)
 
   def look(self, now: float | None = None) -> Stall | None:
     """Reads the marks; a Stall once none changed for longer than the deadline."""

@@ -66,6 +66,9 @@ def test_deadlines_follow_what_was_measured():
   assert watch.allowance('saving/durable', measured, 0.3, None) == (watch.PHASE_FIRST_S,
                                                                     'first')
   assert watch.allowance('saving/durable', measured, 0.3, 7.0) == (7.0, '--stall-s')
+  # A wait for the saves in flight is never bounded by an earlier one (a write of any size).
+  assert watch.allowance('saving/wait', {'saving/wait': 0.01}, 0.3, None) == (
+      watch.PHASE_FIRST_S, 'first')
 
 
 def _job(tmp_path, hosts=3) -> tuple[watch.StallWatch, list[Marks]]:
