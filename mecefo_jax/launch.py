@@ -316,8 +316,8 @@ class Supervisor:
     if self.interrupted:
       code = max(exited.values(), key=abs) or 0
       self.say('end', f'job stopped by {self.interrupted} ({_exit_text(code)}) after '
-                      f'{self.deaths} death(s), {self.rejoins} rejoin(s), {self.restarts} '
-                      f'restart(s); resume it with the same command', code=code)
+                      f'{self.deaths} death(s){self._stalls()}, {self.rejoins} rejoin(s), '
+                      f'{self.restarts} restart(s); resume it with the same command', code=code)
       return code
     if all(c == 0 for c in exited.values()):
       return self._finished(exited)
@@ -347,6 +347,9 @@ class Supervisor:
       return self._restart()
     kill_group(self.procs[stall.host])  # before the others: none may see it leave first
     return self._without(stall.host)
+
+  def _stalls(self) -> str:
+    return f', {self.stalls} stall(s)' if self.stalls else ''  # the end lines' count
 
   def _without(self, host: int) -> int | None:
     """The job stopped and restarted without `host` (dead or stalled)."""
@@ -389,8 +392,9 @@ class Supervisor:
   def _finished(self, exited: dict) -> int:
     code = next((c for c in exited.values() if c != 0), 0)
     what = 'stopped' if code == STOPPED else 'ended'  # a stop (--stop-after) is resumable
-    self.say('end', f'job {what} ({_exit_text(code)}) after {self.deaths} death(s), '
-                    f'{self.rejoins} rejoin(s), {self.restarts} restart(s); the failure history is '
+    self.say('end', f'job {what} ({_exit_text(code)}) after {self.deaths} death(s)'
+                    f'{self._stalls()}, {self.rejoins} rejoin(s), {self.restarts} restart(s); '
+                    f'the failure history is '
                     f'failures.txt in the run directory' + (
                         '; resume it with the same command' if code == STOPPED else ''),
              code=code)

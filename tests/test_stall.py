@@ -174,10 +174,12 @@ def test_a_sigstopped_worker_is_a_stall_and_the_job_retrains_without_it(launcher
   stall, out = _stalled_job(launcher, tmp_path, stop_host=2)
   assert stall['host'] == 2 and stall['stopped'] == [2], stall
   assert stall['why'] == 'its process is stopped (SIGSTOP)'
-  assert stall['deadline_from'] == 'measured' and stall['waited_s'] < 60, stall
+  assert stall['deadline_from'] == 'measured', stall  # on the steps timed: 10x, >= 10 s
+  assert stall['deadline_s'] < stall['waited_s'] < stall['deadline_s'] + 5, stall
   assert set(stall['phases']) == {'0', '1', '2'}
   assert all(p['phase'] in progress_marks.PHASES for p in stall['phases'].values()), stall
-  assert 'launch' in out and 'host 2 stopped first, in ' in out and '(stopped: SIGSTOP)' in out
+  assert 'host 2 stopped first, in ' in out and '(its process is stopped (SIGSTOP))' in out
+  assert 'after 0 death(s), 1 stall(s), 0 rejoin(s), 1 restart(s)' in out
 
 
 def test_a_worker_blocked_inside_a_step_is_named_with_its_step(launcher, tmp_path):
