@@ -122,7 +122,7 @@ def run(args, tmp: Path) -> dict:
     while not reached():
       assert job.proc.poll() is None, job.tail()
       time.sleep(0.02)
-    t_stop, step_at_stop = time.time(), job.last_step()
+    t_stop, step_at_stop, load = time.time(), job.last_step(), os.getloadavg()[0]
     if not args.block:
       pid = [e for e in job.events() if e['kind'] == 'start'][-1]['pids'][str(args.host)]
       os.kill(pid, signal.SIGKILL if args.kill else signal.SIGSTOP)
@@ -141,7 +141,7 @@ def run(args, tmp: Path) -> dict:
   record = next(e for e in history if e['kind'] == f'launch-{kind}')
   return {'processes': args.processes, 'steps': args.steps, 'how': 'block' if args.block
           else 'SIGKILL' if args.kill else 'SIGSTOP', 'host': args.host,
-          'step_at_stop': step_at_stop,
+          'step_at_stop': step_at_stop, 'load_at_stop': load,
           'stop_to_first_step_s': first - t_stop, 'detect_s': stall['t'] - t_stop,
           'restart_s': start['t'] - stall['t'], 'first_step_s': first - start['t'],
           'deadline_s': stall.get('deadline_s'), 'deadline_from': stall.get('deadline_from'),

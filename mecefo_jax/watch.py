@@ -11,7 +11,7 @@ Read by the supervisor (launch.py) every poll, without JAX: the marks are files
               PHASE_FIRST_S until one has ended
   start-up    (starting, compiling before the first step) START_FACTOR x the longest start-up
               of an earlier start of this job, at least START_FLOOR_S; START_FIRST_S at the first
-  a wait for the saves in flight, the run's end (NOT_MEASURED): PHASE_FIRST_S
+  a wait for the saves or builds in flight, the run's end (NOT_MEASURED): PHASE_FIRST_S
 
 `--stall-s S` makes every deadline S; 0 turns the watch off. docs/tpu.md says why these.
 """
@@ -29,9 +29,10 @@ from mecefo_jax.progress_marks import mark_path, read_mark
 STEP_FACTOR, STEP_FLOOR_S, STEPS_TIMED = 10.0, 10.0, 3
 PHASE_FACTOR, PHASE_FLOOR_S, PHASE_FIRST_S = 5.0, 10.0, 300.0
 START_FACTOR, START_FLOOR_S, START_FIRST_S = 3.0, 60.0, 900.0
-# Phases whose length no earlier one bounds: a wait for the saves in flight (an async durable
-# write of any size), the run's end (the final save, the report, the plot).
-NOT_MEASURED = ('saving/wait', 'ending')
+# Phases whose length no earlier one bounds: a wait for the saves or builds in flight (`*/wait`:
+# an async durable write of any size, background compiles), the run's end (the final save, the
+# report, the plot).
+NOT_MEASURED = ('ending',)
 _STOPPED_STATES = ('T', 't')  # /proc/PID/stat: stopped by a signal, or by a tracer
 
 
@@ -106,7 +107,7 @@ def allowance(key: str, measured: dict[str, float], step_s: float | None,
     seen = measured.get('start-up')
     return ((max(START_FLOOR_S, START_FACTOR * seen), 'measured') if seen else
             (START_FIRST_S, 'first'))
-  seen = None if key in NOT_MEASURED else measured.get(key)
+  seen = None if key in NOT_MEASURED or key.endswith('/wait') else measured.get(key)
   return ((max(PHASE_FLOOR_S, PHASE_FACTOR * seen), 'measured') if seen else
           (PHASE_FIRST_S, 'first'))
 

@@ -92,11 +92,13 @@ def test_death(host: int, steps_done: int, *ready) -> None:
   spec = os.environ.get(TEST_DEATH_ENV)
   if not spec or spec.split(':')[1] != str(steps_done):
     return
-  for wait in ready:
-    wait()
-  from mecefo_jax import multihost  # jax: only where a test asks for a death
-  if multihost.is_multiprocess():
-    multihost.allgather_json(host)  # a barrier: every survivor's snapshot is complete
+  from mecefo_jax import multihost, progress_marks  # jax: only where a test asks for a death
+  # A wait no earlier one bounds (background compiles): not a stall (watch.NOT_MEASURED).
+  with progress_marks.during('compiling', 'the builds and saves in flight (a test death)', 'wait'):
+    for wait in ready:
+      wait()
+    if multihost.is_multiprocess():
+      multihost.allgather_json(host)  # a barrier: every survivor's snapshot is complete
   if spec == f'{host}:{steps_done}':
     log.warning('%s=%s: host %d kills itself (SIGKILL) after step %d', TEST_DEATH_ENV, spec,
                 host, steps_done)
