@@ -209,3 +209,26 @@ def test_evals_snapshots_and_a_cold_compile_never_stall(launcher, tmp_path):
     assert mark['phase'] == 'ending' and mark['step'] == 11, mark
     assert {'start-up', 'compiling', 'evaluating', 'saving/in-memory', 'saving/durable'} <= \
         set(mark['longest']), mark
+
+
+def test_a_stalls_restart_is_booked_as_a_deaths():
+  """goodput.restart and the plot's time axis count from the stall line, as from a death's."""
+  from mecefo_jax.run import restart
+  history = [{'t': 100.0, 'kind': 'start'}, {'t': 130.0, 'kind': 'launch-stall', 'host': 1},
+             {'t': 130.2, 'kind': 'launch-start'}]
+  assert restart.deaths(history) == [130.0]
+  assert restart.death_before_start(history) == 130.0
+
+
+def test_failures_txt_says_which_process_stalled_and_still_replays(tmp_path):
+  from mecefo_jax.core.failures import FailureSchedule
+  rundir.append_history(tmp_path, 'launch-stall', host=2,
+                        note='host 2 stopped first, in training at step 41; host 0 training at '
+                             'step 42, host 1 training at step 42, host 2 training at step 41')
+  events = [{'step': 42, 'slice': 2, 'kind': 'fail', 'source': 'absent'}]
+  rundir.write_failures(tmp_path, events, '`python -m mecefo_jax ...`')
+  lines = (tmp_path / 'failures.txt').read_text().splitlines()
+  assert lines[1] == ('# stall: host 2 stopped first, in training at step 41; host 0 training '
+                      'at step 42, host 1 training at step 42, host 2 training at step 41')
+  replay = FailureSchedule.from_trace(tmp_path / 'failures.txt', 3)
+  assert [(e.step, e.slice, e.kind) for e in replay.events_at(42)] == [(42, 2, 'fail')]
