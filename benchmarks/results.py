@@ -125,6 +125,16 @@ def _restart_time(d: dict) -> str:
           f"{m['cold_start_s']:.1f} s, ratio {m['ratio']:.2f}; phases (s): {phases}")
 
 
+def _stall_recovery(d: dict) -> str:
+  over = ' '.join(d['overrides']) or 'defaults'
+  seen = (f"seen as a death in {d['detect_s']:.1f} s" if d['deadline_s'] is None else
+          f"detected in {d['detect_s']:.1f} s (deadline {d['deadline_s']:.0f} s, "
+          f"{d['deadline_from']}), host {d['named_host']} named")
+  return (f"{d['processes']} processes ({over}), host {d['host']} {d['how']} at step "
+          f"{d['step_at_stop']}: {seen}; stop to the first step trained again "
+          f"{d['stop_to_first_step_s']:.1f} s; dropped {d['samples']['dropped']}")
+
+
 def _stop_time(d: dict) -> str:
   return (f"{d['processes']} process(es): SIGTERM to exit {d['stop_s']} s, both tiers saved "
           f"{d['both_tiers']}, exit {d['exit_code']}")
@@ -147,6 +157,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('prepare_rate', 'Corpus preparation', _prepare_rate),
     ('recovery', 'Recovery from real deaths', _recovery),
     ('restart_time', 'Restart after a death, phase by phase', _restart_time),
+    ('stall_recovery', 'Recovery from a stall', _stall_recovery),
     ('stop_time', 'A stop within a grace period', _stop_time),
 ]
 

@@ -169,7 +169,9 @@ def on_host(args, slot: int, command: str) -> list[str]:
 
 class PodController(Supervisor):
   """The supervisor's watch, stop and restart rules, with processes on remote hosts: started
-  through the transport, signalled through their pid files, probed after every death."""
+  through the transport, signalled through their pid files, probed after every death. No
+  stall watch: the progress marks are files on each host (docs/tpu.md: what catches a stall)."""
+  watches_stalls = False
 
   def __init__(self, args):
     super().__init__(args)

@@ -9,7 +9,9 @@ the survivors that resumes the same run: each keeps its logical host (`--host-sl
 in-memory snapshot part, the dead host's part is rebuilt from parity, and its slices are taken
 over by faults.takeover (docs/tpu.md). With --rejoin-after S, a replacement for the dead host is
 ready S seconds after the death (standing in for the repair); the job is then stopped at an
-agreed step (SIGTERM) and restarted with it. Exit code: the job's.
+agreed step (SIGTERM) and restarted with it. A job whose processes stop making progress (their
+progress marks, mecefo_jax/watch.py) is stopped as after the death of the one that stopped
+first (--stall-s). Exit code: the job's.
 """
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import DEFAULT_OUT, ConfigError
+from mecefo_jax.progress_marks import MARKS_ENV
 from mecefo_jax.run import recovery_time, rundir
 from mecefo_jax.run.cli import OneLineParser, at_least
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
 from mecefo_jax.run.hints import LAUNCH_ENV
 from mecefo_jax.run.stop import STOP_FILE
 from mecefo_jax.run.supervised import SUPERVISOR_ENV, handed_down
+from mecefo_jax.watch import Stall, StallWatch, kill_group
 
 # The directory holding this package: the processes import the same one from any cwd.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
@@ -58,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='start a replacement for a dead host this long after its death')
   p.add_argument('--max-restarts', type=at_least(0), default=10,
                  help='give up after this many restarts')
+  p.add_argument('--stall-s', type=at_least(0, float), default=None, metavar='SECONDS',
+                 help='a job whose processes make no progress this long has stalled: the one '
+                      'stopped first is left out as after a death (default: deadlines measured '
+                      'on the job, mecefo_jax/watch.py; 0: never)')
   p.add_argument('--log-dir', default=None,
                  help='output of the processes other than process 0 (whose output is shown): '
                       'host<h>.log files (default: <--out>/logs, or runs/launch_logs)')
@@ -118,7 +126,9 @@ def _exit_text(code: int) -> str:
 
 
 class Supervisor:
-  """Runs the job, restarts it on the survivors after a death, grows it back on a rejoin."""
+  """Runs the job, restarts it on the survivors after a death or a stall, grows it back on a
+  rejoin."""
+  watches_stalls = True  # the processes' progress marks are files on this machine
 
   def __init__(self, args):
     self.args, self.t0 = args, time.monotonic()
@@ -134,6 +144,9 @@ class Supervisor:
     # at an agreed step (run/supervised.py).
     self.watched_fd, self._alive_fd = os.pipe()
     self.clock = recovery_time.RestartClock(args.out / rundir.HISTORY)
+    self.stalls = 0
+    self.watch = (StallWatch(args.log_dir / 'marks', args.stall_s) if self.watches_stalls
+                  else None)
 
   def tell(self, message: str) -> float:
     """Prints a line of the supervisor's; the seconds since it started."""
@@ -176,6 +189,8 @@ class Supervisor:
       if out:
         out.close()  # the child holds it
     pids = {h: p.pid for h, p in self.procs.items()}
+    if self.watch:
+      self.watch.start(pids)
     self.say('start', f'started hosts {self.hosts} as a {n}-process job'
                       f'{" resuming the run" if self._resuming() else ""} (pids {pids})',
              hosts=self.hosts, pids=pids, **self.clock.spawned())
@@ -211,6 +226,8 @@ class Supervisor:
     k = self.args.devices_per_process
     env = dict(os.environ, PYTHONUNBUFFERED='1')
     env[LAUNCH_ENV] = shlex.join(self.args.argv)  # for the hints it prints: rerun this
+    if self.watch:
+      env[MARKS_ENV] = str(self.watch.directory)
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get('PYTHONPATH')]))
     cmd = [sys.executable, '-m', 'mecefo_jax', f'--coordinator=127.0.0.1:{port}',
            f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
@@ -274,6 +291,9 @@ class Supervisor:
       return self._finished(exited)
     if exited:  # others finish or stop with it: wait for them, within bounds
       return self._settle(exited)
+    stall = self.watch.look() if self.watch else None
+    if stall is not None:
+      return self._stall(stall)
     ready = self._ready()
     if ready:
       self.say('rejoin-ready', f'replacement for host(s) {ready} ready: stopping the job after '
@@ -332,8 +352,8 @@ class Supervisor:
     if self.interrupted:
       code = max(exited.values(), key=abs) or 0
       self.say('end', f'job stopped by {self.interrupted} ({_exit_text(code)}) after '
-                      f'{self.deaths} death(s), {self.rejoins} rejoin(s), {self.restarts} '
-                      f'restart(s); resume it with the same command', code=code)
+                      f'{self.deaths} death(s){self._stalls()}, {self.rejoins} rejoin(s), '
+                      f'{self.restarts} restart(s); resume it with the same command', code=code)
       return code
     if all(c == 0 for c in exited.values()):
       return self._finished(exited)
@@ -352,6 +372,28 @@ class Supervisor:
     self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({_exit_text(code)}): '
                       f'stopping the survivors {[h for h in self.hosts if h != host]}',
              host=host, code=code)
+    return self._without(host)
+
+  def _stall(self, stall: Stall) -> int | None:
+    """A stall (watch.py): the job is stopped and restarted without the process that stopped
+    first, killed first, as after its death; where none is singled out, with every host, from
+    the last snapshot."""
+    self.stalls += 1
+    # Timed from this look as a death is; detection took the deadline that ran out.
+    self.clock.failure('stall', stall.host, stall.waited_s)
+    self.say('stall', stall.line(), **stall.record())
+    if stall.host is None:
+      self.kill_all()
+      self.clock.stopped()
+      return self._restart()
+    kill_group(self.procs[stall.host])  # before the others: none may see it leave first
+    return self._without(stall.host)
+
+  def _stalls(self) -> str:
+    return f', {self.stalls} stall(s)' if self.stalls else ''  # the end lines' count
+
+  def _without(self, host: int) -> int | None:
+    """The job stopped and restarted without `host` (dead or stalled)."""
     self.kill_all()  # they would wait in the next collective for the dead one
     self.clock.stopped()
     self.hosts = [h for h in self.hosts if h != host]
@@ -407,8 +449,9 @@ class Supervisor:
   def _finished(self, exited: dict) -> int:
     code = next((c for c in exited.values() if c != 0), 0)
     what = 'stopped' if code == STOPPED else 'ended'  # a stop (--stop-after) is resumable
-    self.say('end', f'job {what} ({_exit_text(code)}) after {self.deaths} death(s), '
-                    f'{self.rejoins} rejoin(s), {self.restarts} restart(s); the failure history is '
+    self.say('end', f'job {what} ({_exit_text(code)}) after {self.deaths} death(s)'
+                    f'{self._stalls()}, {self.rejoins} rejoin(s), {self.restarts} restart(s); '
+                    f'the failure history is '
                     f'failures.txt in the run directory' + (
                         '; resume it with the same command' if code == STOPPED else ''),
              code=code)

@@ -283,10 +283,13 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   try:
     _no_jax_cache()
     startup.mark('jax_imported')
-    from mecefo_jax import multihost
+    from mecefo_jax import multihost, progress_marks
+    progress_marks.open_marks(_host(args))  # where a supervisor asks for them: it watches
+    progress_marks.enter('starting', 'jax.distributed.initialize')
     job = multihost.initialize(args.coordinator, args.num_processes, args.process_id,
                                args.heartbeat_s)
     startup.mark('distributed')
+    progress_marks.enter('starting', 'the run: data, snapshots, state')
     _test_start_error(args)
     from mecefo_jax.run import trainer
     from mecefo_jax.step import program_store
@@ -345,8 +348,7 @@ def _host(args) -> int:
 
 def _test_start_error(args) -> None:
   """The start-up failure TEST_START_ERROR_ENV asks for, if it is this host's (a test hook)."""
-  spec = os.environ.get(TEST_START_ERROR_ENV)
-  host = _host(args)
+  spec, host = os.environ.get(TEST_START_ERROR_ENV), _host(args)
   if spec is not None and spec == str(host):
     raise ConfigError(f'{TEST_START_ERROR_ENV}={spec}: host {host} fails in start-up (a test '
                       f'hook)')

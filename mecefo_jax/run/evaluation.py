@@ -7,6 +7,7 @@ from typing import Callable
 
 import numpy as np
 
+from mecefo_jax import progress_marks
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.sections import Draft, entry
 
@@ -48,7 +49,8 @@ class Evals(Hook):
 
   def row(self, step: int, loop_start: float) -> dict:
     t0 = time.perf_counter()
-    loss = self.controller.evaluate(self.n_batches)
+    with progress_marks.during('evaluating', f'after step {step}'):
+      loss = self.controller.evaluate(self.n_batches)
     spent = time.perf_counter() - t0
     self.seconds += spent
     # An eval is not step time; its compile, if any, is booked as compile by the program cache.

@@ -7,6 +7,7 @@ import logging
 import math
 from typing import Callable, Iterator, Sequence
 
+from mecefo_jax import progress_marks
 from mecefo_jax.core.decider import StepPlan
 from mecefo_jax.sections import Draft
 
@@ -53,11 +54,15 @@ class StopRun:
 class Hook:
   """One concern of the loop, with its own cadence and state; every method is optional.
 
-  The loop calls `before_step(step)`, runs the step, then `after_step(record)` of every hook
-  in order (a StopRun ends the run there), and `at_end(loop_start, stopped)` after the last
-  step. `wants_values(step)`: the step's metrics must be fetched (it waits for the step)."""
+  The loop calls `before_step(step)`, dispatches the step, calls `dispatched(step)`, waits for
+  it where its metrics are fetched, then `after_step(record)` of every hook in order (a StopRun
+  ends the run there), and `at_end(loop_start, stopped)` after the last step.
+  `wants_values(step)`: the step's metrics must be fetched (it waits for the step)."""
 
   def before_step(self, step: int) -> None:
+    pass
+
+  def dispatched(self, step: int) -> None:
     pass
 
   def wants_values(self, step: int) -> bool:
@@ -93,6 +98,14 @@ class Every(Hook):
       self.fn(record)
 
 
+class ProgressMark(Hook):
+  """Marks each step once dispatched, before the loop waits for it, where the supervisor reads
+  it (progress_marks.py): a process stuck before that point is the one the others wait for."""
+
+  def dispatched(self, step: int) -> None:
+    progress_marks.dispatched(step)
+
+
 class Divergence(Hook):
   """Ends the run at a non-finite training loss, before that step is saved anywhere."""
 
@@ -117,9 +130,9 @@ class Divergence(Hook):
 
 
 class Hooks:
-  """The loop's hooks in their order: divergence, eval, snapshot, metrics, the user's, stop —
-  no snapshot holds a diverged state, an eval's result is in the next snapshot's meta, and the
-  stop is voted on once the step is saved."""
+  """The loop's hooks in their order: progress mark, divergence, eval, snapshot, metrics, the
+  user's, stop — no snapshot holds a diverged state, an eval's result is in the next
+  snapshot's meta, and the stop is voted on once the step is saved."""
 
   def __init__(self, ordered: Sequence[Hook]):
     self.ordered = tuple(ordered)
@@ -130,6 +143,10 @@ class Hooks:
   def before_step(self, step: int) -> None:
     for hook in self.ordered:
       hook.before_step(step)
+
+  def dispatched(self, step: int) -> None:
+    for hook in self.ordered:
+      hook.dispatched(step)
 
   def wants_values(self, step: int) -> bool:
     return any(hook.wants_values(step) for hook in self.ordered)

@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 
 from mecefo_jax.run import hints
 from mecefo_jax.run.evaluation import Evals
-from mecefo_jax.run.hooks import Divergence, Hook, Hooks
+from mecefo_jax.run.hooks import Divergence, Hook, Hooks, ProgressMark
 from mecefo_jax.run.metric_rows import MetricRows
 from mecefo_jax.run.saving import SnapshotSaver, Stop
 
@@ -13,7 +13,7 @@ from mecefo_jax.run.saving import SnapshotSaver, Stop
 def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
             extra: Sequence[Hook] = ()) -> tuple[Hooks, SnapshotSaver]:
   """(The hooks of Trainer `run`, its snapshot hook), each carrying over what the restored
-  snapshot held. The order: divergence first (no snapshot holds a diverged state), the eval
+  snapshot held. The order: the progress mark (only its dispatched()), divergence first (no snapshot holds a diverged state), the eval
   before the snapshot (its result is in the snapshot's meta), the snapshot before the metrics
   row (a crash after a row costs at most that step), the user's `extra` hooks, the stop last
   (voted on once the step is saved)."""
@@ -29,5 +29,5 @@ def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
   stop = Stop(run.stop, saver, run.records, resume_hint)
   evals = Evals(c, cfg.train.eval_batches, cfg.train.steps - 1, has_eval=run.corpus.has_eval,
                 stopping=stop.stopping, emit=rows.emit, evals=list(meta.get('evals', [])))
-  hooks = [Divergence(hints.fresh(run.out_dir)), evals, saver, rows, *extra, stop]
+  hooks = [ProgressMark(), Divergence(hints.fresh(run.out_dir)), evals, saver, rows, *extra, stop]
   return Hooks(hooks), saver

@@ -7,9 +7,10 @@ from mecefo_jax import files
 
 
 def deaths(history: list[dict]) -> list[float]:
-  """The times of the deaths the supervisor recorded in history.jsonl (launch-death lines)."""
-  return [e['t'] for e in history
-          if e['kind'] == 'launch-death' and files.has_type(e.get('t'), files.NUMBER)]
+  """The times of the deaths and stalls the supervisor recorded in history.jsonl (launch-death
+  and launch-stall lines: a stall's restart is a death's)."""
+  return [e['t'] for e in history if e['kind'] in ('launch-death', 'launch-stall') and
+          files.has_type(e.get('t'), files.NUMBER)]
 
 
 def death_before_start(history: list[dict]) -> float | None:

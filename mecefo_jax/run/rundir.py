@@ -87,9 +87,13 @@ def unfinished(out_dir: Path) -> bool:
 
 def write_failures(out_dir: Path, events: list[dict], replay_flags: str) -> None:
   """failures.txt: `events` (FailureEvent.to_dict() rows) as a trace FailureSchedule.from_trace
-  reads back, headed by the flags its one-process replay needs."""
+  reads back, headed by the flags its one-process replay needs and a comment per stall the
+  supervisor recorded (which process stopped first, each one's phase)."""
+  stalls = [f"# stall: {e['note']}\n" for e in read_history(out_dir, warn=False)
+            if e['kind'] == 'launch-stall' and isinstance(e.get('note'), str)]
   lines = [f"{e['step']} {e['slice']} {e['kind']}  # {e['source']}\n" for e in events]
-  files.replace_text(Path(out_dir) / FAILURES, f'# replay: {replay_flags}\n' + ''.join(lines))
+  files.replace_text(Path(out_dir) / FAILURES,
+                     f'# replay: {replay_flags}\n' + ''.join(stalls + lines))
 
 
 def append_history(out_dir: Path, kind: str, **fields) -> None:

@@ -1,11 +1,12 @@
 """The hooks that save: snapshots where due (their interval tuned here) and the stop, saved first."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable
 
-from mecefo_jax import multihost
+from mecefo_jax import multihost, progress_marks
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord, StopRun
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.stop import StopRequest
@@ -63,7 +64,13 @@ class SnapshotSaver(Hook):
     sn = self.snapshots
     if not sn:
       return []
-    started = sn.maybe_save(steps_done, self.state(), self.meta(steps_done), stop=stop)
+    # Marked as saving only where it saves; a durable save is timed apart (its device-to-host
+    # copy is far longer than the in-memory tier's).
+    saving = stop or sn.due(steps_done)
+    durable_due = sn.durable is not None and (stop or steps_done % sn.durable_every == 0)
+    with (progress_marks.during('saving', f'step {steps_done}', 'durable' if durable_due else
+                                'in-memory') if saving else contextlib.nullcontext()):
+      started = sn.maybe_save(steps_done, self.state(), self.meta(steps_done), stop=stop)
     self._saved = (steps_done, sn.where(steps_done, started))
     return self._saved[1]
 
@@ -81,7 +88,8 @@ class SnapshotSaver(Hook):
 
   def wait(self) -> None:
     if self.snapshots:
-      self.snapshots.wait_until_finished(agree=True)
+      with progress_marks.during('saving', 'waiting for the saves in flight', 'wait'):
+        self.snapshots.wait_until_finished(agree=True)
 
   def report(self, end: RunEnd, report: Draft) -> None:
     """report.json's `snapshots` and `snapshot_interval` sections (their defaults: off)."""

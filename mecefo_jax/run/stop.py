@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 from mecefo_jax import files
@@ -17,6 +18,9 @@ log = logging.getLogger('mecefo')
 # Tests place a real death at an exact step: `HOST:STEPS` makes the process of logical host HOST
 # SIGKILL itself once STEPS steps are trained and their snapshot is written (tests/test_launch.py).
 TEST_DEATH_ENV = 'MECEFO_TEST_SIGKILL'
+# `HOST:STEP` blocks the process of logical host HOST for ever inside step STEP, between its
+# dispatch and its progress mark (a host thread stuck there), its heartbeat thread running.
+TEST_BLOCK_ENV = 'MECEFO_TEST_BLOCK'
 # A file in the run directory asking the job to stop after its current step (its text: why).
 # The supervisor writes it to grow the job back: unlike a signal it cannot arrive before a
 # process can honour it, so where the job stops does not depend on timing.
@@ -88,12 +92,24 @@ def test_death(host: int, steps_done: int, *ready) -> None:
   spec = os.environ.get(TEST_DEATH_ENV)
   if not spec or spec.split(':')[1] != str(steps_done):
     return
-  for wait in ready:
-    wait()
-  from mecefo_jax import multihost  # jax: only where a test asks for a death
-  if multihost.is_multiprocess():
-    multihost.allgather_json(host)  # a barrier: every survivor's snapshot is complete
+  from mecefo_jax import multihost, progress_marks  # jax: only where a test asks for a death
+  # A wait no earlier one bounds (background compiles): not a stall (watch.NOT_MEASURED).
+  with progress_marks.during('compiling', 'the builds and saves in flight (a test death)', 'wait'):
+    for wait in ready:
+      wait()
+    if multihost.is_multiprocess():
+      multihost.allgather_json(host)  # a barrier: every survivor's snapshot is complete
   if spec == f'{host}:{steps_done}':
     log.warning('%s=%s: host %d kills itself (SIGKILL) after step %d', TEST_DEATH_ENV, spec,
                 host, steps_done)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_block(host: int, step: int) -> None:
+  """The block TEST_BLOCK_ENV asks for, if it is this host's and this step: the main thread
+  sleeps until the process is killed; jax.distributed's heartbeat goes on in its own thread."""
+  if os.environ.get(TEST_BLOCK_ENV) != f'{host}:{step}':
+    return
+  log.warning('%s=%d:%d: host %d blocks inside step %d', TEST_BLOCK_ENV, host, step, host, step)
+  while True:
+    time.sleep(3600)

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from mecefo_jax import files, multihost
+from mecefo_jax import files, multihost, progress_marks
 from mecefo_jax.config import Config
 from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.data.sources import load_corpus
@@ -24,7 +24,7 @@ from mecefo_jax.run.resume import check_model, initial_state
 from mecefo_jax.run.run_files import RunFiles
 from mecefo_jax.run.startup import StartupClock, marks as startup_marks
 from mecefo_jax.run.storage import OutputGuard
-from mecefo_jax.run.stop import StopRequest, test_death
+from mecefo_jax.run.stop import StopRequest, test_block, test_death
 from mecefo_jax.snapshot import recovery
 from mecefo_jax.snapshot.manager import state_nbytes
 from mecefo_jax.step.program_store import ProgramStore
@@ -157,6 +157,7 @@ class Trainer:
         self.hooks.at_end(loop_start, stopped)
     finally:
       self.records.close_reached()
+    progress_marks.enter('ending')  # the final save, the report, the plot: no more steps
     jax.block_until_ready(self.state)
     end = RunEnd(steps_done, time.perf_counter() - loop_start, stopped)
     self.saver.finish(cfg.train.steps, stopped)
@@ -190,6 +191,8 @@ class Trainer:
         log.error('%s', message)
         self.files.all_down_at(step)
         return step, message
+      test_block(host, step)
+      self.hooks.dispatched(step)
       record = self._record(step, metrics, loop_start, t_step)
       stop = self.hooks.after_step(record)
       if stop is not None:

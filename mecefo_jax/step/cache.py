@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable
 
-from mecefo_jax import multihost
+from mecefo_jax import multihost, progress_marks
 from mecefo_jax.config import Config
 from mecefo_jax.core import programs
 from mecefo_jax.core.programs import ProgramKey
@@ -234,7 +234,7 @@ class ProgramCache:
       if not ahead and self._lock.locked():
         log.info('waiting for the background build of the %s', key)
       t0 = time.perf_counter()
-      with self._lock:  # one build at a time
+      with self._lock, progress_marks.during('compiling', str(key)):  # one build at a time
         program = self._programs.get(key)
         if program is None:
           program = self._programs[key] = self._build(self._request(key, ahead))

@@ -1,0 +1,211 @@
+"""The stall watch: a job whose processes' progress marks stop changing past a deadline measured
+on the job itself has stalled; the process that stopped first is named where one can be.
+
+Read by the supervisor (launch.py) every poll, without JAX: the marks are files
+(progress_marks.py). A deadline is the largest allowance of the phases the processes are in:
+
+  training    STEP_FACTOR x the longest recent step (dispatch to dispatch), at least STEP_FLOOR_S;
+              the start-up allowance until STEPS_TIMED steps are timed
+  compiling, evaluating, saving (each kind of save apart)
+              PHASE_FACTOR x the longest this job spent in it, at least PHASE_FLOOR_S;
+              PHASE_FIRST_S until one has ended
+  start-up    (starting, compiling before the first step) START_FACTOR x the longest start-up
+              of an earlier start of this job, at least START_FLOOR_S; START_FIRST_S at the first
+  a wait for the saves or builds in flight, the run's end (NOT_MEASURED): PHASE_FIRST_S
+
+`--stall-s S` makes every deadline S; 0 turns the watch off. docs/tpu.md says why these.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from mecefo_jax.progress_marks import mark_path, read_mark
+
+STEP_FACTOR, STEP_FLOOR_S, STEPS_TIMED = 10.0, 10.0, 3
+PHASE_FACTOR, PHASE_FLOOR_S, PHASE_FIRST_S = 5.0, 10.0, 300.0
+START_FACTOR, START_FLOOR_S, START_FIRST_S = 3.0, 60.0, 900.0
+# Phases whose length no earlier one bounds: a wait for the saves or builds in flight (`*/wait`:
+# an async durable write of any size, background compiles), the run's end (the final save, the
+# report, the plot).
+NOT_MEASURED = ('ending',)
+_STOPPED_STATES = ('T', 't')  # /proc/PID/stat: stopped by a signal, or by a tracer
+
+
+@dataclasses.dataclass(frozen=True)
+class Stall:
+  """A stall: the process that stopped first (None: none could be singled out), why it is that
+  one, each process's mark, how long nothing changed and the deadline that ran out."""
+  host: int | None
+  why: str
+  marks: dict  # {host: mark fields, or {} where it wrote none}
+  stopped: tuple[int, ...]  # hosts whose process is stopped (SIGSTOP)
+  waited_s: float
+  deadline_s: float
+  deadline_from: str  # what set it: 'measured', 'first' (nothing measured yet), '--stall-s'
+
+  @property
+  def start_up(self) -> bool:
+    """Every process was still starting (no step dispatched yet)."""
+    return all(m.get('step', -1) < 0 for m in self.marks.values())
+
+  def where(self, host: int, stopped: bool = True) -> str:
+    """'training at step 41' / 'starting (jax.distributed.initialize)' / 'no mark yet';
+    `stopped`: says so where its process is stopped."""
+    mark = self.marks.get(host) or {}
+    if not mark:
+      return 'starting (no mark yet: importing)'
+    detail = f' ({mark["detail"]})' if mark.get('detail') else ''
+    at = f' at step {mark["step"]}' if mark['step'] >= 0 else ''
+    return f'{mark["phase"]}{detail}{at}' + (
+        ' (stopped: SIGSTOP)' if stopped and host in self.stopped else '')
+
+  def phases(self) -> str:
+    return ', '.join(f'host {h} {self.where(h)}' for h in sorted(self.marks))
+
+  def line(self) -> str:
+    """The supervisor's one line."""
+    what = 'hung in start-up' if self.start_up else 'stalled'
+    head = (f'the job {what}: no progress for {self.waited_s:.1f} s (deadline '
+            f'{self.deadline_s:.1f} s, {self.deadline_from}); ')
+    if self.host is None:
+      return head + (f'no process could be singled out ({self.phases()}): restarting the whole '
+                     'job from its last snapshot')
+    return head + (f'host {self.host} stopped first, in {self.where(self.host, False)} '
+                   f'({self.why}); '
+                   f'the others: ' + ', '.join(f'host {h} {self.where(h)}' for h in
+                                               sorted(self.marks) if h != self.host))
+
+  def record(self) -> dict:
+    """The history.jsonl fields (launch-stall): `note` is failures.txt's line for it."""
+    return {'host': self.host, 'why': self.why, 'start_up': self.start_up,
+            'waited_s': round(self.waited_s, 3), 'deadline_s': round(self.deadline_s, 3),
+            'deadline_from': self.deadline_from, 'stopped': list(self.stopped),
+            'phases': {str(h): {k: m.get(k) for k in ('phase', 'detail', 'step', 'pid')}
+                       for h, m in sorted(self.marks.items())},
+            'note': (f'host {self.host} stopped first, in {self.where(self.host)}; '
+                     if self.host is not None else 'none singled out, the whole job restarted; ')
+                    + self.phases()}
+
+
+def allowance(key: str, measured: dict[str, float], step_s: float | None,
+              stall_s: float | None) -> tuple[float, str]:
+  """(The seconds a process may stay in phase `key` without a new mark, what set them):
+  `measured`: the job's longest time in each phase key; `step_s`: its longest recent step,
+  None until timed."""
+  if stall_s:
+    return stall_s, '--stall-s'
+  if key == 'training':
+    if step_s is not None:
+      return max(STEP_FLOOR_S, STEP_FACTOR * step_s), 'measured'
+    key = 'start-up'  # the first steps: their programs may still be loading
+  if key in ('starting', 'compiling/start-up', 'start-up'):
+    seen = measured.get('start-up')
+    return ((max(START_FLOOR_S, START_FACTOR * seen), 'measured') if seen else
+            (START_FIRST_S, 'first'))
+  seen = None if key in NOT_MEASURED or key.endswith('/wait') else measured.get(key)
+  return ((max(PHASE_FLOOR_S, PHASE_FACTOR * seen), 'measured') if seen else
+          (PHASE_FIRST_S, 'first'))
+
+
+def process_state(pid: int) -> str | None:
+  """The state letter of /proc/PID/stat (R, S, D, T, ...); None where it cannot be read."""
+  try:
+    return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]
+  except (OSError, IndexError):
+    return None
+
+
+class StallWatch:
+  """The marks of the job's processes, looked at each poll; `look()` says when it stalled.
+  What it measured carries over to the next job of the same supervisor (a restart)."""
+
+  def __init__(self, directory: Path, stall_s: float | None = None):
+    self.directory, self.stall_s = Path(directory), stall_s
+    self.measured: dict[str, float] = {}  # phase key -> the longest seen, over the job's starts
+    self.pids: dict[int, int] = {}
+    self.marks: dict[int, dict] = {}
+    self.changed_at = time.monotonic()
+
+  @property
+  def enabled(self) -> bool:
+    return self.stall_s != 0
+
+  def start(self, pids: dict[int, int]) -> None:
+    """A new job of hosts {host: pid}. An earlier job's marks are left where they are (a new
+    process truncates its file; look() reads only the marks of these pids): deleting them now
+    could delete a mark that a new process has just made."""
+    self.pids, self.marks, self.changed_at = dict(pids), {}, time.monotonic()
+
+  def look(self, now: float | None = None) -> Stall | None:
+    """Reads the marks; a Stall once none changed for longer than the deadline."""
+    now = time.monotonic() if now is None else now
+    for host, pid in self.pids.items():
+      mark = read_mark(mark_path(self.directory, host))
+      if mark is None or mark.get('pid') != pid:
+        continue  # none yet, half-written, or an earlier process's
+      if mark != self.marks.get(host):
+        self.marks[host], self.changed_at = mark, now
+        for key, seconds in mark['longest'].items():
+          self.measured[key] = max(self.measured.get(key, 0.0), seconds)
+    if not self.enabled:
+      return None
+    deadline, source = self.deadline()
+    waited = now - self.changed_at
+    if waited <= deadline:
+      return None
+    host, why, stopped = self.first_stopped()
+    return Stall(host, why, {h: self.marks.get(h, {}) for h in self.pids}, stopped, waited,
+                 deadline, source)
+
+  def deadline(self) -> tuple[float, str]:
+    """The largest allowance of the phases the processes are in now."""
+    timed = [m['step_s'] for m in self.marks.values() if m['steps_timed'] >= STEPS_TIMED]
+    step_s = max(timed) if timed else None
+    keys = [self._key(self.marks.get(h)) for h in self.pids] or ['starting']
+    return max(allowance(k, self.measured, step_s, self.stall_s) for k in keys)
+
+  @staticmethod
+  def _key(mark: dict | None) -> str:
+    if not mark:
+      return 'starting'
+    if mark['step'] < 0 and mark['phase'] == 'compiling':
+      return 'compiling/start-up'
+    return mark['key']
+
+  def first_stopped(self) -> tuple[int | None, str, tuple[int, ...]]:
+    """(The host that stopped first, why that one, the hosts whose process is stopped): a
+    stopped process (SIGSTOP) first, else the one alone behind the others (the lowest step
+    dispatched, then the fewest marks since: it never reached the wait the others are in)."""
+    stopped = tuple(h for h, pid in self.pids.items()
+                    if process_state(pid) in _STOPPED_STATES)
+    at = {h: self._position(self.marks.get(h)) for h in self.pids}
+    if stopped:
+      first = min(stopped, key=lambda h: at[h])
+      return first, 'its process is stopped (SIGSTOP)', stopped
+    lowest = min(at.values(), default=None)
+    behind = [h for h, p in at.items() if p == lowest]
+    if len(behind) == 1 and len(at) > 1:
+      return behind[0], 'it never reached the point the others wait in', stopped
+    return None, 'every process is at the same point', stopped
+
+  @staticmethod
+  def _position(mark: dict | None) -> tuple[int, int]:
+    return (mark['step'], mark['in_step']) if mark else (-2, 0)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+  """SIGKILL to `proc`, and to its process group where it leads one of its own (never the
+  supervisor's); SIGKILL ends a stopped (SIGSTOP) process too."""
+  try:
+    if os.getpgid(proc.pid) == proc.pid != os.getpgrp():
+      os.killpg(proc.pid, signal.SIGKILL)
+    else:
+      proc.kill()
+  except ProcessLookupError:
+    pass
+  proc.wait()

@@ -1,0 +1,234 @@
+"""Stalls: the progress marks each process writes, the deadlines the supervisor derives from
+them, and real stalled jobs (a worker SIGSTOPped, a worker blocked inside a step with its
+heartbeat running) that end as a death does: the job retrains without the stuck process, no
+sample dropped, the records naming it and each process's phase; and a job with evals,
+snapshots and a cold compile that never stalls."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mecefo_jax import progress_marks, watch
+from mecefo_jax.progress_marks import MARK_BYTES, Marks, mark_path, read_mark
+from mecefo_jax.run import rundir
+from mecefo_jax.run.stop import TEST_BLOCK_ENV
+from procs import TINY, kill, report, wait_for
+
+
+def test_a_mark_is_one_checked_write_and_a_torn_one_is_not_read(tmp_path):
+  marks = Marks(mark_path(tmp_path, 2))
+  assert read_mark(tmp_path / 'host2.mark')['phase'] == 'starting'
+  marks.enter('compiling', 'the fused program')
+  marks.dispatched(0)
+  marks.dispatched(1)
+  with_save = marks.enter('saving', 'step 2', 'durable')
+  assert with_save == ('training', '', '')
+  marks.enter(*with_save)
+  mark = read_mark(tmp_path / 'host2.mark')
+  assert (mark['pid'], mark['step'], mark['in_step'], mark['phase']) == (os.getpid(), 1, 2,
+                                                                         'training')
+  assert mark['steps_timed'] == 1 and set(mark['longest']) == {
+      'starting', 'compiling', 'start-up', 'saving/durable'}
+  assert (tmp_path / 'host2.mark').stat().st_size == MARK_BYTES
+  data = bytearray((tmp_path / 'host2.mark').read_bytes())
+  data[40] ^= 1  # a read that caught half of a write
+  (tmp_path / 'host2.mark').write_bytes(bytes(data))
+  assert read_mark(tmp_path / 'host2.mark') is None
+  marks.close()
+
+
+def test_without_a_supervisor_marks_are_not_written(tmp_path, monkeypatch):
+  monkeypatch.delenv(progress_marks.MARKS_ENV, raising=False)
+  monkeypatch.setattr(progress_marks, '_marks', None)
+  progress_marks.open_marks(0)
+  progress_marks.dispatched(3)
+  with progress_marks.during('evaluating'):
+    pass
+  assert progress_marks._marks is None
+
+
+def test_deadlines_follow_what_was_measured():
+  # A step of 0.3 s: 10x, at least 10 s; 2 s: 20 s.
+  assert watch.allowance('training', {}, 0.3, None) == (10.0, 'measured')
+  assert watch.allowance('training', {}, 2.0, None) == (20.0, 'measured')
+  # Steps not timed yet: the start-up's allowance; the first start's is the default.
+  assert watch.allowance('training', {}, None, None) == (watch.START_FIRST_S, 'first')
+  assert watch.allowance('training', {'start-up': 40.0}, None, None) == (120.0, 'measured')
+  # An eval or a durable save: 5x the longest seen, each kind of save apart.
+  measured = {'evaluating': 6.0, 'saving/in-memory': 0.05}
+  assert watch.allowance('evaluating', measured, 0.3, None) == (30.0, 'measured')
+  assert watch.allowance('saving/in-memory', measured, 0.3, None) == (10.0, 'measured')
+  assert watch.allowance('saving/durable', measured, 0.3, None) == (watch.PHASE_FIRST_S,
+                                                                    'first')
+  assert watch.allowance('saving/durable', measured, 0.3, 7.0) == (7.0, '--stall-s')
+  # A wait for the saves in flight is never bounded by an earlier one (a write of any size).
+  assert watch.allowance('saving/wait', {'saving/wait': 0.01}, 0.3, None) == (
+      watch.PHASE_FIRST_S, 'first')
+
+
+def _job(tmp_path, hosts=3) -> tuple[watch.StallWatch, list[Marks]]:
+  """A watch of `hosts` processes whose marks this process writes (all with its pid)."""
+  sw = watch.StallWatch(tmp_path)
+  sw.start({h: os.getpid() for h in range(hosts)})
+  return sw, [Marks(mark_path(tmp_path, h)) for h in range(hosts)]
+
+
+def test_the_process_behind_the_others_is_named_after_the_deadline(tmp_path):
+  sw, marks = _job(tmp_path)
+  for step in range(6):
+    for m in marks:
+      m.dispatched(step)
+  for m in marks[:2]:  # hosts 0 and 1 dispatch step 6 and wait in it for host 2
+    m.dispatched(6)
+  t = time.monotonic()
+  assert sw.look(t) is None
+  assert sw.deadline() == (10.0, 'measured')
+  assert sw.look(t + 9.9) is None
+  stall = sw.look(t + 10.1)
+  assert stall.host == 2 and stall.why == 'it never reached the point the others wait in'
+  assert not stall.start_up and stall.stopped == ()
+  assert 'host 2 stopped first, in training at step 5' in stall.line()
+  assert stall.record()['phases']['0'] == {'phase': 'training', 'detail': '', 'step': 6,
+                                            'pid': os.getpid()}
+
+
+def test_a_long_eval_has_its_own_allowance_and_a_tie_names_no_one(tmp_path):
+  sw, marks = _job(tmp_path, 2)
+  for m in marks:
+    m.dispatched(0)
+    m.enter('evaluating', 'after step 0')
+  t = time.monotonic()
+  assert sw.look(t) is None
+  assert sw.deadline() == (watch.PHASE_FIRST_S, 'first')  # no eval has ended yet
+  assert sw.look(t + 100) is None
+  stall = sw.look(t + watch.PHASE_FIRST_S + 1)
+  assert stall.host is None and 'no process could be singled out' in stall.line()
+  assert 'restarting the whole job from its last snapshot' in stall.line()
+
+
+def test_a_start_up_that_hangs_is_named_with_its_phase(tmp_path):
+  sw, marks = _job(tmp_path, 2)
+  for m in marks:
+    m.enter('starting', 'jax.distributed.initialize')
+  marks[1].enter('starting', 'the run: data, snapshots, state')  # host 0 never got past it
+  t = time.monotonic()
+  sw.look(t)
+  stall = sw.look(t + watch.START_FIRST_S + 1)
+  assert stall.start_up and stall.host == 0
+  assert stall.line().startswith('the job hung in start-up: no progress for ')
+  assert 'host 0 stopped first, in starting (jax.distributed.initialize)' in stall.line()
+
+
+def test_a_watch_at_zero_never_declares_one(tmp_path):
+  sw = watch.StallWatch(tmp_path, stall_s=0)
+  sw.start({0: os.getpid()})
+  assert sw.look(time.monotonic() + 1e6) is None
+
+
+# ---- real jobs -----------------------------------------------------------------------------
+
+STEPS = 14
+ARGS = [*TINY, 'mesh.slice=3', f'train.steps={STEPS}', 'train.log_every=1', 'snapshot.every=1',
+        'train.eval_every=0', 'train.plot=false']
+
+
+def _events(path: Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _stalled_job(launcher, tmp_path, stop_host: int | None, env=None) -> tuple[dict, str]:
+  """A 3-process job; with `stop_host`, that host is SIGSTOPped once 5 steps are trained.
+  Returns (its launch-stall record, the supervisor's output); checks that it retrained to
+  the end with no sample dropped and left no process."""
+  run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
+  proc = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events',
+                         events, '--', '--out', run, f'snapshot.dir={tmp_path / "shm"}', *ARGS],
+                        env={**launcher.env(), **(env or {})}, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+  try:
+    if stop_host is not None:
+      wait_for(lambda: (rundir.read_reached(run) or 0) >= 5, 300, 'step 5', proc)
+      os.kill(_events(events)[-1]['pids'][str(stop_host)], signal.SIGSTOP)
+    out, _ = proc.communicate(timeout=400)
+  finally:
+    kill(proc)
+  starts = [e for e in _events(events) if e['kind'] == 'start']
+  left = [pid for s in starts for pid in s['pids'].values() if Path(f'/proc/{pid}').exists()]
+  assert not left, f'processes of the job left: {left}'
+  assert proc.returncode == 0, out[-4000:]
+  result = report(run)
+  assert result['steps'] == STEPS and result['samples']['dropped'] == 0, result['samples']
+  [stall] = [e for e in rundir.read_history(run) if e['kind'] == 'launch-stall']
+  assert [e['kind'] for e in _events(events)] == ['start', 'stall', 'start', 'end'], out[-3000:]
+  failures = (run / 'failures.txt').read_text()
+  assert f"# stall: {stall['note']}\n" in failures
+  return stall, out
+
+
+def test_a_sigstopped_worker_is_a_stall_and_the_job_retrains_without_it(launcher, tmp_path):
+  stall, out = _stalled_job(launcher, tmp_path, stop_host=2)
+  assert stall['host'] == 2 and stall['stopped'] == [2], stall
+  assert stall['why'] == 'its process is stopped (SIGSTOP)'
+  assert stall['deadline_from'] == 'measured', stall  # on the steps timed: 10x, >= 10 s
+  assert stall['deadline_s'] < stall['waited_s'] < stall['deadline_s'] + 5, stall
+  assert set(stall['phases']) == {'0', '1', '2'}
+  assert all(p['phase'] in progress_marks.PHASES for p in stall['phases'].values()), stall
+  assert 'host 2 stopped first, in ' in out and '(its process is stopped (SIGSTOP))' in out
+  assert 'after 0 death(s), 1 stall(s), 0 rejoin(s), 1 restart(s)' in out
+
+
+def test_a_worker_blocked_inside_a_step_is_named_with_its_step(launcher, tmp_path):
+  """Host 1 blocks between the dispatch of step 6 and its mark, its heartbeat thread alive
+  (the coordination service never sees it go silent): the others wait for it in step 6."""
+  stall, out = _stalled_job(launcher, tmp_path, stop_host=None, env={TEST_BLOCK_ENV: '1:6'})
+  assert stall['host'] == 1 and stall['stopped'] == [], stall
+  assert stall['why'] == 'it never reached the point the others wait in'
+  assert stall['phases']['1']['step'] == 5 and stall['phases']['0']['step'] == 6, stall
+  assert stall['phases']['1']['phase'] == 'training', stall
+
+
+def test_evals_snapshots_and_a_cold_compile_never_stall(launcher, tmp_path):
+  """Default deadlines, an empty compile cache, evals, both snapshot tiers: no stall, and every
+  phase was marked and timed (the marks the supervisor read)."""
+  run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
+  proc = launcher.run([sys.executable, '-m', 'mecefo_jax.launch', '-n', '2', '--events', events,
+                       '--', '--out', run, f'snapshot.dir={tmp_path / "shm"}', *TINY,
+                       'mesh.slice=2', 'train.steps=12', 'train.log_every=1', 'snapshot.every=1',
+                       'train.eval_every=4', f'snapshot.durable_dir={tmp_path / "ckpt"}',
+                       'snapshot.durable_every=6', 'train.plot=false'], timeout=400,
+                      env=launcher.env(compile_cache=False))
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+  assert [e['kind'] for e in _events(events)] == ['start', 'end']
+  for host in (0, 1):
+    mark = read_mark(mark_path(run / 'logs' / 'marks', host))
+    assert mark['phase'] == 'ending' and mark['step'] == 11, mark
+    assert {'start-up', 'compiling', 'evaluating', 'saving/in-memory', 'saving/durable'} <= \
+        set(mark['longest']), mark
+
+
+def test_a_stalls_restart_is_booked_as_a_deaths():
+  """goodput.restart and the plot's time axis count from the stall line, as from a death's."""
+  from mecefo_jax.run import restart
+  history = [{'t': 100.0, 'kind': 'start'}, {'t': 130.0, 'kind': 'launch-stall', 'host': 1},
+             {'t': 130.2, 'kind': 'launch-start'}]
+  assert restart.deaths(history) == [130.0]
+  assert restart.death_before_start(history) == 130.0
+
+
+def test_failures_txt_says_which_process_stalled_and_still_replays(tmp_path):
+  from mecefo_jax.core.failures import FailureSchedule
+  rundir.append_history(tmp_path, 'launch-stall', host=2,
+                        note='host 2 stopped first, in training at step 41; host 0 training at '
+                             'step 42, host 1 training at step 42, host 2 training at step 41')
+  events = [{'step': 42, 'slice': 2, 'kind': 'fail', 'source': 'absent'}]
+  rundir.write_failures(tmp_path, events, '`python -m mecefo_jax ...`')
+  lines = (tmp_path / 'failures.txt').read_text().splitlines()
+  assert lines[1] == ('# stall: host 2 stopped first, in training at step 41; host 0 training '
+                      'at step 42, host 1 training at step 42, host 2 training at step 41')
+  replay = FailureSchedule.from_trace(tmp_path / 'failures.txt', 3)
+  assert [(e.step, e.slice, e.kind) for e in replay.events_at(42)] == [(42, 2, 'fail')]
