@@ -135,6 +135,13 @@ def _stall_recovery(d: dict) -> str:
           f"{d['stop_to_first_step_s']:.1f} s; dropped {d['samples']['dropped']}")
 
 
+def _stall_clean_runs(d: dict) -> str:
+  walls = [r['wall_s'] for r in d['clean_runs']]
+  return (f"{d['runs_ok']} of {len(walls)} runs of the README's multi-process example (evals, "
+          f"both snapshot tiers, an empty compile cache each) ended with exit 0; false stalls "
+          f"{d['false_stalls']}; {min(walls):.0f}-{max(walls):.0f} s each")
+
+
 def _stop_time(d: dict) -> str:
   return (f"{d['processes']} process(es): SIGTERM to exit {d['stop_s']} s, both tiers saved "
           f"{d['both_tiers']}, exit {d['exit_code']}")
@@ -158,6 +165,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('recovery', 'Recovery from real deaths', _recovery),
     ('restart_time', 'Restart after a death, phase by phase', _restart_time),
     ('stall_recovery', 'Recovery from a stall', _stall_recovery),
+    ('stall_clean_runs', 'No false stall', _stall_clean_runs),
     ('stop_time', 'A stop within a grace period', _stop_time),
 ]
 

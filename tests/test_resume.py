@@ -218,7 +218,8 @@ def test_the_loop_runs_its_hooks_in_their_declared_order_a_users_hook_before_the
     result = run.run()
   finally:
     run.close()
-  order = ['Divergence', 'Evals', 'SnapshotSaver', 'MetricRows', 'Dummy', 'Every', 'Stop']
+  order = ['ProgressMark', 'Divergence', 'Evals', 'SnapshotSaver', 'MetricRows', 'Dummy',
+           'Every', 'Stop']
   assert calls == order * 3 and result['steps'] == 3
   assert [e['step'] for e in result['evals']] == [0, 1, 2]  # an eval is in the next snapshot's meta
   losses = dict(result['losses'])

@@ -1,6 +1,7 @@
 """Faults of the supervised job beyond a clean death: a supervisor that is killed or stopped, a
 survivor's view of a peer's death, a SIGTERM during start-up, a dead host's tmpfs part, and the
 recovery's breakdown (real processes, real signals, a tiny model)."""
+import dataclasses
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 
 from mecefo_jax.launch import free_port as launch_port
-from mecefo_jax.run import rundir
+from mecefo_jax.run import ending, recovery_time, rundir
 from mecefo_jax.run.exits import PEER_LOST
 from mecefo_jax.run.supervised import Watch, process_state
 from procs import TINY, error_lines, wait_for
@@ -192,3 +193,39 @@ def test_the_restart_benchmark_measures_a_kill_against_a_cold_start(launcher, tm
   assert run['recovery']['cause'] == 'death' and run['recovery']['host'] == 1
   assert run['supervisor_line'] and 'trained again' in run['supervisor_line']
   assert result['median']['ratio'] == run['ratio'] and 'load average' in result['load_before']
+
+
+class JaxRuntimeError(RuntimeError):  # named as jax names a collective's failure
+  pass
+
+
+def test_a_collectives_failure_is_a_lost_peer_in_one_line(capsys):
+  gloo = JaxRuntimeError('[external/gloo/pair.cc:589] Gloo AllGather failed: Read error '
+                         '[127.0.0.1]:40604: Connection reset by peer\nmore lines')
+  assert ending.peer_lost(gloo) and not ending.peer_lost(ValueError(str(gloo)))
+  assert not ending.peer_lost(JaxRuntimeError('RESOURCE_EXHAUSTED: out of memory'))
+  assert ending.lost_peer(2, gloo) == PEER_LOST
+  [line] = capsys.readouterr().err.splitlines()
+  assert line.startswith('error: host 2: a collective failed, a peer process of the job is gone '
+                         '(Gloo AllGather failed: Read error') and 'pair.cc' not in line, line
+
+
+def test_a_restarts_phases_add_up_to_its_whole_and_the_last_launch_start_is_its_own():
+  part = recovery_time.SupervisorPart('death', 1, 0.1, detected_t=100.0, stopped_t=100.5,
+                                      spawned_t=101.0)
+  marks = {'jax_imported': 103.0, 'distributed': 103.5, 'imported': 104.5}
+  seconds = {'restore_s': 0.5, 'first_programs_s': 2.0, 'first_step_run_s': 1.0}
+  r = recovery_time.measure(part, origin=101.25, marks=marks, seconds=seconds,
+                            first_step_end=110.0)
+  assert (r.stop_s, r.spawn_s, r.process_start_s, r.imports_s, r.distributed_s) == (
+      0.5, 0.5, 0.25, 2.75, 0.5)
+  assert r.total_s == 10.0 and r.setup_s == 10.0 - (0.5 + 0.5 + 0.25 + 2.75 + 0.5 + 0.5 + 2.0 +
+                                                   1.0)
+  line = recovery_time.describe(dataclasses.asdict(r))
+  assert line.startswith('trained again 10.0 s after the death of host 1 was seen: detect <= '
+                         '0.10 s, stop 0.5 s') and 'programs 2.0 s, first step 1.0 s' in line
+  fields = dataclasses.asdict(part)
+  history = [{'kind': 'launch-start', 'recovery': {**fields, 'host': 0}}, {'kind': 'start'},
+             {'kind': 'launch-death'}, {'kind': 'launch-start', 'recovery': fields}]
+  assert recovery_time.restarted_by(history) == part
+  assert recovery_time.restarted_by(history[:2]) is None  # a first start: no restart

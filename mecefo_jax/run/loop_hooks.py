@@ -13,10 +13,11 @@ from mecefo_jax.run.saving import SnapshotSaver, Stop
 def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
             extra: Sequence[Hook] = ()) -> tuple[Hooks, SnapshotSaver]:
   """(The hooks of Trainer `run`, its snapshot hook), each carrying over what the restored
-  snapshot held. The order: the progress mark (only its dispatched()), divergence first (no snapshot holds a diverged state), the eval
-  before the snapshot (its result is in the snapshot's meta), the snapshot before the metrics
-  row (a crash after a row costs at most that step), the user's `extra` hooks, the stop last
-  (voted on once the step is saved)."""
+  snapshot held. The order: the progress mark (its marks bracket the others' phases),
+  divergence (no snapshot holds a diverged state), the eval before the snapshot (its result
+  is in the snapshot's meta), the snapshot before the metrics row (a crash after a row costs
+  at most that step), the user's `extra` hooks, the stop last (voted on once the step is
+  saved)."""
   cfg, c, meta = run.cfg, run.controller, run.origin.meta or {}
   resume_hint = hints.resume(run.out_dir, run.presence.n_hosts)
   rows = MetricRows(cfg, run.out_dir, run.origin.step, run.presence.n_slices,
