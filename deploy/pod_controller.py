@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's package
 
 from mecefo_jax.config import DEFAULT_OUT, ConfigError  # noqa: E402
-from mecefo_jax.launch import Supervisor, _exit_text, serve  # noqa: E402
+from mecefo_jax.supervisor import Supervisor, _exit_text, serve  # noqa: E402
 from mecefo_jax.run import cli  # noqa: E402
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT  # noqa: E402
 from mecefo_jax.run.stop import STOP_FILE  # noqa: E402

@@ -1,7 +1,7 @@
 """The stall watch: a job whose processes' progress marks stop changing past a deadline measured
 on the job itself has stalled; the process that stopped first is named where one can be.
 
-Read by the supervisor (launch.py) every poll, without JAX: the marks are files
+Read by the supervisor (supervisor.py) every poll, without JAX: the marks are files
 (progress_marks.py). A deadline is the largest allowance of the phases the processes are in:
 
   training    STEP_FACTOR x the longest recent step (dispatch to dispatch), at least STEP_FLOOR_S;

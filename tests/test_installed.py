@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax import __main__ as entry
-from mecefo_jax import config, launch
+from mecefo_jax import config, supervisor
 from mecefo_jax.config import ConfigError
 from mecefo_jax.run import startup
 from procs import ROOT, TINY, report
@@ -57,8 +57,8 @@ def test_printed_commands_name_the_command_that_started_the_trainer(monkeypatch)
 
 
 def test_the_supervisor_starts_this_package_not_a_file_of_the_checkout():
-  assert Path(launch.PACKAGE_ROOT, 'mecefo_jax', '__main__.py').is_file()
-  names = {node.value for node in ast.walk(ast.parse(Path(launch.__file__).read_text()))
+  assert Path(supervisor.PACKAGE_ROOT, 'mecefo_jax', '__main__.py').is_file()
+  names = {node.value for node in ast.walk(ast.parse(Path(supervisor.__file__).read_text()))
            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
   assert 'mecefo_jax' in names and not {n for n in names if n.endswith('train.py')}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax import launch
+from mecefo_jax import launch, supervisor
 from mecefo_jax.run import plot, rundir
 from mecefo_jax.run.cli import TEST_START_ERROR_ENV
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
@@ -192,7 +192,7 @@ def test_gpus_without_enough_gpus_is_refused(capsys, tmp_path, monkeypatch):
   monkeypatch.delenv('JAX_PLATFORMS', raising=False)
   args = launch.parse_args(['-n', '2', '--devices-per-process', '2', '--gpus', '--', '--out',
                             str(tmp_path / 'run')])
-  _, env = launch.Supervisor(args).command(1, 1, 2, 1234)
+  _, env = supervisor.Supervisor(args).command(1, 1, 2, 1234)
   assert env['CUDA_VISIBLE_DEVICES'] == '2,3' and env['JAX_PLATFORMS'] == 'cuda'
 
 
@@ -211,7 +211,7 @@ class _Exited:
 def test_a_stop_by_ctrl_c_ends_with_a_closing_line_and_a_history_row(tmp_path, capsys):
   run = tmp_path / 'run'
   run.mkdir()
-  sup = launch.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run)]))
+  sup = supervisor.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run)]))
   sup.procs = {0: _Exited(STOPPED), 1: _Exited(STOPPED)}
   sup.interrupted = 'SIGINT'
   sup._ask_stop()
@@ -235,7 +235,7 @@ def test_a_start_line_says_when_the_job_resumes_the_run(tmp_path, state, train_a
   run.mkdir()
   if state:
     rundir.write_run_state(run, state, run_id='r')
-  sup = launch.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run), *train_args]))
+  sup = supervisor.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run), *train_args]))
   assert sup._resuming() is resuming
   sup.resume = True  # a restart after a death always resumes
   assert sup._resuming()

@@ -6,7 +6,7 @@ import sys
 import threading
 from pathlib import Path
 
-from mecefo_jax.launch import free_port
+from mecefo_jax.supervisor import free_port
 from mecefo_jax.run import rundir
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.snapshot import hold

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.launch import free_port
+from mecefo_jax.supervisor import free_port
 from mecefo_jax.run import rundir
 from mecefo_jax.run.exits import PEER_LOST
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from deploy import pod_controller as pc
-from mecefo_jax.launch import free_port
+from mecefo_jax.supervisor import free_port
 from mecefo_jax.run import cli
 from mecefo_jax.run.stop import TEST_DEATH_ENV
 from procs import ROOT, TINY, kill, report, usage_error

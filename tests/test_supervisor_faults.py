@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from mecefo_jax.launch import free_port as launch_port
+from mecefo_jax.supervisor import free_port as launch_port
 from mecefo_jax.run import ending, recovery_time, rundir
 from mecefo_jax.run.exits import PEER_LOST
 from mecefo_jax.run.supervised import Watch, process_state

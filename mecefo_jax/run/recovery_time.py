@@ -1,6 +1,6 @@
 """Where a restart's time went, from the failure seen to the first step trained again.
 
-The supervisor (launch.py) records its part in the `launch-start` line of history.jsonl that
+The supervisor (supervisor.py) records its part in the `launch-start` line of history.jsonl that
 starts the restarted job (`recovery`: the cause, the detection, the survivors' stop, the
 spawn); process 0 of that job adds its own start-up (imports, jax.distributed, restore,
 programs, the first step), writes the whole as a `recovered` line once its first step is

@@ -1,6 +1,6 @@
 """A supervised process watches its supervisor: gone or stopped, the job stops at an agreed step.
 
-The supervisor (launch.py) hands each process the read end of a pipe whose only write end it
+The supervisor (supervisor.py) hands each process the read end of a pipe whose only write end it
 holds, and says so in SUPERVISOR_ENV (`fd:N:PID`). The kernel closes the write end however the
 supervisor ends (an exit, SIGKILL, a crash), so the process sees end-of-file at once; no
 polling of a pid that the system may reuse. A process started through a remote shell (the pod

@@ -1,0 +1,392 @@
+"""The supervisor's loop: runs a job's processes, restarts them on the survivors after a death or
+a stall, grows the job back on a rejoin (the command line: launch.py)."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mecefo_jax import files
+from mecefo_jax.config import ConfigError
+from mecefo_jax.progress_marks import MARKS_ENV
+from mecefo_jax.run import recovery_time, rundir
+from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
+from mecefo_jax.run.hints import LAUNCH_ENV
+from mecefo_jax.run.stop import STOP_FILE
+from mecefo_jax.run.supervised import SUPERVISOR_ENV, handed_down
+from mecefo_jax.watch import Stall, StallWatch, kill_group
+
+# The directory holding this package: the processes import the same one from any cwd.
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+_POLL_S, _GRACE_S = 0.1, 60.0
+# A survivor that lost a peer (PEER_LOST) is no death: the dead process shows within this
+# long (a remote one once its transport notices), else the whole job restarts.
+_PEER_WAIT_S = 45.0
+_SURVIVOR_EXITS = (STOPPED, PEER_LOST)  # a process's exits that are not its death
+
+
+def free_port() -> int:
+  """A TCP port free on this machine now (for a local job's coordinator)."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _exit_text(code: int) -> str:
+  if code < 0:
+    return f'killed by {signal.Signals(-code).name}'
+  names = {**JOB_EXITS, PEER_LOST: 'lost a peer'}
+  return f'exit {code}' + (f' ({names[code]})' if code in names else '')
+
+
+class Supervisor:
+  """Runs the job, restarts it on the survivors after a death or a stall, grows it back on a
+  rejoin."""
+  watches_stalls = True  # the processes' progress marks are files on this machine
+
+  def __init__(self, args):
+    self.args, self.t0 = args, time.monotonic()
+    self.hosts = list(range(args.num_processes))  # the logical hosts in the job
+    self.ready_at: dict[int, float] = {}  # dead host -> when its replacement is ready
+    self.procs: dict[int, subprocess.Popen] = {}
+    self.deaths = self.rejoins = self.restarts = 0
+    self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
+    self.interrupted: str | None = None  # the signal that stops the job
+    self.resume = False
+    # Each process holds the read end; the write end is ours alone (os.pipe's fds are not
+    # inherited): however the supervisor ends, its processes see end-of-file and stop the job
+    # at an agreed step (run/supervised.py).
+    self.watched_fd, self._alive_fd = os.pipe()
+    self.clock = recovery_time.RestartClock(args.out / rundir.HISTORY)
+    self.stalls = 0
+    self.watch = (StallWatch(args.log_dir / 'marks', args.stall_s) if self.watches_stalls
+                  else None)
+
+  def tell(self, message: str) -> float:
+    """Prints a line of the supervisor's; the seconds since it started."""
+    elapsed = time.monotonic() - self.t0
+    print(f'launch [{elapsed:7.1f}s]: {message}', file=sys.stderr, flush=True)
+    return elapsed
+
+  def say(self, kind: str, message: str, **fields) -> None:
+    """Prints an event; appends it to --events and to the run's history.jsonl (run/rundir.py)."""
+    elapsed = self.tell(message)
+    line = json.dumps({'t': round(time.time(), 3), 'elapsed_s': round(elapsed, 3), 'kind': kind,
+                       **fields})
+    history = self.args.out / rundir.HISTORY
+    for path in [self.args.events] * bool(self.args.events) + [history] * history.parent.is_dir():
+      files.append_line(path, line.replace('"kind": "', '"kind": "launch-', 1)
+                        if path == history else line)
+
+  def _train_args(self) -> list[str]:
+    if not self.resume:
+      return list(self.args.train_args)
+    # A restart continues the run: never --fresh again (it would delete the run's snapshots).
+    return [a for a in self.args.train_args if a not in ('--fresh', '--resume')] + ['--resume']
+
+  def start(self) -> None:
+    port, n = self._port(), len(self.hosts)
+    self.args.log_dir.mkdir(parents=True, exist_ok=True)
+    self.procs, self.stopping, self.settle_since = {}, False, None
+    self._clear_stop_request()
+    self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
+                      for h in self.hosts}
+    self.starts = self._starts()
+    self.clock.spawning()
+    for pid, host in enumerate(self.hosts):
+      cmd, env = self.command(pid, host, n, port)
+      # Every process logs the same events: process 0 speaks for the job, the others to files.
+      out = None if pid == 0 else open(self._log(host), 'ab')
+      env = {**env, SUPERVISOR_ENV: handed_down(self.watched_fd, os.getpid())}
+      self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.watched_fd,),
+                                          stderr=subprocess.STDOUT if out else None)
+      if out:
+        out.close()  # the child holds it
+    pids = {h: p.pid for h, p in self.procs.items()}
+    if self.watch:
+      self.watch.start(pids)
+    self.say('start', f'started hosts {self.hosts} as a {n}-process job'
+                      f'{" resuming the run" if self._resuming() else ""} (pids {pids})',
+             hosts=self.hosts, pids=pids, **self.clock.spawned())
+
+  def _resuming(self) -> bool:
+    """Whether the job started resumes the run: a restart, --resume, or an unfinished run in
+    --out (train.py resumes it on its own)."""
+    args = self._train_args()
+    if '--resume' in args or '--fresh' in args:
+      return '--resume' in args
+    try:
+      return rundir.unfinished(self.args.out)
+    except ConfigError:  # a damaged run_state.json: train.py says so in its own line
+      return False
+
+  def _log(self, host: int) -> Path:
+    return self.args.log_dir / f'host{host}.log'
+
+  def _starts(self) -> int:
+    """The starts the run's history.jsonl records (a job writes one once it trains)."""
+    history = rundir.read_history(self.args.out) if self.args.out.is_dir() else []
+    return sum(e['kind'] == 'start' for e in history)
+
+  # The hooks a controller of remote hosts replaces (deploy/pod_controller.py).
+  def _port(self) -> int:
+    return free_port()
+
+  def _clear_stop_request(self) -> None:
+    (self.args.out / STOP_FILE).unlink(missing_ok=True)  # a request no job honoured
+
+  def command(self, pid: int, host: int, n: int, port: int) -> tuple[list[str], dict]:
+    """The command and environment of process `pid` (logical host `host`) of an n-process job."""
+    k = self.args.devices_per_process
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    env[LAUNCH_ENV] = shlex.join(self.args.argv)  # for the hints it prints: rerun this
+    if self.watch:
+      env[MARKS_ENV] = str(self.watch.directory)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get('PYTHONPATH')]))
+    cmd = [sys.executable, '-m', 'mecefo_jax', f'--coordinator=127.0.0.1:{port}',
+           f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
+    if self.args.gpus:
+      env['CUDA_VISIBLE_DEVICES'] = ','.join(str(host * k + i) for i in range(k))
+      env.setdefault('JAX_PLATFORMS', 'cuda')  # no silent fall-back to the CPU
+    else:
+      env.setdefault('JAX_PLATFORMS', 'cpu')
+      cmd.append(f'--host-devices={k}')
+    return cmd + self._train_args(), env
+
+  def _ready(self) -> list[int]:
+    """The dead hosts whose replacement is ready now."""
+    return sorted(h for h, t in self.ready_at.items() if time.monotonic() >= t)
+
+  def kill_all(self) -> None:
+    for p in self.procs.values():
+      if p.poll() is None:
+        p.kill()
+    for p in self.procs.values():
+      p.wait()
+
+  def stop_all(self) -> None:
+    """The supervisor leaves (an error of its own): a job still running is asked to stop at an
+    agreed step (snapshotted, resumable), killed only past the grace period."""
+    if any(p.poll() is None for p in self.procs.values()):
+      self._ask_stop()
+      deadline = time.monotonic() + _GRACE_S
+      while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    self.kill_all()
+
+  def run(self) -> int:
+    self.start()
+    while True:
+      code = self._watch()
+      if code is not None:
+        return code
+
+  def _watch(self) -> int | None:
+    """One look at the job; an exit code when the supervisor is done."""
+    time.sleep(_POLL_S)
+    self.clock.look()
+    codes = {h: p.poll() for h, p in self.procs.items()}
+    done = self.clock.recovered()
+    if done:  # the restarted job's first step: where the restart's time went (its own line
+      self.tell(recovery_time.describe(done))  # in history.jsonl: `recovered`)
+    exited = {h: c for h, c in codes.items() if c is not None}
+    if self.stopping:
+      return self._stopped(exited, codes)
+    failed = self._failed_start(exited)
+    if failed is not None:
+      return self._start_failed(failed, exited[failed])
+    dead = [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and
+            c not in _SURVIVOR_EXITS]
+    if dead:
+      return self._death(dead[0], exited[dead[0]])
+    if PEER_LOST in exited.values():
+      return self._lost_peer(exited)
+    if exited and len(exited) == len(codes):
+      return self._finished(exited)
+    if exited:  # others finish or stop with it: wait for them, within bounds
+      return self._settle(exited)
+    stall = self.watch.look() if self.watch else None
+    if stall is not None:
+      return self._stall(stall)
+    ready = self._ready()
+    if ready:
+      self.say('rejoin-ready', f'replacement for host(s) {ready} ready: stopping the job after '
+                               f'its current step to grow back to {len(self.hosts) + len(ready)} '
+                               'hosts', hosts=ready)
+      self._ask_stop(f'the grow-back of host(s) {ready}')
+    return None
+
+  def _failed_start(self, exited: dict) -> int | None:
+    """A host whose process failed in start-up: it exited with an input error, or (the run
+    directory being here) with an error of its own before the job trained (no new start in
+    history.jsonl) and no process was killed (a death: restarted). A restart would fail alike:
+    the job ends. Host 0 first (its lines are on the terminal)."""
+    if any(c < 0 for c in exited.values()):
+      return None
+    local = self.args.out.is_dir()
+    failed = sorted((h for h, c in exited.items() if c == BAD_INPUT or local and c > 0 and
+                     c not in JOB_EXITS and c not in _SURVIVOR_EXITS),
+                    key=lambda h: h != self.hosts[0])
+    if not failed or (exited[failed[0]] != BAD_INPUT and self._starts() > self.starts):
+      return None
+    return failed[0]
+
+  def _start_failed(self, host: int, code: int) -> int:
+    """Shows that host's `error:` lines (host 0's are on the terminal already), stops the job."""
+    if host != self.hosts[0]:
+      with open(self._log(host), 'rb') as f:
+        f.seek(self.log_sizes.get(host, 0))
+        lines = f.read().decode(errors='replace').splitlines()
+      shown = [line for line in lines if line.startswith('error:')] or lines[-1:]
+      for line in shown:
+        print(line, file=sys.stderr, flush=True)
+    self.kill_all()
+    self.say('end', f'host {host} failed in start-up ({_exit_text(code)}; its output: '
+                    f'{self._log(host) if host != self.hosts[0] else "above"}): the job is '
+                    f'stopped', code=code, host=host)
+    return code
+
+  def _ask_stop(self, reason: str | None = None) -> None:
+    """Asks the job to stop after its current step: through the run's stop request file
+    (run/stop.py: honoured at a step whenever it is written), or by SIGTERM for a signal."""
+    self.stopping, self.stop_asked_at = True, time.monotonic()
+    if reason is not None and self.args.out.is_dir():
+      (self.args.out / STOP_FILE).write_text(reason)
+      return
+    for p in self.procs.values():
+      if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+
+  def _stopped(self, exited: dict, codes: dict) -> int | None:
+    """The job was asked to stop: wait for every process, then grow it or leave."""
+    if len(exited) < len(codes):
+      if time.monotonic() - self.stop_asked_at > _GRACE_S:
+        self.kill_all()  # a process stuck in a collective with one that already left
+      return None
+    if self.interrupted:
+      code = max(exited.values(), key=abs) or 0
+      self.say('end', f'job stopped by {self.interrupted} ({_exit_text(code)}) after '
+                      f'{self.deaths} death(s){self._stalls()}, {self.rejoins} rejoin(s), '
+                      f'{self.restarts} restart(s); resume it with the same command', code=code)
+      return code
+    if all(c == 0 for c in exited.values()):
+      return self._finished(exited)
+    ready = self._ready()
+    for h in ready:
+      del self.ready_at[h]
+    self.hosts = sorted(self.hosts + ready)
+    self.rejoins += len(ready)
+    self.say('rejoin', f'host(s) {ready} rejoin', hosts=ready)
+    return self._restart()
+
+  def _death(self, host: int, code: int) -> int | None:
+    self.deaths += 1
+    # A failure seen at this look: the restart is timed from here (a stall alike).
+    self.clock.failure('death', host, self.clock.since_last_look())
+    self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({_exit_text(code)}): '
+                      f'stopping the survivors {[h for h in self.hosts if h != host]}',
+             host=host, code=code)
+    return self._without(host)
+
+  def _stall(self, stall: Stall) -> int | None:
+    """A stall (watch.py): the job is stopped and restarted without the process that stopped
+    first, killed first, as after its death; where none is singled out, with every host, from
+    the last snapshot."""
+    self.stalls += 1
+    # Timed from this look as a death is; detection took the deadline that ran out.
+    self.clock.failure('stall', stall.host, stall.waited_s)
+    self.say('stall', stall.line(), **stall.record())
+    if stall.host is None:
+      self.kill_all()
+      self.clock.stopped()
+      return self._restart()
+    kill_group(self.procs[stall.host])  # before the others: none may see it leave first
+    return self._without(stall.host)
+
+  def _stalls(self) -> str:
+    return f', {self.stalls} stall(s)' if self.stalls else ''  # the end lines' count
+
+  def _without(self, host: int) -> int | None:
+    """The job stopped and restarted without `host` (dead or stalled)."""
+    self.kill_all()  # they would wait in the next collective for the dead one
+    self.clock.stopped()
+    self.hosts = [h for h in self.hosts if h != host]
+    if self.args.rejoin_after is not None:
+      self.ready_at[host] = time.monotonic() + self.args.rejoin_after
+    while len(self.hosts) < 2:
+      if not self.ready_at:
+        self.say('give-up', f'{len(self.hosts)} host left and no replacement coming '
+                            '(--rejoin-after): the run stops here; resume it with the same '
+                            'command once hosts are back')
+        return ALL_DOWN
+      host, at = min(self.ready_at.items(), key=lambda kv: kv[1])
+      self.say('wait', f'{len(self.hosts)} host left: waiting {max(0, at - time.monotonic()):.0f}'
+                       f' s for the replacement of host {host}')
+      time.sleep(max(0.0, at - time.monotonic()))
+      del self.ready_at[host]
+      self.hosts, self.rejoins = sorted(self.hosts + [host]), self.rejoins + 1
+    return self._restart()
+
+  def _lost_peer(self, exited: dict) -> int | None:
+    """Processes left with PEER_LOST: their peer's death shows next (waited for, bounded); if
+    none does, no process can be singled out and the whole job restarts from its snapshot."""
+    self.settle_since = self.settle_since or time.monotonic()
+    if time.monotonic() - self.settle_since <= _PEER_WAIT_S:
+      return None
+    lost = sorted(h for h, c in exited.items() if c == PEER_LOST)
+    self.say('peer-lost', f'host(s) {lost} lost a peer and no process died within '
+                          f'{_PEER_WAIT_S:.0f} s: restarting the whole job from its last snapshot',
+             hosts=lost)
+    self.clock.failure('peer-lost', None, None)
+    self.kill_all()
+    self.clock.stopped()
+    return self._restart()
+
+  def _restart(self) -> int | None:
+    self.restarts += 1
+    if self.restarts > self.args.max_restarts:
+      self.say('give-up', f'more than --max-restarts={self.args.max_restarts} restarts: giving up')
+      return 1
+    self.resume = True
+    self.start()
+    return None
+
+  def _settle(self, exited: dict) -> int | None:
+    """Some processes left on their own (finished, or a job-wide stop): the others follow."""
+    self.settle_since = self.settle_since or time.monotonic()
+    if time.monotonic() - self.settle_since > _GRACE_S:
+      self.say('stuck', f'hosts {sorted(exited)} left ({exited}); the others did not: killing them')
+      self.kill_all()
+      return self._finished({h: p.returncode for h, p in self.procs.items()})
+    return None
+
+  def _finished(self, exited: dict) -> int:
+    code = next((c for c in exited.values() if c != 0), 0)
+    what = 'stopped' if code == STOPPED else 'ended'  # a stop (--stop-after) is resumable
+    self.say('end', f'job {what} ({_exit_text(code)}) after {self.deaths} death(s)'
+                    f'{self._stalls()}, {self.rejoins} rejoin(s), {self.restarts} restart(s); '
+                    f'the failure history is '
+                    f'failures.txt in the run directory' + (
+                        '; resume it with the same command' if code == STOPPED else ''),
+             code=code)
+    return code
+
+
+def serve(sup: Supervisor) -> int:
+  """Runs `sup` to its end; SIGTERM and Ctrl-C stop its job at an agreed step."""
+  def on_signal(signum, frame):  # pass it on: the job stops at an agreed step, resumable
+    sup.interrupted = signal.Signals(signum).name
+    sup.say('signal', f'{sup.interrupted}: stopping the job at its next step')
+    sup._ask_stop()
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+  try:
+    return sup.run()
+  finally:
+    sup.stop_all()
