@@ -184,7 +184,7 @@ README_ROWS = [
     ('frontier_32slices.json', 'takeover policies at 32 slices, `high` failure rate',
      _frontier_short),
     ('snapshot_overhead_llama_60m_auto.json', 'every-step snapshots, llama_60m', _snapshot_overhead),
-    ('restart_time_3proc_default.json', 'a process SIGKILLed under the supervisor',
+    ('restart_time_3proc_default_idle.json', 'a process SIGKILLed under the supervisor',
      _restart_time),
 ]
 
