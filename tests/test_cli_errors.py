@@ -16,7 +16,7 @@ import pytest
 
 from mecefo_jax import install, sections
 from mecefo_jax.config import Config, ConfigError, load_config, rule_of
-from mecefo_jax.run import cli, exits, plot, report_schema, rundir, stop
+from mecefo_jax.run import cli, ending, exits, plot, report_schema, rundir, stop
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from procs import ROOT, TINY, error_lines, wait_for
 
@@ -193,10 +193,10 @@ def test_the_closing_line_says_whether_the_run_finished_or_stopped(tmp_path):
   report = {'steps': 40, 'first_loss': 5.0, 'final_loss': 3.0, 'eval_loss': None,
             'eval_perplexity': None, 'entropy_floor': None, 'wall_s': 2.0, 'tokens_per_s': 10.0,
             'stopped': None, 'config': {'train': {'steps': 40}}}
-  assert cli._summary(report, tmp_path).startswith('done: 40 steps, loss 5.0000 -> 3.0000, ')
+  assert ending.summary(report, tmp_path).startswith('done: 40 steps, loss 5.0000 -> 3.0000, ')
   report.update(stopped='stopped by SIGINT (Ctrl-C) after 40 steps, ...',
                 config={'train': {'steps': 60}})
-  assert cli._summary(report, tmp_path).startswith('stopped: 40 of 60 steps, loss 5.0000 -> ')
+  assert ending.summary(report, tmp_path).startswith('stopped: 40 of 60 steps, loss 5.0000 -> ')
 
 
 def test_resume_and_fresh_together_are_refused(capsys):

@@ -16,8 +16,7 @@ from pathlib import Path
 from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, MODELS, POLICIES, Config, ConfigError, FaultConfig,
                                builtin_configs, config_file, load_config, rule_of, to_dict)
 from mecefo_jax.run import ending, hints, startup, storage
-from mecefo_jax.run.exits import (ALL_DOWN, BAD_INPUT, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
-                                  OUTPUTS_FAILING, STOPPED)
+from mecefo_jax.run.exits import BAD_INPUT, INTERRUPTED
 
 
 DEFAULT_CONFIG = CONFIGS / 'tiny.yaml'  # in the package: the default does not depend on the cwd
@@ -383,7 +382,7 @@ def _train(args, run, out_dir: Path) -> int:
     report = run.run()
   finally:
     run.close()
-  summary = _summary(report, out_dir)
+  summary = ending.summary(report, out_dir)
   if args.quiet:
     print(summary, file=sys.stderr)
   else:
@@ -391,40 +390,6 @@ def _train(args, run, out_dir: Path) -> int:
     log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
              report['samples'])
     log.info('plans: %d steps, digest %s', report['plans']['steps'], report['plans']['digest'])
-    log.info('%s', _first_step(report['startup']))
-  from mecefo_jax.run.stop import SIGINT_REASON
-  if run.outputs.error is not None:  # a full disk: stopped after the step, resumable
-    return OUTPUTS_FAILING
-  if report['preempted'] and not run.snapshots and run.stop.reason == SIGINT_REASON:
-    return _interrupted()  # nothing saved: not a resumable stop
-  if report['preempted']:  # SIGTERM, Ctrl-C or --stop-after: snapshotted, resumable
-    return STOPPED
-  if report['diverged_at_step'] is not None:
-    return DIVERGED
-  if run.checkpoints_failing:
-    return CHECKPOINTS_FAILING
-  return ALL_DOWN if report['stopped'] else 0
-
-
-def _first_step(startup: dict) -> str:
-  """The start-up clock's end (report.json `startup`), in one line."""
-  if startup['first_step_s'] is None:
-    return 'start-up: no step trained in this process'
-  return (f"start-up: first step done {startup['first_step_s']:.1f}s after the "
-          f"{startup['first_step_from']} start, the step itself {startup['first_step_run_s']:.1f}s "
-          '(report.json: startup)')
-
-
-def _num(x) -> str:
-  return 'n/a' if x is None else f'{x:.4f}'
-
-
-def _summary(report: dict, out_dir: Path) -> str:
-  """The one line a run ends with (also under --quiet)."""
-  ppl = report['eval_perplexity']
-  head = (f"done: {report['steps']} steps" if report['stopped'] is None else  # trained them all
-          f"stopped: {report['steps']} of {report['config']['train']['steps']} steps")
-  return (f"{head}, loss {_num(report['first_loss'])} -> "
-          f"{_num(report['final_loss'])}, eval {_num(report['eval_loss'])} (perplexity "
-          f"{'n/a' if ppl is None else f'{ppl:.3f}'}; entropy floor {_num(report['entropy_floor'])})"
-          f" in {report['wall_s']:.1f}s, {report['tokens_per_s']:.0f} tok/s; outputs in {out_dir}")
+    log.info('%s', ending.first_step(report['startup']))
+  code = ending.exit_code(report, run)
+  return _interrupted() if code == INTERRUPTED else code

@@ -1,4 +1,5 @@
-"""How a training process ends outside its loop, in one line: a lost peer, a signal in start-up."""
+"""How a training process ends: its last line and exit code; outside its loop, one line (a lost
+peer, a signal in start-up)."""
 from __future__ import annotations
 
 import re
@@ -6,7 +7,10 @@ import signal
 import sys
 import threading
 
-from mecefo_jax.run.exits import PEER_LOST, STOPPED
+from pathlib import Path
+
+from mecefo_jax.run.exits import (ALL_DOWN, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
+                                  OUTPUTS_FAILING, PEER_LOST, STOPPED)
 
 # What a collective's failure says when a peer process of the job is gone (gloo on CPU, NCCL
 # on GPU, the coordination service anywhere); jax raises it as a JaxRuntimeError.
@@ -89,3 +93,43 @@ def startup_stopped(stop: StartupStopped) -> int:
         f'of this start is kept; run the same command to start again', file=sys.stderr,
         flush=True)
   return STOPPED
+
+
+def exit_code(report: dict, run) -> int:
+  """The documented exit code of a run that ended its loop (run/exits.py)."""
+  from mecefo_jax.run.stop import SIGINT_REASON
+  if run.outputs.error is not None:  # a full disk: stopped after the step, resumable
+    return OUTPUTS_FAILING
+  if report['preempted'] and not run.snapshots and run.stop.reason == SIGINT_REASON:
+    return INTERRUPTED  # nothing saved: not a resumable stop
+  if report['preempted']:  # SIGTERM, Ctrl-C or --stop-after: snapshotted, resumable
+    return STOPPED
+  if report['diverged_at_step'] is not None:
+    return DIVERGED
+  if run.checkpoints_failing:
+    return CHECKPOINTS_FAILING
+  return ALL_DOWN if report['stopped'] else 0
+
+
+def first_step(startup: dict) -> str:
+  """The start-up clock's end (report.json `startup`), in one line."""
+  if startup['first_step_s'] is None:
+    return 'start-up: no step trained in this process'
+  return (f"start-up: first step done {startup['first_step_s']:.1f}s after the "
+          f"{startup['first_step_from']} start, the step itself {startup['first_step_run_s']:.1f}s "
+          '(report.json: startup)')
+
+
+def _num(x) -> str:
+  return 'n/a' if x is None else f'{x:.4f}'
+
+
+def summary(report: dict, out_dir: Path) -> str:
+  """The one line a run ends with (also under --quiet)."""
+  ppl = report['eval_perplexity']
+  head = (f"done: {report['steps']} steps" if report['stopped'] is None else  # trained them all
+          f"stopped: {report['steps']} of {report['config']['train']['steps']} steps")
+  return (f"{head}, loss {_num(report['first_loss'])} -> "
+          f"{_num(report['final_loss'])}, eval {_num(report['eval_loss'])} (perplexity "
+          f"{'n/a' if ppl is None else f'{ppl:.3f}'}; entropy floor {_num(report['entropy_floor'])})"
+          f" in {report['wall_s']:.1f}s, {report['tokens_per_s']:.0f} tok/s; outputs in {out_dir}")
