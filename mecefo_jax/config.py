@@ -207,7 +207,7 @@ class SnapshotConfig:
                                    'take', within='(0, 1)')
   max_every: int = setting(100, '`every=auto`: the largest interval (the steps a crash may '
                            'cost)', within='>= 1')
-  keep: int = setting(2, 'in-memory snapshots kept', within='>= 1')
+  keep: int = setting(2, 'in-memory snapshots kept (in a job of several processes at least 3 per host: their saves finish out of step)', within='>= 1')
   durable_dir: str = setting('', 'durable Orbax tier (local dir or bucket); \'\' = '
                              '`<out_dir>/checkpoints`')
   durable_every: int = setting(100, 'steps between durable checkpoints; 0 = none', within='>= 0')

@@ -210,7 +210,7 @@ def test_a_full_disk_under_metrics_jsonl_stops_after_the_step_with_exit_6(
   assert 'Traceback' not in err and len(lines) == 2, lines  # the stop line, the summary
   metrics_file = tmp_path / 'run' / rundir.METRICS_FILE
   assert re.search(rf'stopped by a full disk \({metrics_file}: No space left on device\) after '
-                   r'step 5, saved as the in-memory snapshot .*/5 and the durable checkpoint '
+                   r'5 steps, saved as the in-memory snapshot .*/5 and the durable checkpoint '
                    r'.*/5; resume with ', lines[0]), lines[0]
   assert _state(tmp_path) == 'stopped'
   assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')

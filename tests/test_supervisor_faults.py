@@ -50,7 +50,7 @@ def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_
   [stop] = [e for e in rundir.read_history(run) if e['kind'] == 'stop']
   why = f'the supervisor (pid {sup.pid}) is gone'
   assert stop['why'] == why, stop
-  said = f'stopped by {why} after step {stop["step"]}'
+  said = f'stopped by {why} after {stop["step"]} steps'
   logs = [(tmp_path / 'supervisor.log').read_text()] + [
       (run / 'logs' / f'host{h}.log').read_text() for h in (1, 2)]
   assert all(said in log for log in logs), [log[-2000:] for log in logs]

@@ -33,6 +33,7 @@ from mecefo_jax.snapshot.manager import Snapshots, tiers_report
 from mecefo_jax.snapshot.tier import Tier, is_per_block, private_copy
 
 log = logging.getLogger('mecefo')
+MIN_KEEP = 3  # in-memory parts kept per host at least (see HostSnapshots.__init__)
 _LAYOUT = 'host_layout'  # meta key: the logical hosts holding the snapshot's parts, in order
 
 
@@ -53,7 +54,11 @@ class HostSnapshots:
   def __init__(self, directory: str | Path, cfg, interval: Interval, *, slots=None,
                durable_dir: str | None = None):
     sn = cfg.snapshot
-    self.cfg, keep, self.durable_every = cfg, sn.keep, sn.durable_every
+    # The hosts' saves finish out of step: one host can hold its parts of steps N and N+1 while
+    # another's newest finished part is N-1 (each waits for its previous save only at its next
+    # one, and steps are in lockstep). Keeping MIN_KEEP parts leaves every pair of hosts a step
+    # in common, so a death never finds the in-memory tier without a restorable snapshot.
+    self.cfg, keep, self.durable_every = cfg, max(sn.keep, MIN_KEEP), sn.durable_every
     self.interval = interval
     self.slots = tuple(slots if slots is not None else range(jax.process_count()))
     self.slot = self.slots[jax.process_index()]
