@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from mecefo_jax.progress_marks import mark_path, read_mark
+from mecefo_jax.run.supervised import process_state
 
 STEP_FACTOR, STEP_FLOOR_S, STEPS_TIMED = 10.0, 10.0, 3
 PHASE_FACTOR, PHASE_FLOOR_S, PHASE_FIRST_S = 5.0, 10.0, 300.0
@@ -110,14 +111,6 @@ def allowance(key: str, measured: dict[str, float], step_s: float | None,
   seen = None if key in NOT_MEASURED or key.endswith('/wait') else measured.get(key)
   return ((max(PHASE_FLOOR_S, PHASE_FACTOR * seen), 'measured') if seen else
           (PHASE_FIRST_S, 'first'))
-
-
-def process_state(pid: int) -> str | None:
-  """The state letter of /proc/PID/stat (R, S, D, T, ...); None where it cannot be read."""
-  try:
-    return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]
-  except (OSError, IndexError):
-    return None
 
 
 class StallWatch:
