@@ -7,10 +7,13 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -160,3 +163,36 @@ def donating_runners(programs: dict, states: dict, tokens: dict,
       return metrics
     return run
   return {name: runner(name) for name in programs}
+
+
+STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')  # a step's log line of train.py
+
+
+class JobOutput:
+  """A supervised job started in a session of its own; every line of its output kept with its
+  arrival time (the recovery benchmarks time the lines)."""
+
+  def start(self, cmd: list[str], env: dict) -> None:
+    self.lines: list[tuple[float, str]] = []
+    self.t0 = time.time()
+    self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self) -> None:
+    for line in self.proc.stdout:
+      self.lines.append((time.time(), line.rstrip()))
+
+  def last_step(self) -> int:
+    steps = [int(m.group(1)) for _, line in list(self.lines)[-50:]
+             if (m := STEP_LINE.search(line))]
+    return max(steps, default=-1)
+
+  def tail(self, n: int = 40) -> str:
+    return '\n'.join(line for _, line in self.lines[-n:])
+
+  def kill(self) -> None:
+    """SIGKILL to the job's session: the supervisor and every process it started."""
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.proc.wait()

@@ -21,19 +21,17 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
 
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from benchmarks import common
 
-STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')
+STEP_LINE = common.STEP_LINE
 PHASES = ('detect_s', 'stop_s', 'spawn_s', 'process_start_s', 'imports_s', 'distributed_s',
           'setup_s', 'restore_s', 'programs_s', 'first_step_s', 'total_s')
 
@@ -51,11 +49,11 @@ def load() -> str:
   return subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()
 
 
-class Run:
+class Run(common.JobOutput):
   """One supervised run; every line of its terminal output kept with its arrival time."""
 
   def __init__(self, args, tmp: Path):
-    self.out, self.events, self.lines = tmp / 'run', tmp / 'events.jsonl', []
+    self.out, self.events = tmp / 'run', tmp / 'events.jsonl'
     (tmp / 'home').mkdir()
     env = {k: v for k, v in os.environ.items()
            if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
@@ -66,23 +64,11 @@ class Run:
            f'snapshot.dir={tmp / "shm"}', f'mesh.slice={n}', f'train.steps={args.steps}',
            'snapshot.every=1', 'train.log_every=1', 'train.eval_every=0', 'train.plot=false',
            *args.overrides]
-    self.t0 = time.time()
-    self.proc = subprocess.Popen(cmd, cwd=common.REPO, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    threading.Thread(target=self._read, daemon=True).start()
-
-  def _read(self) -> None:
-    for line in self.proc.stdout:
-      self.lines.append((time.time(), line.rstrip()))
+    self.start(cmd, env)
 
   def first_step_after(self, t: float) -> float | None:
     return next((when for when, line in list(self.lines) if when > t and STEP_LINE.search(line)),
                 None)
-
-  def last_step(self) -> int:
-    steps = [int(m.group(1)) for _, line in list(self.lines)[-50:]
-             if (m := STEP_LINE.search(line))]
-    return max(steps, default=-1)
 
   def host_pid(self, host: int) -> int:
     starts = [json.loads(x) for x in self.events.read_text().splitlines()]
@@ -92,15 +78,9 @@ class Run:
     deadline = time.time() + timeout
     while not (value := condition()):
       if self.proc.poll() is not None or time.time() > deadline:
-        tail = '\n'.join(line for _, line in self.lines[-30:])
-        raise RuntimeError(f'no {what} (exit {self.proc.poll()}):\n{tail}')
+        raise RuntimeError(f'no {what} (exit {self.proc.poll()}):\n{self.tail(30)}')
       time.sleep(0.02)
     return value
-
-  def end(self) -> None:
-    if self.proc.poll() is None:
-      os.killpg(self.proc.pid, signal.SIGKILL)
-    self.proc.wait()
 
 
 def one(args, tmp: Path) -> dict:
@@ -121,7 +101,7 @@ def one(args, tmp: Path) -> dict:
     run.proc.send_signal(signal.SIGTERM)  # the job stops at an agreed step: its report
     run.proc.wait(timeout=300)
   finally:
-    run.end()
+    run.kill()
   report = json.loads((run.out / 'report.json').read_text())
   cold, restart = first - run.t0, again - t_kill
   return {'cold_start_s': cold, 'kill_to_first_step_s': restart, 'ratio': restart / cold,

@@ -26,12 +26,9 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
 
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -39,7 +36,7 @@ from benchmarks import common
 from mecefo_jax.progress_marks import mark_path, read_mark
 from mecefo_jax.run.stop import TEST_BLOCK_ENV
 
-STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')
+STEP_LINE = common.STEP_LINE
 # README ("A process that really dies"): the supervisor's arguments, then train.py's.
 README_EXAMPLE = (['-n', '4', '--devices-per-process', '2', '--rejoin-after', '120'],
                   ['mesh.slice=8', 'mesh.fsdp=1'])
@@ -61,12 +58,11 @@ def _args(argv):
   return p.parse_intermixed_args(argv)
 
 
-class Job:
+class Job(common.JobOutput):
   """One supervised run in a session of its own; every output line kept with its arrival time."""
 
   def __init__(self, args, tmp: Path, readme: bool = False):
     """`readme`: the README's example instead of the stall scenario."""
-    self.lines: list[tuple[float, str]] = []
     self.out, self.events_path, n = tmp / 'run', tmp / 'events.jsonl', args.processes
     env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
     env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / 'cache'), PYTHONUNBUFFERED='1')
@@ -80,18 +76,7 @@ class Job:
       cmd = [*launch, '-n', str(n), '--devices-per-process', '1', '--', *train,
              f'mesh.slice={n}', f'train.steps={args.steps}', 'snapshot.every=1',
              'train.log_every=1', 'train.eval_every=0', *args.overrides]
-    self.t0 = time.time()
-    self.proc = subprocess.Popen(cmd, cwd=common.REPO, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    threading.Thread(target=self._read, daemon=True).start()
-
-  def _read(self) -> None:
-    for line in self.proc.stdout:
-      self.lines.append((time.time(), line.rstrip()))
-
-  def last_step(self) -> int:
-    steps = [int(m.group(1)) for _, line in self.lines[-50:] if (m := STEP_LINE.search(line))]
-    return max(steps, default=-1)
+    self.start(cmd, env)
 
   def events(self) -> list[dict]:
     if not self.events_path.exists():
@@ -100,15 +85,6 @@ class Job:
 
   def first_after(self, t: float, pattern) -> float | None:
     return next((when for when, line in self.lines if when > t and pattern.search(line)), None)
-
-  def tail(self) -> str:
-    return '\n'.join(line for _, line in self.lines[-40:])
-
-  def kill(self) -> None:
-    """SIGKILL to the supervisor's session: it and every process it started."""
-    if self.proc.poll() is None:
-      os.killpg(self.proc.pid, signal.SIGKILL)
-    self.proc.wait()
 
 
 def run(args, tmp: Path) -> dict:
