@@ -75,7 +75,7 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
                                                                           tmp_path):
   """A death the heartbeat notices, then every host's in-memory parts lost (all hosts replaced)
   and a byte of the newest durable checkpoint flipped: process 0 sets that one aside (not
-  deleted), the older durable checkpoint all processes wrote together is the newest usable
+  deleted, nor any newer one the death left unfinished), the older durable checkpoint all processes wrote together is the newest usable
   state, and the records count the steps trained again from what the killed job had trained."""
   procs = _spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', heartbeat=5)
   metrics = tmp_path / 'run' / 'metrics.jsonl'
@@ -115,9 +115,14 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   result = report(tmp_path / 'run')
   assert result['params_sha256'] == reference['params_sha256']
   step = result['resumed_from_step']
-  [moved] = result['snapshots']['set_aside']  # process 0's report
-  assert moved.startswith(str(tmp_path / 'run' / 'checkpoints' / 'set_aside' / run_id))
-  assert Path(moved).name == str(complete[-1]) and Path(moved).is_dir() and step < complete[-1]
+  # Process 0's report: the damaged checkpoint, and any newer one the killed job had not finished
+  # (its manifest unwritten), each set aside where it can be put back from.
+  moved = result['snapshots']['set_aside']
+  assert all(m.startswith(str(tmp_path / 'run' / 'checkpoints' / 'set_aside' / run_id))
+             and Path(m).is_dir() for m in moved), moved
+  moved_steps = sorted(int(Path(m).name) for m in moved)
+  assert moved_steps[0] == complete[-1] > step and set(moved_steps[1:]).isdisjoint(complete), (
+      moved_steps, complete)
   assert step % 2 == 0 and result['steps_lost'] == reached - step >= 0, (step, reached, result)
   assert result['snapshots']['durable_retained_steps'][-1] == STEPS
   # Every process planned every step alike (the running hash of each one's plans).
