@@ -9,9 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from mecefo_jax.files import read_user_text
+from mecefo_jax.files import read_user_text, read_yaml
 from mecefo_jax.settings import Rule, leaves, markdown as settings_markdown, setting
 
 # Value sets that other modules import; the fields below refer to them (their one declaration).
@@ -272,41 +270,12 @@ def _apply(cfg, updates: dict, prefix: str = ''):
   return dataclasses.replace(cfg, **changes)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-  """Refuses a key given twice in a mapping (PyYAML keeps the last: a 2nd `train:` drops the 1st)."""
-
-  def construct_mapping(self, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-      key = self.construct_object(key_node, deep=deep)
-      if key in seen:
-        raise ConfigError(f'{self.name} gives {key!r} twice (line {key_node.start_mark.line + 1}); '
-                          f'merge the two into one')
-      seen.add(key)
-    return super().construct_mapping(node, deep)
-
-
-def _yaml_load(text: str, where: str):
-  """Safe YAML; a syntax error or a key given twice is one ConfigError line naming `where`."""
-  loader = _UniqueKeyLoader(text)
-  loader.name = where
-  try:
-    return loader.get_single_data()
-  except yaml.YAMLError as err:
-    mark = getattr(err, 'problem_mark', None)
-    at = f' (line {mark.line + 1}, column {mark.column + 1})' if mark else ''
-    problem = getattr(err, 'problem', None) or str(err).splitlines()[0]
-    raise ConfigError(f'{where} is not valid YAML{at}: {problem}') from None
-  finally:
-    loader.dispose()
-
-
 def parse_override(text: str) -> dict:
   """'model.n_layers=4' -> {'model': {'n_layers': 4}} (value parsed as YAML)."""
   if '=' not in text:
     raise ConfigError(f"override {text!r} must look like section.key=value")
   dotted, raw = text.split('=', 1)
-  value = _yaml_load(raw, f'override {text!r}') if raw.strip() else ''
+  value = read_yaml(raw, f'override {text!r}', ConfigError) if raw.strip() else ''
   nested: dict = {}
   node = nested
   parts = dotted.strip().split('.')
@@ -393,7 +362,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
   if path is not None:
     path = Path(path)
     where = f'config file {str(path)!r}'
-    data = _yaml_load(read_user_text(path, 'config file', ConfigError), where)
+    data = read_yaml(read_user_text(path, 'config file', ConfigError), where, ConfigError)
     if data is None or data == {}:  # an empty file would silently train Config()'s defaults
       raise ConfigError(f'{where} holds no settings (empty); leave out --config for the '
                         f'built-in defaults, or give a built-in config (--config tiny)')

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import yaml
+
 log = logging.getLogger('mecefo')
 NUMBER = (int, float)  # a float field accepts a JSON integer; bool is refused for both
 
@@ -180,3 +182,34 @@ def read_user_text(path: Path, what: str, error: type[ValueError]) -> str:
     raise error(f'cannot read {what} {str(path)!r}: {err.strerror or err}') from None
   check_text(data, path, what, error)
   return data.decode('utf-8')
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """Refuses a key given twice in a mapping (PyYAML keeps the last: a 2nd `train:` drops the 1st)."""
+  error: type[ValueError] = FileError
+
+  def construct_mapping(self, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise self.error(f'{self.name} gives {key!r} twice (line {key_node.start_mark.line + 1}); '
+                         f'merge the two into one')
+      seen.add(key)
+    return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str, where: str, error: type[ValueError]):
+  """Safe YAML; a syntax error or a key given twice is one line naming `where`, raised as
+  `error`."""
+  loader = _UniqueKeyLoader(text)
+  loader.name, loader.error = where, error
+  try:
+    return loader.get_single_data()
+  except yaml.YAMLError as err:
+    mark = getattr(err, 'problem_mark', None)
+    at = f' (line {mark.line + 1}, column {mark.column + 1})' if mark else ''
+    problem = getattr(err, 'problem', None) or str(err).splitlines()[0]
+    raise error(f'{where} is not valid YAML{at}: {problem}') from None
+  finally:
+    loader.dispose()

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from mecefo_jax.config import DEFAULT_OUT
-from mecefo_jax.run import rundir
+from mecefo_jax.run import dir_lock
 from mecefo_jax.run.cli import OneLineParser, at_least
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.supervisor import Supervisor, serve
@@ -95,9 +95,9 @@ def _train_out(train_args: list[str]) -> Path | None:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  holder = rundir.holder(args.out)
+  holder = dir_lock.holder(args.out)
   if holder is not None:  # refused before anything is written (train.py's own check races it)
-    print(f'error: {rundir.in_use_message(args.out, holder)}', file=sys.stderr)
+    print(f'error: {dir_lock.in_use_message(args.out, holder)}', file=sys.stderr)
     return BAD_INPUT
   return serve(Supervisor(args))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax.config import ConfigError, load_config, to_dict
-from mecefo_jax.run import cli, hints, rundir
+from mecefo_jax.run import cli, dir_lock, hints, rundir
 
 from procs import ROOT, TINY, report
 
@@ -99,15 +99,15 @@ def test_a_start_after_a_clean_exit_reports_no_stale_lock(tmp_path, capsys, capl
   out = tmp_path / 'run'
   assert cli.main(['--out', str(out), '--no-snapshots', 'train.steps=1', 'train.compile_cache=',
                    *RUN]) == 0, capsys.readouterr().err
-  assert (out / rundir.LOCK).read_text() == ''  # no holder: nothing for the next start to report
-  (out / rundir.LOCK).write_text('999999999')  # what a killed process leaves: its pid
+  assert (out / dir_lock.LOCK).read_text() == ''  # no holder: nothing for the next start to report
+  (out / dir_lock.LOCK).write_text('999999999')  # what a killed process leaves: its pid
   caplog.clear()
   with caplog.at_level(logging.INFO, logger='mecefo'):
-    rundir.unlock(rundir.lock(out))
+    dir_lock.unlock(dir_lock.lock(out))
   assert caplog.messages == ['run directory lock of pid 999999999 (no longer running) taken over']
   caplog.clear()
   with caplog.at_level(logging.INFO, logger='mecefo'):
-    rundir.unlock(rundir.lock(out))
+    dir_lock.unlock(dir_lock.lock(out))
   assert caplog.messages == []
 
 

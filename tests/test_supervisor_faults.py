@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from mecefo_jax.supervisor import free_port as launch_port
-from mecefo_jax.run import ending, recovery_time, rundir
+from mecefo_jax.run import dir_lock, ending, recovery_time, rundir
 from mecefo_jax.run.exits import PEER_LOST
 from mecefo_jax.run.supervised import Watch, process_state
 from procs import TINY, error_lines, wait_for
@@ -92,7 +92,7 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(launcher, tmp_pa
   proc = launcher.start([sys.executable, 'train.py', '--out', run, f'snapshot.dir={shm}',
                          'train.steps=5', *TINY], env=launcher.env(compile_cache=False),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  wait_for(lambda: (run / rundir.LOCK).exists(), 120, 'the run locked', proc)
+  wait_for(lambda: (run / dir_lock.LOCK).exists(), 120, 'the run locked', proc)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
   lines = [line for line in err.splitlines() if 'error' in line.lower() or 'Traceback' in line]

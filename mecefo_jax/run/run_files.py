@@ -9,7 +9,7 @@ import jax
 from mecefo_jax import multihost
 from mecefo_jax.config import Config
 from mecefo_jax.core.failures import FailureSchedule
-from mecefo_jax.run import rundir
+from mecefo_jax.run import dir_lock, rundir
 from mecefo_jax.run.resume import carried_state
 
 log = logging.getLogger('mecefo')
@@ -23,7 +23,7 @@ class RunFiles:
     # The lock before anything: no process of this start opens, creates, cleans or deletes a
     # file under out_dir or the snapshot places until process 0 holds it.
     self.cfg, self.out_dir, self.is_chief = cfg, out_dir, jax.process_index() == 0
-    self._lock = rundir.lock_job(out_dir)
+    self._lock = dir_lock.lock_job(out_dir)
     self.trace: rundir.Trace | None = None
     self._checked: dict = {}
     self.carried: dict = {}  # run_state.json's entries of this start (resume.carried_state)
@@ -107,5 +107,5 @@ class RunFiles:
         rundir.remove_empty_dirs(sn, self.out_dir, self.run_id)
     finally:
       if self._lock is not None:
-        rundir.unlock(self._lock, self.out_dir if refused else None)
+        dir_lock.unlock(self._lock, self.out_dir if refused else None)
         self._lock = None
