@@ -331,6 +331,9 @@ def test_ctrl_c_without_snapshots_is_one_line(launcher, tmp_path):
 
 
 def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplog, tmp_path):
+  # Python's own SIGINT handler first: the suite started as a shell's background job inherits
+  # SIGINT ignored, which install() keeps ignored (by design), and nothing would be handled.
+  inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
   request = stop.StopRequest(out_dir=tmp_path)
   request.install()
   try:
@@ -344,6 +347,7 @@ def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplo
       time.sleep(5)
   finally:
     request.uninstall()
+    signal.signal(signal.SIGINT, inherited)
 
 
 def test_a_stop_comes_from_stop_after_or_the_request_file_once(tmp_path):
