@@ -170,7 +170,8 @@ STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')  # a step's log line of train.p
 
 class JobOutput:
   """A supervised job started in a session of its own; every line of its output kept with its
-  arrival time (the recovery benchmarks time the lines)."""
+  arrival time (the recovery benchmarks time the lines), its `--events` file in `events_path`."""
+  events_path: Path
 
   def start(self, cmd: list[str], env: dict) -> None:
     self.lines: list[tuple[float, str]] = []
@@ -190,6 +191,37 @@ class JobOutput:
 
   def tail(self, n: int = 40) -> str:
     return '\n'.join(line for _, line in self.lines[-n:])
+
+  def first_after(self, t: float, pattern: re.Pattern = STEP_LINE) -> tuple[float, re.Match] | None:
+    """The arrival time and match of the first line after `t` that `pattern` finds."""
+    return next(((when, m) for when, line in list(self.lines)
+                 if when > t and (m := pattern.search(line))), None)
+
+  def events(self) -> list[dict]:
+    """The supervisor's events so far (start, death, stall, rejoin-ready, ...)."""
+    if not self.events_path.exists():
+      return []
+    return [json.loads(x) for x in self.events_path.read_text().splitlines()]
+
+  def host_pid(self, host: int) -> int:
+    """The pid of `host`'s process in the job started last."""
+    return [e for e in self.events() if e['kind'] == 'start'][-1]['pids'][str(host)]
+
+  def wait_for(self, condition, timeout: float, what: str):
+    """Polls `condition` until it returns a true value, which it returns; raises with the
+    output's tail where the job ends or `timeout` seconds pass first."""
+    deadline = time.time() + timeout
+    while not (value := condition()):
+      if self.proc.poll() is not None or time.time() > deadline:
+        raise RuntimeError(f'no {what} (exit {self.proc.poll()}):\n{self.tail(30)}')
+      time.sleep(0.02)
+    return value
+
+  def wait(self, timeout: float) -> int:
+    """The job's exit code, once the reader thread has taken its last lines."""
+    code = self.proc.wait(timeout=timeout)
+    time.sleep(0.5)
+    return code
 
   def kill(self) -> None:
     """SIGKILL to the job's session: the supervisor and every process it started."""

@@ -28,13 +28,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from benchmarks import common
 
-STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')
+STEP_LINE = common.STEP_LINE
 RESUMED = re.compile(r'resumed from the .* of (\d+) step\(s\);.* so (\d+) step\(s\) are trained')
 
 
@@ -50,58 +49,27 @@ def _args(argv):
   return args
 
 
-class Job:
+class Job(common.JobOutput):
   """One supervised run; every output line kept with its arrival time."""
 
   def __init__(self, args, tmp: Path, name: str, rejoin: bool):
-    self.lines: list[tuple[float, str]] = []
-    self.out = tmp / name
+    self.out, self.events_path = tmp / name, tmp / f'{name}_events.jsonl'
     n, k = args.processes, args.devices_per_process
     env = {k_: v for k_, v in os.environ.items() if k_ != 'XLA_FLAGS'}
     # Each job starts with an empty compilation cache and program store of its own: its
     # restarts load only what the job itself stored.
-    env['JAX_COMPILATION_CACHE_DIR'] = str(tmp / f'{name}_cache')
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / f'{name}_cache'), PYTHONUNBUFFERED='1')
     cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', str(n), '--devices-per-process',
-           str(k), '--events', str(tmp / f'{name}_events.jsonl'),
+           str(k), '--events', str(self.events_path),
            *(['--rejoin-after', str(args.rejoin_after)] if rejoin else []),
            '--', '--config', args.config, '--out', str(self.out), f'snapshot.dir={tmp / "shm"}',
            f'mesh.slice={n * k}', 'mesh.fsdp=1', f'train.steps={args.steps}', 'train.log_every=1',
            'snapshot.every=1', 'train.eval_every=0', 'train.plot=false', *args.overrides]
-    self.t0 = time.time()
-    self.proc = subprocess.Popen(cmd, cwd=common.REPO, env={**env, 'PYTHONUNBUFFERED': '1'},
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    self.events_path = tmp / f'{name}_events.jsonl'
-    threading.Thread(target=self._read, daemon=True).start()
-
-  def _read(self) -> None:
-    for line in self.proc.stdout:
-      self.lines.append((time.time(), line.rstrip()))
-
-  def last_step(self) -> int:
-    steps = [int(m.group(1)) for _, line in self.lines[-50:] if (m := STEP_LINE.search(line))]
-    return max(steps, default=-1)
-
-  def pids(self) -> dict:
-    return [e for e in self.events() if 'pids' in e][-1]['pids']
-
-  def events(self) -> list[dict]:
-    return [json.loads(x) for x in self.events_path.read_text().splitlines()]
-
-  def first_after(self, t: float, pattern) -> tuple[float, re.Match] | None:
-    for when, line in self.lines:
-      m = pattern.search(line) if when > t else None
-      if m:
-        return when, m
-    return None
-
-  def wait(self, timeout: float) -> int:
-    code = self.proc.wait(timeout=timeout)
-    time.sleep(0.5)  # the reader thread takes the last lines
-    return code
+    self.start(cmd, env)
 
 
 def cold_start(job: Job) -> dict:
-  first = job.first_after(job.t0, STEP_LINE)
+  first = job.first_after(job.t0)
   return {'first_step_s': first[0] - job.t0, 'wall_s': job.lines[-1][0] - job.t0}
 
 
@@ -153,18 +121,18 @@ def rejoin_restarts(job: Job) -> list[float]:
 
 def run(args, tmp: Path) -> dict:
   free = Job(args, tmp, 'fault_free', rejoin=False)
-  assert free.wait(3600) == 0, '\n'.join(l for _, l in free.lines[-40:])
+  assert free.wait(3600) == 0, free.tail()
   faulty = Job(args, tmp, 'deaths', rejoin=True)
   kills = []
   for host, at in enumerate(args.kill_at, start=1):
     while faulty.last_step() < at:
-      assert faulty.proc.poll() is None, '\n'.join(l for _, l in faulty.lines[-40:])
+      assert faulty.proc.poll() is None, faulty.tail()
       time.sleep(0.05)
     step, t_kill = faulty.last_step(), time.time()
-    os.kill(faulty.pids()[str(host)], signal.SIGKILL)
+    os.kill(faulty.host_pid(host), signal.SIGKILL)
     kills.append((t_kill, step))
     time.sleep(1.0)
-  assert faulty.wait(3600) == 0, '\n'.join(l for _, l in faulty.lines[-40:])
+  assert faulty.wait(3600) == 0, faulty.tail()
   report = json.loads((faulty.out / 'report.json').read_text())
   cold, wall = cold_start(free), faulty.lines[-1][0] - faulty.t0
   own_cold = cold_start(faulty)['first_step_s']  # the same run's launch -> first step

@@ -53,40 +53,24 @@ class Run(common.JobOutput):
   """One supervised run; every line of its terminal output kept with its arrival time."""
 
   def __init__(self, args, tmp: Path):
-    self.out, self.events = tmp / 'run', tmp / 'events.jsonl'
+    self.out, self.events_path = tmp / 'run', tmp / 'events.jsonl'
     (tmp / 'home').mkdir()
     env = {k: v for k, v in os.environ.items()
            if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
     env.update(HOME=str(tmp / 'home'), PYTHONUNBUFFERED='1')
     n = args.processes
     cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', str(n), '--devices-per-process', '1',
-           '--events', str(self.events), '--', '--config', args.config, '--out', str(self.out),
+           '--events', str(self.events_path), '--', '--config', args.config, '--out', str(self.out),
            f'snapshot.dir={tmp / "shm"}', f'mesh.slice={n}', f'train.steps={args.steps}',
            'snapshot.every=1', 'train.log_every=1', 'train.eval_every=0', 'train.plot=false',
            *args.overrides]
     self.start(cmd, env)
 
-  def first_step_after(self, t: float) -> float | None:
-    return next((when for when, line in list(self.lines) if when > t and STEP_LINE.search(line)),
-                None)
-
-  def host_pid(self, host: int) -> int:
-    starts = [json.loads(x) for x in self.events.read_text().splitlines()]
-    return [e for e in starts if e['kind'] == 'start'][-1]['pids'][str(host)]
-
-  def wait_for(self, condition, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while not (value := condition()):
-      if self.proc.poll() is not None or time.time() > deadline:
-        raise RuntimeError(f'no {what} (exit {self.proc.poll()}):\n{self.tail(30)}')
-      time.sleep(0.02)
-    return value
-
 
 def one(args, tmp: Path) -> dict:
   run = Run(args, tmp)
   try:
-    first = run.wait_for(lambda: run.first_step_after(run.t0), 900, 'first step')
+    first, _ = run.wait_for(lambda: run.first_after(run.t0), 900, 'first step')
     run.wait_for(lambda: run.last_step() >= args.kill_at, 900, f'step {args.kill_at}')
     t_kill = time.time()
     os.kill(run.host_pid(1), signal.SIGKILL)
@@ -94,7 +78,7 @@ def one(args, tmp: Path) -> dict:
     restarted = run.wait_for(lambda: next((when for when, line in list(run.lines)
                                            if when > t_kill and 'started hosts' in line), None),
                              120, "the survivors' job")
-    again = run.wait_for(lambda: run.first_step_after(restarted), 900, 'step after the kill')
+    again, _ = run.wait_for(lambda: run.first_after(restarted), 900, 'step after the kill')
     said = lambda line: line.startswith('launch [') and 'trained again' in line
     recovered = run.wait_for(lambda: any(said(line) for _, line in run.lines), 120,
                              "the supervisor's recovery line")

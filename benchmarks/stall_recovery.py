@@ -78,14 +78,6 @@ class Job(common.JobOutput):
              'train.log_every=1', 'train.eval_every=0', *args.overrides]
     self.start(cmd, env)
 
-  def events(self) -> list[dict]:
-    if not self.events_path.exists():
-      return []
-    return [json.loads(x) for x in self.events_path.read_text().splitlines()]
-
-  def first_after(self, t: float, pattern) -> float | None:
-    return next((when for when, line in self.lines if when > t and pattern.search(line)), None)
-
 
 def run(args, tmp: Path) -> dict:
   job = Job(args, tmp)
@@ -100,10 +92,8 @@ def run(args, tmp: Path) -> dict:
       time.sleep(0.02)
     t_stop, step_at_stop, load = time.time(), job.last_step(), os.getloadavg()[0]
     if not args.block:
-      pid = [e for e in job.events() if e['kind'] == 'start'][-1]['pids'][str(args.host)]
-      os.kill(pid, signal.SIGKILL if args.kill else signal.SIGSTOP)
-    code = job.proc.wait(timeout=args.timeout)
-    time.sleep(0.5)  # the reader thread takes the last lines
+      os.kill(job.host_pid(args.host), signal.SIGKILL if args.kill else signal.SIGSTOP)
+    code = job.wait(args.timeout)
   finally:
     job.kill()
   assert code == 0, job.tail()
@@ -111,7 +101,7 @@ def run(args, tmp: Path) -> dict:
   kind = 'death' if args.kill else 'stall'
   stall = next(e for e in events if e['kind'] == kind)
   start = next(e for e in events if e['kind'] == 'start' and e['t'] >= stall['t'])
-  first = job.first_after(start['t'], STEP_LINE)
+  first, _ = job.first_after(start['t'])
   report = json.loads((job.out / 'report.json').read_text())
   history = [json.loads(x) for x in (job.out / 'history.jsonl').read_text().splitlines()]
   record = next(e for e in history if e['kind'] == f'launch-{kind}')
@@ -124,7 +114,7 @@ def run(args, tmp: Path) -> dict:
           'named_host': record['host'], 'why': record.get('why'),
           'phases': record.get('phases'),
           'samples': report['samples'], 'steps_lost_total': report['steps_lost_total'],
-          'cold_start_s': job.first_after(job.t0, STEP_LINE) - job.t0,
+          'cold_start_s': job.first_after(job.t0)[0] - job.t0,
           'failures_txt': (job.out / 'failures.txt').read_text().splitlines()[:3]}
 
 
@@ -135,8 +125,7 @@ def clean_runs(args, tmp: Path) -> dict:
     (tmp / f'run{i}').mkdir()
     job = Job(args, tmp / f'run{i}', readme=True)
     try:
-      code = job.proc.wait(timeout=args.timeout)
-      time.sleep(0.5)
+      code = job.wait(args.timeout)
     finally:
       job.kill()
     events = job.events()
