@@ -108,8 +108,8 @@ def test_round_trip_is_bit_exact_on_target_shardings(tmp_path, mesh):
 
 def test_save_is_a_copy_that_survives_donation(tmp_path, mesh, slow_orbax_writes):
   state = make_state(mesh, width=4096)  # 1.5 MiB of leaves
-  # Read from a twin: under jax 0.11 the host view a read leaves on `state` would keep its
-  # buffers from being donated.
+  # Read from a twin: under jax 0.11 on CPU the host value a read leaves on `state` would keep
+  # its buffers from being donated.
   saved_digests = digests(make_state(mesh, width=4096))
   buffers = [{s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards}
              for leaf in jax.tree.leaves(state)]
@@ -118,16 +118,12 @@ def test_save_is_a_copy_that_survives_donation(tmp_path, mesh, slow_orbax_writes
     manager.maybe_save(0, state, META)
     new_state = jax.block_until_ready(train_step(state))
     assert not (tmp_path / 'mem' / '0' / manifest.MANIFEST_NAME).exists(), 'save not in flight'
-    # Donation really happened: the step took the state's arrays (they are gone). With jax
-    # 0.10 every leaf goes and the old buffers now hold step t+1. jax 0.11 on CPU declines to
-    # donate the buffers of the leaves whose host copy (np.asarray of a shard, image.pack)
-    # left a zero-copy view cached on them, and runs that step without reusing any buffer:
-    # a lost optimisation on CPU, the snapshot right either way.
-    donated = [leaf.is_deleted() for leaf in jax.tree.leaves(state)]
-    assert sum(donated) >= len(donated) - 2, donated
-    if all(donated):
-      assert {s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(new_state)
-              for s in leaf.addressable_shards} == set().union(*buffers)
+    # Donation really happened: the old arrays are gone and their buffers hold step t+1 (but
+    # for bfloat16 ones: jax 0.11 on CPU copies a bfloat16 buffer that a host read touched).
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+    for leaf, before in zip(jax.tree.leaves(new_state), buffers):
+      after = {s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards}
+      assert after == before or leaf.dtype == jnp.bfloat16, leaf.dtype
     _, restored, _, _ = manager.restore_latest(abstract(new_state))
   assert digests(restored) == saved_digests != digests(new_state)
 

@@ -95,8 +95,11 @@ def pack(tree: Any, out: np.ndarray | None = None, devices=None) -> tuple[np.nda
       # view[(*index, ...)]: a view even for 0-d leaves, where view[()] would be a scalar copy
       copies += [(view[(*shard.index, ...)], shard.data) for shard in leaf.addressable_shards
                  if ((shard.device in source) if source is not None else shard.replica_id == 0)]
-  for _, source in copies:  # start every device-to-host transfer before waiting for the first
-    if isinstance(source, jax.Array):
+  # Every device-to-host transfer started before the first wait; but not on CPU, where nothing
+  # crosses and jax 0.11 keeps the host value this makes, a zero-copy view of the buffer that
+  # the next train step then cannot donate.
+  for _, source in copies:
+    if isinstance(source, jax.Array) and next(iter(source.devices())).platform != 'cpu':
       source.copy_to_host_async()
   for view, source in copies:
     view[...] = np.asarray(source)
