@@ -36,6 +36,17 @@ def test_every_runs_its_function_after_every_nth_step_and_wants_those_steps_fetc
     Every(0, print)
 
 
+def test_a_hook_that_is_no_hook_is_refused_before_anything_is_built(tmp_path):
+  from mecefo_jax.run.trainer import Trainer
+
+  class Duck:  # the methods, but not the class: the loop would fail on a missing one later
+    def after_step(self, record):
+      return None
+  with pytest.raises(TypeError, match=r'is not a mecefo_jax.run.hooks.Hook; subclass it'):
+    Trainer(load_config(None, []), tmp_path / 'run', hooks=[Every(2, print), Duck()])
+  assert not (tmp_path / 'run').exists()
+
+
 def test_divergence_ends_the_run_at_a_non_finite_loss_without_counting_that_step():
   hook = Divergence('`python train.py --fresh`')
   assert hook.after_step(_record(3, None)) is None  # not fetched: nothing to judge

@@ -62,6 +62,9 @@ class Trainer:
                program_store: ProgramStore | None = None, stop: StopRequest | None = None,
                hooks: Sequence[Hook] = (), model: Callable | str | None = None):
     self.startup = StartupClock()  # first: a Trainer built in a notebook is timed from here
+    if wrong := [h for h in hooks if not isinstance(h, Hook)]:  # before anything is built
+      raise TypeError(f'hooks: {wrong[0]!r} is not a mecefo_jax.run.hooks.Hook; subclass it '
+                      f'(every method is optional) or wrap a function as Every(n, fn)')
     if model is not None:
       cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                                kind=models.register(model)))
