@@ -185,7 +185,8 @@ def read_user_text(path: Path, what: str, error: type[ValueError]) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-  """Refuses a key given twice in a mapping (PyYAML keeps the last: a 2nd `train:` drops the 1st)."""
+  """Refuses a key given twice in a mapping (PyYAML keeps the last: a 2nd `train:` drops
+  the 1st), raised as `error`."""
   error: type[ValueError] = FileError
 
   def construct_mapping(self, node, deep=False):

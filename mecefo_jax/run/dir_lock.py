@@ -1,4 +1,4 @@
-"""The run directory's lock: one training process (or job) per `--out`, taken over from a dead one."""
+"""The run directory's lock: one training process (or job) per `--out`; a dead one's taken over."""
 from __future__ import annotations
 
 import contextlib

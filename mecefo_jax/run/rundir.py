@@ -1,4 +1,4 @@
-"""The run directory: one run's identity, its files, and what a fresh start clears (its lock: dir_lock.py).
+"""The run directory: a run's identity, its files, what a fresh start clears (lock: dir_lock.py).
 
 Files of a run directory (all written by process 0):
   run_state.json  status, run id, config, slice/host counts (what a resume reads first)
