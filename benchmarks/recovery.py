@@ -33,7 +33,6 @@ from pathlib import Path
 
 from benchmarks import common
 
-STEP_LINE = common.STEP_LINE
 RESUMED = re.compile(r'resumed from the .* of (\d+) step\(s\);.* so (\d+) step\(s\) are trained')
 
 
@@ -80,7 +79,7 @@ def recovery(job: Job, t_kill: float, step_at_kill: int) -> dict:
   up = job.first_after(start['t'], re.compile(r'process 0 of \d+:'))
   resumed = job.first_after(start['t'], RESUMED)
   built = job.first_after(start['t'], re.compile(r'\| compile [\d.]+s'))
-  first = job.first_after(start['t'], STEP_LINE)
+  first = job.first_after(start['t'])
   marks = {'detect': death['t'], 'restart': start['t'], 'startup': up[0], 'restore': resumed[0],
            'build': built[0], 'first_step': first[0]}
   previous, split = t_kill, {}
@@ -94,7 +93,8 @@ def recovery(job: Job, t_kill: float, step_at_kill: int) -> dict:
 
 def step_rate(job: Job, t_from: float, t_to: float) -> float:
   """Steps per second logged in (t_from, t_to], first to last step line of that window."""
-  times = [when for when, line in job.lines if t_from < when <= t_to and STEP_LINE.search(line)]
+  times = [when for when, line in job.lines
+           if t_from < when <= t_to and common.STEP_LINE.search(line)]
   return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 else float('nan')
 
 
@@ -115,7 +115,7 @@ def rejoin_restarts(job: Job) -> list[float]:
   for e in events:
     start = next((x['t'] for x in events if x['kind'] == 'start' and x['t'] > e['t']), None)
     if e['kind'] == 'rejoin-ready' and start is not None:
-      out.append(job.first_after(start, STEP_LINE)[0] - e['t'])
+      out.append(job.first_after(start)[0] - e['t'])
   return out
 
 

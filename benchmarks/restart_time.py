@@ -31,7 +31,6 @@ from pathlib import Path
 
 from benchmarks import common
 
-STEP_LINE = common.STEP_LINE
 PHASES = ('detect_s', 'stop_s', 'spawn_s', 'process_start_s', 'imports_s', 'distributed_s',
           'setup_s', 'restore_s', 'programs_s', 'first_step_s', 'total_s')
 

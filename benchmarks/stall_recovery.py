@@ -36,7 +36,6 @@ from benchmarks import common
 from mecefo_jax.progress_marks import mark_path, read_mark
 from mecefo_jax.run.stop import TEST_BLOCK_ENV
 
-STEP_LINE = common.STEP_LINE
 # README ("A process that really dies"): the supervisor's arguments, then train.py's.
 README_EXAMPLE = (['-n', '4', '--devices-per-process', '2', '--rejoin-after', '120'],
                   ['mesh.slice=8', 'mesh.fsdp=1'])
