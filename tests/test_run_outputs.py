@@ -27,12 +27,11 @@ def run(tmp_path_factory):
       'train.eval_batches=1', 'mesh.slice=2', f'snapshot.dir={out}/shm', 'snapshot.every=5',
       'snapshot.durable_every=10'])
   rows = []
-  trainer = Trainer(cfg, out, progress='plain', on_log=rows.append,
-                    program_store=suite_store())
-  try:
+  with Trainer(cfg, out, progress='plain', on_log=rows.append,
+               program_store=suite_store()) as trainer:
     report = trainer.run()
-  finally:
-    trainer.close()
+  # Closed on the way out: the finished run's in-memory snapshots are gone, the run unlocked.
+  assert not list((out / 'shm').glob('*/*/*')) and (out / '.lock').read_text() == ''
   return out, report, rows
 
 

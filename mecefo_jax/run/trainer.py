@@ -53,6 +53,9 @@ class Trainer:
   (train.py opens one in train.compile_cache: step/program_store.py).
   `model`: the model to train, a factory `(ModelConfig, nnx.Rngs) -> module` of the contract
   (model/contract.py) or its `module:factory` name; it sets model.kind (default: cfg's).
+
+  `close()` ends the start (a finished run's in-memory snapshots go, the run is unlocked);
+  `with Trainer(...) as trainer:` calls it on the way out.
   """
 
   def __init__(self, cfg: Config, out_dir: str | Path, schedule: FailureSchedule | None = None,
@@ -229,6 +232,12 @@ class Trainer:
     self.recovery = recovery_time.measure(self._restarted_by, s.origin, startup_marks(),
                                           s.seconds, s.first_step_end)
     self.records.history(recovery_time.RECOVERED, **dataclasses.asdict(self.recovery))
+
+  def __enter__(self) -> Trainer:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
 
   def close(self) -> None:
     """Ends the start: background builds stop, the snapshot tiers close, the run is unlocked."""
