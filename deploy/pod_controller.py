@@ -27,10 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's package
 
 from mecefo_jax.config import DEFAULT_OUT, ConfigError  # noqa: E402
-from mecefo_jax.supervisor import Supervisor, _exit_text, serve  # noqa: E402
+from mecefo_jax.launch import serve  # noqa: E402
+from mecefo_jax.supervisor import Supervisor, _exit_text  # noqa: E402
 from mecefo_jax.run import cli  # noqa: E402
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT  # noqa: E402
 from mecefo_jax.run.stop import STOP_FILE  # noqa: E402
+from mecefo_jax.run.supervised import STOPPED_S  # noqa: E402
 
 # {host}: the host's address, {slot}: its logical host, {unit}: its TPU slice, {worker}: its
 # index in that slice, {cmd}: the shell command to run there (one argument).
@@ -100,6 +102,7 @@ def parse_args(argv=None):
   args.log_dir = Path(args.log_dir or Path('pod-logs') / args.out.name)
   # What Supervisor reads: the job's size, no local devices, and no timed replacement.
   args.num_processes, args.rejoin_after, args.argv = len(args.hosts), None, []
+  args.stopped_s = STOPPED_S  # the remote processes watch their ssh parent instead
   return args
 
 
@@ -182,6 +185,9 @@ class PodController(Supervisor):
 
   def _clear_stop_request(self) -> None:
     pass  # process 0's command removes it on its host (remote_command)
+
+  def _run_exists(self) -> bool:
+    return True  # on the hosts, unseen from here: a restart resumes
 
   def command(self, pid: int, host: int, n: int, port: int) -> tuple[list[str], dict]:
     remote = remote_command(self.args, self.hosts, pid, port, self._train_args())

@@ -5,6 +5,7 @@ import codecs
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,6 +13,12 @@ import yaml
 
 log = logging.getLogger('mecefo')
 NUMBER = (int, float)  # a float field accepts a JSON integer; bool is refused for both
+
+
+def default_snapshot_dir(run_name: str) -> Path:
+  """/dev/shm/mecefo/<run_name>: tmpfs, so snapshots outlive a crash of the trainer process."""
+  base = Path('/dev/shm') if Path('/dev/shm').is_dir() else Path(tempfile.gettempdir())
+  return base / 'mecefo' / run_name
 
 
 class FileError(ValueError):

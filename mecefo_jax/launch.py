@@ -18,14 +18,17 @@ from __future__ import annotations
 import argparse
 import glob
 import shlex
+import signal
 import sys
 from pathlib import Path
 
 from mecefo_jax.config import DEFAULT_OUT
-from mecefo_jax.run import dir_lock
+from mecefo_jax.run import dir_lock, saved
 from mecefo_jax.run.cli import OneLineParser, at_least
-from mecefo_jax.run.exits import BAD_INPUT
-from mecefo_jax.supervisor import Supervisor, serve
+from mecefo_jax.run.exits import BAD_INPUT, STOPPED
+from mecefo_jax.run.stop import SIGINT_REASON
+from mecefo_jax.run.supervised import STOPPED_S
+from mecefo_jax.supervisor import Supervisor
 
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
 _GPU_DEVICES = '/dev/nvidia[0-9]*'  # one device file per NVIDIA GPU the machine shows
@@ -48,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='a job whose processes make no progress this long has stalled: the one '
                       'stopped first is left out as after a death (default: deadlines measured '
                       'on the job, mecefo_jax/watch.py; 0: never)')
+  p.add_argument('--stopped-s', type=at_least(0, float), default=STOPPED_S, metavar='SECONDS',
+                 help='the processes stop the job (snapshotted) once this supervisor has been '
+                      'stopped (SIGSTOP, Ctrl-Z) this long; it restarts the job when it runs again '
+                      f'(default {STOPPED_S:g})')
   p.add_argument('--log-dir', default=None,
                  help='output of the processes other than process 0 (whose output is shown): '
                       'host<h>.log files (default: <--out>/logs, or runs/launch_logs)')
@@ -91,6 +98,37 @@ def _train_out(train_args: list[str]) -> Path | None:
     if a == '--out' and i + 1 < len(train_args):
       return Path(train_args[i + 1])
   return None
+
+
+class StopNow(Exception):
+  """A second SIGINT/SIGTERM: the job is killed at once."""
+
+
+def serve(sup: Supervisor) -> int:
+  """Runs `sup` to its end; SIGTERM and Ctrl-C stop its job at an agreed step (one request
+  that every process honours after the same step), a second one at once."""
+  def on_signal(signum, frame):
+    sup.signals += 1
+    name = signal.Signals(signum).name
+    if sup.signals > 1:
+      raise StopNow(name)
+    sup.interrupted = name
+    sup.say('signal', f'{name}: stopping the job after its next step (a second one stops it '
+                      'at once)')
+    sup._ask_stop(SIGINT_REASON if signum == signal.SIGINT else name)
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+  try:
+    return sup.run()
+  except StopNow as now:
+    sup.kill_all()
+    sup.say('end', f'{now}: the job was killed at once, without a final snapshot; '
+                   f'{saved.describe(sup.args.out)}; resume it with the same command',
+            code=STOPPED)
+    return STOPPED
+  finally:
+    sup.stop_all()
+    saved.sweep_empty_memory_dirs(sup.args.out)
 
 
 def main(argv=None) -> int:

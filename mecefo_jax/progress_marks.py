@@ -53,6 +53,8 @@ class Marks:
     """Step `step` is dispatched; the process waits for it next."""
     now = time.time()
     self._leave(now)
+    if self.step < 0:  # the whole start-up, from the first mark: a restart's allowance is
+      self.longest['start-up'] = now - self._t0  # measured on it (never on a part of one)
     if self._dispatched_at is not None:
       self._recent.append(max(0.0, now - self._dispatched_at - self._other_s))
     self._dispatched_at, self._other_s = now, 0.0
@@ -72,11 +74,8 @@ class Marks:
     return left
 
   def _leave(self, now: float) -> None:
-    """The phase held until `now` ends: its time is booked (a start-up phase from the process's
-    first mark: what a restart's allowance is measured on)."""
+    """The phase held until `now` ends: its time is booked."""
     spent = now - self.since
-    if self.phase in ('starting', 'compiling') and self.step < 0:
-      self.longest['start-up'] = now - self._t0
     if self.phase != 'training':
       self.longest[self.key] = max(self.longest.get(self.key, 0.0), spent)
       self._other_s += spent

@@ -58,6 +58,7 @@ class Supervisor:
     self.deaths = self.rejoins = self.restarts = 0
     self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
     self.interrupted: str | None = None  # the signal that stops the job
+    self.signals = 0  # SIGINT/SIGTERM received: a second one ends the job at once
     self.resume = False
     # Each process holds the read end; the write end is ours alone (os.pipe's fds are not
     # inherited): however the supervisor ends, its processes see end-of-file and stop the job
@@ -88,7 +89,14 @@ class Supervisor:
     if not self.resume:
       return list(self.args.train_args)
     # A restart continues the run: never --fresh again (it would delete the run's snapshots).
-    return [a for a in self.args.train_args if a not in ('--fresh', '--resume')] + ['--resume']
+    # A run that does not exist yet (its first start stopped before run_state.json, e.g. a
+    # start-up stall) is started anew: a --resume of nothing would be refused.
+    return [a for a in self.args.train_args if a not in ('--fresh', '--resume')] + (
+        ['--resume'] if self._run_exists() else [])
+
+  def _run_exists(self) -> bool:
+    """Whether the run directory holds a run (its run_state.json)."""
+    return (self.args.out / rundir.RUN_STATE).exists()
 
   def start(self) -> None:
     port, n = self._port(), len(self.hosts)
@@ -103,7 +111,8 @@ class Supervisor:
       cmd, env = self.command(pid, host, n, port)
       # Every process logs the same events: process 0 speaks for the job, the others to files.
       out = None if pid == 0 else open(self._log(host), 'ab')
-      env = {**env, SUPERVISOR_ENV: handed_down(self.watched_fd, os.getpid())}
+      env = {**env, SUPERVISOR_ENV: handed_down(self.watched_fd, os.getpid(),
+                                                self.args.stopped_s)}
       self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.watched_fd,),
                                           stderr=subprocess.STDOUT if out else None)
       if out:
@@ -208,7 +217,7 @@ class Supervisor:
     if PEER_LOST in exited.values():
       return self._lost_peer(exited)
     if exited and len(exited) == len(codes):
-      return self._finished(exited)
+      return self._finished(exited) if not self._left_me(exited) else self._take_back()
     if exited:  # others finish or stop with it: wait for them, within bounds
       return self._settle(exited)
     stall = self.watch.look() if self.watch else None
@@ -256,7 +265,7 @@ class Supervisor:
     """Asks the job to stop after its current step: through the run's stop request file
     (run/stop.py: honoured at a step whenever it is written), or by SIGTERM for a signal."""
     self.stopping, self.stop_asked_at = True, time.monotonic()
-    if reason is not None and self.args.out.is_dir():
+    if reason is not None and self._run_exists():
       (self.args.out / STOP_FILE).write_text(reason)
       return
     for p in self.procs.values():
@@ -366,6 +375,24 @@ class Supervisor:
       return self._finished({h: p.returncode for h, p in self.procs.items()})
     return None
 
+  def _left_me(self, exited: dict) -> bool:
+    """Whether the job stopped itself because this supervisor was stopped (SIGSTOP, a
+    suspended terminal: run/supervised.py): its stop record names this supervisor."""
+    if any(c != STOPPED for c in exited.values()) or not self._run_exists():
+      return False
+    stops = [e for e in rundir.read_history(self.args.out, warn=False) if e['kind'] == 'stop']
+    return bool(stops) and str(stops[-1].get('why', '')).startswith(
+        f'the supervisor (pid {os.getpid()})')
+
+  def _take_back(self) -> int | None:
+    """The job stopped itself at an agreed step while this supervisor was stopped; the
+    supervisor runs again: it restarts the job from that step."""
+    step = [e for e in rundir.read_history(self.args.out) if e['kind'] == 'stop'][-1]['step']
+    self.say('take-back', f'the job stopped itself after step {step} while this supervisor was '
+                          f'stopped (longer than {self.args.stopped_s:g} s): restarting it from '
+                          'there', step=step)
+    return self._restart()
+
   def _finished(self, exited: dict) -> int:
     code = next((c for c in exited.values() if c != 0), 0)
     what = 'stopped' if code == STOPPED else 'ended'  # a stop (--stop-after) is resumable
@@ -376,17 +403,3 @@ class Supervisor:
                         '; resume it with the same command' if code == STOPPED else ''),
              code=code)
     return code
-
-
-def serve(sup: Supervisor) -> int:
-  """Runs `sup` to its end; SIGTERM and Ctrl-C stop its job at an agreed step."""
-  def on_signal(signum, frame):  # pass it on: the job stops at an agreed step, resumable
-    sup.interrupted = signal.Signals(signum).name
-    sup.say('signal', f'{sup.interrupted}: stopping the job at its next step')
-    sup._ask_stop()
-  signal.signal(signal.SIGTERM, on_signal)
-  signal.signal(signal.SIGINT, on_signal)
-  try:
-    return sup.run()
-  finally:
-    sup.stop_all()

@@ -13,6 +13,12 @@ Read by the supervisor (supervisor.py) every poll, without JAX: the marks are fi
               of an earlier start of this job, at least START_FLOOR_S; START_FIRST_S at the first
   a wait for the saves or builds in flight, the run's end (NOT_MEASURED): PHASE_FIRST_S
 
+A process in a working phase (WORKING: starting, i.e. its imports and set-up, or compiling) that
+uses CPU makes progress though it writes no mark: each CPU_WINDOW_S, a share of at least
+CPU_BUSY of one core restarts the clock, for at most CPU_CAP_S without a new mark. A cold compile
+on a loaded machine takes minutes, and the CPU it uses says it is not hung; a hung start-up
+(a peer that never comes, SIGSTOP) uses none.
+
 `--stall-s S` makes every deadline S; 0 turns the watch off. docs/tpu.md says why these.
 """
 from __future__ import annotations
@@ -25,7 +31,7 @@ import time
 from pathlib import Path
 
 from mecefo_jax.progress_marks import mark_path, read_mark
-from mecefo_jax.run.supervised import process_state
+from mecefo_jax.run.supervised import cpu_seconds, process_state
 
 STEP_FACTOR, STEP_FLOOR_S, STEPS_TIMED = 10.0, 10.0, 3
 PHASE_FACTOR, PHASE_FLOOR_S, PHASE_FIRST_S = 5.0, 10.0, 300.0
@@ -34,6 +40,11 @@ START_FACTOR, START_FLOOR_S, START_FIRST_S = 3.0, 60.0, 900.0
 # an async durable write of any size, background compiles), the run's end (the final save, the
 # report, the plot).
 NOT_MEASURED = ('ending',)
+WORKING = ('starting', 'compiling')
+# 2% of a core: a compile starved on a 2-core machine at load 25 still gets ~8%; a process
+# waiting in jax.distributed.initialize for a peer that never comes used 0.5% (5 ticks in 10 s,
+# 2026-11-28, this project's 2-core CPU), its gRPC threads in bursts: a 5 s window evens them.
+CPU_BUSY, CPU_WINDOW_S, CPU_CAP_S = 0.02, 5.0, 3600.0
 _STOPPED_STATES = ('T', 't')  # /proc/PID/stat: stopped by a signal, or by a tracer
 
 
@@ -122,7 +133,8 @@ class StallWatch:
     self.measured: dict[str, float] = {}  # phase key -> the longest seen, over the job's starts
     self.pids: dict[int, int] = {}
     self.marks: dict[int, dict] = {}
-    self.changed_at = time.monotonic()
+    self.changed_at = self.marked_at = time.monotonic()
+    self._cpu: dict[int, tuple[float, float]] = {}  # host -> (when, its CPU seconds then)
 
   @property
   def enabled(self) -> bool:
@@ -132,7 +144,8 @@ class StallWatch:
     """A new job of hosts {host: pid}. An earlier job's marks are left where they are (a new
     process truncates its file; look() reads only the marks of these pids): deleting them now
     could delete a mark that a new process has just made."""
-    self.pids, self.marks, self.changed_at = dict(pids), {}, time.monotonic()
+    self.pids, self.marks, self._cpu = dict(pids), {}, {}
+    self.changed_at = self.marked_at = time.monotonic()
 
   def look(self, now: float | None = None) -> Stall | None:
     """Reads the marks; a Stall once none changed for longer than the deadline."""
@@ -143,10 +156,13 @@ class StallWatch:
         continue  # none yet, half-written, or an earlier process's
       if mark != self.marks.get(host):
         self.marks[host], self.changed_at = mark, now
+        self.marked_at = now
         for key, seconds in mark['longest'].items():
           self.measured[key] = max(self.measured.get(key, 0.0), seconds)
     if not self.enabled:
       return None
+    if self._working(now):
+      self.changed_at = now
     deadline, source = self.deadline()
     waited = now - self.changed_at
     if waited <= deadline:
@@ -154,6 +170,23 @@ class StallWatch:
     host, why, stopped = self.first_stopped()
     return Stall(host, why, {h: self.marks.get(h, {}) for h in self.pids}, stopped, waited,
                  deadline, source)
+
+  def _working(self, now: float) -> bool:
+    """Whether a process in a WORKING phase used at least CPU_BUSY of a core over the last
+    CPU_WINDOW_S (sampled each window; CPU_CAP_S after the last new mark, no longer)."""
+    busy = False
+    for host, pid in self.pids.items():
+      mark = self.marks.get(host)
+      if (mark['phase'] if mark else 'starting') not in WORKING:
+        self._cpu.pop(host, None)
+        continue
+      used = cpu_seconds(pid)
+      then, before = self._cpu.get(host, (None, None))
+      if used is None or then is not None and now - then < CPU_WINDOW_S:
+        continue
+      self._cpu[host] = (now, used)
+      busy |= then is not None and used - before >= CPU_BUSY * (now - then)
+    return busy and now - self.marked_at <= CPU_CAP_S
 
   def deadline(self) -> tuple[float, str]:
     """The largest allowance of the phases the processes are in now."""

@@ -237,5 +237,7 @@ def test_a_start_line_says_when_the_job_resumes_the_run(tmp_path, state, train_a
     rundir.write_run_state(run, state, run_id='r')
   sup = supervisor.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run), *train_args]))
   assert sup._resuming() is resuming
-  sup.resume = True  # a restart after a death always resumes
-  assert sup._resuming()
+  sup.resume = True  # a restart resumes the run where one exists, else starts it anew
+  assert sup._resuming() is (state is not None)
+  restart_args = sup._train_args()
+  assert ('--resume' in restart_args) is (state is not None) and '--fresh' not in restart_args

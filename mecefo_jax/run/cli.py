@@ -15,7 +15,7 @@ from pathlib import Path
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, MODELS, POLICIES, Config, ConfigError, FaultConfig,
                                builtin_configs, config_file, load_config, rule_of, to_dict)
-from mecefo_jax.run import ending, hints, startup, storage
+from mecefo_jax.run import ending, hints, startup, storage, supervised
 from mecefo_jax.run.exits import BAD_INPUT, INTERRUPTED
 
 
@@ -128,6 +128,7 @@ def _setup_process(args) -> None:
   # it in one line (a skipped in-memory snapshot, or a durable-tier error), so keep it quiet.
   logging.getLogger('absl').setLevel(logging.CRITICAL)
   storage.quiet_failed_saves()
+  supervised.leave_ctrl_c_to_the_supervisor()
 
 
 def _setup_devices(count: int) -> None:
@@ -275,7 +276,7 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   """Builds the trainer (in `scratch` for a dry run), then trains."""
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.capacity import SnapshotError
-  from mecefo_jax.run import stop, supervised
+  from mecefo_jax.run import stop
   job = False  # a process of a multi-process job
   stop_request = stop.StopRequest(args.stop_after)
   supervised.watch_supervisor(stop_request)

@@ -193,8 +193,7 @@ def run_name(out_dir: Path) -> str:
 def snapshot_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> tuple[Path, str]:
   """(in-memory tier, durable tier) directories of run `run_id`: one run's snapshots never
   share a directory with another's, whatever --out they were written for."""
-  from mecefo_jax.snapshot.manager import default_snapshot_dir  # (jax: not for light readers)
-  memory = (Path(sn.dir) if sn.dir else default_snapshot_dir(run_name(out_dir))) / run_id
+  memory = (Path(sn.dir) if sn.dir else files.default_snapshot_dir(run_name(out_dir))) / run_id
   durable = sn.durable_dir or str(Path(out_dir).resolve() / 'checkpoints')
   return memory, f'{durable.rstrip("/")}/{run_id}'
 

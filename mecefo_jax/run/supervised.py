@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import signal
 import threading
 import time
 from pathlib import Path
@@ -27,17 +28,34 @@ STOPPED_S = 30.0  # a supervisor stopped this long is gone (a terminal's Ctrl-Z 
 _LOOK_S = 1.0
 
 
-def handed_down(read_fd: int, supervisor_pid: int) -> str:
-  """The SUPERVISOR_ENV value that hands `read_fd` down to a process of `supervisor_pid`."""
-  return f'fd:{read_fd}:{supervisor_pid}'
+def handed_down(read_fd: int, supervisor_pid: int, stopped_s: float = STOPPED_S) -> str:
+  """The SUPERVISOR_ENV value that hands `read_fd` down to a process of `supervisor_pid`, which
+  stops the job once that supervisor has been stopped for `stopped_s`."""
+  return f'fd:{read_fd}:{supervisor_pid}:{stopped_s:g}'
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+  """The fields of /proc/PID/stat after the command name (the state first), None where it
+  cannot be read (the process is gone, or this is no Linux)."""
+  try:
+    return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
+  except (OSError, IndexError):
+    return None
 
 
 def process_state(pid: int) -> str | None:
   """The state letter of /proc/PID/stat ('T': stopped), None where it cannot be read."""
-  try:
-    return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]
-  except (OSError, IndexError):
+  fields = _stat_fields(pid)
+  return fields[0] if fields else None
+
+
+def cpu_seconds(pid: int) -> float | None:
+  """The CPU time process `pid` has used (user + system, all its threads), None where it
+  cannot be read."""
+  fields = _stat_fields(pid)
+  if not fields or len(fields) < 13:
     return None
+  return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')  # utime, stime
 
 
 class Watch:
@@ -48,12 +66,13 @@ class Watch:
     self.on_gone, self.stopped_s = on_gone, stopped_s
     kind, _, rest = spec.partition(':')
     if kind == 'fd':
-      fd, _, pid = rest.partition(':')
+      fd, pid, *given = rest.split(':')
       self.fd, self.pid = int(fd), int(pid)
+      self.stopped_s = float(given[0]) if given else stopped_s
     elif kind == 'parent':
       self.fd, self.pid = None, os.getppid()
     else:
-      raise ValueError(f'{SUPERVISOR_ENV}={spec!r}: expected fd:N:PID or parent')
+      raise ValueError(f'{SUPERVISOR_ENV}={spec!r}: expected fd:N:PID[:SECONDS] or parent')
     self._thread = threading.Thread(target=self._run, daemon=True, name='mecefo-supervisor')
     self._thread.start()
 
@@ -83,6 +102,16 @@ class Watch:
       if reason is not None:
         self.on_gone(reason)
         return
+
+
+def leave_ctrl_c_to_the_supervisor() -> None:
+  """A supervised process ignores SIGINT. A terminal's Ctrl-C reaches the whole process group:
+  the supervisor alone answers it, asking every process to stop after one agreed step. A SIGINT
+  of the process's own could land before or after that request, and a second one ends the
+  process without a snapshot while its peers wait in a collective (a hang, or a fatal dump:
+  seen at load 13+). Main thread, before jax is imported."""
+  if os.environ.get(SUPERVISOR_ENV):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def watch_supervisor(stop_request) -> Watch | None:

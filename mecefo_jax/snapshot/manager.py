@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import jax
 import numpy as np
 
 from mecefo_jax import sharding
+from mecefo_jax.files import default_snapshot_dir  # noqa: F401 -- its home for the run layer
 from mecefo_jax.config import check_setting
 from mecefo_jax.sections import entry
 from mecefo_jax.snapshot import image
@@ -64,12 +64,6 @@ def state_nbytes(state: Any) -> int:
   """Logical (global, one replica) byte size of the leaves of `state`; works on abstract leaves."""
   return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
              for leaf in jax.tree.leaves(state))
-
-
-def default_snapshot_dir(run_name: str) -> Path:
-  """/dev/shm/mecefo/<run_name>: tmpfs, so snapshots outlive a crash of the trainer process."""
-  base = Path('/dev/shm') if Path('/dev/shm').is_dir() else Path(tempfile.gettempdir())
-  return base / 'mecefo' / run_name
 
 
 # ---- the manager ----------------------------------------------------------------------------------
