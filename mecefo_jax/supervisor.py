@@ -325,6 +325,10 @@ class Supervisor:
     """The job stopped and restarted without `host` (dead or stalled)."""
     self.kill_all()  # they would wait in the next collective for the dead one
     self.clock.stopped()
+    if not self._run_exists():  # no snapshot holds its slices for the others: a fresh start
+      self.say('start-again', f'the run does not exist yet (no {rundir.RUN_STATE}): starting the '
+                              f'whole job again, host {host} included', host=host)
+      return self._restart()
     self.hosts = [h for h in self.hosts if h != host]
     if self.args.rejoin_after is not None:
       self.ready_at[host] = time.monotonic() + self.args.rejoin_after

@@ -13,8 +13,8 @@ Read by the supervisor (supervisor.py) every poll, without JAX: the marks are fi
               of an earlier start of this job, at least START_FLOOR_S; START_FIRST_S at the first
   a wait for the saves or builds in flight, the run's end (NOT_MEASURED): PHASE_FIRST_S
 
-A process in a working phase (WORKING: starting, i.e. its imports and set-up, or compiling) that
-uses CPU makes progress though it writes no mark: each CPU_WINDOW_S, a share of at least
+A process in a working phase (WORKING: starting, i.e. its imports and set-up; compiling;
+evaluating) that uses CPU makes progress though it writes no mark: each CPU_WINDOW_S, a share of at least
 CPU_BUSY of one core restarts the clock, for at most CPU_CAP_S without a new mark. A cold compile
 on a loaded machine takes minutes, and the CPU it uses says it is not hung; a hung start-up
 (a peer that never comes, SIGSTOP) uses none.
@@ -40,7 +40,7 @@ START_FACTOR, START_FLOOR_S, START_FIRST_S = 3.0, 60.0, 900.0
 # an async durable write of any size, background compiles), the run's end (the final save, the
 # report, the plot).
 NOT_MEASURED = ('ending',)
-WORKING = ('starting', 'compiling')
+WORKING = ('starting', 'compiling', 'evaluating')
 # 2% of a core: a compile starved on a 2-core machine at load 25 still gets ~8%; a process
 # waiting in jax.distributed.initialize for a peer that never comes used 0.5% (5 ticks in 10 s,
 # 2026-11-28, this project's 2-core CPU), its gRPC threads in bursts: a 5 s window evens them.

@@ -8,6 +8,7 @@ a cold start. Never the user's home.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -106,6 +107,17 @@ def kill(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
       pass
   proc.wait()
+
+
+@contextlib.contextmanager
+def busy_core():
+  """One core kept busy by another process (`yes > /dev/null`) while the block runs: the
+  supervisor's fault tests hold on a loaded machine too."""
+  hog = subprocess.Popen(['yes'], stdout=subprocess.DEVNULL, start_new_session=True)
+  try:
+    yield hog
+  finally:
+    kill(hog)
 
 
 def wait_all(procs, timeout: float) -> list[int]:

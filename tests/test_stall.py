@@ -124,6 +124,41 @@ def test_a_start_up_that_hangs_is_named_with_its_phase(tmp_path):
   assert 'host 0 stopped first, in starting (jax.distributed.initialize)' in stall.line()
 
 
+def test_a_start_up_is_booked_once_whole_never_in_parts(tmp_path):
+  """The start-up an allowance is measured on ends at the first dispatch: a part of one (the
+  imports before a long cold compile) would set a deadline that the compile runs past."""
+  marks = Marks(mark_path(tmp_path, 0))
+  marks.enter('starting', 'jax.distributed.initialize')
+  marks.enter('compiling', 'the fused program')
+  assert 'start-up' not in read_mark(mark_path(tmp_path, 0))['longest']
+  marks.dispatched(0)
+  assert 'start-up' in read_mark(mark_path(tmp_path, 0))['longest']
+  marks.close()
+
+
+def test_a_busy_start_up_is_progress_and_an_idle_one_is_not(tmp_path, monkeypatch):
+  """A process starting or compiling that uses CPU (a cold compile under load) is making
+  progress without a new mark; one that uses none (waiting for a peer that never comes) is
+  named after the deadline. Real processes, their CPU time read from /proc."""
+  monkeypatch.setattr(watch, 'CPU_WINDOW_S', 0.3)
+  busy = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+  idle = subprocess.Popen(['sleep', '600'])
+  try:
+    for pid, stalls in ((busy.pid, False), (idle.pid, True)):
+      sw = watch.StallWatch(tmp_path, stall_s=1.0)
+      sw.start({0: pid})
+      seen, until = None, time.monotonic() + 3.0
+      while seen is None and time.monotonic() < until:
+        seen = sw.look()
+        time.sleep(0.05)
+      assert (seen is not None) is stalls, seen
+    assert seen.start_up and seen.host is None and seen.waited_s > seen.deadline_s
+  finally:
+    for proc in (busy, idle):
+      proc.kill()
+      proc.wait()
+
+
 def test_a_watch_at_zero_never_declares_one(tmp_path):
   sw = watch.StallWatch(tmp_path, stall_s=0)
   sw.start({0: os.getpid()})
