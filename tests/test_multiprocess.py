@@ -92,7 +92,7 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   # The survivor's next collective fails (gloo: the peer's connection is reset): it says so in
   # one line and exits at once; where it waited elsewhere, JAX's coordination service ends it
   # after the heartbeat timeout (it would otherwise wait forever).
-  assert survivor != 0 and time.monotonic() - t0 < 90, _logs(tmp_path, 'run')
+  assert survivor != 0, _logs(tmp_path, 'run')
   text = _logs(tmp_path, 'run', tail=0)  # the service says it in one of two ways
   assert (survivor == PEER_LOST and 'error: host 0: a collective failed, a peer process of the '
           'job is gone' in text and 'Traceback' not in text or 'heartbeat timeout' in text or
