@@ -62,7 +62,7 @@ def test_divergence_ends_the_run_at_a_non_finite_loss_without_counting_that_step
   stop = hook.after_step(_record(4, math.nan))
   assert stop.steps_done == 4 and 'the training loss is not finite (nan) at step 4' in stop.message
   # Step 3 was the last seen finite: no snapshot of a step <= 3 (only 10): nothing to go back to.
-  assert recorded == [{'step': 4, 'last_finite': 3, 'rollback_to': None}]
+  assert recorded == [{'diverged_at_step': 4, 'last_finite_step': 3, 'rollback_to': None}]
   assert 'before any snapshot of a step seen finite' in stop.message
   assert stop.message.endswith('(`fresh`)') and 'resume' not in stop.message
   report = Draft(Report)
@@ -77,14 +77,14 @@ def test_divergence_is_a_non_finite_gradient_norm_too_and_names_the_snapshot_to_
   assert hook.after_step(StepRecord(12, PLAN, {'loss': 3.0, 'grad_norm': 1.0}, 0.0)) is None
   stop = hook.after_step(StepRecord(13, PLAN, {'loss': 3.0, 'grad_norm': math.inf}, 0.0))
   assert 'the training gradient norm is not finite (inf) at step 13' in stop.message
-  assert recorded == [{'step': 13, 'last_finite': 12, 'rollback_to': 10}]
+  assert recorded == [{'diverged_at_step': 13, 'last_finite_step': 12, 'rollback_to': 10}]
   assert ('the newest snapshot before it is of step 10 (the last step seen finite: 12): go back '
           'to it with a lower learning rate, `resume lr=0.05`') in stop.message
   # A resumed start's first step diverging: its restored snapshot (5) is not gone back to.
   hook, recorded = _divergence(start_step=5, saved=(3, 5))
   stop = hook.after_step(StepRecord(5, PLAN, {'loss': math.nan, 'grad_norm': math.nan}, 0.0))
   assert 'loss and gradient norm are not finite (nan, nan) at step 5' in stop.message
-  assert recorded == [{'step': 5, 'last_finite': 4, 'rollback_to': 3}]
+  assert recorded == [{'diverged_at_step': 5, 'last_finite_step': 4, 'rollback_to': 3}]
 
 
 def test_hooks_run_in_order_until_one_stops_and_merge_their_report_keys():

@@ -64,7 +64,8 @@ class Inventory:
     self.per_block = []  # snapshots of the per-block layout passed over: none here
     self.set_aside = []  # snapshots that failed their checks, set aside: none here
 
-  def restore_latest(self, target):
+  def restore_latest(self, target, at_most=None):
+    assert at_most is None  # a resume of a run that did not diverge
     choice = choose(self.held, self.slots, self.durable)
     if choice is None:
       return None

@@ -40,7 +40,8 @@ def test_a_diverged_run_resumed_with_a_lower_lr_goes_back_before_the_divergence(
   first = report(out)
   step = first['diverged_at_step']
   diverged = _run_state(out)['diverged']
-  assert diverged == {'step': step, 'last_finite': step - 1, 'rollback_to': step - 1}
+  assert diverged == {'diverged_at_step': step, 'last_finite_step': step - 1,
+                      'rollback_to': step - 1}
   # Snapshot `step` (saved after step-1, finite) exists but its own step was not finite.
   assert step in first['snapshots']['retained_steps'], first['snapshots']
   line = _diverged_line(caplog)
@@ -88,7 +89,8 @@ def test_a_run_diverged_before_any_snapshot_says_so_and_its_resume_starts_nothin
   line = _diverged_line(caplog)
   assert 'before any snapshot of a step seen finite, so there is nothing to go back to' in line
   assert '--resume' not in line and '--fresh' in line, line
-  assert _run_state(out)['diverged'] == {'step': 1, 'last_finite': 0, 'rollback_to': None}
+  assert _run_state(out)['diverged'] == {'diverged_at_step': 1, 'last_finite_step': 0,
+                                         'rollback_to': None}
   before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
   assert cli.main(['--out', str(out), '--resume', 'optimizer.lr=1e-3']) == BAD_INPUT
   [error] = error_lines(capsys.readouterr().err)

@@ -143,7 +143,7 @@ def no_failure_note(cfg: Config, n_slices: int, steps_done: int, applied: list) 
 
 def summary(report: dict, out_dir: Path) -> str:
   """The one line a run ends with (also under --quiet)."""
-  ppl, diverged = report['eval_perplexity'], report['diverged_at_step']
+  ppl, diverged = report['eval_perplexity'], report.get('diverged_at_step')
   head = (f"done: {report['steps']} steps" if report['stopped'] is None else  # trained them all
           f"stopped: {report['steps']} of {report['config']['train']['steps']} steps")
   final = _num(report['final_loss']) if diverged is None else f'not finite at step {diverged}'

@@ -123,7 +123,7 @@ class Divergence(Hook):
 
   @property
   def diverged_at(self) -> int | None:
-    return self.diverged and self.diverged['step']
+    return self.diverged and self.diverged['diverged_at_step']
 
   def after_step(self, record: StepRecord) -> StopRun | None:
     values = record.values or {}
@@ -135,7 +135,7 @@ class Divergence(Hook):
     # The state after the last step seen finite is finite (its gradients were), but the loss
     # of its own next step was not seen: a rollback goes to a snapshot of a step <= it.
     target = self.saved(self.last_finite) if self.last_finite >= 0 else None
-    self.diverged = {'step': record.step, 'last_finite': max(self.last_finite, -1),
+    self.diverged = {'diverged_at_step': record.step, 'last_finite_step': self.last_finite,
                      'rollback_to': target}
     self.on_diverged(self.diverged)
     rollback, fresh = self.hints(self.lr)

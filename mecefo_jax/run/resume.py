@@ -70,7 +70,7 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
   times = {} if times is None else times
   if resume:
     t0 = time.perf_counter()
-    bound = diverged['last_finite'] if diverged else None
+    bound = diverged['last_finite_step'] if diverged else None
     restored = snapshots and recovery.restore(snapshots, cfg, presence.mesh, at_most=bound)
     if restored:
       jax.block_until_ready(restored[1])
@@ -107,8 +107,8 @@ def _resumed(restored: tuple, out_dir: Path, rollback: Rollback | None) -> Start
 
 def _rollback(diverged: dict, restored: tuple, snapshots) -> Rollback:
   """The rollback a resume of a diverged run made, said in one line."""
-  back = Rollback(diverged['step'], diverged['last_finite'], restored[0],
-                  list(snapshots.discarded))
+  back = Rollback(**{k: v for k, v in diverged.items() if k != 'rollback_to'},
+                  to_step=restored[0], discarded=list(snapshots.discarded))
   log.warning('the run diverged at step %d: went back to the %s, the newest snapshot of a step '
               '<= %d (the last step seen with a finite loss and gradient norm)%s',
               back.diverged_at_step, restored[3], back.last_finite_step,
@@ -128,12 +128,12 @@ def same_optimizer(rollback: Rollback, changed: dict) -> None:
 
 def _nothing_before(diverged: dict, out_dir: Path, snapshots) -> str:
   """The refusal of a resume of a run that diverged before any snapshot it can go back to."""
-  last = diverged['last_finite']
+  last = diverged['last_finite_step']
   seen = (f'before any snapshot of a step <= {last} (the last step seen with a finite loss and '
           f'gradient norm) was kept' if last >= 0 else
           'at its first step, before any step trained with a finite loss')
   off = ' (snapshots are off)' if not snapshots else ''
-  return (f'{hints.flag("--resume")}: the run in {out_dir} diverged at step {diverged["step"]} '
+  return (f'{hints.flag("--resume")}: the run in {out_dir} diverged at step {diverged["diverged_at_step"]} '
           f'{seen}{off}, so there is no snapshot to go back to; nothing was started. Start it '
           f'anew with a lower optimizer.lr or more optimizer.warmup_steps: {hints.fresh(out_dir)}')
 

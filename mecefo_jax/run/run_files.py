@@ -70,7 +70,7 @@ class RunFiles:
 
   def diverged(self, diverged: dict) -> None:
     """The run diverged (run/hooks.Divergence): a resume goes back to a snapshot of a step <=
-    diverged['last_finite'] (run_state.json; the resume's own start drops it)."""
+    diverged['last_finite_step'] (run_state.json; the resume's own start drops it)."""
     self.carried['diverged'] = diverged
 
   def start(self) -> None:
