@@ -1,12 +1,14 @@
 """The run directory: a run's identity, its files, what a fresh start clears (lock: dir_lock.py).
 
 Files of a run directory (all written by process 0):
-  run_state.json  status, run id, config, slice/host counts (what a resume reads first)
+  run_state.json  status, run id, config, slice/host counts, a divergence (what a resume
+                  reads first)
   failures.txt    the failure history of the state the run holds now, as a replayable trace
                   (cut back to the restored step when steps are trained again)
   failure_trace.txt  the run's own copy of the trace it was started with (--failures
                   trace:PATH), read at a resume: PATH may have moved since
-  history.jsonl   append-only: every start, stop, end, failure event and steps thrown away
+  history.jsonl   append-only: every start, stop, end, failure event and steps thrown away,
+                  a divergence, the settings a resume changed and the rollback it made
   .reached        the number of steps trained so far (rewritten each step: steps lost in a crash)
   stop_request    asks the job to stop after its current step (run/stop.py; the supervisor's)
   metrics.jsonl, report.json, training.png, tb/  the run's outputs (run/metrics.py, run/plot.py)
