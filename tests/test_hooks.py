@@ -204,3 +204,28 @@ def test_evals_run_where_the_plan_has_one_unless_the_run_stops_and_once_more_at_
   hook.last_step = 5
   hook.at_end(0.0, stopped=None)  # a final eval after a step without one
   assert [r['step'] for r in emitted] == [5] and emitted[0]['loss'] == 1.0
+
+
+def test_the_snapshot_to_go_back_to_is_listed_or_in_flight_never_a_step_not_saved(tmp_path):
+  """SnapshotSaver.newest: the tiers' steps and the save just started (not listed yet), <= the
+  bound; a step whose save was not due (nothing started) is no snapshot."""
+  tier = types.SimpleNamespace(steps=lambda: [4, 2])
+
+  class Tiers:
+    tiers, durable = [tier], None
+
+    def due(self, steps):
+      return steps % 2 == 0
+
+    def maybe_save(self, steps, state, meta, stop=False):
+      return ('memory',) if self.due(steps) or stop else ()
+
+    def where(self, steps, started):
+      return [f'{t} {steps}' for t in started]
+
+  saver = SnapshotSaver(Tiers(), state=lambda: None, meta=lambda n: {},
+                        records=RunRecords(tmp_path, enabled=False), resume_hint='')
+  saver.save(6)  # started, in flight: not listed yet
+  saver.save(7)  # not due: nothing saved
+  assert [saver.newest(b) for b in (1, 3, 5, 7)] == [None, 2, 4, 6]
+  assert SnapshotSaver(None, lambda: None, lambda n: {}, None, '').newest(9) is None

@@ -147,6 +147,7 @@ def summary(report: dict, out_dir: Path) -> str:
   head = (f"done: {report['steps']} steps" if report['stopped'] is None else  # trained them all
           f"stopped: {report['steps']} of {report['config']['train']['steps']} steps")
   final = _num(report['final_loss']) if diverged is None else f'not finite at step {diverged}'
-  return (f"{head}, loss {_num(report['first_loss'])} -> {final}, eval {_num(report['eval_loss'])} (perplexity "
-          f"{'n/a' if ppl is None else f'{ppl:.3f}'}; entropy floor {_num(report['entropy_floor'])})"
+  return (f"{head}, loss {_num(report['first_loss'])} -> {final}, eval "
+          f"{_num(report['eval_loss'])} (perplexity {'n/a' if ppl is None else f'{ppl:.3f}'}; "
+          f"entropy floor {_num(report['entropy_floor'])})"
           f" in {report['wall_s']:.1f}s, {report['tokens_per_s']:.0f} tok/s; outputs in {out_dir}")

@@ -83,7 +83,8 @@ class SnapshotSaver(Hook):
     if not sn:
       return None
     tiers = getattr(sn, 'tiers', None)  # one process's SnapshotManager lists them
-    steps = ({s for tier in tiers for s in tier.steps()} | {self._saved[0]} if tiers else
+    in_flight = {max(self._saved_steps, default=None)}  # maybe not written yet
+    steps = ({s for tier in tiers for s in tier.steps()} | in_flight if tiers else
              self._saved_steps | {restored})
     return max((s for s in steps if s is not None and s <= bound), default=None)
 
