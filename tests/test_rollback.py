@@ -6,9 +6,9 @@ import math
 import re
 import shlex
 
+from mecefo_jax.config import load_config
 from mecefo_jax.run import cli, ending, rundir
 from mecefo_jax.run.exits import BAD_INPUT, DIVERGED
-from mecefo_jax.config import load_config
 from procs import TINY, error_lines, report
 
 # Every step fetched and snapshotted: the last step seen finite is the one before the divergence.
@@ -31,11 +31,12 @@ def test_a_diverged_run_resumed_with_a_lower_lr_goes_back_before_the_divergence(
   """lr=300 on this tiny model: a finite loss whose gradient norm is NaN (the state after that
   step would be NaN: never saved). The resume hint's command with a lower optimizer.lr (a key
   whose setting allows it) restores the snapshot of the last step seen finite, takes the newer
-  one out of the run, records what changed, and trains to the end. (The hint's lr/10 diverges
-  again here: at lr=300 this model is wrecked within 3 steps, so the test goes to 1e-3.)"""
+  ones (in both tiers) out of the run, records what changed, and trains to the end. (The
+  hint's lr/10 diverges again here: at lr=300 this model is wrecked within 3 steps, so the test
+  goes to 1e-3.)"""
   out, shm = tmp_path / 'run', tmp_path / 'shm'
   caplog.set_level(logging.INFO, 'mecefo')
-  argv = ['--out', str(out), f'snapshot.dir={shm}', *RUN]
+  argv = ['--out', str(out), f'snapshot.dir={shm}', 'snapshot.durable_every=1', *RUN]
   assert cli.main([*argv, 'optimizer.lr=300']) == DIVERGED
   first = report(out)
   step = first['diverged_at_step']
@@ -61,9 +62,13 @@ def test_a_diverged_run_resumed_with_a_lower_lr_goes_back_before_the_divergence(
   result = report(out)
   assert result['diverged_at_step'] is None and result['steps'] == 30
   assert result['resumed_from_step'] == step - 1
+  run_id = _run_id(out)
+  # Both tiers held `step`: the in-memory one is deleted, the durable one set aside (kept).
+  discarded = [f'in-memory snapshot {shm}/{run_id}/{step}',
+               f'durable checkpoint {out}/checkpoints/{run_id}/{step}']
   assert result['rollback'] == {'diverged_at_step': step, 'last_finite_step': step - 1,
-                                'to_step': step - 1,
-                                'discarded': [f'in-memory snapshot {shm}/{_run_id(out)}/{step}']}
+                                'to_step': step - 1, 'discarded': discarded}
+  assert list((out / 'checkpoints' / 'set_aside' / run_id).glob(f'{step}-*/{step}'))
   assert result['changed_on_resume'] == {'optimizer.lr': [300.0, 0.001]}
   assert all(loss is not None and math.isfinite(loss) for _, loss in result['losses'][step:])
   assert 'diverged' not in _run_state(out)  # a later restart resumes the new timeline
