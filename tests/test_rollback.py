@@ -7,7 +7,7 @@ import re
 import shlex
 
 from mecefo_jax.config import load_config
-from mecefo_jax.run import cli, ending, rundir
+from mecefo_jax.run import cli, ending, resume, rundir
 from mecefo_jax.run.exits import BAD_INPUT, DIVERGED
 from procs import TINY, error_lines, report
 
@@ -127,3 +127,19 @@ def test_no_failure_note_where_a_failure_was_applied_or_none_was_asked_for():
   assert ending.no_failure_note(high, 2, 3, [{'step': 1, 'slice': 0, 'kind': 'fail'}]) is None
   assert ending.no_failure_note(none, 2, 3, []) is None
   assert ending.no_failure_note(high, 2, 3, []) is not None
+
+
+def test_going_back_with_the_optimizer_it_diverged_with_is_a_warning(caplog):
+  back = resume.Rollback(diverged_at_step=9, last_finite_step=8, to_step=5, discarded=[])
+  resume.same_optimizer(back, {'optimizer.warmup_steps': [20, 100]})
+  assert not caplog.messages
+  resume.same_optimizer(back, {'train.log_every': [10, 1]})
+  [line] = caplog.messages
+  assert line.startswith('the run goes back to step 5 with the optimizer settings it diverged '
+                         'with at step 9: it will likely diverge again'), line
+
+
+def test_a_run_diverged_at_its_first_step_without_snapshots_says_both(tmp_path):
+  line = resume._nothing_before({'diverged_at_step': 0, 'last_finite_step': -1}, tmp_path, None)
+  assert (f'the run in {tmp_path} diverged at step 0, its first step (snapshots are off), so '
+          'there is no snapshot to go back to; nothing was started') in line

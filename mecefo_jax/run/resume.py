@@ -129,13 +129,13 @@ def same_optimizer(rollback: Rollback, changed: dict) -> None:
 def _nothing_before(diverged: dict, out_dir: Path, snapshots) -> str:
   """The refusal of a resume of a run that diverged before any snapshot it can go back to."""
   last = diverged['last_finite_step']
-  seen = (f'before any snapshot of a step <= {last} (the last step seen with a finite loss and '
-          f'gradient norm) was kept' if last >= 0 else
-          'at its first step, before any step trained with a finite loss')
+  seen = (f' before any snapshot of a step <= {last} (the last step seen with a finite loss '
+          f'and gradient norm) was kept' if last >= 0 else ', its first step')
   off = ' (snapshots are off)' if not snapshots else ''
-  return (f'{hints.flag("--resume")}: the run in {out_dir} diverged at step {diverged["diverged_at_step"]} '
-          f'{seen}{off}, so there is no snapshot to go back to; nothing was started. Start it '
-          f'anew with a lower optimizer.lr or more optimizer.warmup_steps: {hints.fresh(out_dir)}')
+  return (f'{hints.flag("--resume")}: the run in {out_dir} diverged at step '
+          f'{diverged["diverged_at_step"]}{seen}{off}, so there is no snapshot to go back to; '
+          f'nothing was started. Start it anew with a lower optimizer.lr or more '
+          f'optimizer.warmup_steps: {hints.fresh(out_dir)}')
 
 
 def _none_intact(set_aside: list[str]) -> str:
