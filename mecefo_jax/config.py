@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mecefo_jax.files import read_user_text, read_yaml
-from mecefo_jax.settings import Rule, leaves, markdown as settings_markdown, setting
+from mecefo_jax.settings import (KEPT, MAY_CHANGE, MAY_GROW, Rule, leaves,
+                                 markdown as settings_markdown, setting)
 
 # Value sets that other modules import; the fields below refer to them (their one declaration).
 # Takeover policies (mecefo_jax/core/takeover.py plans each).
@@ -68,7 +69,8 @@ class ModelConfig:
       'auto', 'activations and matmuls; auto = bfloat16 on TPU/GPU, float32 on CPU (its bfloat16 '
       'matmuls are emulated, slower), resolved by resolve_compute_dtype where the backend is '
       'known (the resolved value is in the log, `report.json` and `run_state.json`)',
-      choices=('auto', *COMPUTE_DTYPES))
+      choices=('auto', *COMPUTE_DTYPES),
+      on_resume=MAY_CHANGE)
   param_dtype: str = setting('float32', 'stored parameters and optimizer state',
                              choices=('float32', 'bfloat16'))
 
@@ -112,10 +114,13 @@ class MeCeFOConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-  lr: float = setting(3e-3, 'AdamW peak learning rate', within='(0, inf)')
-  warmup_steps: int = setting(20, 'linear warmup steps', within='>= 0')
+  lr: float = setting(3e-3, 'AdamW peak learning rate', within='(0, inf)',
+                      on_resume=MAY_CHANGE)
+  warmup_steps: int = setting(20, 'linear warmup steps', within='>= 0',
+                              on_resume=MAY_CHANGE)
   min_lr_ratio: float = setting(0.1, 'cosine decay to `lr` × `min_lr_ratio` at `train.steps`',
-                                within='[0, 1]')
+                                within='[0, 1]',
+                                on_resume=MAY_CHANGE)
   b1: float = setting(0.9, 'AdamW β1', within='[0, 1)')
   b2: float = setting(0.95, 'AdamW β2', within='[0, 1)')
   eps: float = setting(1e-8, 'AdamW ε', within='[0, inf)')
@@ -126,35 +131,44 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-  steps: int = setting(200, 'training steps', within='>= 1')
+  steps: int = setting(200, 'training steps', within='>= 1',
+                       on_resume=MAY_GROW)
   micro_batch: int = setting(8, 'sequences per slice per step; global batch = slices × '
                              'micro_batch', within='>= 1')
   # jax.random.PRNGKey takes a signed 64-bit seed.
   seed: int = setting(0, 'seed of the init, the data order and the failure presets',
                       within='[0, 2**63)')
   log_every: int = setting(10, 'steps between metrics rows / log lines (the last step '
-                           'trained, a stopped run\'s too, is always logged)', within='>= 1')
+                           'trained, a stopped run\'s too, is always logged)', within='>= 1',
+                           on_resume=MAY_CHANGE)
   out_dir: str = setting(DEFAULT_OUT, 'run directory (`--out`); a new run here replaces a '
-                         'finished one (README: Snapshots)')
+                         'finished one (README: Snapshots)',
+                         on_resume=MAY_CHANGE)
   data: str = setting('synthetic', 'synthetic | tokens:DIR (prepared) | text:PATH | pydoc | '
                       'tokens:FILE.npy | tokens:FILE?dtype=uint16 | hf:NAME (`--data`; checked '
                       'by data/sources.py)')
   eval_every: int = setting(100, 'held-out eval every N steps and at the end; 0 = only at the '
-                            'end', within='>= 0')
+                            'end', within='>= 0',
+                            on_resume=MAY_CHANGE)
   eval_batches: int = setting(4, 'batches per eval, each live slices × `micro_batch` sequences',
-                              within='>= 1')
+                              within='>= 1',
+                              on_resume=MAY_CHANGE)
   plot: bool = setting(True, 'write `training.png` at the end of the run (python -m '
-                       'mecefo_jax.run.plot)')
+                       'mecefo_jax.run.plot)',
+                       on_resume=MAY_CHANGE)
   compile_cache: str = setting(
       '~/.cache/mecefo-jax/xla', 'directory of the program store of `train.py` (step/program_store.py; '
       '`programs/` in it; \'\' = off; `JAX_COMPILATION_CACHE_DIR` takes precedence): restarts '
-      'and new runs load their programs instead of compiling them')
+      'and new runs load their programs instead of compiling them',
+      on_resume=MAY_CHANGE)
   program_store_mb: int = setting(4096, 'size limit of the program store (least recently used '
-                                  'evicted first)')
+                                  'evicted first)',
+                                  on_resume=MAY_CHANGE)
   move_programs: str = setting(
       'auto', 'a program compiled for one set of slices is moved onto other sets of the same '
       'shape instead of compiled again (step/retarget.py): auto = on where its start-up probe '
-      'passes, off on TPU; never compiles per set, always moves on TPU too', choices=AUTO_MODES)
+      'passes, off on TPU; never compiles per set, always moves on TPU too', choices=AUTO_MODES,
+      on_resume=MAY_CHANGE)
 
 
 @dataclass(frozen=True)
@@ -187,31 +201,43 @@ class FaultConfig:
       'likeliest first (compile new shapes, move the others): auto = on for GPU/TPU, off on CPU '
       '(it would take the step\'s cores) but for a job of several processes; with several '
       'processes: compiles into the program store, after the first step, the programs of the '
-      'job that restarts after each host\'s death (once per shape)', choices=AUTO_MODES)
+      'job that restarts after each host\'s death (once per shape)', choices=AUTO_MODES,
+      on_resume=MAY_CHANGE)
   precompile_max: int = setting(64, 'most programs kept built ahead of need; 0 = no limit',
-                                within='>= 0')
+                                within='>= 0',
+                                on_resume=MAY_CHANGE)
 
 
 @dataclass(frozen=True)
 class SnapshotConfig:
-  enabled: bool = setting(True, 'in-memory snapshots and durable checkpoints (`--no-snapshots`)')
+  enabled: bool = setting(True, 'in-memory snapshots and durable checkpoints (`--no-snapshots`)',
+                          on_resume=MAY_CHANGE)
   dir: str = setting('', 'in-memory tier; \'\' = `/dev/shm/mecefo/<run name>` (tmpfs: '
-                     'outlives the trainer)')
+                     'outlives the trainer)',
+                     on_resume=MAY_CHANGE)
   every: int | str = setting(
       1, 'steps between in-memory snapshots, or auto: the smallest interval whose measured cost '
       'stays within `overhead_budget` of the step time (snapshot/interval.py), at most '
-      '`max_every`', within='>= 1', also=('auto',))
+      '`max_every`', within='>= 1', also=('auto',),
+      on_resume=MAY_CHANGE)
   overhead_budget: float = setting(0.01, '`every=auto`: the share of step time snapshots may '
-                                   'take', within='(0, 1)')
+                                   'take', within='(0, 1)',
+                                   on_resume=MAY_CHANGE)
   max_every: int = setting(100, '`every=auto`: the largest interval (the steps a crash may '
-                           'cost)', within='>= 1')
-  keep: int = setting(2, 'in-memory snapshots kept (in a job of several processes at least 3 per host: their saves finish out of step)', within='>= 1')
+                           'cost)', within='>= 1',
+                           on_resume=MAY_CHANGE)
+  keep: int = setting(2, 'in-memory snapshots kept (in a job of several processes at least 3 per host: their saves finish out of step)', within='>= 1',
+                      on_resume=MAY_CHANGE)
   durable_dir: str = setting('', 'durable Orbax tier (local dir or bucket); \'\' = '
-                             '`<out_dir>/checkpoints`')
-  durable_every: int = setting(100, 'steps between durable checkpoints; 0 = none', within='>= 0')
-  durable_keep: int = setting(3, 'durable checkpoints kept', within='>= 1')
+                             '`<out_dir>/checkpoints`',
+                             on_resume=MAY_CHANGE)
+  durable_every: int = setting(100, 'steps between durable checkpoints; 0 = none', within='>= 0',
+                               on_resume=MAY_CHANGE)
+  durable_keep: int = setting(3, 'durable checkpoints kept', within='>= 1',
+                              on_resume=MAY_CHANGE)
   keep_when_finished: bool = setting(False, 'keep the in-memory tier after a finished run (else '
-                                     'removed, freeing /dev/shm)')
+                                     'removed, freeing /dev/shm)',
+                                     on_resume=MAY_CHANGE)
 
 
 @dataclass(frozen=True)
@@ -324,6 +350,16 @@ def _rules() -> dict[str, Rule]:
 def rule_of(key: str) -> Rule:
   """The declared rule of the config key `key`, e.g. 'faults.failures'."""
   return _rules()[key]
+
+
+def resume_may_change(key: str, before, after) -> bool:
+  """Whether a --resume may change config key `key` from `before` to `after`, as its setting
+  declares (`on_resume`); a key this version does not know may not change."""
+  rule = _rules().get(key)
+  on_resume = rule.on_resume if rule else KEPT
+  if on_resume == MAY_GROW:
+    return before is None or (after is not None and after >= before)
+  return on_resume == MAY_CHANGE
 
 
 def check_setting(key: str, value, error: type[ValueError] = ConfigError) -> None:

@@ -7,6 +7,10 @@ import typing
 from dataclasses import dataclass
 
 RULE = 'mecefo_rule'  # the key of a setting's Rule in its dataclass field's metadata
+# What a --resume may do to a setting (run/rundir.py checks it): keep it (the default), change
+# it (the state carries over and the change is recorded), or only raise it (train.steps).
+KEPT, MAY_CHANGE, MAY_GROW = 'kept', 'may change', 'may grow'
+ON_RESUME = (KEPT, MAY_CHANGE, MAY_GROW)
 
 
 def _number(text: str) -> float:
@@ -59,6 +63,7 @@ class Rule:
   bounds: Bounds | None = None
   also: tuple = ()  # values allowed outside `bounds`, e.g. -1 or 'auto'
   hint: str = ''  # what refusals add in parentheses, e.g. '0 disables clipping'
+  on_resume: str = KEPT  # whether a --resume may change it: KEPT, MAY_CHANGE or MAY_GROW
 
   def allowed(self) -> str:
     """What the setting accepts, as refusals and docs/config.md say it; '' = any value."""
@@ -89,12 +94,16 @@ class Rule:
 
 
 def setting(default, doc: str, *, choices: typing.Iterable = (), forms: typing.Iterable = (),
-            within: str | None = None, also: typing.Iterable = (), hint: str = ''):
+            within: str | None = None, also: typing.Iterable = (), hint: str = '',
+            on_resume: str = KEPT):
   """A config field: its default, what it is for (`doc`) and what it accepts beyond its type:
   `choices` (and `forms` like 'trace:PATH'), or `within` bounds ('[0, 1)', '>= 1') and `also`
-  values outside them; `hint`: the note a refusal adds. The one place a rule is written."""
+  values outside them; `hint`: the note a refusal adds; `on_resume`: whether a --resume may
+  change it (KEPT, MAY_CHANGE, MAY_GROW). The one place a rule is written."""
+  if on_resume not in ON_RESUME:
+    raise ValueError(f'on_resume must be one of {ON_RESUME}, got {on_resume!r}')
   bounds = Bounds.parse(within) if within else None
-  rule = Rule(doc, tuple(choices), tuple(forms), bounds, tuple(also), hint)
+  rule = Rule(doc, tuple(choices), tuple(forms), bounds, tuple(also), hint, on_resume)
   if not rule.admits(default):
     raise ValueError(f'default {default!r} breaks its own rule: {rule.allowed()}')
   return dataclasses.field(default=default, metadata={RULE: rule})
@@ -124,10 +133,12 @@ def _cell(text: str) -> str:
 
 
 def markdown(cfg) -> str:
-  """A markdown table of every setting of `cfg`: key, type, default, allowed values, doc."""
-  lines = ['| key | type | default | allowed | doc |', '|---|---|---|---|---|']
+  """A markdown table of every setting of `cfg`: key, type, default, allowed values, whether a
+  resume may change it, doc."""
+  lines = ['| key | type | default | allowed | on resume | doc |',
+           '|---|---|---|---|---|---|']
   for key, value, typ, rule in leaves(cfg):
     allowed = rule.allowed() + (f' ({rule.hint})' if rule.hint else '')  # '': any value
     lines.append(f'| `{key}` | {_cell(type_name(typ))} | `{value!r}` | {_cell(allowed)} | '
-                 f'{_cell(rule.doc)} |')
+                 f'{rule.on_resume} | {_cell(rule.doc)} |')
   return '\n'.join(lines)

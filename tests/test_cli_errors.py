@@ -237,7 +237,7 @@ def test_a_diverged_run_stops_with_one_line_and_keeps_only_finite_snapshots(tmp_
   out, shm = tmp_path / 'run', tmp_path / 'shm'
   proc = _main(capsys, '--out', out, 'optimizer.lr=1e9', 'optimizer.warmup_steps=0',
                'train.steps=20', 'snapshot.every=1', f'snapshot.dir={shm}', *RUN)
-  lines = [r for r in caplog.messages if 'the training loss is not finite' in r]
+  lines = [r for r in caplog.messages if 'the training loss and gradient norm are not finite' in r]
   assert proc.returncode == 4 and len(lines) == 1, caplog.text[-2000:]
   report = json.loads((out / 'report.json').read_text())  # strict JSON (json.loads allows NaN)
   step = report['diverged_at_step']

@@ -9,7 +9,8 @@ import pytest
 
 from mecefo_jax import config
 from mecefo_jax.config import Config, ConfigError, load_config
-from mecefo_jax.settings import leaves, setting
+from mecefo_jax.run import rundir
+from mecefo_jax.settings import MAY_CHANGE, MAY_GROW, leaves, setting
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 class DummyConfig:
   level: str = setting('low', 'a dummy choice', choices=('low', 'high'))
   ratio: float = setting(0.5, 'a dummy fraction', within='(0, 1)', hint='a share')
-  every: int | str = setting(2, 'a dummy count, or auto', within='>= 1', also=('auto',))
+  every: int | str = setting(2, 'a dummy count, or auto', within='>= 1', also=('auto',),
+                             on_resume=MAY_CHANGE)
   source: str = setting('none', 'a dummy spec', choices=('none',), forms=('file:PATH',))
+  size: int = setting(1, 'a dummy size', within='>= 1', on_resume=MAY_GROW)
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ def test_a_rule_declared_on_its_field_is_parsed_checked_and_documented(monkeypat
   monkeypatch.setattr(config, 'Config', WiderConfig)
   cfg = load_config(None, ['dummy.level=high', 'dummy.ratio=25e-2', 'dummy.every=auto',
                            'dummy.source=file:x.txt'])
-  assert cfg.dummy == DummyConfig('high', 0.25, 'auto', 'file:x.txt')
+  assert cfg.dummy == DummyConfig('high', 0.25, 'auto', 'file:x.txt', 1)
   assert load_config(None, ['dummy.every=3']).dummy.every == 3
   (tmp_path / 'c.yaml').write_text('dummy: {ratio: 3e-1}\n')  # PyYAML reads 3e-1 as a string
   assert load_config(tmp_path / 'c.yaml').dummy.ratio == 0.3
@@ -57,8 +60,34 @@ def test_a_rule_declared_on_its_field_is_parsed_checked_and_documented(monkeypat
   for override, message in refusals.items():
     assert _refusal([override]) == message
   assert _refusal(['dummy.nope=1']).startswith("unknown config key 'dummy.nope'; allowed: ")
-  assert ("| `dummy.every` | int \\| str | `2` | >= 1 or 'auto' | a dummy count, or auto |"
-          in config.markdown().splitlines())
+  assert ("| `dummy.every` | int \\| str | `2` | >= 1 or 'auto' | may change | a dummy count, "
+          "or auto |" in config.markdown().splitlines())
+
+
+def test_a_resume_may_change_only_the_keys_whose_setting_says_so(monkeypatch):
+  """on_resume, declared on the dummy fields above, is what the resume check reads."""
+  monkeypatch.setattr(config, 'Config', WiderConfig)
+  config._rules.cache_clear()  # the declarations are read once
+  try:
+    run = config.to_dict(load_config(None, []))
+    changed = config.to_dict(load_config(None, ['dummy.every=5', 'dummy.size=3',
+                                                'optimizer.lr=1e-4']))
+    assert rundir._check_same_config(run, changed) == {
+        'dummy.every': [2, 5], 'dummy.size': [1, 3], 'optimizer.lr': [3e-3, 1e-4]}
+    refused = ((run, 'dummy.level=high', "dummy.level ('low' -> 'high')"),
+               (run, 'optimizer.b1=0.8', 'optimizer.b1 (0.9 -> 0.8)'),
+               (changed, 'dummy.size=2', 'dummy.size (3 -> 2)'))  # grows only
+    for recorded, override, diff in refused:
+      given = config.to_dict(load_config(None, ['dummy.every=5', override]))
+      with pytest.raises(ConfigError, match=re.escape(f'resume with a changed config: {diff};')):
+        rundir._check_same_config(recorded, given)
+  finally:
+    config._rules.cache_clear()
+
+
+def test_on_resume_takes_one_of_its_three_values():
+  with pytest.raises(ValueError, match='on_resume must be one of'):
+    setting(1, 'a count', on_resume='sometimes')
 
 
 def test_every_key_has_a_doc_and_a_default_its_rule_admits():

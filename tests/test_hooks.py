@@ -47,15 +47,44 @@ def test_a_hook_that_is_no_hook_is_refused_before_anything_is_built(tmp_path):
   assert not (tmp_path / 'run').exists()
 
 
+def _divergence(start_step: int = 0, saved=(10,)):
+  """A Divergence hook whose tiers hold snapshots of steps `saved`; what it records."""
+  recorded = []
+  hook = Divergence(start_step, lambda bound: max((s for s in saved if s <= bound), default=None),
+                    lambda lr: (f'`resume lr={lr / 10:g}`', '`fresh`'), 0.5, recorded.append)
+  return hook, recorded
+
+
 def test_divergence_ends_the_run_at_a_non_finite_loss_without_counting_that_step():
-  hook = Divergence('`python train.py --fresh`')
+  hook, recorded = _divergence()
   assert hook.after_step(_record(3, None)) is None  # not fetched: nothing to judge
   assert hook.after_step(_record(3, 2.0)) is None
   stop = hook.after_step(_record(4, math.nan))
-  assert stop.steps_done == 4 and 'not finite (nan) at step 4' in stop.message
+  assert stop.steps_done == 4 and 'the training loss is not finite (nan) at step 4' in stop.message
+  # Step 3 was the last seen finite: no snapshot of a step <= 3 (only 10): nothing to go back to.
+  assert recorded == [{'diverged_at_step': 4, 'last_finite_step': 3, 'rollback_to': None}]
+  assert 'before any snapshot of a step seen finite' in stop.message
+  assert stop.message.endswith('(`fresh`)') and 'resume' not in stop.message
   report = Draft(Report)
   hook.report(RunEnd(4, 1.0, stop.message), report)
   assert report.diverged_at_step == 4
+
+
+def test_divergence_is_a_non_finite_gradient_norm_too_and_names_the_snapshot_to_go_back_to():
+  """A finite loss with an inf gradient norm: that step's update would make the state NaN. The
+  snapshot to go back to is of a step <= the last step seen finite (12): 10, not 13."""
+  hook, recorded = _divergence(start_step=5, saved=(10, 13))
+  assert hook.after_step(StepRecord(12, PLAN, {'loss': 3.0, 'grad_norm': 1.0}, 0.0)) is None
+  stop = hook.after_step(StepRecord(13, PLAN, {'loss': 3.0, 'grad_norm': math.inf}, 0.0))
+  assert 'the training gradient norm is not finite (inf) at step 13' in stop.message
+  assert recorded == [{'diverged_at_step': 13, 'last_finite_step': 12, 'rollback_to': 10}]
+  assert ('the newest snapshot before it is of step 10 (the last step seen finite: 12): go back '
+          'to it with a lower learning rate, `resume lr=0.05`') in stop.message
+  # A resumed start's first step diverging: its restored snapshot (5) is not gone back to.
+  hook, recorded = _divergence(start_step=5, saved=(3, 5))
+  stop = hook.after_step(StepRecord(5, PLAN, {'loss': math.nan, 'grad_norm': math.nan}, 0.0))
+  assert 'loss and gradient norm are not finite (nan, nan) at step 5' in stop.message
+  assert recorded == [{'diverged_at_step': 5, 'last_finite_step': 4, 'rollback_to': 3}]
 
 
 def test_hooks_run_in_order_until_one_stops_and_merge_their_report_keys():
@@ -175,3 +204,28 @@ def test_evals_run_where_the_plan_has_one_unless_the_run_stops_and_once_more_at_
   hook.last_step = 5
   hook.at_end(0.0, stopped=None)  # a final eval after a step without one
   assert [r['step'] for r in emitted] == [5] and emitted[0]['loss'] == 1.0
+
+
+def test_the_snapshot_to_go_back_to_is_listed_or_in_flight_never_a_step_not_saved(tmp_path):
+  """SnapshotSaver.newest: the tiers' steps and the save just started (not listed yet), <= the
+  bound; a step whose save was not due (nothing started) is no snapshot."""
+  tier = types.SimpleNamespace(steps=lambda: [4, 2])
+
+  class Tiers:
+    tiers, durable = [tier], None
+
+    def due(self, steps):
+      return steps % 2 == 0
+
+    def maybe_save(self, steps, state, meta, stop=False):
+      return ('memory',) if self.due(steps) or stop else ()
+
+    def where(self, steps, started):
+      return [f'{t} {steps}' for t in started]
+
+  saver = SnapshotSaver(Tiers(), state=lambda: None, meta=lambda n: {},
+                        records=RunRecords(tmp_path, enabled=False), resume_hint='')
+  saver.save(6)  # started, in flight: not listed yet
+  saver.save(7)  # not due: nothing saved
+  assert [saver.newest(b) for b in (1, 3, 5, 7)] == [None, 2, 4, 6]
+  assert SnapshotSaver(None, lambda: None, lambda n: {}, None, '').newest(9) is None

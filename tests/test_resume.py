@@ -64,7 +64,8 @@ class Inventory:
     self.per_block = []  # snapshots of the per-block layout passed over: none here
     self.set_aside = []  # snapshots that failed their checks, set aside: none here
 
-  def restore_latest(self, target):
+  def restore_latest(self, target, at_most=None):
+    assert at_most is None  # a resume of a run that did not diverge
     choice = choose(self.held, self.slots, self.durable)
     if choice is None:
       return None
@@ -169,6 +170,7 @@ def test_an_explicit_resume_with_nothing_usable_is_one_line_and_starts_nothing(t
                    'train.compile_cache='])
   [line] = error_lines(capsys.readouterr().err)
   assert code == BAD_INPUT and 'no usable snapshot or checkpoint' in line, line
+  assert '(none was saved)' in line, line  # not 'none intact': none is damaged
   fresh = re.search(r'`(python train\.py [^`]*)`', line).group(1)
   assert fresh == hints.fresh(out).split('`')[1]
   assert files() == before  # no history line, no checkpoint folder, nothing removed

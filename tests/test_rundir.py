@@ -55,14 +55,18 @@ def test_resume_refuses_a_changed_config_naming_the_keys(tmp_path):
   run_id = rundir.check_start(tmp_path, cfg(), resume=False, replace=False)['run_id']
   rundir.write_run_state(tmp_path, 'stopped', run_id=run_id, config=to_dict(cfg()))
   with pytest.raises(ConfigError, match=r'^resume with a changed config: ') as err:
-    rundir.check_start(tmp_path, cfg('optimizer.lr=0.5', 'train.seed=3'), resume=True,
+    rundir.check_start(tmp_path, cfg('optimizer.b1=0.5', 'train.seed=3'), resume=True,
                        replace=False)
-  assert f'optimizer.lr ({cfg().optimizer.lr!r} -> 0.5), train.seed (0 -> 3);' in str(err.value)
+  assert f'optimizer.b1 ({cfg().optimizer.b1!r} -> 0.5), train.seed (0 -> 3);' in str(err.value)
   with pytest.raises(ConfigError, match=re.escape('train.steps (4 -> 3)')):  # shorter: refused
     rundir.check_start(tmp_path, cfg('train.steps=3'), resume=True, replace=False)
-  # Longer, and logging: safe; the run keeps its id.
-  assert rundir.check_start(tmp_path, cfg('train.steps=6', 'train.log_every=2'), resume=True,
-                            replace=False)['run_id'] == run_id
+  # Longer, logging, a lower learning rate: allowed (on_resume); the run keeps its id, and the
+  # changes are what the start records.
+  checked = rundir.check_start(tmp_path, cfg('train.steps=6', 'train.log_every=2',
+                                             'optimizer.lr=1e-4'), resume=True, replace=False)
+  assert checked['run_id'] == run_id
+  assert checked['changed'] == {'optimizer.lr': [cfg().optimizer.lr, 1e-4],
+                                'train.log_every': [10, 2], 'train.steps': [4, 6]}
   # In Python (a Trainer) the refusal names the Trainer's arguments; under train.py its flags.
   with pytest.raises(ConfigError, match='holds another run .stopped.; resume it with '
                                         'resume=True, replace it with replace=True, or pass '

@@ -161,8 +161,8 @@ def new_config(args) -> Config:
 def _config(args) -> tuple[Config, Path]:
   """The run's config and directory. A resume (--resume, or an unfinished run in --out) starts
   from the config recorded in run_state.json, so that only what is given changes (and only keys
-  safe to change: rundir.SAFE_ON_RESUME); a failure trace read from a run directory replays
-  that run's config (rundir.replay_base)."""
+  a resume may change: their settings' `on_resume`, config.py); a failure trace read from a
+  run directory replays that run's config (rundir.replay_base)."""
   from mecefo_jax.run import rundir
   if args.out and not args.fresh and not args.dry_run:
     recorded = rundir.read_run_state(Path(args.out))
@@ -392,5 +392,7 @@ def _train(args, run, out_dir: Path) -> int:
              report['samples'])
     log.info('plans: %d steps, digest %s', report['plans']['steps'], report['plans']['digest'])
     log.info('%s', ending.first_step(report['startup']))
+  if report['failures_note']:
+    log.warning('%s', report['failures_note'])  # the last line, under --quiet too
   code = ending.exit_code(report, run)
   return _interrupted() if code == INTERRUPTED else code

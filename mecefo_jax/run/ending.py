@@ -9,6 +9,8 @@ import threading
 
 from pathlib import Path
 
+from mecefo_jax.config import PRESETS, Config
+from mecefo_jax.core.failures import rate_scale
 from mecefo_jax.run.exits import (ALL_DOWN, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
                                   OUTPUTS_FAILING, PEER_LOST, STOPPED)
 
@@ -124,12 +126,28 @@ def _num(x) -> str:
   return 'n/a' if x is None else f'{x:.4f}'
 
 
+def no_failure_note(cfg: Config, n_slices: int, steps_done: int, applied: list) -> str | None:
+  """The line a run of a failure preset that applied no failure ends with (and report.json's
+  failures_note): what its steps covered against the preset's rate; None otherwise."""
+  f = cfg.faults
+  if f.failures not in PRESETS or applied:
+    return None
+  mean_h = PRESETS[f.failures][0] * rate_scale(f.rate, n_slices)
+  hours = steps_done * f.cluster_step_s / 3600
+  return (f'--failures {f.failures} produced no failure in this run: its {steps_done} steps at '
+          f'faults.cluster_step_s={f.cluster_step_s:g} cover {hours:.3g} simulated hours, and '
+          f'the preset fails one of its {n_slices} slice(s) every {mean_h:.3g} hours on average '
+          f'(faults.rate={f.rate}): {hours / mean_h:.2f} failures expected; train more steps or '
+          f'raise faults.cluster_step_s to see failures')
+
+
 def summary(report: dict, out_dir: Path) -> str:
   """The one line a run ends with (also under --quiet)."""
-  ppl = report['eval_perplexity']
+  ppl, diverged = report['eval_perplexity'], report.get('diverged_at_step')
   head = (f"done: {report['steps']} steps" if report['stopped'] is None else  # trained them all
           f"stopped: {report['steps']} of {report['config']['train']['steps']} steps")
-  return (f"{head}, loss {_num(report['first_loss'])} -> "
-          f"{_num(report['final_loss'])}, eval {_num(report['eval_loss'])} (perplexity "
-          f"{'n/a' if ppl is None else f'{ppl:.3f}'}; entropy floor {_num(report['entropy_floor'])})"
+  final = _num(report['final_loss']) if diverged is None else f'not finite at step {diverged}'
+  return (f"{head}, loss {_num(report['first_loss'])} -> {final}, eval "
+          f"{_num(report['eval_loss'])} (perplexity {'n/a' if ppl is None else f'{ppl:.3f}'}; "
+          f"entropy floor {_num(report['entropy_floor'])})"
           f" in {report['wall_s']:.1f}s, {report['tokens_per_s']:.0f} tok/s; outputs in {out_dir}")

@@ -72,6 +72,14 @@ def resume(out_dir: Path, n_hosts: int = 1) -> str:
   return f'`{_train("--out", out_dir, "--resume")}`'
 
 
+def rollback(out_dir: Path, lr: float, n_hosts: int = 1) -> str:
+  """How to resume the diverged run in `out_dir` with a tenth of its learning rate `lr`."""
+  lower = f'optimizer.lr={lr / 10:g}'
+  if launch_command() or n_hosts > 1:
+    return f'{resume(out_dir, n_hosts)} with {lower} added'
+  return f'`{_train("--out", out_dir, "--resume", lower)}`'
+
+
 def fresh(out_dir: Path) -> str:
   return f'`{_train("--out", out_dir, "--fresh")}` (with your flags)'
 

@@ -107,21 +107,50 @@ class ProgressMark(Hook):
 
 
 class Divergence(Hook):
-  """Ends the run at a non-finite training loss, before that step is saved anywhere."""
+  """Ends the run at a non-finite training loss or gradient norm, before that step is saved
+  anywhere; `diverged` then says where, and the last step seen finite (the rollback's bound).
 
-  def __init__(self, fresh_hint: str):
-    self.fresh_hint = fresh_hint
-    self.diverged_at: int | None = None
+  `start_step`: the first step of this start; `saved(bound)`: the newest step <= bound whose
+  snapshot this start saved or restored, or None; `hints`: (rollback, fresh) commands of
+  `lr`; `on_diverged(diverged)`: records it (run_state.json, history.jsonl)."""
+
+  def __init__(self, start_step: int, saved: Callable[[int], int | None],
+               hints: Callable[[float], tuple[str, str]], lr: float,
+               on_diverged: Callable[[dict], None] = lambda diverged: None):
+    self.saved, self.hints, self.lr, self.on_diverged = saved, hints, lr, on_diverged
+    self.last_finite = start_step - 1  # the restored snapshot's step was seen finite before
+    self.diverged: dict | None = None
+
+  @property
+  def diverged_at(self) -> int | None:
+    return self.diverged and self.diverged['diverged_at_step']
 
   def after_step(self, record: StepRecord) -> StopRun | None:
-    loss = record.values and record.values['loss']
-    if loss is None or math.isfinite(loss):
+    values = record.values or {}
+    bad = [(k, values[k]) for k in ('loss', 'grad_norm')
+           if values.get(k) is not None and not math.isfinite(values[k])]
+    if not bad:
+      self.last_finite = record.step if values else self.last_finite
       return None
-    self.diverged_at = record.step
-    message = (f'the training loss is not finite ({loss}) at step {record.step}: the run '
-               f'stopped without saving that step (the snapshots and checkpoints hold earlier '
-               f'steps); start anew with a lower optimizer.lr or more optimizer.warmup_steps '
-               f'({self.fresh_hint})')
+    # The state after the last step seen finite is finite (its gradients were), but the loss
+    # of its own next step was not seen: a rollback goes to a snapshot of a step <= it.
+    target = self.saved(self.last_finite) if self.last_finite >= 0 else None
+    self.diverged = {'diverged_at_step': record.step, 'last_finite_step': self.last_finite,
+                     'rollback_to': target}
+    self.on_diverged(self.diverged)
+    rollback, fresh = self.hints(self.lr)
+    names = ' and '.join('gradient norm' if k == 'grad_norm' else k for k, _ in bad)
+    head = (f'the training {names} {"is" if len(bad) == 1 else "are"} not finite '
+            f'({", ".join(str(v) for _, v in bad)}) at step {record.step}: the run stopped '
+            f'without saving that step')
+    if target is None:
+      message = (f'{head}, before any snapshot of a step seen finite, so there is nothing to go '
+                 f'back to; start anew with a lower optimizer.lr or more '
+                 f'optimizer.warmup_steps ({fresh})')
+    else:
+      message = (f'{head}; the newest snapshot before it is of step {target} (the last step '
+                 f'seen finite: {self.last_finite}): go back to it with a lower learning rate, '
+                 f'{rollback}, or start anew ({fresh})')
     log.error('%s', message)
     return StopRun(message, record.step)
 

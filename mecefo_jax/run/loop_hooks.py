@@ -30,5 +30,10 @@ def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
   stop = Stop(run.stop, saver, run.records, resume_hint)
   evals = Evals(c, cfg.train.eval_batches, cfg.train.steps - 1, has_eval=run.corpus.has_eval,
                 stopping=stop.stopping, emit=rows.emit, evals=list(meta.get('evals', [])))
-  hooks = [ProgressMark(), Divergence(hints.fresh(run.out_dir)), evals, saver, rows, *extra, stop]
+  divergence = Divergence(
+      run.origin.step, lambda bound: saver.newest(bound, run.origin.resumed_from),
+      lambda lr: (hints.rollback(run.out_dir, lr, run.presence.n_hosts), hints.fresh(run.out_dir)),
+      cfg.optimizer.lr, lambda diverged: (run.files.diverged(diverged),
+                                          run.records.history('diverged', **diverged)))
+  hooks = [ProgressMark(), divergence, evals, saver, rows, *extra, stop]
   return Hooks(hooks), saver

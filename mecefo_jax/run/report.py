@@ -11,6 +11,7 @@ from mecefo_jax.config import to_dict
 from mecefo_jax.core.failures import AppliedEvent
 from mecefo_jax.core.goodput import Seconds
 from mecefo_jax.model import train_state
+from mecefo_jax.run import ending
 from mecefo_jax.run.hooks import RunEnd
 from mecefo_jax.run.report_schema import SCHEMA_VERSION, Report
 from mecefo_jax.sections import Draft
@@ -36,9 +37,11 @@ def build(run, end: RunEnd) -> dict:
   r.compute_dtype, r.step_memory = run.files.compute_dtype, c.step_memory
   r.takeover, r.failures = cfg.faults.takeover, cfg.faults.failures
   r.failure_events = [AppliedEvent(**e) for e in c.events]
+  r.failures_note = ending.no_failure_note(cfg, run.presence.n_slices, end.steps_done, c.events)
   r.scheduled_events = list(run.schedule.all_events())
   r.samples, r.goodput, r.live_slices_at_end = dict(c.samples), Seconds(**c.goodput), list(c.live())
   r.resumed_from_step, r.steps_lost = run.origin.resumed_from, run.origin.steps_lost
+  r.rollback, r.changed_on_resume = run.origin.rollback, run.files.changed
   r.steps_lost_total = run.records.steps_lost_total()
   r.precompile, r.programs, r.plans = c.programs_report(*_other_compiles(run))
   run.hooks.report(end, r)

@@ -16,6 +16,7 @@ from mecefo_jax.core.goodput import Seconds
 from mecefo_jax.run.evaluation import Eval
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.recovery_time import Recovery
+from mecefo_jax.run.resume import Rollback
 from mecefo_jax.run.startup import Startup
 from mecefo_jax.sections import entry
 from mecefo_jax.snapshot.interval import SnapshotInterval
@@ -23,13 +24,14 @@ from mecefo_jax.snapshot.manager import Snapshots
 from mecefo_jax.step.cache import Programs
 from mecefo_jax.step.precompile import Precompile
 
-SCHEMA_VERSION = 9  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
+SCHEMA_VERSION = 10  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
 # 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request;
 # 6: snapshot_interval, compute_dtype (model.compute_dtype resolved on the run's backend);
 # 7: startup section (the start-up clock), startup.init_loaded, programs.scan_unroll,
 # programs.other_compiles and other_compile_s, snapshots.durable_failed; 8: goodput.restart;
 # 9: programs.moved_ahead and moved_ahead_s, plans. The keys are those of version 9 since: the
 # sections became dataclasses (sections.py), only the order of keys inside a few sections moved.
+# 10: rollback, changed_on_resume, failures_note.
 
 
 class ReportError(ValueError):
@@ -94,6 +96,9 @@ class Report:
   failures: str = entry('', 'faults.failures source')
   failure_events: list[AppliedEvent] = entry('', 'fail/repair events as applied, in order')
   scheduled_events: list[FailureEvent] = entry('', 'the failure schedule (applied or not), sorted')
+  failures_note: str | None = entry('', 'a failure preset that applied no failure in the run: '
+                                    "its steps' simulated hours against the preset's rate, the "
+                                    'line the run ends with too; null otherwise')
   samples: dict[str, int] = entry('samples', "{'exact', 'degraded', 'dropped'}: how the "
                                   'micro-batch rows were processed')
   goodput: Seconds = entry('s', 'where the time went')
@@ -101,8 +106,10 @@ class Report:
                               'non-finite loss) and what it saved where; null if it finished')
   preempted: bool = entry('', 'stopped by a stop request: SIGTERM, Ctrl-C, --stop-after or the '
                           "supervisor's (exit code 143), resumable")
-  diverged_at_step: int | None = entry('step', 'step whose training loss was not finite (the run '
-                                       'stopped there, exit code 4); null otherwise')
+  diverged_at_step: int | None = entry('step', 'step whose training loss or gradient norm was '
+                                       'not finite (the run stopped there, exit code 4; a '
+                                       '--resume goes back to a snapshot before it); null '
+                                       'otherwise')
   startup: Startup = entry('', "this process's wait for its first step: compile_s holds init_*, "
                            'restore_s and first_programs_s; first_step_s also the imports, data '
                            'and snapshot tiers before them and first_step_run_s after')
@@ -113,6 +120,11 @@ class Report:
                                         'fresh run')
   steps_lost: int | None = entry('steps', 'steps trained again after this resume; null if not '
                                  'resumed or unknown')
+  rollback: Rollback | None = entry('', 'a resume of a diverged run: the snapshot before the '
+                                    'divergence it went back to; null for any other start')
+  changed_on_resume: dict[str, Any] = entry('', "config keys this resume changed, {key: [the "
+                                            "run's value, this start's]} (keys whose setting "
+                                            'allows it: docs/config.md); {} otherwise')
   steps_lost_total: int = entry('steps', 'steps trained again over the whole run, every restart '
                                 "and resume counted (history.jsonl's thrown_away lines)")
   live_slices_at_end: list[int] = entry('', 'slices live after the last step')

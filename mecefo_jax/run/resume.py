@@ -18,10 +18,23 @@ from mecefo_jax.config import Config, ConfigError, to_dict
 from mecefo_jax.model import contract, models
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.metrics import last_logged_step
+from mecefo_jax.sections import entry
 from mecefo_jax.snapshot import recovery
 from mecefo_jax.step import initializer
 
 log = logging.getLogger('mecefo')
+
+
+@dataclasses.dataclass
+class Rollback:
+  """A resume of a diverged run: where it diverged, and the snapshot it went back to."""
+  diverged_at_step: int = entry('step', 'the step whose training loss or gradient norm was not '
+                                'finite (the previous start\'s diverged_at_step)')
+  last_finite_step: int = entry('step', 'the last step seen with a finite loss and gradient '
+                                'norm: the snapshot gone back to is of a step <= it')
+  to_step: int = entry('step', 'step of the snapshot gone back to (= resumed_from_step)')
+  discarded: list[str] = entry('', 'the snapshots newer than it, taken out of the run: '
+                               'in-memory ones deleted, durable ones set aside (kept on disk)')
 
 
 @dataclasses.dataclass
@@ -31,6 +44,7 @@ class Start:
   meta: dict | None = None  # the restored snapshot's meta (controller, losses, evals)
   where: str | None = None  # the snapshot restored, in words
   reached: int | None = None  # steps the previous processes had trained (>= step)
+  rollback: Rollback | None = None  # a diverged run gone back to a snapshot before it
 
   @property
   def resumed_from(self) -> int | None:
@@ -45,45 +59,89 @@ class Start:
 
 def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bool,
                   explicit: bool = False, n_hosts: int = 1, times: dict | None = None,
-                  program_store=None) -> Start:
+                  program_store=None, diverged: dict | None = None) -> Start:
   """A new state (step 0), or with `resume` the newest usable snapshot. `explicit` (--resume):
   finding none is an error (ConfigError), else a warning and step 0; a resume never runs the
-  initializer (its program: from `program_store` where it is there). `times` gets restore_s
-  (with `resume`: the search and the restore) and the initializer's (a new state)."""
+  initializer (its program: from `program_store` where it is there). `diverged`: the run
+  diverged (run_state.json's record, run/hooks.Divergence): the newest snapshot of a step
+  <= its last step seen finite, the newer ones taken out of the run; none is an error.
+  `times` gets restore_s (with `resume`: the search and the restore) and the initializer's
+  (a new state)."""
   times = {} if times is None else times
   if resume:
     t0 = time.perf_counter()
-    restored = snapshots and recovery.restore(snapshots, cfg, presence.mesh)
+    bound = diverged['last_finite_step'] if diverged else None
+    restored = snapshots and recovery.restore(snapshots, cfg, presence.mesh, at_most=bound)
     if restored:
       jax.block_until_ready(restored[1])
     times['restore_s'] = time.perf_counter() - t0
     if restored:
-      step, state, meta, where = restored
-      reached = multihost.on_chief(lambda: _reached(out_dir))
-      start = Start(step, state, meta, where, None if reached is None else max(reached, step))
-      log.warning('resumed from the %s of %d step(s); the previous processes had trained %s '
-                  'step(s), so %s step(s) are trained again', where, step, start.reached,
-                  start.steps_lost)
-      return start
+      return _resumed(restored, out_dir, diverged and _rollback(diverged, restored, snapshots))
     if snapshots and snapshots.per_block:
       raise ConfigError(f'the run in {out_dir} has only snapshots of the per-block parameter '
                         f'layout of mecefo-jax before the scanned model ({snapshots.per_block[0]}, '
                         f'kept) and no durable checkpoint: resume it with that version, or start '
                         f'anew with {hints.fresh(out_dir)}')
+    if diverged:
+      raise ConfigError(_nothing_before(diverged, out_dir, snapshots))
     found = 'snapshots are off' if not snapshots else _none_intact(snapshots.set_aside)
     if explicit:
       raise ConfigError(f'{hints.flag("--resume")}: no usable snapshot or checkpoint of the run '
                         f'in {out_dir} ({found}); nothing was started. Start it anew with '
                         f'{hints.fresh(out_dir)}')
-    log.warning('resume: no intact snapshot or checkpoint of the run in %s found (%s); starting '
-                'from step 0', out_dir, found)
+    log.warning('resume: no snapshot or checkpoint of the run in %s to resume from (%s); '
+                'starting from step 0', out_dir, found)
   return Start(0, initializer.create(cfg, presence.mesh, program_store, times))
+
+
+def _resumed(restored: tuple, out_dir: Path, rollback: Rollback | None) -> Start:
+  step, state, meta, where = restored
+  reached = multihost.on_chief(lambda: _reached(out_dir))
+  start = Start(step, state, meta, where, None if reached is None else max(reached, step),
+                rollback)
+  log.warning('resumed from the %s of %d step(s); the previous processes had trained %s '
+              'step(s), so %s step(s) are trained again', where, step, start.reached,
+              start.steps_lost)
+  return start
+
+
+def _rollback(diverged: dict, restored: tuple, snapshots) -> Rollback:
+  """The rollback a resume of a diverged run made, said in one line."""
+  back = Rollback(**{k: v for k, v in diverged.items() if k != 'rollback_to'},
+                  to_step=restored[0], discarded=list(snapshots.discarded))
+  log.warning('the run diverged at step %d: went back to the %s, the newest snapshot of a step '
+              '<= %d (the last step seen with a finite loss and gradient norm)%s',
+              back.diverged_at_step, restored[3], back.last_finite_step,
+              f'; taken out of the run, newer: {", ".join(back.discarded)}' if back.discarded
+              else '')
+  return back
+
+
+def same_optimizer(rollback: Rollback, changed: dict) -> None:
+  """A warning where a diverged run goes back with its optimizer settings unchanged: the same
+  steps diverge the same way again."""
+  if not any(key.startswith('optimizer.') for key in changed):
+    log.warning('the run goes back to step %d with the optimizer settings it diverged with at '
+                'step %d: it will likely diverge again; give a lower optimizer.lr or more '
+                'optimizer.warmup_steps to --resume', rollback.to_step, rollback.diverged_at_step)
+
+
+def _nothing_before(diverged: dict, out_dir: Path, snapshots) -> str:
+  """The refusal of a resume of a run that diverged before any snapshot it can go back to."""
+  last = diverged['last_finite_step']
+  seen = (f' before any snapshot of a step <= {last} (the last step seen with a finite loss '
+          f'and gradient norm) was kept' if last >= 0 else ', its first step')
+  off = ' (snapshots are off)' if not snapshots else ''
+  return (f'{hints.flag("--resume")}: the run in {out_dir} diverged at step '
+          f'{diverged["diverged_at_step"]}{seen}{off}, so there is no snapshot to go back to; '
+          f'nothing was started. Start it anew with a lower optimizer.lr or more '
+          f'optimizer.warmup_steps: {hints.fresh(out_dir)}')
 
 
 def _none_intact(set_aside: list[str]) -> str:
   """What a resume that found nothing usable found, in words."""
   if not set_aside:
-    return 'none intact'
+    return 'none was saved'
   return (f'none intact; set aside, not deleted, as it failed its checks: {", ".join(set_aside)}'
           f' (docs/snapshots.md: how to restore one by hand)')
 

@@ -49,6 +49,11 @@ class RunFiles:
     return self._checked['previous']
 
   @property
+  def changed(self) -> dict[str, list]:
+    """{key: [the run's value, this start's]} of the config keys this resume changes."""
+    return self._checked.get('changed', {})
+
+  @property
   def run_id(self) -> str:
     return self._checked['run_id']
 
@@ -62,6 +67,11 @@ class RunFiles:
   def all_down_at(self, step: int) -> None:
     """Every slice went down at `step`: a resume brings them back there (run_state.json)."""
     self.carried['all_down_at'] = step
+
+  def diverged(self, diverged: dict) -> None:
+    """The run diverged (run/hooks.Divergence): a resume goes back to a snapshot of a step <=
+    diverged['last_finite_step'] (run_state.json; the resume's own start drops it)."""
+    self.carried['diverged'] = diverged
 
   def start(self) -> None:
     """The run's files change from here on: a new run's predecessor's files go."""

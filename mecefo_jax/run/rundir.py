@@ -1,12 +1,14 @@
 """The run directory: a run's identity, its files, what a fresh start clears (lock: dir_lock.py).
 
 Files of a run directory (all written by process 0):
-  run_state.json  status, run id, config, slice/host counts (what a resume reads first)
+  run_state.json  status, run id, config, slice/host counts, a divergence (what a resume
+                  reads first)
   failures.txt    the failure history of the state the run holds now, as a replayable trace
                   (cut back to the restored step when steps are trained again)
   failure_trace.txt  the run's own copy of the trace it was started with (--failures
                   trace:PATH), read at a resume: PATH may have moved since
-  history.jsonl   append-only: every start, stop, end, failure event and steps thrown away
+  history.jsonl   append-only: every start, stop, end, failure event and steps thrown away,
+                  a divergence, the settings a resume changed and the rollback it made
   .reached        the number of steps trained so far (rewritten each step: steps lost in a crash)
   stop_request    asks the job to stop after its current step (run/stop.py; the supervisor's)
   metrics.jsonl, report.json, training.png, tb/  the run's outputs (run/metrics.py, run/plot.py)
@@ -25,7 +27,8 @@ import uuid
 from pathlib import Path
 
 from mecefo_jax import files
-from mecefo_jax.config import DEFAULT_OUT, Config, ConfigError, SnapshotConfig, to_dict
+from mecefo_jax.config import (DEFAULT_OUT, Config, ConfigError, SnapshotConfig,
+                               resume_may_change, to_dict)
 from mecefo_jax.run import hints, storage
 from mecefo_jax.run.stop import STOP_FILE
 
@@ -36,17 +39,8 @@ METRICS_FILE, REPORT, PLOT, TB_DIR = 'metrics.jsonl', 'report.json', 'training.p
 OUTPUTS = (METRICS_FILE, REPORT, PLOT, TB_DIR, RUN_STATE, FAILURES, HISTORY, REACHED, STOP_FILE,
            TRACE)
 SNAPSHOT_KEYS = {f.name for f in dataclasses.fields(SnapshotConfig)}
-# Keys a resumed run may change, as none changes what is trained (README: Snapshots and
-# resume); train.steps only upward (the learning-rate schedule then follows the new length).
-# model.compute_dtype: the state is in param_dtype whatever it is, and `auto` changes it with
-# the backend anyway; only the rounding of activations and matmuls differs.
-SAFE_ON_RESUME = ('model.compute_dtype', 'train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
-                  'train.plot', 'train.out_dir', 'train.compile_cache', 'train.move_programs',
-                  'train.program_store_mb', 'snapshot.enabled', 'snapshot.dir',
-                  'snapshot.every', 'snapshot.overhead_budget', 'snapshot.max_every',
-                  'snapshot.keep', 'snapshot.durable_dir',
-                  'snapshot.durable_every', 'snapshot.durable_keep', 'snapshot.keep_when_finished',
-                  'faults.precompile', 'faults.precompile_max')
+# The keys a resumed run may change are declared on their settings (config.py, `on_resume`):
+# none changes the state's shapes, so the snapshot carries over; config.resume_may_change.
 
 
 # ---- run files ------------------------------------------------------------------------------
@@ -54,7 +48,8 @@ SAFE_ON_RESUME = ('model.compute_dtype', 'train.steps', 'train.log_every', 'trai
 # run_state.json's keys a start relies on, and their types (files.read_json)
 RUN_STATE_KEYS = {'status': str, 'run_id': str}
 RUN_STATE_OPTIONAL = {'config': dict, 'n_slices': int, 'n_hosts': int, 'host_devices': int,
-                      'all_down_at': int, 'platform': str, 'compute_dtype': str}
+                      'all_down_at': int, 'platform': str, 'compute_dtype': str,
+                      'diverged': dict}
 HISTORY_KEYS = {'kind': str}
 
 
@@ -246,8 +241,8 @@ def check_start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
     if not previous.get('run_id'):
       raise ConfigError(f'{hints.flag("--resume")}: there is no run in {str(out_dir)!r} to '
                         f'resume (no {RUN_STATE}); nothing was started')
-    _check_same_config(previous.get('config', {}), to_dict(cfg))
-    return {'previous': previous, 'run_id': previous['run_id']}
+    changed = _check_same_config(previous.get('config', {}), to_dict(cfg))
+    return {'previous': previous, 'run_id': previous['run_id'], 'changed': changed}
   if previous or (Path(out_dir) / METRICS_FILE).exists():
     if not (replace or replace_finished and previous.get('status') == 'finished'):
       status = previous.get('status', 'unknown')
@@ -312,7 +307,9 @@ def flat(tree: dict, prefix: str = '') -> dict:
   return out
 
 
-def _check_same_config(recorded: dict, current: dict) -> None:
+def _check_same_config(recorded: dict, current: dict) -> dict[str, list]:
+  """{key: [recorded, given]} of the keys a resume changes; a change of a key whose setting
+  does not allow it on resume (config.py's `on_resume`) is refused in one line (ConfigError)."""
   old, new = flat(recorded), flat(current)
   # A run recorded before model.kind trained the built-in llama.
   old_model, new_model = old.pop('model.kind', 'llama'), new.pop('model.kind', 'llama')
@@ -320,9 +317,11 @@ def _check_same_config(recorded: dict, current: dict) -> None:
     raise ConfigError(f'resume with another model: the run trained model.kind={old_model!r}, '
                       f'this start gives {new_model!r}; resume with the run\'s model, or start '
                       'anew with --fresh (or another --out)')
-  changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and not (
-      k in SAFE_ON_RESUME and not (k == 'train.steps' and new[k] < old[k]))]
-  if changed:
-    diffs = ', '.join(f'{k} ({old.get(k)!r} -> {new.get(k)!r})' for k in changed)
-    raise ConfigError(f'resume with a changed config: {diffs}; resume with the run\'s values, '
-                      'or start anew with --fresh (or another --out)')
+  changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+  refused = [k for k in changed if not resume_may_change(k, old.get(k), new.get(k))]
+  if refused:
+    diffs = ', '.join(f'{k} ({old.get(k)!r} -> {new.get(k)!r})' for k in refused)
+    raise ConfigError(f'resume with a changed config: {diffs}; resume with the run\'s values '
+                      f'(docs/config.md: the keys a resume may change), or start anew with '
+                      f'--fresh (or another --out)')
+  return {k: [old.get(k), new.get(k)] for k in changed}

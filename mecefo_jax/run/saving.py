@@ -29,6 +29,7 @@ class SnapshotSaver(Hook):
     self.records, self.resume_hint = records, resume_hint
     self.checkpoints_failing = False  # stopped by durable saves that kept failing
     self._saved: tuple[int | None, list[str]] = (None, [])  # (steps, where) of the last save
+    self._saved_steps: set[int] = set()  # the steps this start saved
     self._last_step: tuple[float, bool] | None = None  # the step in progress: (start, busy)
 
   def before_step(self, step: int) -> None:
@@ -72,7 +73,20 @@ class SnapshotSaver(Hook):
                                 'in-memory') if saving else contextlib.nullcontext()):
       started = sn.maybe_save(steps_done, self.state(), self.meta(steps_done), stop=stop)
     self._saved = (steps_done, sn.where(steps_done, started))
+    self._saved_steps.update([steps_done] if started else [])
     return self._saved[1]
+
+  def newest(self, bound: int, restored: int | None = None) -> int | None:
+    """The newest step <= `bound` of a snapshot in the tiers (of one process: those listed,
+    else those this start saved, or `restored` from), or None."""
+    sn = self.snapshots
+    if not sn:
+      return None
+    tiers = getattr(sn, 'tiers', None)  # one process's SnapshotManager lists them
+    in_flight = {max(self._saved_steps, default=None)}  # maybe not written yet
+    steps = ({s for tier in tiers for s in tier.steps()} | in_flight if tiers else
+             self._saved_steps | {restored})
+    return max((s for s in steps if s is not None and s <= bound), default=None)
 
   def save_now(self, steps: int) -> list[str]:
     """Where the state after `steps` is saved, in every tier (those not saved yet), written."""

@@ -20,7 +20,7 @@ from mecefo_jax.run import (hints, loop_hooks, plot, presence, recovery_time, re
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import to_json
 from mecefo_jax.run.records import RunRecords
-from mecefo_jax.run.resume import check_model, initial_state
+from mecefo_jax.run.resume import check_model, initial_state, same_optimizer
 from mecefo_jax.run.run_files import RunFiles
 from mecefo_jax.run.startup import StartupClock, marks as startup_marks
 from mecefo_jax.run.storage import OutputGuard
@@ -109,7 +109,10 @@ class Trainer:
     t0 = time.perf_counter()
     self.origin = initial_state(cfg, self.presence, self.snapshots, self.out_dir, resume=resume,
                                 explicit=explicit_resume, times=self.startup.seconds,
-                                program_store=store)
+                                program_store=store,
+                                diverged=previous.get('diverged') if resume else None)
+    if self.origin.rollback:
+      same_optimizer(self.origin.rollback, self.files.changed)
     self.files.carry(self.presence, previous, resume)
     down_at = previous.get('all_down_at') if self.origin.meta is not None else None
     if down_at is not None:
@@ -154,6 +157,10 @@ class Trainer:
                                                                           warn=False))
     self.records.start(self.origin, self.controller.events, self.presence.slots,
                        self.controller.live())
+    if self.files.changed:  # what this resume changed: keys whose setting allows it
+      self.records.history('changed', step=self.origin.step, settings=self.files.changed)
+    if self.origin.rollback:
+      self.records.history('rolled_back', **dataclasses.asdict(self.origin.rollback))
     self.outputs.attempt(self.out_dir / rundir.RUN_STATE, self.files.write_state, 'running')
     loop_start = time.perf_counter()
     self.records.open_reached()

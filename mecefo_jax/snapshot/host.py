@@ -29,7 +29,7 @@ from mecefo_jax.snapshot.capacity import SnapshotError, check_capacity
 from mecefo_jax.snapshot.durable import DurableGuard
 from mecefo_jax.snapshot.interval import Interval
 from mecefo_jax.snapshot.manifest import verify_manifest
-from mecefo_jax.snapshot.manager import Snapshots, tiers_report
+from mecefo_jax.snapshot.manager import Snapshots, rolled_back, tiers_report
 from mecefo_jax.snapshot.tier import Tier, is_per_block, private_copy
 
 log = logging.getLogger('mecefo')
@@ -76,6 +76,7 @@ class HostSnapshots:
     self.saved = self.durable_saved = 0  # by this process
     self.skipped = 0  # this host's parts lost to write errors (tmpfs full), a warning each
     self.per_block: list[str] = []  # in-memory parts of the per-block layout passed over
+    self.discarded: list[str] = []  # snapshots newer than a rollback's, taken out of the run
     # Hosts of the restored snapshot's layout absent from this job (dead): their parts go once
     # a snapshot of this job's layout is complete on every host (free_stale).
     self.stale: tuple[int, ...] = ()
@@ -205,17 +206,23 @@ class HostSnapshots:
         held[step] = tuple(meta[_LAYOUT])
     return held
 
-  def restore_latest(self, target):
+  def restore_latest(self, target, at_most: int | None = None):
     """(step, state on `target`'s shardings, meta, where) from the newest usable snapshot: the
     in-memory snapshot (of any host layout) that all hosts of its layout but at most one hold
     intact (the missing part rebuilt from parity), or the durable checkpoint, whichever is newer
-    (in-memory on a tie); None if there is none. All processes call it."""
+    (in-memory on a tie); None if there is none. All processes call it. `at_most`: of a step
+    <= it only (a rollback), the newer ones taken out of the run (`discarded`)."""
     self.wait_until_finished()
     mine = self._held()
-    held = multihost.allgather_json({str(s): list(l) for s, l in mine.items()})
+    held = multihost.allgather_json({str(s): list(l) for s, l in mine.items()
+                                     if at_most is None or s <= at_most})
     held = [{int(s): tuple(l) for s, l in h.items()} for h in held]
-    durable = self._durable_steps()
+    durable = [s for s in self._durable_steps() if at_most is None or s <= at_most]
     choice = choose(held, self.slots, durable)
+    if choice is not None and at_most is not None:
+      why = rolled_back(choice[0])
+      self.discarded = [where for tier in (self._tier, self._durable) if tier
+                        for where in tier.discard_after(choice[0], why)]
     if choice is None:
       if any(held):  # parts exist, just not enough of one snapshot: never start over silently
         found = {f'host{self.slots[p]}': sorted(h) for p, h in enumerate(held)}

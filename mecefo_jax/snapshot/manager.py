@@ -60,6 +60,11 @@ def tiers_report(memory: Tier, every: int, saved: int, skipped: int, durable: Ti
                              durable_retained_steps=sorted(durable.steps()))
 
 
+def rolled_back(step: int) -> str:
+  """Why a snapshot newer than a rollback's (to `step`) is set aside."""
+  return f'newer than step {step}, the step a resume of the diverged run went back to'
+
+
 def state_nbytes(state: Any) -> int:
   """Logical (global, one replica) byte size of the leaves of `state`; works on abstract leaves."""
   return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
@@ -100,6 +105,7 @@ class SnapshotManager:
     self._memory_ok = True  # the last in-memory save was not skipped
     self._sources: tuple = (None, None)  # (slices' device ids, split_sources) of the last save
     self.per_block: list[str] = []  # in-memory snapshots of the per-block layout passed over
+    self.discarded: list[str] = []  # snapshots newer than a rollback's, taken out of the run
 
   @property
   def tiers(self) -> list[Tier]:
@@ -200,17 +206,21 @@ class SnapshotManager:
     self.skipped, self._memory_ok = self.skipped + 1, False
     log.warning('in-memory snapshot skipped (%d so far), training goes on: %s', self.skipped, err)
 
-  def restore_latest(self, target: Any) -> tuple[int, Any, dict, str] | None:
+  def restore_latest(self, target: Any, at_most: int | None = None
+                     ) -> tuple[int, Any, dict, str] | None:
     """(step, state, meta, where) of the newest intact snapshot, in-memory before durable, else
     None.
 
     `target`: pytree of jax.ShapeDtypeStruct with .sharding (or arrays) to restore onto.
     Snapshots that fail their checks are skipped with a line and set aside (Tier.verified), so
     that the steps trained again after this restore can be saved under their numbers.
+    `at_most`: only a snapshot of a step <= it (a rollback); the newer ones are then taken out
+    of the run (Tier.discard_after; `discarded` says where they were).
     """
     self.wait_until_finished()
     candidates = sorted(((step, rank, tier) for rank, tier in enumerate(self.tiers)
-                         for step in tier.steps()), key=lambda c: (-c[0], c[1]))
+                         for step in tier.steps() if at_most is None or step <= at_most),
+                        key=lambda c: (-c[0], c[1]))
     for step, _, tier in candidates:
       if not tier.verified(step):
         continue
@@ -220,6 +230,9 @@ class SnapshotManager:
         log.warning('%s; it is kept, not restored: trying an older snapshot', old)
         self.per_block.append(tier.describe(step))
         continue
+      if at_most is not None:
+        why = rolled_back(step)
+        self.discarded = [where for t in self.tiers for where in t.discard_after(step, why)]
       return step, state, meta, tier.describe(step)
     return None
 

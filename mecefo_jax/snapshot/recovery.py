@@ -63,9 +63,10 @@ def open_manager(cfg: Config, memory_dir: Path, durable_dir: str, state_bytes: i
     raise ConfigError(str(err)) from None  # it names the key to set
 
 
-def restore(manager: SnapshotManager | HostSnapshots, cfg: Config, mesh):
-  """(step, state on the full mesh, meta, where) from the newest usable snapshot of any tier,
-  else None."""
+def restore(manager: SnapshotManager | HostSnapshots, cfg: Config, mesh,
+            at_most: int | None = None):
+  """(step, state on the full mesh, meta, where) from the newest usable snapshot of any tier
+  (`at_most`: of a step <= it, the newer ones taken out of the run), else None."""
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract_state(cfg), state_shardings(cfg, mesh))
-  return manager.restore_latest(target)
+  return manager.restore_latest(target, at_most)

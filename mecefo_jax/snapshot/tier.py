@@ -263,6 +263,18 @@ class Tier:
   def delete(self, step: int) -> None:
     self._orbax.delete(step)
 
+  def discard_after(self, step: int, why: str) -> list[str]:
+    """Takes this tier's snapshots of steps after `step` out of the run (a timeline gone back
+    from): in-memory ones deleted, durable ones set aside (kept on disk, by the process that
+    writes the manifests); where each was, in words."""
+    newer = [s for s in self.steps() if s > step]
+    for s in newer:
+      if self.name != 'durable':
+        self.delete(s)
+      elif self.writes_manifest:
+        self.set_aside(s, why)
+    return [self.describe(s) for s in newer]
+
   def discard_failed(self, step: int) -> None:
     """Removes what a failed save of `step` left: Orbax's `*.orbax-checkpoint-tmp` directories
     and a step directory without its manifest (ours, never finished; no checkpoint that was
