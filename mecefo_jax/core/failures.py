@@ -74,8 +74,9 @@ class FailureEvent:
   slice: int = entry('', 'data-parallel slice index')
   kind: Literal[KINDS] = entry('', 'the slice fails, or is repaired and rejoins')
   source: str = entry('', "where it came from: 'api', 'preset:high', 'trace:FILE', 'error: ...' "
-                      "(a real error while dispatching), 'resume', 'absent' / 'present' (a start "
-                      "without / again with the slice's devices or host)", default='api')
+                      "(raised for the slice by a Controller.error_hooks check), 'resume', "
+                      "'absent' / 'present' (a start without / again with the slice's devices "
+                      "or host)", default='api')
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -31,7 +31,10 @@ log = logging.getLogger('mecefo')
 
 
 class SliceFailure(RuntimeError):
-  """Raised (e.g. by an error hook) while dispatching or running one slice's work."""
+  """One slice's failure, raised on the host by a `Controller.error_hooks` check before its
+  work is dispatched (a health check of the user's): that slice fails in place and is taken
+  over. A runtime error of XLA or a device is not one: nothing attributes it to a slice, so it
+  ends the process, which the supervisor treats as a death (docs/tpu.md)."""
 
   def __init__(self, slice_: int, message: str = ''):
     super().__init__(message or f'slice {slice_} failed')
@@ -68,7 +71,8 @@ class Controller:
                                  program_store=program_store)
     self.executor = Executor(cfg, slices, self.programs, corpus, self.n_slices, state,
                              lambda bucket, s: self._ledger.book(bucket, s))
-    self.error_hooks: list[Callable[[int, int], None]] = []  # (slice, step); may raise
+    # Host-side checks (slice, step) before a step's dispatch; an exception fails that slice.
+    self.error_hooks: list[Callable[[int, int], None]] = []
     self.precompiler: Precompiler | None = None
     self._hosts: list[tuple[int, ...]] | None = None  # start_precompile
     self._deferred: list[tuple[int, ...]] | None = None  # hosts: the store's fill, once a step ran
