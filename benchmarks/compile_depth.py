@@ -18,6 +18,7 @@ import os
 import resource
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +42,9 @@ def one_run(tree: Path, layers: int) -> dict:
     env['HOME'] = str(tmp / 'home')
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(command(tmp / 'D', trace, layers), cwd=tree, env=env,
+    # This interpreter, not whatever `python` is first on PATH (a virtualenv not activated).
+    argv = [sys.executable, *command(tmp / 'D', trace, layers)[1:]]
+    proc = subprocess.run(argv, cwd=tree, env=env,
                           capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -1,0 +1,47 @@
+"""Each benchmark that no other test runs, at a tiny scale, as a user runs it from the repository
+root: it exits 0 and writes its JSON with the run's metadata and sane figures (what each one
+measures is its own business: docs/benchmarks.md; these only keep them runnable)."""
+from procs import TINY
+
+
+def test_stall_recovery_names_the_stopped_host_and_drops_nothing(launcher, tmp_path):
+  result = launcher.benchmark('stall_recovery', '--processes', '3', '--steps', '12',
+                              '--stop-at', '4', *TINY, json_path=tmp_path / 'stall.json')
+  assert result['named_host'] == result['host'] == 1, result
+  assert result['detect_s'] > result['deadline_s'] > 0 and result['samples']['dropped'] == 0
+
+
+def test_stop_time_saves_both_tiers_and_exits_143(launcher, tmp_path):
+  result = launcher.benchmark('stop_time', '--at-step', '3', *TINY,
+                              json_path=tmp_path / 'stop.json')
+  assert result['exit_code'] == 143 and result['both_tiers'] is True, result
+  assert result['stop_s'] > 0
+
+
+def test_gradient_error_of_a_low_rank_basis_is_between_zero_and_one(launcher, tmp_path):
+  result = launcher.benchmark('gradient_error', '--every', '2', '--fractions', '0.25',
+                              '--bases', 'svd', '--tau', '2', *TINY, 'train.steps=3',
+                              json_path=tmp_path / 'grad.json')
+  error = result['mean']['svd:0.25']['non_attention']
+  assert 0 < error < 1 and len(result['rows']) == 2, result['mean']
+
+
+def test_compile_autotune_compiles_the_degraded_step(launcher, tmp_path):
+  result = launcher.benchmark('compile_autotune', '--cache', tmp_path / 'autotune', '--mode',
+                              'empty', *TINY, json_path=tmp_path / 'autotune.json')
+  [row] = result['rows']
+  assert row['mode'] == 'empty' and row['compile_s'] > 0 and row['temp_bytes'] > 0, row
+
+
+def test_compile_depth_times_a_cold_run_of_this_tree(launcher, tmp_path):
+  result = launcher.benchmark('compile_depth', '--trees', '.', '--layers', '1', '--repeats', '1',
+                              json_path=tmp_path / 'depth.json')
+  [row] = result['rows']
+  assert row['n_layers'] == 1 and row['programs_s'] > 0 and row['wall_s'] > 0, row
+
+
+def test_step_trees_times_the_normal_and_degraded_step(launcher, tmp_path):
+  result = launcher.benchmark('step_trees', '--trees', '.', '--config', 'configs/tiny.yaml',
+                              '--repeats', '1', '--steps', '2', json_path=tmp_path / 'steps.json')
+  [row] = result['rows']
+  assert row['normal_s'] > 0 and row['time_ratio'] > 0 and row['memory_ratio'] > 0, row
