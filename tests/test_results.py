@@ -1,5 +1,8 @@
 """docs/benchmarks.md's tables and README's results table: generated from docs/results/*.json, current."""
 import json
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,23 @@ def test_every_result_records_its_date_machine_commit_and_command(loaded):
     assert not missing, f'{name} lacks {missing}'
     assert d['command'].startswith('python -m benchmarks.'), (name, d['command'])
     results.kind_of(name)  # a renderer for every file: none is left out of the page
+
+
+def _commit_exists(sha: str) -> bool:
+  return subprocess.run(['git', 'cat-file', '-e', f'{sha}^{{commit}}'], cwd=results.ROOT,
+                        capture_output=True).returncode == 0
+
+
+def test_every_result_names_a_commit_of_this_history_and_the_file_its_command_wrote(loaded):
+  """Provenance: the commit a result was measured on is in this repository's history, and the
+  file is what its command's --json wrote, or says it is a copy of it (`copied_from`)."""
+  for name, d in loaded.items():
+    sha = d['commit'].removesuffix('-dirty')
+    assert re.fullmatch(r'[0-9a-f]{40}', sha) and _commit_exists(sha), (name, d['commit'])
+    written = re.search(r'--json[ =](\S+)', d['command'])
+    assert written, f'{name}: its command writes no --json'
+    assert Path(written[1]).name == name or d.get('copied_from') == written[1], \
+        f'{name}: its command wrote {written[1]}; say so with "copied_from"'
 
 
 def test_docs_benchmarks_md_tables_are_generated_from_the_json(loaded):
