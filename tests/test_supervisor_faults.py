@@ -14,7 +14,7 @@ from mecefo_jax.supervisor import free_port as launch_port
 from mecefo_jax.run import dir_lock, ending, recovery_time, rundir
 from mecefo_jax.run.exits import PEER_LOST
 from mecefo_jax.run.supervised import Watch, process_state
-from procs import TINY, error_lines, wait_for
+from procs import TINY, busy_core, error_lines, wait_for
 
 BASE = ['mesh.slice=3', *TINY, 'train.log_every=1', 'snapshot.every=1', 'train.eval_every=0',
         'train.plot=false']
@@ -37,15 +37,16 @@ def _rows(run: Path) -> int:
 def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_path):
   run, events, shm = tmp_path / 'run', tmp_path / 'events.jsonl', tmp_path / 'shm'
   out = open(tmp_path / 'supervisor.log', 'wb')  # worker 0 writes here after the supervisor died
-  sup = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events', events,
-                        '--', '--out', run, f'snapshot.dir={shm}', 'train.steps=100000', *BASE],
-                       stdout=out, stderr=subprocess.STDOUT)
-  out.close()
-  wait_for(lambda: _rows(run) >= 3, 240, 'three trained steps', sup)
-  pids = [e for e in _events(events) if e['kind'] == 'start'][-1]['pids']
-  os.kill(sup.pid, signal.SIGKILL)  # the supervisor alone: its workers are left running
-  sup.wait()
-  wait_for(lambda: all(_gone(p) for p in pids.values()), 120, 'the workers to stop')
+  with busy_core():  # one core kept busy (the other fault tests here run on a quiet machine)
+    sup = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--events',
+                          events, '--', '--out', run, f'snapshot.dir={shm}', 'train.steps=100000',
+                          *BASE], stdout=out, stderr=subprocess.STDOUT)
+    out.close()
+    wait_for(lambda: _rows(run) >= 3, 240, 'three trained steps', sup)
+    pids = [e for e in _events(events) if e['kind'] == 'start'][-1]['pids']
+    os.kill(sup.pid, signal.SIGKILL)  # the supervisor alone: its workers are left running
+    sup.wait()
+    wait_for(lambda: all(_gone(p) for p in pids.values()), 120, 'the workers to stop')
   assert rundir.read_run_state(run)['status'] == 'stopped'
   [stop] = [e for e in rundir.read_history(run) if e['kind'] == 'stop']
   why = f'the supervisor (pid {sup.pid}) is gone'
