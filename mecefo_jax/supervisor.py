@@ -217,7 +217,8 @@ class Supervisor:
     if PEER_LOST in exited.values():
       return self._lost_peer(exited)
     if exited and len(exited) == len(codes):
-      return self._finished(exited) if not self._left_me(exited) else self._take_back()
+      away = self._stopped_while_away(exited)
+      return self._finished(exited) if away is None else self._take_back(away)
     if exited:  # others finish or stop with it: wait for them, within bounds
       return self._settle(exited)
     stall = self.watch.look() if self.watch else None
@@ -263,7 +264,9 @@ class Supervisor:
 
   def _ask_stop(self, reason: str | None = None) -> None:
     """Asks the job to stop after its current step: through the run's stop request file
-    (run/stop.py: honoured at a step whenever it is written), or by SIGTERM for a signal."""
+    (run/stop.py: honoured at a step whenever it is written, by every process after the same
+    step); without a reason, or before the run exists (a start-up: nothing to honour it yet),
+    by SIGTERM to every process."""
     self.stopping, self.stop_asked_at = True, time.monotonic()
     if reason is not None and self._run_exists():
       (self.args.out / STOP_FILE).write_text(reason)
@@ -379,19 +382,19 @@ class Supervisor:
       return self._finished({h: p.returncode for h, p in self.procs.items()})
     return None
 
-  def _left_me(self, exited: dict) -> bool:
-    """Whether the job stopped itself because this supervisor was stopped (SIGSTOP, a
-    suspended terminal: run/supervised.py): its stop record names this supervisor."""
+  def _stopped_while_away(self, exited: dict) -> int | None:
+    """The step after which the job stopped itself because this supervisor was stopped
+    (SIGSTOP, a suspended terminal: run/supervised.py), its stop record naming this
+    supervisor; None for any other end."""
     if any(c != STOPPED for c in exited.values()) or not self._run_exists():
-      return False
+      return None
     stops = [e for e in rundir.read_history(self.args.out, warn=False) if e['kind'] == 'stop']
-    return bool(stops) and str(stops[-1].get('why', '')).startswith(
-        f'the supervisor (pid {os.getpid()})')
+    mine = stops and str(stops[-1].get('why', '')).startswith(f'the supervisor (pid {os.getpid()})')
+    return stops[-1]['step'] if mine else None
 
-  def _take_back(self) -> int | None:
-    """The job stopped itself at an agreed step while this supervisor was stopped; the
-    supervisor runs again: it restarts the job from that step."""
-    step = [e for e in rundir.read_history(self.args.out) if e['kind'] == 'stop'][-1]['step']
+  def _take_back(self, step: int) -> int | None:
+    """The job stopped itself after `step` while this supervisor was stopped; the supervisor
+    runs again: it restarts the job from that step."""
     self.say('take-back', f'the job stopped itself after step {step} while this supervisor was '
                           f'stopped (longer than {self.args.stopped_s:g} s): restarting it from '
                           'there', step=step)

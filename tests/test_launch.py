@@ -2,6 +2,7 @@
 test hook asks), a rejoin and a stop at exact steps (stop requests, not sleeps): the survivors
 take over at once, every step and record is kept across the restarts, the printed resume
 command works as printed, and the run equals a one-process replay of its failures.txt."""
+import os
 import json
 import re
 import shlex
@@ -226,3 +227,22 @@ def test_a_start_line_says_when_the_job_resumes_the_run(tmp_path, state, train_a
   assert sup._resuming() is (state is not None)
   restart_args = sup._train_args()
   assert ('--resume' in restart_args) is (state is not None) and '--fresh' not in restart_args
+
+
+def test_a_job_that_stopped_itself_while_its_supervisor_was_stopped_is_taken_back(tmp_path,
+                                                                                  capsys):
+  run = tmp_path / 'run'
+  run.mkdir()
+  rundir.write_run_state(run, 'stopped', run_id='r')
+  sup = supervisor.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run)]))
+  starts = []
+  sup.start = lambda: starts.append(sup._train_args())
+  sup.procs = {0: _Exited(STOPPED), 1: _Exited(STOPPED)}
+  rundir.append_history(run, 'stop', step=41, why=f'the supervisor (pid {os.getpid()}) has been '
+                                                  'stopped for 30 s', saved=[])
+  assert sup._watch() is None and starts == [['--out', str(run), '--resume']]
+  assert 'the job stopped itself after step 41 while this supervisor was stopped' in \
+      capsys.readouterr().err
+  # Another supervisor's stop, or the user's (--stop-after): the job ends as it stopped.
+  rundir.append_history(run, 'stop', step=50, why='--stop-after 50', saved=[])
+  assert sup._watch() == STOPPED and len(starts) == 1
