@@ -28,7 +28,7 @@ class SnapshotSaver(Hook):
     self.snapshots, self.state, self.meta = snapshots, state, meta
     self.records, self.resume_hint = records, resume_hint
     self.checkpoints_failing = False  # stopped by durable saves that kept failing
-    self._saved: tuple[int | None, list[str]] = (None, [])  # (steps, where) of the last save
+    self._saved: tuple[int | None, tuple[str, ...]] = (None, ())  # (steps, tiers) last saved
     self._last_step: tuple[float, bool] | None = None  # the step in progress: (start, busy)
 
   def before_step(self, step: int) -> None:
@@ -58,12 +58,12 @@ class SnapshotSaver(Hook):
     self.records.history('stop', step=steps, why='durable checkpoints failing', saved=where)
     return StopRun(message, steps)
 
-  def save(self, steps_done: int, stop: bool = False) -> list[str]:
+  def save(self, steps_done: int, stop: bool = False) -> None:
     """Async snapshot of the state after `steps_done` steps where due; `stop`: in every tier
-    now. Returns where the snapshots it started are."""
+    now."""
     sn = self.snapshots
     if not sn:
-      return []
+      return
     # Marked as saving only where it saves; a durable save is timed apart (its device-to-host
     # copy is far longer than the in-memory tier's).
     saving = stop or sn.due(steps_done)
@@ -71,14 +71,17 @@ class SnapshotSaver(Hook):
     with (progress_marks.during('saving', f'step {steps_done}', 'durable' if durable_due else
                                 'in-memory') if saving else contextlib.nullcontext()):
       started = sn.maybe_save(steps_done, self.state(), self.meta(steps_done), stop=stop)
-    self._saved = (steps_done, sn.where(steps_done, started))
-    return self._saved[1]
+    earlier = self._saved[1] if self._saved[0] == steps_done else ()
+    self._saved = (steps_done, earlier + started)
 
   def save_now(self, steps: int) -> list[str]:
-    """Where the state after `steps` is saved, in every tier (those not saved yet), written."""
-    where = (self._saved[1] if self._saved[0] == steps else []) + self.save(steps, stop=True)
+    """The state after `steps` saved in every tier (those not saved yet) and written; where
+    it is: the tiers whose save of it failed are not named."""
+    if not self.snapshots:
+      return []
+    self.save(steps, stop=True)
     self.wait()
-    return where
+    return self.snapshots.where(steps, self.snapshots.written(steps, self._saved[1]))
 
   def finish(self, steps: int, stopped: str | None) -> None:
     """The final state as a durable checkpoint too (a later --resume extends it), all written."""
@@ -125,7 +128,7 @@ class Stop(Hook):
     where = self.saver.save_now(steps)
     saved = ('saved as the ' + ' and the '.join(where) if where else
              'saved nothing (snapshots are off)' if not self.saver.snapshots else
-             'already saved in the snapshots of that step')
+             durable.NOT_SAVED)
     message = f'stopped by {self.reason} after {steps} step{"s" * (steps != 1)}, {saved}'
     if self.saver.snapshots:
       message += f'; resume with {self.resume_hint}'

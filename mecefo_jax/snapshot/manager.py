@@ -233,6 +233,11 @@ class SnapshotManager:
     """Where the snapshots of `step` that maybe_save started (`tiers`) are, in words."""
     return [tier.describe(step) for tier in self.tiers if tier.name in tiers]
 
+  def written(self, step: int, tiers: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `tiers` whose snapshot of `step` was written whole (after
+    wait_until_finished): a failed save is no place to name."""
+    return tuple(t.name for t in self.tiers if t.name in tiers and t.last_written == step)
+
   def report(self) -> Snapshots:
     return tiers_report(self._memory, self.every, self.started['memory'], self.skipped,
                         self._durable, self.durable_every, self.started['durable'],
