@@ -72,18 +72,19 @@ def _catch_tb_errors(writer, failed: list) -> None:
     events = writer._get_file_writer().event_writer._ev_writer
   except AttributeError:
     return
-  def guarded(write):
+  def guarded(write, always: bool = False):
     def call(*args):
-      if failed:
+      if failed and not always:
         return None
       try:
         return write(*args)
       except OSError as err:
-        failed.append(err)
+        failed[:] = failed or [err]
         return None
     return call
   events.write_event, events.flush = guarded(events.write_event), guarded(events.flush)
-  events.close = guarded(events.close)  # its file's close flushes what is buffered
+  # Its file's close flushes what is buffered; after a failure too, so that the file is closed.
+  events.close = guarded(events.close, always=True)
 
 
 class MetricsWriter:
