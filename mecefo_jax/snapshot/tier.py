@@ -129,6 +129,7 @@ class Tier:
     self._finisher: concurrent.futures.Future | None = None
     self._last_saved: int | None = None
     self.last_written: int | None = None  # the last step whose save wait() found written whole
+    self._discarded: set[int] = set()  # steps whose failed saves' leftovers were removed
     self._error: BaseException | None = None
     self.set_aside_where: list[str] = []  # the snapshots this tier set aside: where each now is
 
@@ -305,6 +306,7 @@ class Tier:
     whole). Where this process writes the manifests, once no save is in flight."""
     if not self.writes_manifest:
       return
+    self._discarded.add(step)
     leftovers = list(self.directory.glob(f'{step}.orbax-checkpoint-tmp*'))
     if self.step_dir(step).exists() and verify_manifest(self.step_dir(step)) == NO_MANIFEST:
       leftovers.append(self.step_dir(step))
@@ -353,6 +355,10 @@ class Tier:
       self.wait()
     finally:
       self._worker.shutdown()
+      # Again: a save that failed inside Orbax's save() call can leave writes of it in flight
+      # in threads nobody waits for (tensorstore's), which may make files after its discard.
+      for step in sorted(self._discarded):
+        self.discard_failed(step)
       error = self._close_orbax()
     if error is not None:  # a failed save no wait() saw: one line, its leftovers removed
       log.warning('%s snapshot in %s failed: %s', self.name, self.directory, error)
