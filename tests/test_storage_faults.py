@@ -126,6 +126,8 @@ def test_a_full_disk_under_durable_saves_stops_with_exit_5_and_leaves_no_tmp(
   assert _state(tmp_path) == 'stopped'
   run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
   assert not list((tmp_path / 'run' / 'checkpoints' / run_id).iterdir())  # no failed save's remains
+  counts = report(tmp_path / 'run')['snapshots']
+  assert (counts['durable_saved'], counts['durable_failed']) == (0, 3), counts  # none written
   assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
   monkeypatch.delenv(TEST_DEV_FULL_ENV)
   assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q']) == 0
@@ -434,7 +436,8 @@ def test_a_full_tmpfs_skips_in_memory_snapshots_and_training_goes_on(tmp_path, c
   lines, err = _lines(caplog, capsys)
   assert code == 0 and 'Traceback' not in err, lines
   skipped = [line for line in lines if line.startswith('in-memory snapshot skipped (')]
-  assert len(skipped) == report(tmp_path / 'run')['snapshots']['skipped'] >= 3, lines
+  counts = report(tmp_path / 'run')['snapshots']
+  assert len(skipped) == counts['skipped'] >= 3 and counts['saved'] == 0, (lines, counts)
   assert all('No space left on device' in line for line in skipped), skipped
   assert _state(tmp_path) == 'finished'
   assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')

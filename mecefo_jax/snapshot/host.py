@@ -162,6 +162,7 @@ class HostSnapshots:
     try:
       self._tier.wait()
     except SnapshotError as err:  # the previous part failed while being written
+      self.saved -= 1  # not written after all
       self._skip(err)
 
   def _skip(self, err: BaseException) -> None:
