@@ -117,26 +117,66 @@ def read_text(path) -> str | None:
 
 
 def append_line(path: Path, line: str) -> None:
-  """Appends `line` to `path`, flushed and fsynced: on a new line even if the file ends in a
-  line cut by a crash (which then stays one unreadable line of its own)."""
+  """Appends `line` to `path`, flushed and fsynced, whole or not at all (append_whole); on a new
+  line even if the file ends in a line cut by a crash (which then stays one unreadable line of
+  its own, until cut_torn_lines)."""
   fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
   try:
     size = os.fstat(fd).st_size
     torn = size > 0 and os.pread(fd, 1, size - 1) != b'\n'
-    os.write(fd, (('\n' if torn else '') + line + '\n').encode())
+    append_whole(fd, (('\n' if torn else '') + line + '\n').encode())
     os.fsync(fd)
   finally:
     os.close(fd)
 
 
-def ends_a_line(path: Path) -> None:
-  """Ends the last line of `path` if a crash cut it, so that the next append starts its own."""
+def append_whole(fd: int, data: bytes) -> None:
+  """Appends `data` to the file open at `fd` (O_APPEND) whole or not at all: a write that fails
+  part-way (a full disk, EIO) is cut off again (a truncate needs no free block), so that no
+  torn line stays in the file for a later write to follow."""
+  size = os.fstat(fd).st_size
+  view = memoryview(data)
   try:
-    with open(path, 'rb+') as f:
-      if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b'\n':
-        f.write(b'\n')
-  except FileNotFoundError:
-    pass
+    while view:
+      view = view[os.write(fd, view):]
+  except OSError:
+    try:
+      os.ftruncate(fd, size)
+    except OSError:  # not a regular file (a test's /dev/full), or the device is gone
+      pass
+    raise
+
+
+def _parses(line: bytes) -> bool:
+  try:
+    json.loads(line)
+    return True
+  except ValueError:
+    return False
+
+
+def cut_torn_lines(path: Path) -> None:
+  """Cuts the lines of `path` that are no JSON (a write cut by a crash, or torn by a full disk
+  before appends were whole) with one warning, and ends its last line, so that every line of
+  the file parses before more are appended. A torn last line alone is truncated in place (no
+  new block needed on a full disk); else the file is replaced (replace_text)."""
+  data = read_bytes(path) or b''
+  lines = data.splitlines(keepends=True)
+  torn = [n for n, line in enumerate(lines, 1) if not _parses(line)]
+  if torn == [len(lines)]:
+    os.truncate(path, len(data) - len(lines[-1]))
+  elif torn:
+    kept = b''.join(line for n, line in enumerate(lines, 1) if n not in torn)
+    replace_text(path, kept.decode() + ('\n' if kept and not kept.endswith(b'\n') else ''))
+  elif data and not data.endswith(b'\n'):
+    with open(path, 'ab') as f:
+      f.write(b'\n')
+  if torn:
+    first = lines[torn[0] - 1].rstrip(b'\n').decode('utf-8', 'replace')
+    log.warning('%s: cut %d torn line(s) (line %s: %r; a write cut by a crash or a full disk), '
+                'so that every line of it parses', path, len(torn),
+                ', '.join(map(str, torn[:5])) + (', ...' if len(torn) > 5 else ''),
+                first[:40] + ('...' if len(first) > 40 else ''))
 
 
 def replace_text(path: Path, text: str) -> None:

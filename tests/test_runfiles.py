@@ -1,8 +1,11 @@
 """Run files that survive being torn: the checked reader (mecefo_jax/files.py), and the defects
 it fixed (a torn history.jsonl, a truncated run_state.json, a meta.json without a key); the
 sweep of every file is tests/test_sweep.py."""
+import errno
 import json
 import logging
+import resource
+import signal
 
 import pytest
 
@@ -66,6 +69,55 @@ def test_a_torn_history_line_is_skipped_and_the_records_count_on(tmp_path, caplo
   assert [m for m in caplog.messages if 'unreadable line' in m] == 2 * [  # one a read
       f'{tmp_path / rundir.HISTORY}: skipped 1 unreadable line(s) (line 2; a write cut by a '
       'crash?)']
+
+
+def test_a_start_cuts_torn_lines_so_that_every_line_parses(tmp_path, caplog):
+  """Issue 49 item 3: a torn line stayed in metrics.jsonl for good (a resume appended after
+  it). cut_torn_lines: a torn last line alone is truncated in place (no new block: a full
+  disk); torn lines before it, the file replaced without them; one warning; an unended but
+  whole last line is ended; a file without torn lines stays byte for byte."""
+  path = tmp_path / 'm.jsonl'
+  path.write_bytes(b'{"step": 1}\n{"step": 2}\n{"kind"')
+  inode = path.stat().st_ino
+  with caplog.at_level(logging.WARNING, 'mecefo'):
+    files.cut_torn_lines(path)
+  assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n' and path.stat().st_ino == inode
+  assert caplog.messages == [f"{path}: cut 1 torn line(s) (line 3: '{{\"kind\"'; a write cut by "
+                             'a crash or a full disk), so that every line of it parses']
+  path.write_bytes(b'{"step": 1}\n{"ste\n\xff\n{"step": 2}\n{"step": 3')
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, 'mecefo'):
+    files.cut_torn_lines(path)
+  assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+  assert len(caplog.messages) == 1 and 'cut 3 torn line(s) (line 2, 3, 5:' in caplog.messages[0]
+  path.write_bytes(b'{"step": 1}')
+  files.cut_torn_lines(path)
+  assert path.read_bytes() == b'{"step": 1}\n'
+  files.cut_torn_lines(path)
+  files.cut_torn_lines(tmp_path / 'none.jsonl')
+  assert path.read_bytes() == b'{"step": 1}\n' and not (tmp_path / 'none.jsonl').exists()
+
+
+def test_an_append_that_fails_part_way_is_cut_off_again(tmp_path):
+  """A write the kernel takes only in part (here past RLIMIT_FSIZE: EFBIG after the bytes
+  below the limit, as a full disk gives ENOSPC after the bytes that fit) leaves the file as it
+  was, not a torn line for the next append to follow."""
+  path = tmp_path / 'h.jsonl'
+  files.append_line(path, '{"kind": "a"}')
+  before = path.read_bytes()
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+  resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 5, limits[1]))
+  try:
+    with pytest.raises(OSError) as failed:
+      files.append_line(path, '{"kind": "b", "text": "longer than the 5 bytes left"}')
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, previous)
+  assert failed.value.errno == errno.EFBIG
+  assert path.read_bytes() == before
+  files.append_line(path, '{"kind": "c"}')
+  assert [r['kind'] for r in files.read_jsonl(path)] == ['a', 'c']
 
 
 def test_a_truncated_run_state_is_one_line_naming_it_and_stays_as_it_was(tmp_path, capsys):

@@ -126,6 +126,8 @@ def test_a_full_disk_under_durable_saves_stops_with_exit_5_and_leaves_no_tmp(
   assert _state(tmp_path) == 'stopped'
   run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
   assert not list((tmp_path / 'run' / 'checkpoints' / run_id).iterdir())  # no failed save's remains
+  counts = report(tmp_path / 'run')['snapshots']
+  assert (counts['durable_saved'], counts['durable_failed']) == (0, 3), counts  # none written
   assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
   monkeypatch.delenv(TEST_DEV_FULL_ENV)
   assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q']) == 0
@@ -164,6 +166,100 @@ def test_a_durable_directory_that_really_fills_stops_with_exit_5_in_lines_of_its
     assert not _leftovers(small), _leftovers(small)
   finally:
     subprocess.run(['umount', str(small)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """An 8 MiB tmpfs (mounting one needs root, as CI's machine has), unmounted at the end."""
+  disk = tmp_path / 'disk'
+  if not _mount_tmpfs(disk, '8m'):
+    pytest.skip('mounting a small tmpfs needs root (the MECEFO_TEST_DEV_FULL tests run anyway)')
+  yield disk
+  subprocess.run(['umount', str(disk)], check=False)
+
+
+def _fill_when_reached(monkeypatch, disk: Path, steps: int) -> None:
+  """`disk` is filled to its last byte, as `dd if=/dev/zero of=disk/fill` does, once `steps`
+  steps are trained (.reached written: in the training thread, so always after that step)."""
+  write = rundir.Reached.write
+
+  def writing(self, n):
+    write(self, n)
+    if n == steps:
+      fd = os.open(disk / 'fill', os.O_WRONLY | os.O_CREAT, 0o644)
+      try:
+        while os.write(fd, bytes(1 << 16)):
+          pass
+      except OSError as err:
+        assert err.errno == errno.ENOSPC, err
+      finally:
+        os.close(fd)
+  monkeypatch.setattr(rundir.Reached, 'write', writing)
+
+
+def _jsonl_lines(path: Path) -> list:
+  return [json.loads(line) for line in path.read_text().splitlines()]  # each line parses
+
+
+# (the fault, overrides, filled after, exit): issue 49 item 3, found by hand with `dd` on an
+# 8 MiB tmpfs as --out. Durable saves every 20 steps and no metrics rows between: 3 of them
+# fail in a row (exit 5). A metrics row every step: its write fails once the file needs a new
+# block (exit 6), and the durable save of that stop fails too, or the one of step 100 still
+# in flight when the disk filled; where each happens is up to the writes' timing.
+FULL_DISKS = [('durable', ['train.steps=120', 'snapshot.durable_every=20',
+                           'train.log_every=1000'], 30, CHECKPOINTS_FAILING),
+              ('metrics', ['train.steps=130'], 110, OUTPUTS_FAILING)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('fault, more, fill_at, exit_code', FULL_DISKS,
+                         ids=[f[0] for f in FULL_DISKS])
+def test_a_full_disk_under_out_ends_in_its_lines_and_every_record_is_true(
+    tmp_path, small_disk, monkeypatch, caplog, capsys, fault, more, fill_at, exit_code):
+  """--out on a small tmpfs filled mid-run: no traceback (Orbax's close of a failed save
+  included), the documented lines and exit code, run_state.json `stopped`, no tmp directory
+  or file of the run left open; the stop line and history.jsonl name only checkpoints on disk,
+  every line of the run's JSONL files parses; once there is room, the run resumes from the
+  stop and finishes."""
+  run, shm = small_disk / 'run', tmp_path / 'shm'
+  _fill_when_reached(monkeypatch, small_disk, fill_at)
+  caplog.set_level(logging.WARNING)
+  # The default model (not TINY): its saves are long enough to be in flight when the disk fills.
+  code = cli.main(['--out', str(run), *RUN[len(TINY):], f'snapshot.dir={shm}', '-q', *more])
+  lines, err = _lines(caplog, capsys)
+  assert code == exit_code and 'Traceback' not in err and 'Event loop' not in err, lines
+  [stop] = [line for line in lines if 'resume with' in line]
+  allowed = (r'^durable checkpoint \d+ failed \(\d in a row', r'^TensorBoard files in .* cannot '
+             r'be written', r'^stopped: \d+ of \d+ steps', re.escape(stop))
+  assert all(any(re.search(a, line) for a in allowed) for line in lines), lines
+  head = ('3 durable checkpoint(s) in a row failed to save' if fault == 'durable' else
+          f'stopped by a full disk ({run / rundir.METRICS_FILE}: No space left on device) after')
+  assert stop.startswith(head) and f'saved as the in-memory snapshot {shm}/' in stop, stop
+  steps = int(re.search(r' after (\d+) step', stop).group(1))
+  assert fill_at < steps < 120, stop
+  assert json.loads((run / rundir.RUN_STATE).read_text())['status'] == 'stopped'
+  assert not _leftovers(run, shm), _leftovers(run, shm)
+  # What the stop line and history.jsonl say was saved is on disk, a checkpoint whole.
+  places = re.findall(r'(?:in-memory snapshot|durable checkpoint) (\S+?)(?: and the |;)', stop)
+  [record] = [e for e in _jsonl_lines(run / rundir.HISTORY) if e['kind'] == 'stop']
+  assert [w.split(' ')[-1] for w in record['saved']] == places, (record, stop)
+  assert all((Path(p) / MANIFEST_NAME).exists() for p in places), places
+  _jsonl_lines(run / rundir.METRICS_FILE)
+  assert not [fd for fd in os.listdir('/proc/self/fd')
+              if str(small_disk) in _fd_target(fd)], 'a file on the disk left open'
+  monkeypatch.undo()
+  (small_disk / 'fill').unlink()  # room again
+  assert cli.main(['--out', str(run), '--resume', '-q']) == 0
+  assert report(run)['resumed_from_step'] == steps
+  assert [e['kind'] for e in _jsonl_lines(run / rundir.HISTORY)][-2:] == ['start', 'end']
+  assert _jsonl_lines(run / rundir.METRICS_FILE)[-1]['step'] == int(more[0].split('=')[1]) - 1
+
+
+def _fd_target(fd: str) -> str:
+  try:
+    return os.readlink(f'/proc/self/fd/{fd}')
+  except OSError:  # closed meanwhile
+    return ''
 
 
 def _dev_full_over(path_part: str) -> None:
@@ -340,7 +436,8 @@ def test_a_full_tmpfs_skips_in_memory_snapshots_and_training_goes_on(tmp_path, c
   lines, err = _lines(caplog, capsys)
   assert code == 0 and 'Traceback' not in err, lines
   skipped = [line for line in lines if line.startswith('in-memory snapshot skipped (')]
-  assert len(skipped) == report(tmp_path / 'run')['snapshots']['skipped'] >= 3, lines
+  counts = report(tmp_path / 'run')['snapshots']
+  assert len(skipped) == counts['skipped'] >= 3 and counts['saved'] == 0, (lines, counts)
   assert all('No space left on device' in line for line in skipped), skipped
   assert _state(tmp_path) == 'finished'
   assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')

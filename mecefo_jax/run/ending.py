@@ -100,6 +100,8 @@ def startup_stopped(stop: StartupStopped) -> int:
 def exit_code(report: dict, run) -> int:
   """The documented exit code of a run that ended its loop (run/exits.py)."""
   from mecefo_jax.run.stop import SIGINT_REASON
+  if run.checkpoints_failing:  # its stop line ended the loop; a failed write after it too
+    return CHECKPOINTS_FAILING
   if run.outputs.error is not None:  # a full disk: stopped after the step, resumable
     return OUTPUTS_FAILING
   if report['preempted'] and not run.snapshots and run.stop.reason == SIGINT_REASON:
@@ -108,8 +110,6 @@ def exit_code(report: dict, run) -> int:
     return STOPPED
   if report['diverged_at_step'] is not None:
     return DIVERGED
-  if run.checkpoints_failing:
-    return CHECKPOINTS_FAILING
   return ALL_DOWN if report['stopped'] else 0
 
 

@@ -5,6 +5,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -71,18 +72,19 @@ def _catch_tb_errors(writer, failed: list) -> None:
     events = writer._get_file_writer().event_writer._ev_writer
   except AttributeError:
     return
-  def guarded(write):
+  def guarded(write, always: bool = False):
     def call(*args):
-      if failed:
+      if failed and not always:
         return None
       try:
         return write(*args)
       except OSError as err:
-        failed.append(err)
+        failed[:] = failed or [err]
         return None
     return call
   events.write_event, events.flush = guarded(events.write_event), guarded(events.flush)
-  events.close = guarded(events.close)  # its file's close flushes what is buffered
+  # Its file's close flushes what is buffered; after a failure too, so that the file is closed.
+  events.close = guarded(events.close, always=True)
 
 
 class MetricsWriter:
@@ -100,7 +102,8 @@ class MetricsWriter:
     out_dir = Path(out_dir)
     self.path = out_dir / METRICS_FILE
     self.tb_dir = out_dir / TB_DIR
-    self._file = self._tb = None
+    self._file: int | None = None  # metrics.jsonl's descriptor
+    self._tb = None
     self._guard = guard or OutputGuard()
     self._tb_failed: list[OSError] = []
     self.tensorboard = False  # event files written (stays True after close)
@@ -109,9 +112,11 @@ class MetricsWriter:
     if fresh:
       for old in self.tb_dir.glob('events.out.tfevents.*'):
         old.unlink()
-    if not fresh:
-      files.ends_a_line(self.path)  # a row cut by a crash stays a line of its own
-    self._file = open(self.path, 'w' if fresh else 'a')
+    else:  # a resume: a row that a crash cut goes first, so that every row parses
+      self._guard.attempt(self.path, files.cut_torn_lines, self.path)
+    # Rows are appended whole or not at all (files.append_whole), so no torn row is left.
+    self._file = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+                         (os.O_TRUNC if fresh else 0), 0o644)
     self._tb = _tb_writer(self.tb_dir) if tensorboard else None
     self.tensorboard = self._tb is not None
     if self._tb is not None:
@@ -132,8 +137,8 @@ class MetricsWriter:
           self._tb.add_scalar(f'{kind}/{key}', value, row['step'])
 
   def _write_line(self, line: str) -> None:
-    self._file.write(line)
-    self._file.flush()  # last_logged_step reads it while (or after) we crash
+    # Unbuffered: last_logged_step reads it while (or after) we crash.
+    files.append_whole(self._file, line.encode())
 
   def _check_tb(self) -> None:
     """A failed TensorBoard write: one line, TensorBoard off (metrics.jsonl goes on)."""
@@ -148,7 +153,7 @@ class MetricsWriter:
 
   def close(self) -> None:
     if self._file is not None:
-      self._guard.attempt(self.path, self._file.close)
+      self._guard.attempt(self.path, os.close, self._file)
       self._file = None
     if self._tb is not None:
       self._tb.close()  # its errors are caught (_catch_tb_errors)

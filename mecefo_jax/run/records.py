@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mecefo_jax import multihost
+from mecefo_jax import files, multihost
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.storage import OutputGuard
 
@@ -25,6 +25,9 @@ class RunRecords:
     self._events_written = len(start.meta['controller']['events']) if start.meta else 0
     if not self.enabled:
       return
+    # A line that a crash or a full disk cut goes first, so that every line parses.
+    self.guard.attempt(self.out_dir / rundir.HISTORY, files.cut_torn_lines,
+                       self.out_dir / rundir.HISTORY)
     if start.steps_lost:
       self.history('thrown_away', from_step=start.step, to_step=start.reached)
     self.history('start', step=start.step, restored=start.where, hosts=sorted(hosts),

@@ -91,7 +91,8 @@ def write_failures(out_dir: Path, events: list[dict], replay_flags: str) -> None
 
 
 def append_history(out_dir: Path, kind: str, **fields) -> None:
-  """One line of history.jsonl (never rewritten, fsynced): what happened, when."""
+  """One line of history.jsonl (fsynced; rewritten only to cut a torn line at a start:
+  files.cut_torn_lines): what happened, when."""
   files.append_line(Path(out_dir) / HISTORY,
                     json.dumps({'t': round(time.time(), 3), 'kind': kind, **fields}))
 

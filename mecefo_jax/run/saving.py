@@ -28,7 +28,7 @@ class SnapshotSaver(Hook):
     self.snapshots, self.state, self.meta = snapshots, state, meta
     self.records, self.resume_hint = records, resume_hint
     self.checkpoints_failing = False  # stopped by durable saves that kept failing
-    self._saved: tuple[int | None, list[str]] = (None, [])  # (steps, where) of the last save
+    self._saved: tuple[int | None, tuple[str, ...]] = (None, ())  # (steps, tiers) last saved
     self._saved_steps: set[int] = set()  # the steps this start saved
     self._last_step: tuple[float, bool] | None = None  # the step in progress: (start, busy)
 
@@ -59,12 +59,12 @@ class SnapshotSaver(Hook):
     self.records.history('stop', step=steps, why='durable checkpoints failing', saved=where)
     return StopRun(message, steps)
 
-  def save(self, steps_done: int, stop: bool = False) -> list[str]:
+  def save(self, steps_done: int, stop: bool = False) -> None:
     """Async snapshot of the state after `steps_done` steps where due; `stop`: in every tier
-    now. Returns where the snapshots it started are."""
+    now."""
     sn = self.snapshots
     if not sn:
-      return []
+      return
     # Marked as saving only where it saves; a durable save is timed apart (its device-to-host
     # copy is far longer than the in-memory tier's).
     saving = stop or sn.due(steps_done)
@@ -72,9 +72,9 @@ class SnapshotSaver(Hook):
     with (progress_marks.during('saving', f'step {steps_done}', 'durable' if durable_due else
                                 'in-memory') if saving else contextlib.nullcontext()):
       started = sn.maybe_save(steps_done, self.state(), self.meta(steps_done), stop=stop)
-    self._saved = (steps_done, sn.where(steps_done, started))
+    earlier = self._saved[1] if self._saved[0] == steps_done else ()
+    self._saved = (steps_done, earlier + started)
     self._saved_steps.update([steps_done] if started else [])
-    return self._saved[1]
 
   def newest(self, bound: int, restored: int | None = None) -> int | None:
     """The newest step <= `bound` of a snapshot in the tiers (of one process: those listed,
@@ -89,10 +89,13 @@ class SnapshotSaver(Hook):
     return max((s for s in steps if s is not None and s <= bound), default=None)
 
   def save_now(self, steps: int) -> list[str]:
-    """Where the state after `steps` is saved, in every tier (those not saved yet), written."""
-    where = (self._saved[1] if self._saved[0] == steps else []) + self.save(steps, stop=True)
+    """The state after `steps` saved in every tier (those not saved yet) and written; where
+    it is: the tiers whose save of it failed are not named."""
+    if not self.snapshots:
+      return []
+    self.save(steps, stop=True)
     self.wait()
-    return where
+    return self.snapshots.where(steps, self.snapshots.written(steps, self._saved[1]))
 
   def finish(self, steps: int, stopped: str | None) -> None:
     """The final state as a durable checkpoint too (a later --resume extends it), all written."""
@@ -139,7 +142,7 @@ class Stop(Hook):
     where = self.saver.save_now(steps)
     saved = ('saved as the ' + ' and the '.join(where) if where else
              'saved nothing (snapshots are off)' if not self.saver.snapshots else
-             'already saved in the snapshots of that step')
+             durable.NOT_SAVED)
     message = f'stopped by {self.reason} after {steps} step{"s" * (steps != 1)}, {saved}'
     if self.saver.snapshots:
       message += f'; resume with {self.resume_hint}'

@@ -62,6 +62,11 @@ class DurableGuard:
     return started
 
 
+# A stop (a signal, a full disk) whose step no tier could write: their lines say why.
+NOT_SAVED = ('saved in no snapshot (its saves failed: see the lines above; the newest snapshot '
+             'that was written is where a resume starts)')
+
+
 def stop_message(guard: DurableGuard, steps: int, where: list[str], resume: str) -> str:
   """Why and where the run stops, and how to go on."""
   saved = ('saved as the ' + ' and the '.join(where) if where else

@@ -130,6 +130,14 @@ class HostSnapshots:
              if 'memory' in tiers else None)
     return [p for p in (parts, 'durable' in tiers and self._durable.describe(step)) if p]
 
+  def written(self, step: int, tiers: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `tiers` whose snapshot of `step` was written (after wait_until_finished with
+    `agree`): this host's part; the durable checkpoint as every process found it."""
+    done = {'memory': self._tier.last_written == step,
+            'durable': bool(self._durable) and self._durable.last_written == step and
+            self.durable.last_ok}
+    return tuple(t for t in tiers if done.get(t))
+
   def _save_part(self, step: int, state, meta: dict) -> bool:
     devices = multihost.local_replica_devices(state)
     if devices is None:
@@ -155,6 +163,7 @@ class HostSnapshots:
     try:
       self._tier.wait()
     except SnapshotError as err:  # the previous part failed while being written
+      self.saved -= 1  # not written after all
       self._skip(err)
 
   def _skip(self, err: BaseException) -> None:

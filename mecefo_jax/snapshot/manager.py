@@ -48,14 +48,16 @@ class Snapshots:
 
 def tiers_report(memory: Tier, every: int, saved: int, skipped: int, durable: Tier | None,
                  durable_every: int, durable_saved: int, durable_failed: int) -> Snapshots:
-  """The `snapshots` section of a manager with these tiers (`durable`: None without one)."""
+  """The `snapshots` section of a manager with these tiers (`durable`: None without one).
+  `durable_saved`: the durable saves started, of which the `durable_failed` are not written."""
   section = Snapshots(enabled=True, dir=str(memory.directory), every=every, saved=saved,
                       skipped=skipped, retained_steps=sorted(memory.steps()),
                       set_aside=[w for t in (memory, durable) if t for w in t.set_aside_where])
   if durable is None:
     return section
   return dataclasses.replace(section, durable_dir=str(durable.directory),
-                             durable_every=durable_every, durable_saved=durable_saved,
+                             durable_every=durable_every,
+                             durable_saved=durable_saved - durable_failed,
                              durable_failed=durable_failed,
                              durable_retained_steps=sorted(durable.steps()))
 
@@ -100,7 +102,8 @@ class SnapshotManager:
     self._memory = Tier('memory', directory, keep, compress=False, packed=True)
     self._durable = Tier('durable', durable_dir, durable_keep) if durable_dir else None
     self.durable = DurableGuard(self._durable) if self._durable else None
-    self.started = dict.fromkeys(('memory', 'durable'), 0)  # saves started by this manager
+    # Saves started by this manager (in-memory ones that failed in the background taken off).
+    self.started = dict.fromkeys(('memory', 'durable'), 0)
     self.skipped = 0  # in-memory snapshots lost to write errors
     self._memory_ok = True  # the last in-memory save was not skipped
     self._sources: tuple = (None, None)  # (slices' device ids, split_sources) of the last save
@@ -198,6 +201,7 @@ class SnapshotManager:
     try:
       self._memory.wait()
     except SnapshotError as err:  # the previous in-memory snapshot failed while being written
+      self.started['memory'] -= 1  # not written after all
       self._skip(err)
 
   def _skip(self, err: BaseException) -> None:
@@ -239,6 +243,11 @@ class SnapshotManager:
   def where(self, step: int, tiers: tuple[str, ...]) -> list[str]:
     """Where the snapshots of `step` that maybe_save started (`tiers`) are, in words."""
     return [tier.describe(step) for tier in self.tiers if tier.name in tiers]
+
+  def written(self, step: int, tiers: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `tiers` whose snapshot of `step` was written whole (after
+    wait_until_finished): a failed save is no place to name."""
+    return tuple(t.name for t in self.tiers if t.name in tiers and t.last_written == step)
 
   def report(self) -> Snapshots:
     return tiers_report(self._memory, self.every, self.started['memory'], self.skipped,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -21,6 +22,7 @@ from mecefo_jax.snapshot.manifest import NO_MANIFEST, verify_manifest, write_man
 log = logging.getLogger(__name__)
 
 _ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers) break its commit
+_CLOSE_TRIES = 8  # closes of an Orbax manager, each raising one part's error of a failed save
 
 
 # Every snapshot's meta says its parameter layout (model/layout.py); one without it was written
@@ -109,16 +111,25 @@ class Tier:
       registry = {'type_handler_registry': ocp.type_handlers.create_type_handler_registry(
           (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
           (jax.Array, ocp.type_handlers.ArrayHandler()))}  # unused; silences Orbax's warning
-    handlers = {'state': ocp.PyTreeCheckpointHandler(use_compression=compress, **kwargs, **registry),
-                'meta': ocp.JsonCheckpointHandler(**kwargs)}
-    if packed:
-      handlers['layout'] = ocp.JsonCheckpointHandler(**kwargs)
-    self._orbax = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
+
+    def open_orbax(cleanup: bool) -> ocp.CheckpointManager:
+      """A new Orbax manager of this tier, with new handlers (a closed manager closed its own)."""
+      handlers = {'state': ocp.PyTreeCheckpointHandler(use_compression=compress, **kwargs,
+                                                       **registry),
+                  'meta': ocp.JsonCheckpointHandler(**kwargs)}
+      if packed:
+        handlers['layout'] = ocp.JsonCheckpointHandler(**kwargs)
+      return ocp.CheckpointManager(self.directory, item_handlers=handlers, options=
+                                   dataclasses.replace(options, cleanup_tmp_directories=cleanup))
+    self._open_orbax = open_orbax
+    self._orbax = open_orbax(cleanup=True)
     # One long-lived worker: starting a thread per save cost the training thread ~30 ms on a
     # 2-core host right after a step (Thread.start waits until the new thread runs).
     self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f'mecefo-{name}-save')
     self._finisher: concurrent.futures.Future | None = None
     self._last_saved: int | None = None
+    self.last_written: int | None = None  # the last step whose save wait() found written whole
+    self._discarded: set[int] = set()  # steps whose failed saves' leftovers were removed
     self._error: BaseException | None = None
     self.set_aside_where: list[str] = []  # the snapshots this tier set aside: where each now is
 
@@ -193,9 +204,11 @@ class Tier:
     return self._finisher is not None and not self._finisher.done()
 
   def wait(self) -> None:
-    if self._hold and self._finisher is not None:
+    """Waits for the save in flight; raises SnapshotError where it failed."""
+    in_flight = self._finisher is not None
+    if self._hold and in_flight:
       self._hold.before_wait(self._last_saved)
-    if self._finisher is not None:
+    if in_flight:
       self._finisher.result()  # _finish keeps its error for below
       self._finisher = None
     try:
@@ -204,7 +217,31 @@ class Tier:
       self._error = self._error or e
     if self._error is not None:
       error, self._error = self._error, None
+      self._reopen()
       raise SnapshotError(f'{self.name} snapshot in {self.directory} failed: {error}') from error
+    if in_flight:
+      self.last_written = self._last_saved
+
+  def _close_orbax(self) -> BaseException | None:
+    """Closes the Orbax manager once every thread of its saves has ended; returns the first
+    error of a failed save that its close raised (each part of a save, its commit and each
+    metadata write, raises its own error once: the close is repeated until none is left)."""
+    first = None
+    for _ in range(_CLOSE_TRIES):
+      try:
+        self._orbax.close()
+        return first
+      except Exception as err:  # noqa: BLE001 -- a failed save's, reported by wait() already
+        first = first or err
+    return first
+
+  def _reopen(self) -> None:
+    """After a failed save: Orbax's threads of that save can outlive the error we got (its
+    commit still writing the *.orbax-checkpoint-tmp directory, which it would then leave, and
+    raise into the next save or the tier's close): the manager is closed, all of them waited
+    for, and a new one opened (no cleanup of its own: discard_failed removes the leftovers)."""
+    self._close_orbax()
+    self._orbax = self._open_orbax(cleanup=False)
 
   def restore(self, step: int, target: Any) -> tuple[Any, dict]:
     """(state on `target`'s shardings, meta) of snapshot `step`. A durable checkpoint of the
@@ -281,6 +318,7 @@ class Tier:
     whole). Where this process writes the manifests, once no save is in flight."""
     if not self.writes_manifest:
       return
+    self._discarded.add(step)
     leftovers = list(self.directory.glob(f'{step}.orbax-checkpoint-tmp*'))
     if self.step_dir(step).exists() and verify_manifest(self.step_dir(step)) == NO_MANIFEST:
       leftovers.append(self.step_dir(step))
@@ -329,4 +367,12 @@ class Tier:
       self.wait()
     finally:
       self._worker.shutdown()
-      self._orbax.close()
+      # Again: a save that failed inside Orbax's save() call can leave writes of it in flight
+      # in threads nobody waits for (tensorstore's), which may make files after its discard.
+      for step in sorted(self._discarded):
+        self.discard_failed(step)
+      error = self._close_orbax()
+    if error is not None:  # a failed save no wait() saw: one line, its leftovers removed
+      log.warning('%s snapshot in %s failed: %s', self.name, self.directory, error)
+      if self._last_saved is not None:
+        self.discard_failed(self._last_saved)
