@@ -59,7 +59,8 @@ def test_the_supervisors_processes_train_a_model_as_a_one_process_replay(launche
   replay = launcher.run([sys.executable, *shlex.split(replay_cmd)[1:]], timeout=600, cwd=folder,
                         env=_env(launcher))
   assert replay.returncode == 0, replay.stderr[-3000:]
-  reference = report(folder / 'runs' / 'latest')
+  reference = report(folder / 'run' / 'replay')
+  assert not (folder / 'runs').exists()  # the replay never replaces another run
   assert reference['config']['model']['kind'] == kind
   assert result['params_sha256'] == reference['params_sha256']
   assert result['samples'] == reference['samples']

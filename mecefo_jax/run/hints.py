@@ -16,6 +16,8 @@ _command_line = False
 # How the user started training, for the commands printed: the checkout's train.py unless an
 # installed entry says otherwise (mecefo_jax/__main__.py: `mecefo-train`, `python -m mecefo_jax`).
 _TRAIN = ['python', 'train.py']
+# Where a run's failures.txt replays into unless --out says otherwise: inside that run.
+REPLAY_DIR = 'replay'
 
 
 def entered(argv0: str) -> None:
@@ -77,6 +79,7 @@ def fresh(out_dir: Path) -> str:
 
 
 def replay(out_dir: Path) -> str:
-  """How to replay the failures of the run in `out_dir` in one process."""
+  """How to replay the failures of the run in `out_dir` in one process, into a run directory of
+  its own inside it (a run directory never holds two runs, and runs/latest is left alone)."""
   trace = Path(out_dir) / 'failures.txt'
-  return f'`{_train("--failures", f"trace:{trace}")}`'
+  return f'`{_train("--failures", f"trace:{trace}", "--out", Path(out_dir) / REPLAY_DIR)}`'
