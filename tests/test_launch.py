@@ -176,8 +176,8 @@ def test_a_start_up_failure_on_one_host_ends_the_job_with_its_line(launcher, tmp
 
 @pytest.mark.parametrize('argv, expected', [
     (['-n', '2', '--max-restarts', '-1'], 'argument --max-restarts: must be >= 0, got -1'),
-    (['-n', '2', '--out', 'D'], "unrecognized arguments: --out; train.py's arguments go after "
-                                '--, e.g. -- --out D')])
+    (['-n', '2', '--out', 'D'], 'unrecognized arguments: --out; the training arguments go '
+                                'after --, e.g. -- --out D')])
 def test_supervisor_refuses_a_negative_restart_limit_and_hints_at_the_dashes(capsys, argv,
                                                                             expected):
   assert usage_error(capsys, launch.parse_args, argv).startswith(f'error: {expected}')

@@ -57,9 +57,10 @@ def at_least(low: int, kind: type = int, high: int | None = None):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+  command = hints.train_command()  # as typed: `python train.py`, `mecefo-train`, ...
   p = OneLineParser(
-      prog='train.py', description='MeCeFO fault-tolerant LLM training (JAX/Flax).',
-      epilog='example: mecefo-train --config tiny train.steps=50 model.n_layers=4')
+      prog=command, description='MeCeFO fault-tolerant LLM training (JAX/Flax).',
+      epilog=f'example: {command} --config tiny train.steps=50 model.n_layers=4')
   p.add_argument('--config', default=None, metavar='NAME|FILE',
                  help=f'a built-in config by name ({", ".join(builtin_configs())}; shipped in '
                       'the package) or a YAML file, overriding the defaults (default: tiny)')
