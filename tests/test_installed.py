@@ -134,6 +134,10 @@ def test_an_installed_wheel_trains_and_launches_from_outside_the_checkout(tmp_pa
   run = lambda *args, timeout=240: launcher.run([*args], cwd=elsewhere, env=env, timeout=timeout)
   where = run(venv / 'bin' / 'python', '-c', 'import mecefo_jax; print(mecefo_jax.__file__)')
   assert where.stdout.startswith(str(venv)), where  # the wheel's package, not the checkout's
+  helped = run(venv / 'bin' / 'mecefo-launch', '--help')  # the scripts name themselves
+  assert helped.returncode == 0 and helped.stdout.startswith('usage: mecefo-launch '), helped
+  refused = run(venv / 'bin' / 'mecefo-train', '--nope')
+  assert refused.stderr.strip().endswith('(see mecefo-train --help)'), refused.stderr
   trained = run(venv / 'bin' / 'mecefo-train', '--config', 'tiny', '--out', 'X', *TINY,
                 'train.steps=20', 'train.plot=false', '--no-snapshots')
   assert trained.returncode == 0, trained.stderr[-3000:]

@@ -389,9 +389,11 @@ def _train(args, run, out_dir: Path) -> int:
     print(summary, file=sys.stderr)
   else:
     log.info('%s', summary)
-    log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
-             report['samples'])
+    # Its compile is every program build a step or an eval waited for (the first programs
+    # among them), not the initializer's: not the start line's state + first programs.
+    log.info('goodput (s; compile: the program builds steps and evals waited for): %s; samples %s',
+             {k: round(v, 2) for k, v in report['goodput'].items()}, report['samples'])
     log.info('plans: %d steps, digest %s', report['plans']['steps'], report['plans']['digest'])
-    log.info('%s', ending.first_step(report['startup']))
+    log.info('%s', ending.first_step(report['startup'], report['compile_s']))
   code = ending.exit_code(report, run)
   return _interrupted() if code == INTERRUPTED else code

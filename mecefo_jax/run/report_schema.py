@@ -63,7 +63,9 @@ class Report:
   wall_s: float = entry('s', 'wall time of the training loop in this process: steps, snapshots, '
                         'evals (start-up compile excluded)')
   tokens_per_s: float = entry('tokens/s', 'same as throughput.tokens_per_s')
-  compile_s: float = entry('s', 'start-up: build the state and compile the fault-free step')
+  compile_s: float = entry('s', "start-up: the state built (initialized: init_*, or restored: "
+                          "restore_s) and the first step's programs built (first_programs_s); "
+                          "the start line's `state + first programs`")
   throughput: Throughput = entry('', 'rates of this process, eval time left out')
   eval_loss: float | None = entry(LOSS, 'held-out loss after the last step; null if the run '
                                   'stopped early or its data has no eval rows '
