@@ -99,6 +99,8 @@ def test_every_xla_compile_of_a_failure_run_is_in_its_report(tmp_path, cold_prog
       f"| state + first programs {s:.1f}s: init {start['init_lower_s']:.1f}+"
       f"{start['init_compile_s']:.1f}+{start['init_run_s']:.1f}s (lower+compile+run), first "
       f"programs {start['first_programs_s']:.1f}s") and ' compile ' not in opening, opening
+  from benchmarks.gpu_check import START_LINE  # what the GPU check reads of a killed run
+  assert START_LINE.search(opening).group(5) == f"{start['first_programs_s']:.1f}"
   [last] = [m for m in caplog.messages if m.startswith('start-up: first step done')]
   assert (f"first step done {start['first_step_s']:.1f}s after the {start['first_step_from']} "
           f"start: the state + first programs {s:.1f}s, the step itself "
