@@ -87,6 +87,12 @@ def test_help_and_usage_errors_name_the_command_as_typed(capsys, monkeypatch):
     monkeypatch.setenv(hints.LAUNCH_ENV, '-n 2 -- --out R --fresh')
     monkeypatch.setenv(hints.LAUNCH_COMMAND_ENV, launch.parse_args(['-n', '2']).command)
     assert hints.resume(Path('R')) == f'`{command} -n 2 -- --out R`'
+  from mecefo_jax.run import plot, report_schema
+  for script, main in [('mecefo-plot', plot.main), ('mecefo-report', report_schema.main)]:
+    monkeypatch.setattr(sys, 'argv', [f'/venv/bin/{script}'])
+    with pytest.raises(SystemExit):
+      main(['--help'])
+    assert capsys.readouterr().out.startswith(f'usage: {script} [-h]')
 
 
 def test_the_supervisor_starts_this_package_not_a_file_of_the_checkout():

@@ -13,6 +13,7 @@ from mecefo_jax.config import COMPUTE_DTYPES
 from mecefo_jax.core.decider import Plans
 from mecefo_jax.core.failures import AppliedEvent, FailureEvent
 from mecefo_jax.core.goodput import Seconds
+from mecefo_jax.run import hints
 from mecefo_jax.run.evaluation import Eval
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.recovery_time import Recovery
@@ -167,7 +168,7 @@ def load(path: Path) -> Any:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m mecefo_jax.run.report_schema',
+  p = argparse.ArgumentParser(prog=hints.command('mecefo_jax.run.report_schema'),
                               description='Check a report.json against the schema.')
   p.add_argument('report', nargs='?', help='report.json or a run directory')
   p.add_argument('--markdown', action='store_true', help='print the key table of docs/report.md')
