@@ -31,7 +31,8 @@ MODULES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax.checkpoint', 'numpy', 'yaml'
 # The image's accelerator stack: gpu_check never installs these, so it measures the image's.
 PROTECTED = re.compile(r'^(jax|jaxlib|jax[-_]cuda\d+[-_](plugin|pjrt)|libtpu|nvidia[-_].*)$')
 OOM = re.compile(r'RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM')
-START_LINE = re.compile(r'start-up init ([\d.]+)\+([\d.]+)\+([\d.]+)s \(lower\+compile\+run\)'
+START_LINE = re.compile(r'state \+ first programs [\d.]+s: init ([\d.]+)\+([\d.]+)\+([\d.]+)s '
+                        r'\(lower\+compile\+run\)'
                         r'(?:, restore ([\d.]+)s)?(?:, first programs ([\d.]+)s)?')
 
 

@@ -23,6 +23,7 @@ from mecefo_jax.model import contract
 
 
 def dense(d_in, d_out, axes, rngs, std=0.02):
+  """A linear layer whose kernel and bias carry logical axes (names of sharding.LOGICAL_RULES)."""
   return MeCeFOLinear(d_in, d_out, rngs=rngs, kernel_init=nnx.initializers.normal(std),
                       kernel_metadata={'logical_axes': axes},
                       bias_metadata={'logical_axes': axes[-1:]})
@@ -82,6 +83,8 @@ class TinyLM(contract.Model):
     self.head = dense(cfg.d_model, cfg.vocab_size, ('embed', 'vocab'), rngs)
 
   def __call__(self, tokens, degrade, bases=None, remat='dots'):
+    # `bases` (None in exact passes) mirrors the marked layers' paths, here
+    # {'layers': {i: {'mlp': {'inner': {'w_in': [d_model, rank], 'w_out': [ffn_dim, rank]}}}}}
     x = self.tokens[...][tokens] + self.positions[:tokens.shape[1]]
     for i, block in enumerate(self.layers):
       x = block(x, degrade, bases and bases['layers'][i], remat)

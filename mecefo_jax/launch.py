@@ -1,7 +1,7 @@
 """Supervisor: a training job as N local processes that keeps training when one of them dies.
 
   mecefo-launch -n N [--devices-per-process K] [--rejoin-after S] -- <mecefo-train args>
-  (= python -m mecefo_jax.launch ...)
+  (= python -m mecefo_jax.launch ...; its help and errors name the one typed)
 
 Starts N training processes (`python -m mecefo_jax` of this very package, installed or not) (logical hosts 0..N-1) with a local coordinator. When one dies
 (SIGKILL, a crash, the OOM killer), the survivors are stopped at once and restarted as a job of
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 import shlex
 import signal
 import sys
 from pathlib import Path
 
 from mecefo_jax.config import DEFAULT_OUT
-from mecefo_jax.run import dir_lock, saved
+from mecefo_jax.run import dir_lock, hints, saved
 from mecefo_jax.run.cli import OneLineParser, at_least
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.stop import SIGINT_REASON
@@ -35,9 +36,10 @@ _GPU_DEVICES = '/dev/nvidia[0-9]*'  # one device file per NVIDIA GPU the machine
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = OneLineParser(prog='python -m mecefo_jax.launch', description=__doc__.split('\n')[0],
-                    epilog='example: python -m mecefo_jax.launch -n 4 --rejoin-after 60 '
-                           '-- --out runs/job mesh.slice=4')
+  command = hints.command(hints.LAUNCH_MODULE)  # as typed: mecefo-launch or python -m ...
+  p = OneLineParser(prog=command, description=__doc__.split('\n')[0],
+                    epilog=f'example: {command} -n 4 --rejoin-after 60 -- --out runs/job '
+                           'mesh.slice=4')
   p.add_argument('-n', '--num-processes', type=int, required=True, help='processes (hosts), >= 2')
   p.add_argument('--devices-per-process', type=int, default=1,
                  help='devices of each process: CPU devices (--host-devices), or GPUs with --gpus')
@@ -60,10 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       'host<h>.log files (default: <--out>/logs, or runs/launch_logs)')
   p.add_argument('--events', default=None, metavar='FILE',
                  help='also write each event as a JSON line (time, kind, hosts) to FILE')
-  p.add_argument('train_args', nargs=argparse.REMAINDER, help='-- then train.py arguments')
+  p.add_argument('train_args', nargs=argparse.REMAINDER,
+                 help='-- then the training arguments (mecefo-train\'s, = train.py\'s)')
   args, unknown = p.parse_known_args(argv)
-  if unknown:  # a train.py flag before `--`: argparse alone would not say where it goes
-    p.error(f'unrecognized arguments: {" ".join(unknown)}; train.py\'s arguments go after --, '
+  if unknown:  # a training flag before `--`: argparse alone would not say where it goes
+    p.error(f'unrecognized arguments: {" ".join(unknown)}; the training arguments go after --, '
             f'e.g. -- {shlex.join(unknown + args.train_args)}')
   args.train_args = args.train_args[1:] if args.train_args[:1] == ['--'] else args.train_args
   if args.num_processes < 2 or args.devices_per_process < 1:
@@ -73,11 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_gpus(p, args.num_processes * args.devices_per_process)
   own = [a for a in args.train_args if a.split('=')[0] in _OWN_FLAGS]
   if own:
-    p.error(f'{own[0].split("=")[0]} is set by the supervisor; leave it out of the train.py '
+    p.error(f'{own[0].split("=")[0]} is set by the supervisor; leave it out of the training '
             'arguments')
   args.out = _train_out(args.train_args) or Path(DEFAULT_OUT)
   args.log_dir = Path(args.log_dir or args.out / 'logs')
   args.argv = list(sys.argv[1:] if argv is None else argv)
+  args.command = command
   return args
 
 
@@ -137,6 +141,7 @@ def main(argv=None) -> int:
   if holder is not None:  # refused before anything is written (train.py's own check races it)
     print(f'error: {dir_lock.in_use_message(args.out, holder)}', file=sys.stderr)
     return BAD_INPUT
+  os.environ[hints.LAUNCH_COMMAND_ENV] = args.command  # the processes' hints: rerun it as typed
   return serve(Supervisor(args))
 
 

@@ -87,3 +87,15 @@ def launcher(_session_launcher):
   yield _session_launcher
   _session_launcher.kill_all(since=first)
 
+
+@pytest.fixture
+def hf_datasets(monkeypatch):
+  """tests/stand_in/datasets.py imported afresh as `datasets` (the package and the Hub are not
+  here; its HUB and LOADS start empty): hf: sources run their real loading code against it."""
+  import sys
+  monkeypatch.syspath_prepend(str(Path(__file__).parent / 'stand_in'))
+  monkeypatch.delitem(sys.modules, 'datasets', raising=False)
+  import datasets
+  assert datasets.__file__.startswith(str(Path(__file__).parent)), datasets.__file__
+  yield datasets
+  sys.modules.pop('datasets', None)

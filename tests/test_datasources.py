@@ -252,8 +252,8 @@ def test_hf_without_datasets_says_how_to_install(monkeypatch):
     _load('hf:some/name')
 
 
-def test_hf_saved_to_disk(tmp_path):
-  datasets = pytest.importorskip('datasets')
+def test_hf_saved_to_disk(tmp_path, hf_datasets):
+  datasets = hf_datasets
   texts = [f'document number {i} ' * 5 for i in range(20)]
   datasets.Dataset.from_dict({'body': texts, 'n': list(range(20))}).save_to_disk(tmp_path / 'ds')
   c = _load(f'hf:{tmp_path / "ds"}?column=body')
@@ -267,8 +267,8 @@ def test_hf_saved_to_disk(tmp_path):
     _load(f'hf:{tmp_path / "ds"}?column=n')
 
 
-def test_hf_dataset_dict_split_and_load_failure(tmp_path, monkeypatch):
-  datasets = pytest.importorskip('datasets')
+def test_hf_dataset_dict_split_and_load_failure(tmp_path, hf_datasets):
+  datasets = hf_datasets
   dd = datasets.DatasetDict({s: datasets.Dataset.from_dict({'text': [s * 40] * 3})
                              for s in ('train', 'test')})
   dd.save_to_disk(tmp_path / 'dd')
@@ -276,13 +276,17 @@ def test_hf_dataset_dict_split_and_load_failure(tmp_path, monkeypatch):
   assert c.tokens_1d[:4].tobytes() == b'test'
   with pytest.raises(DataError, match=r"no split 'dev'; splits: \['test', 'train'\]"):
     _load(f'hf:{tmp_path / "dd"}?split=dev')
-
-  def offline(*args, **kwargs):  # no network in tests: stand in for an uncached hub dataset
-    raise ConnectionError('Couldn\'t reach the Hugging Face Hub\nmore detail')
-  monkeypatch.setattr(datasets, 'load_dataset', offline)
+  assert not datasets.LOADS  # a path on disk is loaded from there, never from the Hub
+  # A name that is not a path goes to the Hub (train.py: from its local cache, not streamed).
+  datasets.HUB['org/corpus'] = {'train': [{'text': 'hub text ' * 20}]}
+  assert _load('hf:org/corpus').tokens_1d[:8].tobytes() == b'hub text'
+  assert datasets.LOADS == [(('org/corpus', None), {'split': 'train', 'streaming': False})]
+  with pytest.raises(DataError, match=r"^hf:org/corpus\?split=dev: cannot load dataset "
+                                      r"'org/corpus': ValueError: Unknown split \"dev\""):
+    _load('hf:org/corpus?split=dev')
   with pytest.raises(DataError, match=r"cannot load dataset 'org/none': ConnectionError: "
-                                      r"Couldn't reach the Hugging Face Hub$"):
-    _load('hf:org/none')
+                                      r"Couldn't reach 'org/none' on the Hub \(offline\)$"):
+    _load('hf:org/none')  # its first line only
 
 
 # --- optional tokenizer ---------------------------------------------------------------------
@@ -295,7 +299,7 @@ def test_tokenizer_missing_package(tmp_path, monkeypatch):
 
 
 def test_local_tokenizer_json(tmp_path):
-  tokenizers = pytest.importorskip('tokenizers')
+  import tokenizers  # a test requirement (requirements.txt)
   words = ['<unk>', '</s>', 'red', 'green', 'blue']
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
                                                          unk_token='<unk>'))

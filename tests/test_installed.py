@@ -15,7 +15,7 @@ from mecefo_jax import __main__ as entry
 from mecefo_jax import config, supervisor
 from mecefo_jax.config import ConfigError
 from mecefo_jax.run import startup
-from procs import ROOT, TINY, report
+from procs import ROOT, TINY, report, usage_error
 
 SCRIPTS = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scripts']
 
@@ -54,6 +54,45 @@ def test_printed_commands_name_the_command_that_started_the_trainer(monkeypatch)
                          ('train.py', 'python train.py')]:
     hints.entered(argv0)
     assert hints.resume(Path('X')) == f'`{command} --out X --resume`'
+    launch = 'mecefo-launch' if command == 'mecefo-train' else 'python -m mecefo_jax.launch'
+    assert f'(`{launch} -n 3 ... -- --out X ...`' in hints.resume(Path('X'), n_hosts=3)
+
+
+def test_help_and_usage_errors_name_the_command_as_typed(capsys, monkeypatch):
+  """An installed command's --help and usage errors name it (`see mecefo-train --help`), and a
+  supervised run's resume hint names the supervisor command that was typed."""
+  from mecefo_jax import launch
+  from mecefo_jax.run import cli, hints
+  monkeypatch.setattr(hints, '_TRAIN', list(hints._TRAIN))
+  for argv0, command in [('/venv/bin/mecefo-train', 'mecefo-train'),
+                         ('/site/mecefo_jax/__main__.py', 'python -m mecefo_jax'),
+                         ('train.py', 'python train.py')]:
+    hints.entered(argv0)
+    with pytest.raises(SystemExit):
+      cli.parse_args(['--help'])
+    text = capsys.readouterr().out
+    assert text.startswith(f'usage: {command} [-h]') and f'example: {command} --config' in text
+    assert 'train.py' not in text.replace('python train.py', '') or command == 'python train.py'
+    assert usage_error(capsys, cli.parse_args, ['--nope']).endswith(f'(see {command} --help)')
+  for argv0, command in [('/venv/bin/mecefo-launch', 'mecefo-launch'),
+                         ('/site/mecefo_jax/launch.py', 'python -m mecefo_jax.launch')]:
+    monkeypatch.setattr(sys, 'argv', [argv0])
+    with pytest.raises(SystemExit):
+      launch.parse_args(['--help'])
+    text = capsys.readouterr().out
+    assert text.startswith(f'usage: {command} [-h]') and f'example: {command} -n 4' in text
+    assert 'train.py' not in text.replace("train.py's)", '')  # only beside mecefo-train's
+    assert text.count('mecefo_jax.launch') == (command != 'mecefo-launch') * 2, text
+    assert usage_error(capsys, launch.parse_args, ['-n', '1']).endswith(f'(see {command} --help)')
+    monkeypatch.setenv(hints.LAUNCH_ENV, '-n 2 -- --out R --fresh')
+    monkeypatch.setenv(hints.LAUNCH_COMMAND_ENV, launch.parse_args(['-n', '2']).command)
+    assert hints.resume(Path('R')) == f'`{command} -n 2 -- --out R`'
+  from mecefo_jax.run import plot, report_schema
+  for script, main in [('mecefo-plot', plot.main), ('mecefo-report', report_schema.main)]:
+    monkeypatch.setattr(sys, 'argv', [f'/venv/bin/{script}'])
+    with pytest.raises(SystemExit):
+      main(['--help'])
+    assert capsys.readouterr().out.startswith(f'usage: {script} [-h]')
 
 
 def test_the_supervisor_starts_this_package_not_a_file_of_the_checkout():
@@ -101,6 +140,10 @@ def test_an_installed_wheel_trains_and_launches_from_outside_the_checkout(tmp_pa
   run = lambda *args, timeout=240: launcher.run([*args], cwd=elsewhere, env=env, timeout=timeout)
   where = run(venv / 'bin' / 'python', '-c', 'import mecefo_jax; print(mecefo_jax.__file__)')
   assert where.stdout.startswith(str(venv)), where  # the wheel's package, not the checkout's
+  helped = run(venv / 'bin' / 'mecefo-launch', '--help')  # the scripts name themselves
+  assert helped.returncode == 0 and helped.stdout.startswith('usage: mecefo-launch '), helped
+  refused = run(venv / 'bin' / 'mecefo-train', '--nope')
+  assert refused.stderr.strip().endswith('(see mecefo-train --help)'), refused.stderr
   trained = run(venv / 'bin' / 'mecefo-train', '--config', 'tiny', '--out', 'X', *TINY,
                 'train.steps=20', 'train.plot=false', '--no-snapshots')
   assert trained.returncode == 0, trained.stderr[-3000:]

@@ -94,8 +94,8 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
       'launch-death', 'stop', 'stop']
   assert [e['step'] for e in history if e['kind'] == 'stop'] == [DEATH + 1, STOP]
 
-  # failures.txt's own replay line, run exactly as printed (from tmp_path: runs/latest there):
-  # one process with every device, the same records and parameters.
+  # failures.txt's own replay line, run exactly as printed (from tmp_path): one process with
+  # every device, the same records and parameters, in run/replay (runs/latest is not touched).
   line = (run / 'failures.txt').read_text().splitlines()[0]
   # The supervised processes are `python -m mecefo_jax`: the line names that (the package
   # importable, as where it is installed).
@@ -103,7 +103,8 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   replay = launcher.run([sys.executable, *shlex.split(replay_cmd)[1:]], timeout=600,
                         cwd=tmp_path, env={**env, 'PYTHONPATH': str(ROOT)})
   assert replay.returncode == 0, replay.stderr[-3000:]
-  reference = report(tmp_path / 'runs' / 'latest')
+  reference = report(run / 'replay')
+  assert not (tmp_path / 'runs').exists()
   assert result['params_sha256'] == reference['params_sha256']
   assert result['samples'] == reference['samples']
   assert _strip(result['failure_events']) == _strip(reference['failure_events'])
@@ -161,8 +162,8 @@ def test_a_start_up_failure_on_one_host_ends_the_job_with_its_line(launcher, tmp
 
 @pytest.mark.parametrize('argv, expected', [
     (['-n', '2', '--max-restarts', '-1'], 'argument --max-restarts: must be >= 0, got -1'),
-    (['-n', '2', '--out', 'D'], "unrecognized arguments: --out; train.py's arguments go after "
-                                '--, e.g. -- --out D')])
+    (['-n', '2', '--out', 'D'], 'unrecognized arguments: --out; the training arguments go '
+                                'after --, e.g. -- --out D')])
 def test_supervisor_refuses_a_negative_restart_limit_and_hints_at_the_dashes(capsys, argv,
                                                                             expected):
   assert usage_error(capsys, launch.parse_args, argv).startswith(f'error: {expected}')

@@ -1,7 +1,9 @@
 """A model of the contract defined outside the package (examples/own_model.py, copied out of the
-checkout as a user would): trained by the supervisor's processes, which import it by its
-`module:factory` name, through failures equal to a one-process replay; through the Python API,
-killed and resumed bit-exact; a resume with another model refused in one line."""
+checkout as a user would, and shown whole in docs/own_model.md): trained by the supervisor's
+processes, which import it by its `module:factory` name, through failures equal to a replay run
+as failures.txt prints it; through the Python API, killed and resumed bit-exact; a resume with
+another model refused in one line."""
+import importlib.util
 import json
 import re
 import shlex
@@ -10,12 +12,15 @@ import sys
 
 import pytest
 
+from mecefo_jax.config import load_config
+from mecefo_jax.model import bases, models
 from mecefo_jax.run import cli
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.stop import TEST_DEATH_ENV
 from procs import ROOT, TINY, error_lines, report
 
 EXAMPLE = ROOT / 'examples' / 'own_model.py'
+DOC = ROOT / 'docs' / 'own_model.md'
 STEPS = 10
 ARGS = [*TINY, f'train.steps={STEPS}', 'train.eval_every=0', 'train.plot=false',
         'train.log_every=1', 'mecefo.tau=3']
@@ -54,7 +59,8 @@ def test_the_supervisors_processes_train_a_model_as_a_one_process_replay(launche
   replay = launcher.run([sys.executable, *shlex.split(replay_cmd)[1:]], timeout=600, cwd=folder,
                         env=_env(launcher))
   assert replay.returncode == 0, replay.stderr[-3000:]
-  reference = report(folder / 'runs' / 'latest')
+  reference = report(folder / 'run' / 'replay')
+  assert not (folder / 'runs').exists()  # the replay never replaces another run
   assert reference['config']['model']['kind'] == kind
   assert result['params_sha256'] == reference['params_sha256']
   assert result['samples'] == reference['samples']
@@ -89,3 +95,23 @@ def test_a_resume_with_another_model_is_refused_in_one_line(tmp_path, capsys, de
   lines = error_lines(capsys.readouterr().err)
   assert len(lines) == 1 and 'resume with another model' in lines[0], lines
   assert "model.kind='llama'" in lines[0] and "'gpt2'" in lines[0], lines
+
+
+def test_the_docs_example_is_the_whole_example_file_and_its_bases_are_as_it_shows():
+  """What docs/own_model.md shows is the file the tests above run, and the bases tree it shows
+  for a list of blocks is the one the trainer builds for that model."""
+  shown = re.findall(r'```python\n(.*?)\n```', DOC.read_text(), re.S)
+  assert shown == [EXAMPLE.read_text().rstrip('\n')]
+  loaded = importlib.util.spec_from_file_location('own_model_shown', EXAMPLE)
+  module = importlib.util.module_from_spec(loaded)
+  loaded.loader.exec_module(module)
+  kind = models.register(module.TinyLM)
+  cfg = load_config(None, [f'model.kind={kind}', 'model.n_layers=2'])
+  d, ffn = cfg.model.d_model, cfg.model.ffn_dim
+  inner = {'w_in': ('embed', 'rank'), 'w_out': ('mlp', 'rank')}
+  assert bases.axes(models.spec(cfg.model)) == {'layers': {i: {'mlp': {'inner': inner}}
+                                                           for i in range(2)}}
+  assert [(layer.path[-1], layer.shape[0]) for layer in models.spec(cfg.model).basis_layers] == \
+      [('w_in', d), ('w_out', ffn)] * 2  # each basis [d_in, rank]
+  assert "bases = {'layers': {0: {'mlp': {'inner': {'w_in': [d_model, rank], 'w_out': [ffn_dim, " \
+      "rank]}}}," in DOC.read_text()

@@ -301,14 +301,16 @@ def test_the_readme_commands_with_a_kill_and_a_rerun_of_prepare(launcher, corpus
 
 
 def test_a_tokenizer_stream_is_uint16_and_resumes_exactly(corpus, tmp_path, monkeypatch):
-  tokenizers = pytest.importorskip('tokenizers')
-  words = sorted({w for f in corpus.rglob('*.txt') for w in f.read_text().split()})
-  vocab = {w: i for i, w in enumerate(['<unk>', '<|endoftext|>', *words])}
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='<unk>'))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  import tokenizers  # a test requirement (requirements.txt): a tokenizer trained here, offline
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token='<unk>'))
+  byte_level = tokenizers.pre_tokenizers.ByteLevel
+  tok.pre_tokenizer = byte_level()
+  trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, initial_alphabet=byte_level.alphabet(),
+                                           special_tokens=['<unk>', '<|endoftext|>'])
+  tok.train_from_iterator((f.read_text() for f in sorted(corpus.rglob('*.txt'))), trainer)
   tok.save(str(tmp_path / 'tokenizer.json'))
   whole, _ = _prepare(corpus, tmp_path / 'whole', tokenizer=str(tmp_path))
-  assert whole['dtype'] == 'uint16' and whole['vocab_size'] == len(vocab) > 256
+  assert whole['dtype'] == 'uint16' and whole['vocab_size'] == tok.get_vocab_size() == 600
   assert whole['tokenizer'].startswith('sha256:') and whole['separator_ids'] == [1]
   with monkeypatch.context() as m:
     _interrupt_after(m, 2)
@@ -320,33 +322,12 @@ def test_a_tokenizer_stream_is_uint16_and_resumes_exactly(corpus, tmp_path, monk
       tmp_path / 'whole' / tokendir.TOKENS).read_bytes()
 
 
-class FakeStream:
-  """What prepare uses of a streamed `datasets.IterableDataset` (the package is optional)."""
-
-  def __init__(self, rows):
-    self.rows, self.column_names, self.features = rows, None, None
-
-  def skip(self, n):
-    return FakeStream(self.rows[n:])
-
-  def select_columns(self, columns):
-    return FakeStream([{c: r[c] for c in columns} for r in self.rows])
-
-  def __iter__(self):
-    return iter(self.rows)
-
-
-def test_hf_is_read_as_a_stream_and_resumed_by_skipping_rows(tmp_path, monkeypatch):
-  import sys
-  import types
+def test_hf_is_read_as_a_stream_and_resumed_by_skipping_rows(tmp_path, monkeypatch,
+                                                             hf_datasets):
   rows = [{'text': f'row {i} ' * 50, 'n': i} for i in range(400)] + [{'text': None, 'n': -1}]
-  loads = []
-  fake = types.SimpleNamespace(IterableDataset=FakeStream, DatasetDict=dict,
-                               load_dataset=lambda *a, **kw: loads.append((a, kw)) or
-                               FakeStream(rows[:400]))
-  monkeypatch.setitem(sys.modules, 'datasets', fake)
+  hf_datasets.HUB.update({'org/corpus': {'train': rows[:400]}, 'org/other': {'train': rows[399:]}})
   whole, _ = prep.prepare(['hf:org/corpus?split=train'], tmp_path / 'whole', chunk_bytes=1 << 12)
-  assert loads[0] == (('org/corpus', None), {'split': 'train', 'streaming': True})
+  assert hf_datasets.LOADS[0] == (('org/corpus', None), {'split': 'train', 'streaming': True})
   _interrupt_after(monkeypatch, 2)
   with pytest.raises(KeyboardInterrupt):
     prep.prepare(['hf:org/corpus?split=train'], tmp_path / 'tok', chunk_bytes=1 << 12)
@@ -355,15 +336,12 @@ def test_hf_is_read_as_a_stream_and_resumed_by_skipping_rows(tmp_path, monkeypat
   expected = b'\0'.join(r['text'].encode() for r in rows[:400])
   assert (tmp_path / 'tok' / tokendir.TOKENS).read_bytes() == expected
   assert whole['doc_count'] == 400
-  fake.load_dataset = lambda *a, **kw: FakeStream(rows[399:])
   with pytest.raises(DataError, match=r"row 1 of column 'text' is NoneType, not text"):
     prep.prepare(['hf:org/other'], tmp_path / 'bad')
 
 
-def test_text_over_the_in_memory_limit_is_refused_with_the_prepare_command(corpus, tmp_path,
-                                                                           monkeypatch):
-  import sys
-  import types
+def test_text_over_the_in_memory_limit_is_refused_with_the_prepare_command(
+    corpus, tmp_path, monkeypatch, hf_datasets):
   from mecefo_jax.data import sources
   monkeypatch.setattr(sources, 'IN_MEMORY_TEXT_BYTES', 1 << 18)
   with pytest.raises(DataError, match=rf'^text:{corpus}: more than 0.25 MiB of text, tokenized in '
@@ -375,9 +353,7 @@ def test_text_over_the_in_memory_limit_is_refused_with_the_prepare_command(corpu
   assert len(load_corpus(f'text:{corpus / "zbig.md"}', seq_len=16, seed=0,
                          vocab_size=256).tokens_1d) > 1 << 18
   # A dataset's size is found out while reading it (its rows are never loaded all at once).
-  rows = [{'body': 'x' * 1000}] * 500
-  monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(
-      IterableDataset=FakeStream, DatasetDict=dict, load_dataset=lambda *a, **kw: FakeStream(rows)))
+  hf_datasets.HUB['org/x'] = {'train': [{'body': 'x' * 1000}] * 500}
   with pytest.raises(DataError, match=r"prepare it once with `python -m mecefo_jax.data.prepare "
                                       r"'hf:org/x\?column=body' --out DIR`"):
     load_corpus('hf:org/x?column=body&eval_fraction=0.1', seq_len=16, seed=0, vocab_size=256)

@@ -117,10 +117,10 @@ def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
   """--stop-after (a stop request like SIGTERM's): the stop step in both tiers, the resume hint
   run exactly as printed continues it with the run's own config (train.steps=12, not the
   default) and its own copy of the trace (the given file is gone by then), the records count
-  no lost step, and failures.txt's replay line reproduces it. The last trained step (5, not a
+  no lost step, and failures.txt's replay line reproduces it in a directory of its own. The last trained step (5, not a
   logged one) ends metrics.jsonl and the stop's summary line, not the last logged step (4)."""
   monkeypatch.setenv('XLA_FLAGS', '')  # a resume re-simulates the run's devices there
-  monkeypatch.chdir(tmp_path)  # the replay writes runs/latest here
+  monkeypatch.chdir(tmp_path)  # the printed commands run from here
   (tmp_path / 'trace.txt').write_text('3 1 fail\n7 1 repair\n')
   caplog.set_level(logging.INFO, 'mecefo')
   code = cli.main(['--out', 'run', *TINY, 'mesh.slice=2', 'train.steps=12', 'train.log_every=4',
@@ -150,9 +150,14 @@ def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
   assert [e['event']['kind'] for e in history if e['kind'] == 'failure'] == ['fail', 'repair']
   trace = (tmp_path / 'run' / 'failures.txt').read_text()
   assert cli.main(_printed('# replay:', trace)) == 0
-  replay = report(tmp_path / 'runs' / 'latest')
+  replay = report(tmp_path / 'run' / 'replay')  # a run directory of its own, inside the run's
   assert replay['params_sha256'] == result['params_sha256']
   assert replay['samples'] == result['samples'] and replay['steps'] == 12
+  assert not (tmp_path / 'runs').exists() and report(tmp_path / 'run') == result
+  capsys.readouterr()
+  assert cli.main(_printed('# replay:', trace)) == BAD_INPUT  # again: the replay is not replaced
+  [line] = error_lines(capsys.readouterr().err)
+  assert "run directory 'run/replay' holds another run (finished)" in line, line
 
 
 def test_an_explicit_resume_with_nothing_usable_is_one_line_and_starts_nothing(tmp_path, capsys):

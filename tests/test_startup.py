@@ -2,6 +2,7 @@
 the initializer's ahead-of-time phases and program, and every XLA compile booked."""
 import dataclasses
 import json
+import logging
 import sys
 import time
 
@@ -80,22 +81,42 @@ def test_the_initializer_is_timed_and_kept_in_the_program_store(devices, tmp_pat
 _COMPILE = '/jax/core/compile/backend_compile_duration'
 
 
-def test_every_xla_compile_of_a_failure_run_is_in_its_report(tmp_path, cold_programs):
+def test_every_xla_compile_of_a_failure_run_is_in_its_report(tmp_path, cold_programs, caplog):
   """A tiny 2-slice run with a failure, compiling every program (no store): XLA's compiles
   (jax.monitoring, counted here) are the programs report.json books, the initializer and its
-  other_compiles, none twice."""
+  other_compiles, none twice. Its log's start-up and compile times are report.json's, each
+  line naming what it counts (docs/outputs.md: The terminal)."""
   compiles = []
   listener = lambda event, duration, **_: event == _COMPILE and compiles.append(duration)
   (tmp_path / 'T').write_text('3 1 fail\n')
+  caplog.set_level(logging.INFO, 'mecefo')
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     code = cli.main(['--out', str(tmp_path / 'D'), *TINY, 'mesh.slice=2', '--failures',
                      f'trace:{tmp_path / "T"}', 'train.steps=6', 'train.eval_every=0',
-                     'train.plot=false', 'train.compile_cache=', '-q'])
+                     'train.plot=false', 'train.compile_cache='])
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   report = json.loads((tmp_path / 'D' / 'report.json').read_text())
   programs, start = report['programs'], report['startup']
+  s = report['compile_s']  # the state and the first programs: the start line's, the last line's
+  assert s >= start['init_lower_s'] + start['init_compile_s'] + start['init_run_s'] + \
+      start['first_programs_s'] and start['first_step_s'] > s + start['first_step_run_s']
+  [opening] = [m for m in caplog.messages if m.startswith('model ')]
+  assert opening.endswith(
+      f"| state + first programs {s:.1f}s: init {start['init_lower_s']:.1f}+"
+      f"{start['init_compile_s']:.1f}+{start['init_run_s']:.1f}s (lower+compile+run), first "
+      f"programs {start['first_programs_s']:.1f}s") and ' compile ' not in opening, opening
+  from benchmarks.gpu_check import START_LINE  # what the GPU check reads of a killed run
+  assert START_LINE.search(opening).group(5) == f"{start['first_programs_s']:.1f}"
+  [last] = [m for m in caplog.messages if m.startswith('start-up: first step done')]
+  assert (f"first step done {start['first_step_s']:.1f}s after the {start['first_step_from']} "
+          f"start: the state + first programs {s:.1f}s, the step itself "
+          f"{start['first_step_run_s']:.1f}s") in last, last
+  # The goodput's compile (the builds steps waited for, the initializer's not) says so.
+  [goodput] = [m for m in caplog.messages if m.startswith('goodput (s; compile: the program '
+                                                          'builds steps and evals waited for)')]
+  assert f"'compile': {round(report['goodput']['compile'], 2)}" in goodput, goodput
   assert code == 0 and report['samples']['degraded'] > 0 and programs['loaded'] == 0
   init = int(not start['init_loaded'])
   assert programs['compiled'] >= 3 and init == 1

@@ -22,8 +22,8 @@ KEYS = tuple(b.value for b in Bucket)
 DOCS = {
     Bucket.NORMAL: 'steps with every slice live',
     Bucket.DEGRADED: 'share of steps under failure spent on the samples processed',
-    Bucket.COMPILE: 'building programs (compile, load, move) while the step waited: the fault-free '
-                    'step at start-up, new live sets, evals',
+    Bucket.COMPILE: 'building programs (compile, load, move) while the step waited: the first '
+                    "step's at start-up, new live sets, evals; not the initializer (compile_s)",
     Bucket.REJOIN: 'copying the state to repaired slices',
     Bucket.LOST: 'share of steps under failure standing for samples dropped (`drop` policy)',
     Bucket.RESTART: "after a death (the supervisor's): from it to the restarted loop, less its "

@@ -204,8 +204,8 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
   p = _Parser(
       prog='python -m mecefo_jax.data.prepare', description=__doc__.splitlines()[0].split(': ')[1],
-      epilog='then: python train.py --data tokens:DIR model.vocab_size=V (V: meta.json\'s '
-             'vocab_size; 256 for bytes)')
+      epilog='then: mecefo-train --data tokens:DIR model.vocab_size=V (V: meta.json\'s '
+             'vocab_size; 256 for bytes; in a checkout: python train.py, the same)')
   p.add_argument('sources', nargs='+', metavar='SOURCE',
                  help='text files and folders (their .txt/.md files, recursively), in this '
                       'order; or pydoc (Python\'s help() texts); or hf:NAME[?column=text&split='

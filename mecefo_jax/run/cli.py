@@ -57,9 +57,10 @@ def at_least(low: int, kind: type = int, high: int | None = None):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+  command = hints.train_command()  # as typed: `python train.py`, `mecefo-train`, ...
   p = OneLineParser(
-      prog='train.py', description='MeCeFO fault-tolerant LLM training (JAX/Flax).',
-      epilog='example: mecefo-train --config tiny train.steps=50 model.n_layers=4')
+      prog=command, description='MeCeFO fault-tolerant LLM training (JAX/Flax).',
+      epilog=f'example: {command} --config tiny train.steps=50 model.n_layers=4')
   p.add_argument('--config', default=None, metavar='NAME|FILE',
                  help=f'a built-in config by name ({", ".join(builtin_configs())}; shipped in '
                       'the package) or a YAML file, overriding the defaults (default: tiny)')
@@ -388,10 +389,12 @@ def _train(args, run, out_dir: Path) -> int:
     print(summary, file=sys.stderr)
   else:
     log.info('%s', summary)
-    log.info('goodput (s): %s; samples %s', {k: round(v, 2) for k, v in report['goodput'].items()},
-             report['samples'])
+    # Its compile is every program build a step or an eval waited for (the first programs
+    # among them), not the initializer's: not the start line's state + first programs.
+    log.info('goodput (s; compile: the program builds steps and evals waited for): %s; samples %s',
+             {k: round(v, 2) for k, v in report['goodput'].items()}, report['samples'])
     log.info('plans: %d steps, digest %s', report['plans']['steps'], report['plans']['digest'])
-    log.info('%s', ending.first_step(report['startup']))
+    log.info('%s', ending.first_step(report['startup'], report['compile_s']))
   if report['failures_note']:
     log.warning('%s', report['failures_note'])  # the last line, under --quiet too
   code = ending.exit_code(report, run)

@@ -113,13 +113,15 @@ def exit_code(report: dict, run) -> int:
   return ALL_DOWN if report['stopped'] else 0
 
 
-def first_step(startup: dict) -> str:
-  """The start-up clock's end (report.json `startup`), in one line."""
+def first_step(startup: dict, compile_s: float) -> str:
+  """The start-up clock's end (report.json `startup`), in one line: what it holds besides the
+  state and first programs of the start line (`compile_s`)."""
   if startup['first_step_s'] is None:
     return 'start-up: no step trained in this process'
   return (f"start-up: first step done {startup['first_step_s']:.1f}s after the "
-          f"{startup['first_step_from']} start, the step itself {startup['first_step_run_s']:.1f}s "
-          '(report.json: startup)')
+          f"{startup['first_step_from']} start: the state + first programs {compile_s:.1f}s, "
+          f"the step itself {startup['first_step_run_s']:.1f}s, the rest imports, data and "
+          'snapshot tiers (report.json: startup)')
 
 
 def _num(x) -> str:

@@ -4,11 +4,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import sys
 from pathlib import Path
 
 # The supervisor's own command line, which it hands to the processes it starts: a run it made
-# is resumed by rerunning it (the restarts are its job, --host-slot and all).
+# is resumed by rerunning it (the restarts are its job, --host-slot and all). Its arguments,
+# and the command they were given to (`mecefo-launch` or `python -m mecefo_jax.launch`).
 LAUNCH_ENV = 'MECEFO_LAUNCH_ARGS'
+LAUNCH_COMMAND_ENV = 'MECEFO_LAUNCH_COMMAND'
+LAUNCH_MODULE = 'mecefo_jax.launch'
 # A refusal names train.py's flags while its command line runs (cli.main), else the Trainer's
 # own arguments (a notebook has no --resume to pass).
 _ARGUMENTS = {'--resume': 'resume=True', '--fresh': 'replace=True', '--out': 'out_dir'}
@@ -16,6 +20,8 @@ _command_line = False
 # How the user started training, for the commands printed: the checkout's train.py unless an
 # installed entry says otherwise (mecefo_jax/__main__.py: `mecefo-train`, `python -m mecefo_jax`).
 _TRAIN = ['python', 'train.py']
+# Where a run's failures.txt replays into unless --out says otherwise: inside that run.
+REPLAY_DIR = 'replay'
 
 
 def entered(argv0: str) -> None:
@@ -23,6 +29,18 @@ def entered(argv0: str) -> None:
   name = Path(argv0).name
   _TRAIN[:] = (['mecefo-train'] if name == 'mecefo-train' else
                ['python', '-m', 'mecefo_jax'] if name == '__main__.py' else ['python', 'train.py'])
+
+
+def train_command() -> str:
+  """The training command as the user typed it (entered): its help and errors name it."""
+  return shlex.join(_TRAIN)
+
+
+def command(module: str, argv0: str | None = None) -> str:
+  """How the user started the command of `module`: an installed script by its name
+  (pyproject.toml's [project.scripts]: `mecefo-launch`), else `python -m MODULE`."""
+  name = Path(sys.argv[0] if argv0 is None else argv0).name
+  return name if name.startswith('mecefo-') else f'python -m {module}'
 
 
 @contextlib.contextmanager
@@ -58,7 +76,8 @@ def launch_command() -> str | None:
       args.pop(0)
     elif arg not in ('--fresh', '--resume') and not arg.startswith('--stop-after='):
       kept.append(arg)
-  return shlex.join(['python', '-m', 'mecefo_jax.launch', *kept])
+  launch = os.environ.get(LAUNCH_COMMAND_ENV) or f'python -m {LAUNCH_MODULE}'
+  return shlex.join([*shlex.split(launch), *kept])
 
 
 def resume(out_dir: Path, n_hosts: int = 1) -> str:
@@ -66,9 +85,10 @@ def resume(out_dir: Path, n_hosts: int = 1) -> str:
   command = launch_command()
   if command:
     return f'`{command}`'
-  if n_hosts > 1:
-    return (f'the launch command of its {n_hosts} processes again (`python -m mecefo_jax.launch '
-            f'-n {n_hosts} ... -- --out {out_dir} ...`, docs/tpu.md)')
+  if n_hosts > 1:  # the supervisor of the same install as the trainer typed
+    launch = 'mecefo-launch' if _TRAIN == ['mecefo-train'] else f'python -m {LAUNCH_MODULE}'
+    return (f'the launch command of its {n_hosts} processes again (`{launch} -n {n_hosts} ... '
+            f'-- --out {out_dir} ...`, docs/tpu.md)')
   return f'`{_train("--out", out_dir, "--resume")}`'
 
 
@@ -85,6 +105,7 @@ def fresh(out_dir: Path) -> str:
 
 
 def replay(out_dir: Path) -> str:
-  """How to replay the failures of the run in `out_dir` in one process."""
+  """How to replay the failures of the run in `out_dir` in one process, into a run directory of
+  its own inside it (a run directory never holds two runs, and runs/latest is left alone)."""
   trace = Path(out_dir) / 'failures.txt'
-  return f'`{_train("--failures", f"trace:{trace}")}`'
+  return f'`{_train("--failures", f"trace:{trace}", "--out", Path(out_dir) / REPLAY_DIR)}`'

@@ -10,7 +10,7 @@ import numpy as np
 
 from mecefo_jax import files
 from mecefo_jax.core.failures import apply_event
-from mecefo_jax.run import restart
+from mecefo_jax.run import hints, restart
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.metrics import read_metrics
 from mecefo_jax.run.rundir import METRICS_FILE, read_history
@@ -295,7 +295,7 @@ def plot_compare(run_dirs, out: str | Path) -> Path:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
-      prog='python -m mecefo_jax.run.plot',
+      prog=hints.command('mecefo_jax.run.plot'),  # as typed: mecefo-plot or python -m ...
       description='Plot loss, throughput, failures and goodput of a run, or compare the loss '
                   'of several runs on one figure.')
   p.add_argument('run_dirs', nargs='+', metavar='RUN_DIR',

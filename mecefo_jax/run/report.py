@@ -56,14 +56,14 @@ def _other_compiles(run) -> tuple[int, float]:
 
 
 def describe(run) -> str:
-  """The start line: model, mesh, batch, failures, snapshots, start-up times."""
+  """The start line: model, mesh, batch, failures, snapshots, the state's and first programs'
+  build (compile_s) and its phases."""
   n, f, mesh = param_count(run.state.params), run.cfg.faults, run.presence.mesh
   return (f'model {n / 1e6:.2f}M params | mesh {dict(mesh.shape)} on {jax.device_count()} '
           f'{jax.devices()[0].platform} device(s), compute {run.files.compute_dtype} | '
           f'global batch {run.presence.n_slices}x{run.cfg.train.micro_batch}x'
           f'{run.cfg.model.seq_len} tokens | failures {f.failures}, takeover {f.takeover} | '
-          f'snapshots {"on" if run.snapshots else "off"} | compile '
-          f'{run.startup.compile_s:.1f}s | {run.startup.describe()}')
+          f'snapshots {"on" if run.snapshots else "off"} | {run.startup.describe()}')
 
 
 def dry_run_info(run) -> dict:

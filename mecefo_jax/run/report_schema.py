@@ -13,6 +13,7 @@ from mecefo_jax.config import COMPUTE_DTYPES
 from mecefo_jax.core.decider import Plans
 from mecefo_jax.core.failures import AppliedEvent, FailureEvent
 from mecefo_jax.core.goodput import Seconds
+from mecefo_jax.run import hints
 from mecefo_jax.run.evaluation import Eval
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.recovery_time import Recovery
@@ -65,7 +66,9 @@ class Report:
   wall_s: float = entry('s', 'wall time of the training loop in this process: steps, snapshots, '
                         'evals (start-up compile excluded)')
   tokens_per_s: float = entry('tokens/s', 'same as throughput.tokens_per_s')
-  compile_s: float = entry('s', 'start-up: build the state and compile the fault-free step')
+  compile_s: float = entry('s', "start-up: the state built (initialized: init_*, or restored: "
+                          "restore_s) and the first step's programs built (first_programs_s); "
+                          "the start line's `state + first programs`")
   throughput: Throughput = entry('', 'rates of this process, eval time left out')
   eval_loss: float | None = entry(LOSS, 'held-out loss after the last step; null if the run '
                                   'stopped early or its data has no eval rows '
@@ -177,7 +180,7 @@ def load(path: Path) -> Any:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m mecefo_jax.run.report_schema',
+  p = argparse.ArgumentParser(prog=hints.command('mecefo_jax.run.report_schema'),
                               description='Check a report.json against the schema.')
   p.add_argument('report', nargs='?', help='report.json or a run directory')
   p.add_argument('--markdown', action='store_true', help='print the key table of docs/report.md')

@@ -12,6 +12,7 @@ Files of a run directory (all written by process 0):
   .reached        the number of steps trained so far (rewritten each step: steps lost in a crash)
   stop_request    asks the job to stop after its current step (run/stop.py; the supervisor's)
   metrics.jsonl, report.json, training.png, tb/  the run's outputs (run/metrics.py, run/plot.py)
+  replay/         the run directory of failures.txt's replay command, once it is run
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ import uuid
 from pathlib import Path
 
 from mecefo_jax import files
-from mecefo_jax.config import (DEFAULT_OUT, Config, ConfigError, SnapshotConfig,
-                               resume_may_change, to_dict)
+from mecefo_jax.config import Config, ConfigError, SnapshotConfig, resume_may_change, to_dict
 from mecefo_jax.run import hints, storage
 from mecefo_jax.run.stop import STOP_FILE
 
@@ -166,13 +166,14 @@ def read_reached(out_dir: Path) -> int | None:
 def replay_base(failures: str) -> tuple[dict, int] | None:
   """(config, devices) that replays `failures` (trace:PATH) as the run that wrote it trained,
   when PATH lies in a run directory (its run_state.json): the same model, data, slices and
-  steps, in one process, with the default run directory and snapshot places."""
+  steps, in one process, in the run directory hints.REPLAY_DIR inside that run (never over
+  another run: runs/latest stays), with the default snapshot places."""
   path = Path(failures[len('trace:'):]) if failures.startswith('trace:') else None
   recorded = read_run_state(path.parent) if path is not None and path.is_file() else {}
   if not recorded.get('config') or not recorded.get('n_slices'):
     return None
   config = json.loads(json.dumps(recorded['config']))
-  config['train']['out_dir'] = DEFAULT_OUT
+  config['train']['out_dir'] = str(path.parent / hints.REPLAY_DIR)
   config['snapshot'].update(dir='', durable_dir='')
   mesh = config['mesh'] = {**config['mesh'], 'slice': recorded['n_slices']}
   return config, recorded['n_slices'] * mesh['fsdp'] * mesh['tensor']

@@ -122,7 +122,8 @@ class StartupClock:
     return Startup(**self.seconds, first_step_from=self.origin_kind)
 
   def describe(self) -> str:
-    """The start line's part: init lower+compile+run, restore, the first step's programs."""
+    """The start line's part: the state and the first step's programs (compile_s), then its
+    phases: init lower+compile+run, restore, the first step's programs."""
     s = self.seconds
     parts = []
     if s['init_lower_s'] is not None:
@@ -132,4 +133,5 @@ class StartupClock:
       parts.append(f"restore {s['restore_s']:.1f}s")
     if s['first_programs_s'] is not None:
       parts.append(f"first programs {s['first_programs_s']:.1f}s")
-    return 'start-up ' + ', '.join(parts) if parts else 'start-up not timed'
+    return (f'state + first programs {self.compile_s:.1f}s: ' + ', '.join(parts) if parts else
+            'start-up not timed')
