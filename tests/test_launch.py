@@ -2,8 +2,8 @@
 test hook asks), a rejoin and a stop at exact steps (stop requests, not sleeps): the survivors
 take over at once, every step and record is kept across the restarts, the printed resume
 command works as printed, and the run equals a one-process replay of its failures.txt."""
-import os
 import json
+import os
 import re
 import shlex
 import shutil
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax import launch, supervisor
-from mecefo_jax.run import plot, rundir
+from mecefo_jax.run import plot, rundir, saved
 from mecefo_jax.run.cli import TEST_START_ERROR_ENV
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.stop import TEST_DEATH_ENV
@@ -247,3 +247,34 @@ def test_a_job_that_stopped_itself_while_its_supervisor_was_stopped_is_taken_bac
   # Another supervisor's stop, or the user's (--stop-after): the job ends as it stopped.
   rundir.append_history(run, 'stop', step=50, why='--stop-after 50', saved=[])
   assert sup._watch() == STOPPED and len(starts) == 1
+
+
+def test_what_a_run_has_saved_is_read_from_its_tiers_and_empty_tmpfs_folders_go(tmp_path,
+                                                                               monkeypatch):
+  """The supervisor's line after a stop at once: the newest step complete on every host (a
+  manifest each), the newest durable checkpoint with its manifest; its sweep at the end."""
+  run, shm = tmp_path / 'run', tmp_path / 'shm'
+  run.mkdir()
+  assert saved.newest(run) == (None, None)  # no run yet
+  rundir.write_run_state(run, 'stopped', run_id='r',
+                         config={'snapshot': {'dir': str(shm), 'durable_dir': ''}})
+  assert 'no snapshot of this run is complete' in saved.describe(run)
+  for host, steps in ((0, (4, 5)), (1, (4,))):  # host 1 never finished step 5
+    for step in steps:
+      (shm / 'r' / f'host{host}' / str(step)).mkdir(parents=True)
+      (shm / 'r' / f'host{host}' / str(step) / 'mecefo_manifest.json').write_text('{}')
+  (run / 'checkpoints' / 'r' / '3').mkdir(parents=True)
+  (run / 'checkpoints' / 'r' / '3' / 'mecefo_manifest.json').write_text('{}')
+  (run / 'checkpoints' / 'r' / '5').mkdir()  # no manifest: an unfinished save
+  assert saved.newest(run) == (4, 3)
+  assert saved.describe(run).startswith('the newest complete in-memory snapshot is step 4, the '
+                                        'newest durable checkpoint step 3: a resume continues '
+                                        'from step 4')
+  # The sweep: the default tmpfs folder of the run directory loses its empty folders only.
+  root = tmp_path / 'tmpfs' / 'mecefo' / rundir.run_name(run)
+  monkeypatch.setattr(saved.files, 'default_snapshot_dir', lambda name: root.parent / name)
+  (root / 'killed-start').mkdir(parents=True)
+  (root / 'kept' / '7').mkdir(parents=True)
+  (root / 'kept' / '7' / 'data').write_text('x')
+  saved.sweep_empty_memory_dirs(run)
+  assert sorted(p.name for p in root.iterdir()) == ['kept']

@@ -26,8 +26,10 @@ def newest(out_dir: Path) -> tuple[int | None, int | None]:
     state = rundir.read_run_state(out_dir)
   except ConfigError:
     return None, None
-  memory, durable = rundir.snapshot_dirs(rundir.recorded_snapshot_config(state), out_dir,
-                                         state['run_id'])
+  if 'run_id' not in state:  # no run yet
+    return None, None
+  memory, durable = rundir.snapshot_dirs(rundir.recorded_snapshot_config(
+      {'config': {}, **state}), out_dir, state['run_id'])
   hosts = sorted(memory.glob('host*')) or [memory]
   in_memory = next((s for s in _steps(hosts[0]) if _complete([h / str(s) for h in hosts])), None)
   durable_dir = Path(durable)
