@@ -199,7 +199,7 @@ def loss_weights() -> dict[str, float]:
 def discounted(name: str, result: dict, weights: dict) -> float | None:
   """Goodput with the degraded rows' loss cost taken off: the time to the same loss (None: no
   frontier reading of the policy). Dropped rows are already out of the goodput."""
-  if name.startswith('checkpoint-restart') or name == ELASTIC:
+  if name.startswith('checkpoint-restart') or name == ELASTIC or not result['degraded_pct']:
     return result['goodput_pct']
   w = weights.get(name)
   if w is None:
@@ -228,7 +228,7 @@ def sweep(s: Setup, names: list[str], restarts: list[float], by_profile: dict,
   seed 0; checkpoint-restart on all seeds (it is cheap)."""
   a, rejoin = s.args, Rejoin.parse(s.args.rejoin)
   at_profile = {p.total_s: name for name, p in profiles.items()}
-  cs = [float(c) for c in a.sweep_checkpoint_min.split(',')]
+  cs = sorted({a.checkpoint_min, *(float(c) for c in a.sweep_checkpoint_min.split(',') if c)})
   live = {}
   for name in [n for n in names if not n.startswith('checkpoint-restart')]:
     live[name] = [by_profile[name][at_profile[r]]['goodput_pct'] if r in at_profile else
