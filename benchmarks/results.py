@@ -147,6 +147,19 @@ def _stop_time(d: dict) -> str:
           f"{d['both_tiers']}, exit {d['exit_code']}")
 
 
+def _trace_goodput(d: dict) -> str:
+  a, t, log = d['approaches'], d['targets'], d['log']
+  ckpt = t['best_checkpoint']
+  disc = a[t['best_loss_discounted']]['goodput_loss_discounted_pct']
+  return (f"days {log['days'][0]:g}-{log['days'][1]:g}, {d['slices']} slices, {d['micro_batch']} "
+          f"rows/slice, {d['profile']} restart ({d['profiles'][d['profile']]['total_s']:.0f} s), "
+          f"goodput over {d['seeds']} draws: " + _policies(
+              {k: a[k]['goodput_pct'] for k in dict.fromkeys(
+                  [t['best_policy'], d['default'], 'elastic-restart', ckpt])}, lambda v: f'{v:.2f}%')
+          + f"; >= 99%: {'yes' if t['keeps_99_pct'] else 'no'}; degraded rows discounted: "
+          f"{t['best_loss_discounted']} best ({disc:.2f}%); {d['runtime_s']:.0f} s")
+
+
 # (file name prefix, section title, what its headline says), longest prefix first where nested.
 KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('step_cost', 'Per-slice step cost', _step_cost),
@@ -157,6 +170,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('quality_frontier', 'Quality runs of the frontier', _quality_seeds),
     ('frontier', 'The frontier: throughput against quality', _frontier),
     ('failure_throughput', 'Throughput under failures', _failure_throughput),
+    ('trace_goodput', 'Goodput on a real fault log', _trace_goodput),
     ('snapshot_overhead', 'Snapshot overhead', _snapshot_overhead),
     ('snapshot_parity', 'Snapshot parity', _snapshot_parity),
     ('gradient_error', 'Gradient error of the degraded step', _gradient_error),

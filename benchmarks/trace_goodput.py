@@ -57,7 +57,7 @@ def _args(argv):
   p.add_argument('--spares', default='0,4,8,16,32', help='checkpoint-restart spare pools')
   p.add_argument('--checkpoint-min', type=float, default=30.0, help='headline checkpoint interval')
   p.add_argument('--sweep-restart-s', default='15,300,1200', help='restart costs swept besides the '
-                 "profiles' (seed 0 only)")
+                 "profiles'")
   p.add_argument('--sweep-checkpoint-min', default='5,10,30,60,120')
   p.add_argument('--rejoin', default='now', help='now | every:HOURS | count:K')
   p.add_argument('--rejoin-levers', default='every:24,count:4', help='rejoin policies also '
@@ -223,16 +223,16 @@ def run_profiles(s: Setup, names: list[str], profiles: dict, weights: dict) -> d
 
 def sweep(s: Setup, names: list[str], restarts: list[float], by_profile: dict,
           profiles: dict) -> dict:
-  """Goodput at every restart cost R (and checkpoint interval C for checkpoint-restart):
-  takeover and elastic at the profiles' R over all seeds (from `by_profile`), at the others on
-  seed 0; checkpoint-restart on all seeds (it is cheap)."""
+  """Goodput at every restart cost R (and checkpoint interval C for checkpoint-restart), the
+  seeds' mean (at the profiles' R: `by_profile`'s)."""
   a, rejoin = s.args, Rejoin.parse(s.args.rejoin)
   at_profile = {p.total_s: name for name, p in profiles.items()}
   cs = sorted({a.checkpoint_min, *(float(c) for c in a.sweep_checkpoint_min.split(',') if c)})
   live = {}
   for name in [n for n in names if not n.startswith('checkpoint-restart')]:
     live[name] = [by_profile[name][at_profile[r]]['goodput_pct'] if r in at_profile else
-                  replay(s, name, r, 0, a.checkpoint_min, rejoin)['goodput_pct'] for r in restarts]
+                  float(np.mean([replay(s, name, r, seed, a.checkpoint_min, rejoin)['goodput_pct']
+                                 for seed in range(a.seeds)])) for r in restarts]
   ckpt = {name: {f'{c:g}': [float(np.mean([replay(s, name, r, seed, c, rejoin)['goodput_pct']
                                             for seed in range(a.seeds)])) for r in restarts]
                  for c in cs} for name in names if name.startswith('checkpoint-restart')}
@@ -265,6 +265,9 @@ def targets(approaches: dict, sweep_: dict, policies: list[str], default: str) -
   margin = lambda other: (approaches[best]['goodput_pct'] - approaches[other]['goodput_pct']
                           - approaches[best]['goodput_pct_spread']
                           - approaches[other]['goodput_pct_spread'])
+  best_at = lambda i: max(sweep_['goodput_pct'][p][i] for p in policies)
+  discounted_best = max(approaches, key=lambda n: approaches[n]['goodput_loss_discounted_pct']
+                        if approaches[n]['goodput_loss_discounted_pct'] is not None else -1.0)
   wins = {}
   for c, names in sweep_['winner'].items():
     ours = [i for i, n in enumerate(names) if n in policies]
@@ -274,6 +277,9 @@ def targets(approaches: dict, sweep_: dict, policies: list[str], default: str) -
           'best_goodput_pct': approaches[best]['goodput_pct'],
           'default_goodput_pct': approaches[default]['goodput_pct'],
           'keeps_99_pct': approaches[best]['goodput_pct'] >= 99.0,
+          'keeps_99_pct_at_restart_s': [r for i, r in enumerate(sweep_['restart_s'])
+                                        if best_at(i) >= 99.0],
+          'best_loss_discounted': discounted_best,
           'best_checkpoint': ckpt, 'margin_over_checkpoint_pct': margin(ckpt),
           'margin_over_elastic_pct': margin(ELASTIC),
           'beats_checkpoint': margin(ckpt) > 0, 'beats_elastic': margin(ELASTIC) > 0,

@@ -148,10 +148,10 @@ def checkpoint_restart(events: Sequence[TimedEvent], n_nodes: int, spares: int, 
       if e.slice in job and not waiting:
         out.samples += (trained - trained % checkpoint_s) * rate
         out.lost_s['since_checkpoint'] += trained % checkpoint_s
-        out.restarts += 1
         trained, job = 0.0, job - {e.slice}
         waiting = not _fill(job, pool, n_nodes - spares)
         ready = now + restart_s if not waiting else math.inf
+        out.restarts += 0 if waiting else 1
         out.lost_s['restart'] += 0.0 if waiting else restart_s
       elif e.slice in job:
         job.discard(e.slice)
@@ -160,6 +160,7 @@ def checkpoint_restart(events: Sequence[TimedEvent], n_nodes: int, spares: int, 
       pool.add(e.slice)
       if waiting and _fill(job, pool, n_nodes - spares):
         waiting, ready = False, now + restart_s
+        out.restarts += 1
         out.lost_s['restart'] += restart_s
   out.samples += trained * rate  # the run's end is a checkpoint
   out.lost_s['restart'] -= max(0.0, ready - horizon_s) if ready < math.inf else 0.0
