@@ -131,14 +131,27 @@ def log_stats(events, horizon_s: float, n: int, faults, first: float, last: floa
           'mean_down_pct': 100.0 * area / horizon_s / n, 'max_down': most}
 
 
-def planner(s: Setup, spec: str) -> Planner:
+def planner(s: Setup, spec: str, kind: type[Planner] = Planner) -> Planner:
   policy, budget = common.policy_spec(spec)
-  return Planner.from_config(s.cfg, s.n, s.granule, policy, budget)
+  return kind.from_config(s.cfg, s.n, s.granule, policy, budget)
+
+
+class MemoPlanner(Planner):
+  """A planner that keeps its plans: the replays of one draw at every restart cost meet the same
+  live sets (planning 400 slices is most of a replay's time)."""
+
+  def plan(self, live):
+    memo = self.__dict__.setdefault('_plans', {})
+    key = tuple(live)
+    if key not in memo:
+      memo[key] = super().plan(live)
+    return memo[key]
 
 
 def replay(s: Setup, name: str, restart_s: float, seed: int, checkpoint_min: float,
-           rejoin: Rejoin) -> dict:
-  """One approach, one restart cost, one draw: goodput and its parts, % of the fault-free run."""
+           rejoin: Rejoin, plan: Planner | None = None) -> dict:
+  """One approach, one restart cost, one draw: goodput and its parts, % of the fault-free run;
+  `plan`: the planner to use (default a new one)."""
   a, events = s.args, s.events[seed]
   if name.startswith('checkpoint-restart'):
     spares = int(name.split('-')[2])
@@ -146,7 +159,7 @@ def replay(s: Setup, name: str, restart_s: float, seed: int, checkpoint_min: flo
                              checkpoint_min * 60.0)
     return summary(s, out, 0.0)
   spec = 'drop' if name == ELASTIC else name
-  model = PolicyModel(planner(s, spec), s.costs, RunPrograms.of(s.cfg, True), s.cfg.mecefo.tau)
+  model = PolicyModel(plan or planner(s, spec), s.costs, RunPrograms.of(s.cfg, True), s.cfg.mecefo.tau)
   # A death loses the step in flight and the steps since the last in-memory snapshot (takeover:
   # snapshot.every; elastic restart takes the state from live peers: the step in flight only).
   lost_steps = 1 if name == ELASTIC else 1 + (a.snapshot_every - 1) / 2
@@ -207,32 +220,35 @@ def discounted(name: str, result: dict, weights: dict) -> float | None:
   return result['goodput_pct'] / (1.0 + w * result['degraded_pct'] / 100.0)
 
 
-def run_profiles(s: Setup, names: list[str], profiles: dict, weights: dict) -> dict:
-  """name -> profile -> the seeds' mean at that restart cost (headline checkpoint interval)."""
+def at_restarts(s: Setup, name: str, restarts: list[float], checkpoint_min: float) -> dict:
+  """restart cost -> the seeds' mean of `name` there (draw by draw, one planner each)."""
   a, rejoin = s.args, Rejoin.parse(s.args.rejoin)
-  out = {}
-  for name in names:
-    out[name] = {}
-    for prof, restart in profiles.items():
-      r = mean_over_seeds([replay(s, name, restart.total_s, seed, a.checkpoint_min, rejoin)
-                           for seed in range(a.seeds)])
-      r['goodput_loss_discounted_pct'] = discounted(name, r, weights)
-      out[name][prof] = r
-  return out
+  runs: dict[float, list] = {r: [] for r in restarts}
+  for seed in range(a.seeds):
+    plan = planner(s, 'drop' if name == ELASTIC else name, MemoPlanner)
+    for r in restarts:
+      runs[r].append(replay(s, name, r, seed, checkpoint_min, rejoin, plan))
+  return {r: mean_over_seeds(v) for r, v in runs.items()}
 
 
-def sweep(s: Setup, names: list[str], restarts: list[float], by_profile: dict,
-          profiles: dict) -> dict:
+def run_all(s: Setup, names: list[str], restarts: list[float], profiles: dict,
+            weights: dict) -> tuple[dict, dict]:
+  """(name -> restart cost -> the seeds' mean; name -> profile -> the same, with the
+  loss-discounted goodput), checkpoint-restart at the headline interval."""
+  every = {name: at_restarts(s, name, restarts, s.args.checkpoint_min) for name in names}
+  by_profile = {name: {prof: {**every[name][p.total_s], 'goodput_loss_discounted_pct':
+                              discounted(name, every[name][p.total_s], weights)}
+                       for prof, p in profiles.items()} for name in names}
+  return every, by_profile
+
+
+def sweep(s: Setup, names: list[str], restarts: list[float], every: dict) -> dict:
   """Goodput at every restart cost R (and checkpoint interval C for checkpoint-restart), the
-  seeds' mean (at the profiles' R: `by_profile`'s)."""
+  seeds' mean."""
   a, rejoin = s.args, Rejoin.parse(s.args.rejoin)
-  at_profile = {p.total_s: name for name, p in profiles.items()}
   cs = sorted({a.checkpoint_min, *(float(c) for c in a.sweep_checkpoint_min.split(',') if c)})
-  live = {}
-  for name in [n for n in names if not n.startswith('checkpoint-restart')]:
-    live[name] = [by_profile[name][at_profile[r]]['goodput_pct'] if r in at_profile else
-                  float(np.mean([replay(s, name, r, seed, a.checkpoint_min, rejoin)['goodput_pct']
-                                 for seed in range(a.seeds)])) for r in restarts]
+  live = {name: [every[name][r]['goodput_pct'] for r in restarts]
+          for name in names if not name.startswith('checkpoint-restart')}
   ckpt = {name: {f'{c:g}': [float(np.mean([replay(s, name, r, seed, c, rejoin)['goodput_pct']
                                             for seed in range(a.seeds)])) for r in restarts]
                  for c in cs} for name in names if name.startswith('checkpoint-restart')}
@@ -250,9 +266,10 @@ def levers(s: Setup, policies: list[str], profiles: dict) -> dict:
   """The rejoin policy as a lever: goodput of `policies` under each, at every profile (seed 0)."""
   a = s.args
   specs = ['now', *[x for x in a.rejoin_levers.split(',') if x]]
-  return {p: {spec: {prof: replay(s, p, r.total_s, 0, a.checkpoint_min, Rejoin.parse(spec))
-                     ['goodput_pct'] for prof, r in profiles.items()} for spec in specs}
-          for p in policies}
+  plans = {p: planner(s, p, MemoPlanner) for p in policies}
+  return {p: {spec: {prof: replay(s, p, r.total_s, 0, a.checkpoint_min, Rejoin.parse(spec),
+                                  plans[p])['goodput_pct'] for prof, r in profiles.items()}
+              for spec in specs} for p in policies}
 
 
 def targets(approaches: dict, sweep_: dict, policies: list[str], default: str) -> dict:
@@ -315,10 +332,10 @@ def main(argv=None) -> dict:
   policies = a.policies.split(',')
   names = [*policies, ELASTIC, *(checkpoint_name(int(k)) for k in a.spares.split(','))]
   weights = loss_weights()
-  by_profile = run_profiles(s, names, profiles, weights)
   restarts = sorted({*(p.total_s for p in profiles.values()),
                      *(float(r) for r in a.sweep_restart_s.split(',') if r)})
-  sweep_ = sweep(s, names, restarts, by_profile, profiles)
+  every, by_profile = run_all(s, names, restarts, profiles, weights)
+  sweep_ = sweep(s, names, restarts, every)
   approaches = {n: by_profile[n][a.profile] for n in names}
   default = s.cfg.faults.takeover
   best = max(policies, key=lambda p: approaches[p]['goodput_pct'])
