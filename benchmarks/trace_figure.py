@@ -28,9 +28,10 @@ def _bars(ax, result: dict) -> None:
   log = result['log']
   ax.set(xlabel='% of the fault-free run', xlim=(0, 100), title=(
       f"{result['profile']} restart, days {log['days'][0]:g}-{log['days'][1]:g}, "
-      f"{result['slices']} slices, {result['micro_batch']} rows/slice, granule {result['granule']}"))
+      f"{result['slices']} slices, {result['micro_batch']} rows/slice, "
+      f"granule {result['granule']}"))
   ax.axvline(99, color='gray', lw=0.6, ls=':')
-  ax.legend(fontsize=7, loc='lower left')
+  ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.12))
 
 
 def _by_restart(ax, result: dict) -> None:

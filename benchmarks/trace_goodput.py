@@ -1,4 +1,4 @@
-"""A real cluster's node fault log replayed at its own scale: every approach's goodput, charged in full.
+"""A real cluster's node fault log at its own scale: every approach's goodput, charged in full.
 
 Run: python -m benchmarks.trace_goodput --trace FILE [--days A:B] [--slices N] [--json OUT]
      [--nodes 400] [--seeds 5] [--step-s 10] [--classes all] [--profile fast]
@@ -159,7 +159,9 @@ def replay(s: Setup, name: str, restart_s: float, seed: int, checkpoint_min: flo
                              checkpoint_min * 60.0)
     return summary(s, out, 0.0)
   spec = 'drop' if name == ELASTIC else name
-  model = PolicyModel(plan or planner(s, spec), s.costs, RunPrograms.of(s.cfg, True), s.cfg.mecefo.tau)
+  # RunPrograms.of(.., True): the svd bases (the default) are refreshed while rows are degraded.
+  model = PolicyModel(plan or planner(s, spec), s.costs, RunPrograms.of(s.cfg, True),
+                      s.cfg.mecefo.tau)
   # A death loses the step in flight and the steps since the last in-memory snapshot (takeover:
   # snapshot.every; elastic restart takes the state from live peers: the step in flight only).
   lost_steps = 1 if name == ELASTIC else 1 + (a.snapshot_every - 1) / 2

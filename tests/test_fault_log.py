@@ -1,4 +1,4 @@
-"""Node fault logs as failure events: parsing, pairing, untidy and bad logs, the node and time maps."""
+"""Node fault logs as failure events: parsing, pairing, untidy and bad logs, nodes and time mapped."""
 import json
 import logging
 import math
@@ -103,15 +103,25 @@ def test_nodes_are_drawn_onto_slices_by_seed_and_time_maps_to_steps():
       [(0, a, 'fail'), (6, b, 'fail'), (18, a, 'repair')])
 
 
-def test_the_config_carries_the_mapping_to_the_schedule(tmp_path):
-  cfg = load_config(None, ['faults.trace_nodes=400', 'faults.trace_classes=-Stress Test Failure',
-                           'faults.trace_start_day=10', 'faults.trace_compress=1440',
-                           'train.seed=3'])
+def test_a_run_maps_the_log_by_its_config(tmp_path):
+  from mecefo_jax.run.run_files import RunFiles
+  overrides = ['faults.trace_nodes=400', 'faults.trace_classes=-Stress Test Failure',
+               'faults.trace_start_day=10', 'faults.trace_compress=1440', 'train.seed=3']
+  cfg = load_config(None, [*overrides, f'faults.failures=trace:{LOG}'])
   assert LogMapping.of(cfg) == LogMapping(400, '-Stress Test Failure', 10.0, 1440.0, 3)
-  # A day of the log is a minute of run: a step (60 s) per log day from day 10.
-  sched = FailureSchedule.from_spec(f'trace:{LOG}', 400, 100, 60.0, 3, log=LogMapping.of(cfg))
-  assert sched.all_events()[0].step == 0 and all(e.source == f'trace:{LOG.name}'
-                                                 for e in sched.all_events())
+  files = RunFiles(cfg, tmp_path / 'run')
+  try:
+    files.check(resume=False, replace=False, replace_finished=False)
+    sched = files.schedule(400, resume=False)
+  finally:
+    files.release(refused=True)
+  # A log day is a step (60 s) from day 10 on: the faults open at day 10 fail at step 0.
+  text, mapping = LOG.read_text(), LogMapping.of(cfg)
+  expected = FailureSchedule.from_timed(
+      fault_log.slice_events(text, str(LOG), 400, mapping), 400, 60.0, f'trace:{LOG.name}')
+  assert sched.all_events() == expected.all_events() and sched.all_events()[0].step == 0
+  assert sched.all_events() != FailureSchedule.from_trace(LOG, 400, log=LogMapping(
+      400, seed=3), cluster_step_s=60.0).all_events()
 
 
 def test_the_real_log_reads_clean():

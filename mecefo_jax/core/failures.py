@@ -5,17 +5,17 @@ import dataclasses
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 # PRESETS (docs/algorithm.md §5) and RATES are declared with the config key that names them.
 from mecefo_jax.config import PRESETS, RATES, ConfigError
+from mecefo_jax.core import fault_log
+from mecefo_jax.core.timed import TimedEvent
 from mecefo_jax.files import read_user_text
 from mecefo_jax.sections import entry
 
-if TYPE_CHECKING:
-  from mecefo_jax.core.fault_log import LogMapping
 
 PAPER_DEVICES = 32  # §5-6: the presets' rates are for the paper's 32-GPU cluster
 KINDS = ('fail', 'repair')
@@ -28,14 +28,6 @@ def rate_scale(rate: str, n_slices: int) -> float:
   if rate not in RATES:
     raise ConfigError(f"failure rate must be one of {', '.join(RATES)}, got {rate!r}")
   return PAPER_DEVICES / n_slices if rate == 'per_device' else 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class TimedEvent:
-  """A failure or repair at a time in seconds (the simulator's continuous clock)."""
-  time_s: float
-  slice: int
-  kind: str  # 'fail' | 'repair'
 
 
 def poisson_events(mean_s: float, repair_s: float, n_slices: int, horizon_s: float,
@@ -156,7 +148,7 @@ class FailureSchedule:
 
   @classmethod
   def from_trace(cls, path: str | Path, n_slices: int, text: str | None = None,
-                 source: str | None = None, log: 'LogMapping | None' = None,
+                 source: str | None = None, log: fault_log.LogMapping | None = None,
                  cluster_step_s: float = 60.0) -> 'FailureSchedule':
     """One event per line: `step slice fail|repair`; blank lines and # comments ignored. Or a
     JSON node fault log (core/fault_log.py), mapped by `log` (default LogMapping()) to steps of
@@ -195,7 +187,7 @@ class FailureSchedule:
 
   @classmethod
   def from_spec(cls, spec: str, n_slices: int, steps: int, cluster_step_s: float,
-                seed: int, rate: str = 'per_device', log: 'LogMapping | None' = None
+                seed: int, rate: str = 'per_device', log: fault_log.LogMapping | None = None
                 ) -> 'FailureSchedule':
     """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'; a preset's interval is scaled by
     rate_scale(rate, n_slices); a node fault log is mapped by `log`."""
@@ -205,9 +197,6 @@ class FailureSchedule:
       return cls.from_trace(spec[len('trace:'):], n_slices, log=log,
                             cluster_step_s=cluster_step_s)
     return cls.preset(spec, n_slices, steps, cluster_step_s, seed, rate_scale(rate, n_slices))
-
-
-from mecefo_jax.core import fault_log  # noqa: E402  (it builds on TimedEvent above)
 
 
 def write_trace(path: str | Path, events: list[dict]) -> None:

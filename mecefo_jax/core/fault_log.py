@@ -1,4 +1,4 @@
-"""Node fault logs (a cluster's JSON record of fault_start / fault_end per server) as slice events."""
+"""Node fault logs (a cluster's JSON record of each server's faults) as slice events."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from mecefo_jax.config import ConfigError
-from mecefo_jax.core.failures import TimedEvent
+from mecefo_jax.core.timed import TimedEvent
 
 DAY_S = 86400.0
 EVENT_TYPES = ('fault_start', 'fault_end')
@@ -99,7 +99,8 @@ def counted(faults: list[Fault], classes: str, where: str) -> list[Fault]:
   keep = {t for t in terms if not t.startswith('-')}
   drop = {t[1:] for t in terms if t.startswith('-')}
   everything = not keep or 'all' in keep
-  return [f for f in faults if (everything or keep & set(f.kind[:2])) and not drop & set(f.kind[:2])]
+  return [f for f in faults
+          if (everything or keep & set(f.kind[:2])) and not drop & set(f.kind[:2])]
 
 
 def down_intervals(faults: list[Fault], where: str) -> dict[str, list[tuple[float, float]]]:
@@ -113,7 +114,8 @@ def down_intervals(faults: list[Fault], where: str) -> dict[str, list[tuple[floa
   ended: set[tuple] = set()
   spans: dict[str, list[tuple[float, float]]] = {}
   for f in faults:
-    key, name = (f.node, f.kind), f'{where}: event {f.index} (node {f.node}, day {f.day:g}, {f.kind[1]})'
+    key = (f.node, f.kind)
+    name = f'{where}: event {f.index} (node {f.node}, day {f.day:g}, {f.kind[1]})'
     if f.start:
       if key in open_at:
         log.warning('%s: fault_start of a fault already open since day %g: read as one fault',
