@@ -186,7 +186,7 @@ class FaultConfig:
                                'comma-separated Level or Class names, `-NAME` to leave one out '
                                '(e.g. `-Stress Test Failure`)')
   trace_start_day: float = setting(0.0, 'a JSON node fault log: the day of the log step 0 is; a '
-                                   'fault open then is down from step 0', within='>= 0')
+                                   'fault open then is down from step 0', within='[0, inf)')
   trace_compress: float = setting(1.0, 'a JSON node fault log: log seconds per simulated second '
                                   '(step = log seconds / (compress × `cluster_step_s`)), so that '
                                   'short runs cover days of the log', within='(0, inf)')
