@@ -6,7 +6,7 @@ from benchmarks.cost_model import ClusterCosts
 from benchmarks.simulate import PolicyModel
 from benchmarks.trace_replay import Rejoin, batched, checkpoint_restart, takeover
 from mecefo_jax.core import programs
-from mecefo_jax.core.failures import TimedEvent as E
+from mecefo_jax.core.timed import TimedEvent as E
 from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Planner
 
