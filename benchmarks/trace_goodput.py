@@ -1,8 +1,9 @@
 """A real cluster's node fault log at its own scale: every approach's goodput, charged in full.
 
 Run: python -m benchmarks.trace_goodput --trace FILE [--days A:B] [--slices N] [--json OUT]
-     [--nodes 400] [--seeds 5] [--step-s 10] [--classes all] [--profile fast]
-     [--policies spread,exact,budget:1.0,budget:1.05,neighbor] [--spares 0,4,8,16,32]
+     [--nodes 400] [--seeds 5] [--step-s 10] [--rows R] [--granule G] [--classes all]
+     [--profile fast] [--policies spread,exact,budget:1.0,budget:1.05,neighbor]
+     [--spares 0,4,8,16,32]
      [--checkpoint-min 30] [--sweep-restart-s ...] [--sweep-checkpoint-min ...]
      [--rejoin now] [--rejoin-levers every:24,count:4] [--costs MEASURED.json] [--stat flops]
      [--figure PNG]
@@ -31,6 +32,7 @@ from benchmarks.trace_replay import Outcome, Rejoin, batched, checkpoint_restart
 from mecefo_jax.config import load_config
 from mecefo_jax.core import fault_log
 from mecefo_jax.core.programs import RunPrograms
+from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Planner
 
 ELASTIC = 'elastic-restart'
@@ -51,6 +53,10 @@ def _args(argv):
   p.add_argument('--slices', type=int, default=0, help='default: one per node')
   p.add_argument('--seeds', type=int, default=5, help='draws of nodes onto slices')
   p.add_argument('--step-s', type=float, default=10.0, help='the stated fault-free step time')
+  p.add_argument('--rows', type=int, default=0, help="rows per slice (default: the measurement's; "
+                 'others: costs from the affine role model)')
+  p.add_argument('--granule', type=int, default=0, help="spread shares' granule (default: the "
+                 "measurement's)")
   p.add_argument('--classes', default='all', help='fault classes that count (faults.trace_classes)')
   p.add_argument('--profile', default='fast', help='the headline restart profile')
   p.add_argument('--policies', default='spread,exact,budget:1.0,budget:1.05,neighbor')
@@ -101,17 +107,22 @@ def setup(a) -> tuple[Setup, dict]:
   n = a.slices or a.nodes
   events = [fault_log.slice_events(text, a.trace, n, fault_log.LogMapping(
       a.nodes, a.classes, first, 1.0, seed), last) for seed in range(a.seeds)]
-  cfg = load_config(a.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1'])
   measured = json.loads(Path(a.costs).read_text())
+  rows, b0 = a.rows or measured['micro_batch'], measured['micro_batch']
+  cfg = load_config(a.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1',
+                               f'train.micro_batch={rows}'])
   costs = failure_costs.costs_from(measured['measurement'], a.stat)
-  scale = a.step_s / costs.normal_s  # the measured costs, as shares of the stated step time
+  # Other rows per slice: the fused step grows as the split path does (the affine role model).
+  split = lambda b: costs.group(Role(b)) + costs.update_s
+  normal = costs.normal_s * split(rows) / split(b0)
+  scale = a.step_s / normal  # the costs, as shares of the stated step time
   costs = dataclasses.replace(
       costs, normal_s=a.step_s, update_s=costs.update_s * scale, refresh_s=costs.refresh_s * scale,
       group_s={r: s * scale for r, s in costs.group_s.items()},
       group_compile_s=dict.fromkeys(costs.group_s, 0.0), fused_compile_s=0.0,
       compile_s_by_kind=dict.fromkeys(costs.compile_s_by_kind, 0.0), move_s=0.0, rejoin_s=0.0)
-  s = Setup(a, events, (last - first) * fault_log.DAY_S, n, cfg.train.micro_batch, costs, cfg,
-            measured.get('granule', 1))
+  s = Setup(a, events, (last - first) * fault_log.DAY_S, n, rows, costs, cfg,
+            a.granule or measured.get('granule', 1))
   return s, log_stats(events[0], s.horizon_s, n, faults, first, last)
 
 
