@@ -303,7 +303,8 @@ def _trace_verdict(name: str, d: dict) -> str:
   t, a, log = d['targets'], d['approaches'], d['log']
   wins = sorted({w for v in t['by_checkpoint_min'].values() for w in v['winners']})
   r = d['sweep']['restart_s']
-  return (f"* {name} (reading `{d['costs_from'].split('(stat ')[1].split(')')[0]}`, classes "
+  return (f"* {name} ({d['micro_batch']} rows/slice, reading "
+          f"`{d['costs_from'].split('(stat ')[1].split(')')[0]}`, classes "
           f"`{d['classes']}`, {log['mean_down_pct']:.1f}% of nodes down on average, at most "
           f"{log['max_down']}): most samples at every swept R ({r[0]:.0f}-{r[-1]:.0f} s) and C "
           f"({', '.join(f'{c:g}' for c in d['sweep']['checkpoint_min'])} min): "
