@@ -62,7 +62,8 @@ def _args(argv):
   p.add_argument('--policies', default='spread,exact,budget:1.0,budget:1.05,neighbor')
   p.add_argument('--spares', default='0,4,8,16,32', help='checkpoint-restart spare pools')
   p.add_argument('--checkpoint-min', type=float, default=30.0, help='headline checkpoint interval')
-  p.add_argument('--sweep-restart-s', default='15,300,1200', help='restart costs swept besides the '
+  p.add_argument('--sweep-restart-s', default='15,300,1200,3600,7200',
+                 help='restart costs swept besides the '
                  "profiles'")
   p.add_argument('--sweep-checkpoint-min', default='5,10,30,60,120')
   p.add_argument('--rejoin', default='now', help='now | every:HOURS | count:K')
