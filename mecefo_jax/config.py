@@ -173,8 +173,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class FaultConfig:
-  failures: str = setting('none', 'failure presets (docs/algorithm.md §5) or a trace file of '
-                          'failure events (`--failures`)', choices=('none', *PRESETS),
+  failures: str = setting('none', 'failure presets (docs/algorithm.md §5) or a trace file: '
+                          '`step slice fail|repair` lines or a JSON node fault log (`--failures`; '
+                          'docs/failures.md)', choices=('none', *PRESETS),
                           forms=('trace:PATH',))
   rate: str = setting('per_device', 'per_device: a preset\'s interval is per device of the '
                       'paper\'s 32-device cluster, so the expected fraction of slices down is the '
@@ -192,6 +193,17 @@ class FaultConfig:
       hint='a multiple of the fault-free step time; inf = never degrade')
   cluster_step_s: float = setting(60.0, 'simulated cluster seconds per step, so that short runs '
                                   'cover hours of the presets', within='(0, inf)')
+  trace_nodes: int = setting(0, 'a JSON node fault log: the cluster\'s size (a log lists only the '
+                             'nodes that failed); each slice replays one of its nodes, drawn with '
+                             '`train.seed`; 0 = the nodes in the log', within='>= 0')
+  trace_classes: str = setting('all', 'a JSON node fault log: the fault classes that count, '
+                               'comma-separated Level or Class names, `-NAME` to leave one out '
+                               '(e.g. `-Stress Test Failure`)')
+  trace_start_day: float = setting(0.0, 'a JSON node fault log: the day of the log step 0 is; a '
+                                   'fault open then is down from step 0', within='[0, inf)')
+  trace_compress: float = setting(1.0, 'a JSON node fault log: log seconds per simulated second '
+                                  '(step = log seconds / (compress × `cluster_step_s`)), so that '
+                                  'short runs cover days of the log', within='(0, inf)')
   max_degraded_rows: int = setting(0, 'most rows one degraded pass holds; 0 = 2 × '
                                    '`train.micro_batch`', within='>= 0')
   degraded_cost: float = setting(DEGRADED_COST, '`budget`: cost of a degraded row relative to an '

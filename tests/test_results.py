@@ -67,3 +67,13 @@ def test_a_changed_figure_makes_the_page_stale(loaded):
   text = results.PAGE.read_text()
   assert results.page(text, changed) != results.page(text, loaded)
   assert results.readme_table(changed) != results.readme_table(loaded)
+
+
+def test_failures_md_trace_replay_table_is_generated_from_the_json(loaded):
+  text = results.FAILURES.read_text()
+  assert results.with_trace_table(text, results.trace_table(loaded)) == text, \
+      'docs/failures.md trace replay table is stale: run python -m benchmarks.results'
+  changed = json.loads(json.dumps(loaded))
+  name = next(n for n in changed if n.startswith('trace_goodput_'))
+  changed[name]['by_profile']['spread']['fast']['goodput_pct'] += 1.0
+  assert results.trace_table(changed) != results.trace_table(loaded)

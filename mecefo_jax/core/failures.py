@@ -11,8 +11,11 @@ import numpy as np
 
 # PRESETS (docs/algorithm.md §5) and RATES are declared with the config key that names them.
 from mecefo_jax.config import PRESETS, RATES, ConfigError
+from mecefo_jax.core import fault_log
+from mecefo_jax.core.timed import TimedEvent
 from mecefo_jax.files import read_user_text
 from mecefo_jax.sections import entry
+
 
 PAPER_DEVICES = 32  # §5-6: the presets' rates are for the paper's 32-GPU cluster
 KINDS = ('fail', 'repair')
@@ -25,14 +28,6 @@ def rate_scale(rate: str, n_slices: int) -> float:
   if rate not in RATES:
     raise ConfigError(f"failure rate must be one of {', '.join(RATES)}, got {rate!r}")
   return PAPER_DEVICES / n_slices if rate == 'per_device' else 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class TimedEvent:
-  """A failure or repair at a time in seconds (the simulator's continuous clock)."""
-  time_s: float
-  slice: int
-  kind: str  # 'fail' | 'repair'
 
 
 def poisson_events(mean_s: float, repair_s: float, n_slices: int, horizon_s: float,
@@ -134,25 +129,38 @@ class FailureSchedule:
     if name not in PRESETS:
       raise ConfigError(f"failure preset must be one of {', '.join(PRESETS)}, got {name!r}")
     mean_h, repair_h = PRESETS[name]
+    return cls.from_timed(poisson_events(mean_h * interval_scale * 3600.0, repair_h * 3600.0,
+                                         n_slices, steps * cluster_step_s, seed),
+                          n_slices, cluster_step_s, f'preset:{name}')
+
+  @classmethod
+  def from_timed(cls, events: list[TimedEvent], n_slices: int, cluster_step_s: float,
+                 source: str) -> 'FailureSchedule':
+    """Timed events (sorted) at the step of their time: step = time // cluster_step_s."""
     sched, failed_at = cls(n_slices), {}
-    for e in poisson_events(mean_h * interval_scale * 3600.0, repair_h * 3600.0, n_slices,
-                            steps * cluster_step_s, seed):
+    for e in events:
       step = int(e.time_s // cluster_step_s)
       if e.kind == 'fail':
         failed_at[e.slice] = step
-        sched.fail_at(e.slice, step, f'preset:{name}')
+        sched.fail_at(e.slice, step, source)
       else:  # a repair within its failure's step still costs that step: it lands on the next
-        sched.repair_at(e.slice, max(step, failed_at[e.slice] + 1), f'preset:{name}')
+        sched.repair_at(e.slice, max(step, failed_at.get(e.slice, -1) + 1), source)
     return sched
 
   @classmethod
   def from_trace(cls, path: str | Path, n_slices: int, text: str | None = None,
-                 source: str | None = None) -> 'FailureSchedule':
-    """One event per line: `step slice fail|repair`; blank lines and # comments ignored.
-    `text`: the file's text if already read; `source`: the events' (default trace:<name>)."""
+                 source: str | None = None, log: fault_log.LogMapping | None = None,
+                 cluster_step_s: float = 60.0) -> 'FailureSchedule':
+    """One event per line: `step slice fail|repair`; blank lines and # comments ignored. Or a
+    JSON node fault log (core/fault_log.py), mapped by `log` (default LogMapping()) to steps of
+    `cluster_step_s` seconds. `text`: the file's text if already read; `source`: the events'
+    (default trace:<name>)."""
     path = Path(path)
     sched, source = cls(n_slices), source or f'trace:{path.name}'
     text = read_user_text(path, 'failure trace', ConfigError) if text is None else text
+    if fault_log.is_node_log(text):
+      events = fault_log.slice_events(text, str(path), n_slices, log or fault_log.LogMapping())
+      return cls.from_timed(events, n_slices, cluster_step_s, source)
     for lineno, line in enumerate(text.splitlines(), 1):
       fields = line.split('#', 1)[0].split()
       if not fields:
@@ -180,13 +188,15 @@ class FailureSchedule:
 
   @classmethod
   def from_spec(cls, spec: str, n_slices: int, steps: int, cluster_step_s: float,
-                seed: int, rate: str = 'per_device') -> 'FailureSchedule':
+                seed: int, rate: str = 'per_device', log: fault_log.LogMapping | None = None
+                ) -> 'FailureSchedule':
     """'none' | 'low' | 'mid' | 'high' | 'trace:PATH'; a preset's interval is scaled by
-    rate_scale(rate, n_slices)."""
+    rate_scale(rate, n_slices); a node fault log is mapped by `log`."""
     if spec == 'none':
       return cls(n_slices)
     if spec.startswith('trace:'):
-      return cls.from_trace(spec[len('trace:'):], n_slices)
+      return cls.from_trace(spec[len('trace:'):], n_slices, log=log,
+                            cluster_step_s=cluster_step_s)
     return cls.preset(spec, n_slices, steps, cluster_step_s, seed, rate_scale(rate, n_slices))
 
 

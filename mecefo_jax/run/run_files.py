@@ -9,6 +9,7 @@ import jax
 from mecefo_jax import multihost
 from mecefo_jax.config import Config
 from mecefo_jax.core.failures import FailureSchedule
+from mecefo_jax.core.fault_log import LogMapping
 from mecefo_jax.run import dir_lock, rundir
 from mecefo_jax.run.resume import carried_state
 
@@ -37,9 +38,9 @@ class RunFiles:
     self.trace = rundir.read_trace(self.out_dir, f.failures, resume)
     if self.trace:
       return FailureSchedule.from_trace(self.trace.path, n_slices, self.trace.text,
-                                        self.trace.source)
+                                        self.trace.source, LogMapping.of(cfg), f.cluster_step_s)
     return FailureSchedule.from_spec(f.failures, n_slices, cfg.train.steps, f.cluster_step_s,
-                                     cfg.train.seed, f.rate)
+                                     cfg.train.seed, f.rate, LogMapping.of(cfg))
 
   def check(self, *, resume: bool, replace: bool, replace_finished: bool) -> dict:
     """What start() will do, checked on process 0 without touching a file; the recorded

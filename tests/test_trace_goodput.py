@@ -1,0 +1,77 @@
+"""The fault-log replay: rejoin batching, checkpoint-restart and takeover charged by hand, and the
+benchmark end to end at a tiny scale (slow)."""
+import pytest
+
+from benchmarks.cost_model import ClusterCosts
+from benchmarks.simulate import PolicyModel
+from benchmarks.trace_replay import Rejoin, batched, checkpoint_restart, takeover
+from mecefo_jax.core import programs
+from mecefo_jax.core.timed import TimedEvent as E
+from mecefo_jax.core.roles import Role
+from mecefo_jax.core.takeover import Planner
+
+H = 3600.0
+
+
+def test_repairs_wait_for_the_rejoin_policy_and_a_node_failing_meanwhile_never_rejoined():
+  events = [E(1 * H, 0, 'fail'), E(2 * H, 0, 'repair'), E(3 * H, 1, 'fail'), E(4 * H, 1, 'repair'),
+            E(10 * H, 0, 'fail'), E(30 * H, 2, 'fail'), E(31 * H, 2, 'repair')]
+  assert batched(events, Rejoin.parse('now')) == events
+  # every 24 h: slice 0 fails again before its rejoin at 24 h, so it stays down (both go).
+  assert batched(events, Rejoin.parse('every:24')) == [
+      E(1 * H, 0, 'fail'), E(3 * H, 1, 'fail'), E(24 * H, 1, 'repair'), E(30 * H, 2, 'fail'),
+      E(48 * H, 2, 'repair')]
+  # when 2 wait: slices 0 and 1 rejoin together once the second is back; slice 2 waits alone.
+  assert batched(events, Rejoin.parse('count:2')) == [
+      E(1 * H, 0, 'fail'), E(3 * H, 1, 'fail'), E(4 * H, 0, 'repair'), E(4 * H, 1, 'repair'),
+      E(10 * H, 0, 'fail'), E(30 * H, 2, 'fail')]
+  for bad in ('later', 'every:0', 'count:1.5', 'every:x'):
+    with pytest.raises(ValueError, match='rejoin policy must be now, every:HOURS or count:K'):
+      Rejoin.parse(bad)
+
+
+def test_checkpoint_restart_loses_the_work_since_its_checkpoint_and_waits_without_a_spare():
+  events = [E(250.0, 2, 'fail'), E(600.0, 2, 'repair')]
+  # Nodes 1, 2 train, node 0 is the spare: 250 s trained, 200 kept, then 10 s of restart.
+  out = checkpoint_restart(events, 3, 1, 1000.0, 1.0, 1, 10.0, 100.0)
+  assert out.samples == pytest.approx(2 * (200 + 740)) and out.restarts == 1
+  assert out.lost_s['since_checkpoint'] == pytest.approx(50.0)
+  # No spare: the job waits for the repair at 600 s, then restarts.
+  out = checkpoint_restart(events, 3, 0, 1000.0, 1.0, 1, 10.0, 100.0)
+  assert out.samples == pytest.approx(3 * (200 + 390))
+  assert out.lost_s['waiting_for_repair'] == pytest.approx(350.0)
+
+
+def test_takeover_restarts_on_a_death_and_on_the_return():
+  b, n = 2, 4
+  costs = ClusterCosts(normal_s=1.0, update_s=0.0, group_s={Role(b): 1.0},
+                       group_compile_s={Role(b): 0.0}, fused_compile_s=0.0,
+                       compile_s_by_kind=dict.fromkeys(programs.KINDS, 0.0))
+  model = PolicyModel(Planner(n, b, 'drop'), costs)
+  events = [E(100.0, 1, 'fail'), E(300.0, 1, 'repair')]
+  out, _ = takeover(events, 1000.0, model, 10.0, 1.0)
+  # 100 steps on 4, a death (10 s + the step in flight), 189 on 3, a return (10 s), 690 on 4.
+  assert out.restarts == 2 and out.samples == pytest.approx(b * (4 * 100 + 3 * 189 + 4 * 690))
+  assert out.dropped == pytest.approx(b * 189)
+  assert out.lost_s == {'restart': 20.0, 'step_in_flight': 1.0, 'since_checkpoint': 0.0,
+                        'waiting_for_repair': 0.0}
+
+
+@pytest.mark.slow
+def test_the_benchmark_replays_a_window_of_the_real_log(launcher, tmp_path):
+  result = launcher.benchmark(
+      'trace_goodput', '--trace', 'benchmarks/traces/infinitehbd_days0-174.5.json', '--days',
+      '20:40', '--slices', '16', '--seeds', '2', '--policies', 'spread,budget:1.0', '--spares',
+      '0,2', '--sweep-restart-s', '30', '--sweep-checkpoint-min', '10,60', '--rejoin-levers',
+      'every:24', '--figure', tmp_path / 'f.png', json_path=tmp_path / 'tg.json')
+  assert result['default'] == 'spread' and result['slices'] == 16 and result['nodes'] == 400
+  names = {'spread', 'budget:1.0', 'elastic-restart', 'checkpoint-restart-0-spares',
+           'checkpoint-restart-2-spares'}
+  assert set(result['approaches']) == names
+  for r in result['approaches'].values():
+    assert {'goodput_pct', 'dropped_pct', 'degraded_pct', 'restarts'} <= set(r)
+    assert 0.0 <= r['goodput_pct'] <= 100.0 and len(r['goodput_pct_per_seed']) == 2
+  # 2 of 16 nodes are spares: checkpoint-restart keeps at most 14/16 of the samples.
+  assert result['approaches']['checkpoint-restart-2-spares']['goodput_pct'] <= 100 * 14 / 16
+  assert result['sweep']['restart_s'][0] == 30.0 and (tmp_path / 'f.png').stat().st_size > 0
+  assert set(result['profiles']) == {'fast', 'FlashRecovery', 'slow'}
