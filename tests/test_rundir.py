@@ -148,8 +148,8 @@ def test_the_default_run_directory_replaces_a_finished_run_not_an_unfinished_one
   assert report(latest)['steps'] == 4 and not (latest / 'checkpoints' / first).exists()
   # An unfinished run there is never replaced: a changed config is refused in one line.
   rundir.write_run_state(latest, 'stopped', **{k: v for k, v in state.items() if k != 'status'})
-  code, log = default_out('train.steps=4', 'optimizer.lr=0.002', f'snapshot.dir={shm}')
-  assert code == 2 and 'resume with a changed config: optimizer.lr' in log, log
+  code, log = default_out('train.steps=4', 'optimizer.b1=0.8', f'snapshot.dir={shm}')
+  assert code == 2 and 'resume with a changed config: optimizer.b1' in log, log
 
 
 def test_a_resume_reads_the_runs_own_copy_of_its_trace_where_the_given_one_is_gone(tmp_path):

@@ -319,6 +319,9 @@ def _check_same_config(recorded: dict, current: dict) -> dict[str, list]:
     raise ConfigError(f'resume with another model: the run trained model.kind={old_model!r}, '
                       f'this start gives {new_model!r}; resume with the run\'s model, or start '
                       'anew with --fresh (or another --out)')
+  # A key the run's record lacks is a setting added since: the run had its default.
+  defaults = flat(to_dict(Config()))
+  old.update({k: defaults[k] for k in new if k not in old and k in defaults})
   changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
   refused = [k for k in changed if not resume_may_change(k, old.get(k), new.get(k))]
   if refused:
