@@ -23,7 +23,8 @@ class Eval:
 
 
 def perplexity(loss: float) -> float:
-  return float(np.exp(loss))
+  with np.errstate(over='ignore'):  # a loss past ~709 nats is an infinite perplexity, no warning
+    return float(np.exp(loss))
 
 
 class Evals(Hook):
