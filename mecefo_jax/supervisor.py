@@ -59,6 +59,7 @@ class Supervisor:
     self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
     self.interrupted: str | None = None  # the signal that stops the job
     self.signals = 0  # SIGINT/SIGTERM received: a second one ends the job at once
+    self.away, self.looked_at = False, time.monotonic()  # stopped (SIGSTOP) since a start
     self.resume = False
     # Each process holds the read end; the write end is ours alone (os.pipe's fds are not
     # inherited): however the supervisor ends, its processes see end-of-file and stop the job
@@ -102,6 +103,7 @@ class Supervisor:
     port, n = self._port(), len(self.hosts)
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since = {}, False, None
+    self.away, self.looked_at = False, time.monotonic()
     self._clear_stop_request()
     self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
                       for h in self.hosts}
@@ -199,6 +201,10 @@ class Supervisor:
   def _watch(self) -> int | None:
     """One look at the job; an exit code when the supervisor is done."""
     time.sleep(_POLL_S)
+    # A look long after the last one: this supervisor was stopped (SIGSTOP, Ctrl-Z) or the
+    # machine suspended; past --stopped-s its processes stop the job themselves.
+    self.away |= time.monotonic() - self.looked_at > self.args.stopped_s
+    self.looked_at = time.monotonic()
     self.clock.look()
     codes = {h: p.poll() for h, p in self.procs.items()}
     done = self.clock.recovered()
@@ -384,13 +390,14 @@ class Supervisor:
 
   def _stopped_while_away(self, exited: dict) -> int | None:
     """The step after which the job stopped itself because this supervisor was stopped
-    (SIGSTOP, a suspended terminal: run/supervised.py), its stop record naming this
-    supervisor; None for any other end."""
+    (SIGSTOP, a suspended terminal: run/supervised.py): it saw a gap in its own looks, or the
+    stop record names it (the record is process 0's: where another process's watch asked
+    first, it reads 'a stop agreed by the job'); None for any other end."""
     if any(c != STOPPED for c in exited.values()) or not self._run_exists():
       return None
     stops = [e for e in rundir.read_history(self.args.out, warn=False) if e['kind'] == 'stop']
-    mine = stops and str(stops[-1].get('why', '')).startswith(f'the supervisor (pid {os.getpid()})')
-    return stops[-1]['step'] if mine else None
+    named = stops and str(stops[-1].get('why', '')).startswith(f'the supervisor (pid {os.getpid()})')
+    return stops[-1]['step'] if stops and (named or self.away) else None
 
   def _take_back(self, step: int) -> int | None:
     """The job stopped itself after `step` while this supervisor was stopped; the supervisor

@@ -247,6 +247,11 @@ def test_a_job_that_stopped_itself_while_its_supervisor_was_stopped_is_taken_bac
   # Another supervisor's stop, or the user's (--stop-after): the job ends as it stopped.
   rundir.append_history(run, 'stop', step=50, why='--stop-after 50', saved=[])
   assert sup._watch() == STOPPED and len(starts) == 1
+  # The record is process 0's: where another process asked first it names no supervisor, and
+  # the supervisor's own gap between two looks (it was stopped) says it.
+  rundir.append_history(run, 'stop', step=60, why='a stop agreed by the job', saved=[])
+  sup.looked_at -= sup.args.stopped_s + 1
+  assert sup._watch() is None and len(starts) == 2
 
 
 def test_what_a_run_has_saved_is_read_from_its_tiers_and_empty_tmpfs_folders_go(tmp_path,
