@@ -220,12 +220,18 @@ def remove_empty_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> None:
   """Removes run `run_id`'s snapshot directories where they hold nothing (local ones)."""
   memory, durable = snapshot_dirs(sn, out_dir, run_id)
   for directory in (memory, Path(durable), Path(durable).parent):
-    with contextlib.suppress(OSError):
-      for empty in sorted(directory.glob('**/'), key=lambda p: -len(p.parts)):
-        if 'set_aside' not in empty.relative_to(directory).parts:  # kept as they were
-          empty.rmdir()  # deepest first; fails (kept) where a file is
+    remove_empty_folders(directory)
   with contextlib.suppress(OSError):
     memory.parent.rmdir()
+
+
+def remove_empty_folders(directory: Path) -> None:
+  """Removes the empty folders under `directory` and itself if empty, deepest first; a folder
+  with a file in it stays, and so do set-aside ones (kept as they were)."""
+  for empty in sorted(Path(directory).glob('**/'), key=lambda p: -len(p.parts)):
+    if 'set_aside' not in empty.relative_to(directory).parts:
+      with contextlib.suppress(OSError):
+        empty.rmdir()
 
 
 def check_start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,

@@ -2,7 +2,6 @@
 supervisor's line after a stop at once), and the empty tmpfs folders a job's starts left."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 from mecefo_jax import files
@@ -52,8 +51,4 @@ def describe(out_dir: Path) -> str:
 def sweep_empty_memory_dirs(out_dir: Path) -> None:
   """Removes the empty folders under the run directory's default tmpfs folder (a start killed
   before it wrote a snapshot leaves its run-id folder), deepest first; set-aside ones stay."""
-  root = files.default_snapshot_dir(rundir.run_name(out_dir))
-  for empty in sorted(root.glob('**/'), key=lambda p: -len(p.parts)):
-    if 'set_aside' not in empty.relative_to(root.parent).parts:
-      with contextlib.suppress(OSError):
-        empty.rmdir()  # fails (kept) where anything is in it
+  rundir.remove_empty_folders(files.default_snapshot_dir(rundir.run_name(out_dir)))
