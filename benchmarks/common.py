@@ -69,7 +69,8 @@ def git_commit() -> str | None:
                           text=True, check=True, timeout=30).stdout.strip()
   try:
     head = git('rev-parse', 'HEAD')
-    return head + ('-dirty' if git('status', '--porcelain') else '')
+    # A result written by an earlier benchmark of the same session changes no code.
+    return head + ('-dirty' if git('status', '--porcelain', '--', '.', ':!docs/results') else '')
   except (OSError, subprocess.SubprocessError):
     return None
 

@@ -14,6 +14,7 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -124,9 +125,18 @@ def _restart_time(d: dict) -> str:
   phases = ', '.join(f"{k} {m[k + '_s']:.1f}" for k in (
       'detect', 'stop', 'imports', 'distributed', 'setup', 'restore', 'programs', 'first_step'))
   over = ' '.join(d['overrides']) or 'defaults'
-  return (f"{d['processes']} processes ({over}), medians of {d['repeats']}: SIGKILL to the first "
+  return (f"{d['processes']} processes ({over}), SIGKILL after step {d['kill_at']} "
+          f"({_restart_case(d)}), medians of {d['repeats']}: SIGKILL to the first "
           f"step trained again {m['kill_to_first_step_s']:.1f} s, cold start "
           f"{m['cold_start_s']:.1f} s, ratio {m['ratio']:.2f}; phases (s): {phases}")
+
+
+def _restart_case(d: dict) -> str:
+  """Which case a restart is: whether the dead job's background builds had stored the survivors'
+  programs (loaded) or the survivors compiled them (a death in a job's first steps)."""
+  median = lambda key: statistics.median(r['programs'][key] for r in d['runs'])
+  return (f"the survivors' job loaded {median('loaded'):g} programs from the store and compiled "
+          f"{median('compiled'):g}")
 
 
 def _stall_recovery(d: dict) -> str:
@@ -202,8 +212,10 @@ README_ROWS = [
     ('frontier_32slices.json', 'takeover policies at 32 slices, `high` failure rate',
      _frontier_short),
     ('snapshot_overhead_llama_60m_auto.json', 'every-step snapshots, llama_60m', _snapshot_overhead),
-    ('restart_time_3proc_default_idle.json', 'a process SIGKILLed under the supervisor',
-     _restart_time),
+    ('restart_time_3proc_kill_at_40.json', 'a process SIGKILLed under the supervisor, '
+     'once the background builds are done', _restart_time),
+    ('restart_time_3proc_kill_at_3.json', 'a process SIGKILLed under the supervisor in the '
+     "job's first steps", _restart_time),
 ]
 
 

@@ -76,3 +76,9 @@ def test_failures_md_trace_replay_table_is_generated_from_the_json(loaded):
   name = next(n for n in changed if n.startswith('trace_goodput_'))
   changed[name]['by_profile']['spread']['fast']['goodput_pct'] += 1.0
   assert results.trace_table(changed) != results.trace_table(loaded)
+
+
+def test_readme_rows_come_from_clean_commits(loaded):
+  """A README row is a headline: measured on a commit with no uncommitted change."""
+  for name, _, _ in results.README_ROWS:
+    assert not loaded[name]['commit'].endswith('-dirty'), f'{name}: measured on a -dirty tree'
