@@ -14,8 +14,9 @@ Read by the supervisor (supervisor.py) every poll, without JAX: the marks are fi
   a wait for the saves or builds in flight, the run's end (NOT_MEASURED): PHASE_FIRST_S
 
 A process in a working phase (WORKING: starting, i.e. its imports and set-up; compiling;
-evaluating) that uses CPU makes progress though it writes no mark: each CPU_WINDOW_S, a share of at least
-CPU_BUSY of one core restarts the clock, for at most CPU_CAP_S without a new mark. A cold compile
+evaluating) that uses CPU makes progress though it writes no mark: each CPU_WINDOW_S (half the
+deadline where that is shorter), a share of at least CPU_BUSY of one core restarts the clock, for
+at most CPU_CAP_S without a new mark. A cold compile
 on a loaded machine takes minutes, and the CPU it uses says it is not hung; a hung start-up
 (a peer that never comes, SIGSTOP) uses none.
 
@@ -144,8 +145,12 @@ class StallWatch:
     """A new job of hosts {host: pid}. An earlier job's marks are left where they are (a new
     process truncates its file; look() reads only the marks of these pids): deleting them now
     could delete a mark that a new process has just made."""
-    self.pids, self.marks, self._cpu = dict(pids), {}, {}
+    self.pids, self.marks = dict(pids), {}
     self.changed_at = self.marked_at = time.monotonic()
+    # The first window ends a window after the job's start, not after the first look (late on
+    # a loaded machine).
+    self._cpu = {host: (self.changed_at, used) for host, pid in self.pids.items()
+                 if (used := cpu_seconds(pid)) is not None}
 
   def look(self, now: float | None = None) -> Stall | None:
     """Reads the marks; a Stall once none changed for longer than the deadline."""
@@ -161,9 +166,9 @@ class StallWatch:
           self.measured[key] = max(self.measured.get(key, 0.0), seconds)
     if not self.enabled:
       return None
-    if self._working(now):
-      self.changed_at = now
     deadline, source = self.deadline()
+    if self._working(now, min(CPU_WINDOW_S, deadline / 2)):
+      self.changed_at = now
     waited = now - self.changed_at
     if waited <= deadline:
       return None
@@ -171,9 +176,10 @@ class StallWatch:
     return Stall(host, why, {h: self.marks.get(h, {}) for h in self.pids}, stopped, waited,
                  deadline, source)
 
-  def _working(self, now: float) -> bool:
+  def _working(self, now: float, window_s: float) -> bool:
     """Whether a process in a WORKING phase used at least CPU_BUSY of a core over the last
-    CPU_WINDOW_S (sampled each window; CPU_CAP_S after the last new mark, no longer)."""
+    `window_s` (sampled each window, two or more within a deadline; CPU_CAP_S after the last
+    new mark, no longer)."""
     busy = False
     for host, pid in self.pids.items():
       mark = self.marks.get(host)
@@ -182,7 +188,7 @@ class StallWatch:
         continue
       used = cpu_seconds(pid)
       then, before = self._cpu.get(host, (None, None))
-      if used is None or then is not None and now - then < CPU_WINDOW_S:
+      if used is None or then is not None and now - then < window_s:
         continue
       self._cpu[host] = (now, used)
       busy |= then is not None and used - before >= CPU_BUSY * (now - then)

@@ -3,6 +3,8 @@ the initializer's ahead-of-time phases and program, and every XLA compile booked
 import dataclasses
 import json
 import logging
+import os
+import signal
 import sys
 import time
 
@@ -13,7 +15,7 @@ import pytest
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import train_state
-from mecefo_jax.run import cli, startup
+from mecefo_jax.run import cli, ending, startup
 from mecefo_jax.step import initializer, program_store
 from procs import TINY
 
@@ -123,3 +125,26 @@ def test_every_xla_compile_of_a_failure_run_is_in_its_report(tmp_path, cold_prog
   assert len(compiles) == programs['compiled'] + init + programs['other_compiles'], \
       (len(compiles), programs, start)
   assert programs['scan_unroll'] == 1
+
+
+def test_a_sigterm_swallowed_on_its_way_stops_the_start_up_at_its_next_line(monkeypatch):
+  """The start-up's SIGTERM lands in a __del__ (as in jax's garbage-collection callback):
+  Python swallows its StartupStopped and the start-up goes on (a SIGTERM test at load 20 trained
+  its run to the end so); raise_if_swallowed raises it again at a line of the start-up's own."""
+  swallowed = []
+  monkeypatch.setattr(sys, 'unraisablehook', lambda u: swallowed.append(u.exc_type))
+
+  class Collected:
+    def __del__(self):
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.05)  # the handler runs here, inside __del__
+
+  previous = ending.stop_startup_on_sigterm()
+  try:
+    Collected()
+    assert swallowed == [ending.StartupStopped]
+    with pytest.raises(ending.StartupStopped, match='SIGTERM'):
+      ending.raise_if_swallowed()
+    ending.raise_if_swallowed()  # once
+  finally:
+    ending.restore_sigterm(previous)

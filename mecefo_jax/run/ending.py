@@ -59,16 +59,30 @@ class StartupStopped(BaseException):
     self.job = False  # a process of a multi-process job (train.py sets it)
 
 
+# The SIGTERM the start-up's handler raised on. Its StartupStopped can land in a garbage-collection
+# callback (jax's), which swallows it and the start-up goes on (seen at load 20 on 2 cores):
+# raise_if_swallowed() raises it again at a line of the start-up's own.
+_raised: list[int] = []
+
+
 def stop_startup_on_sigterm():
   """Until the run's own stop request takes over (run/stop.py), SIGTERM stops the start-up at
   the next Python line (a compile or a wait inside the runtime finishes first); once. Returns
   the handler it replaced (restore_sigterm); main thread only, else nothing is changed."""
   def on_sigterm(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one would cut the clean-up
+    _raised.append(signum)
     raise StartupStopped(signum)
   if threading.current_thread() is not threading.main_thread():
     return None
   return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def raise_if_swallowed() -> None:
+  """StartupStopped again where the start-up's SIGTERM was swallowed on its way (a start-up that
+  one unwinds never gets here)."""
+  if _raised:
+    raise StartupStopped(_raised.pop())
 
 
 def restore_sigterm(previous) -> None:

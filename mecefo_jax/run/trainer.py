@@ -15,8 +15,8 @@ from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.model import models, train_state
-from mecefo_jax.run import (hints, loop_hooks, plot, presence, recovery_time, report, restart,
-                            rundir)
+from mecefo_jax.run import (ending, hints, loop_hooks, plot, presence, recovery_time, report,
+                            restart, rundir)
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import to_json
 from mecefo_jax.run.records import RunRecords
@@ -80,6 +80,7 @@ class Trainer:
       self._build(schedule, resume, explicit_resume, dict(replace=replace,
                   replace_finished=replace_finished), host_slot, program_store)
       self.hooks, self.saver = loop_hooks.ordered(self, progress, on_log, hooks)
+      ending.raise_if_swallowed()  # before the run's own stop request takes SIGTERM over
     except BaseException:  # re-raised: only the lock and this start's empty folders go
       self.files.close(self.snapshots, refused=True)
       raise
