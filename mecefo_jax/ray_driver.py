@@ -27,7 +27,7 @@ import signal
 import time
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mecefo_jax.config import ConfigError
@@ -106,7 +106,7 @@ class RayProcess:
   def _call(self, ref, otherwise):
     try:
       return ray.get(ref, timeout=_CALL_S)
-    except (RayActorError, GetTimeoutError) as err:
+    except RayError as err:  # the actor gone, not answering, or its call failed
       self._gone(err)
       return otherwise
 
@@ -116,7 +116,7 @@ class RayProcess:
       self.seen = ray.get(ref)
     except ActorUnavailableError:
       return  # unreachable for now: Ray says whether it is dead
-    except RayActorError as err:
+    except RayError as err:
       self._gone(err)
       return
     if self.seen['code'] is not None:
@@ -197,7 +197,7 @@ class RayDriver(Supervisor):
       self.coordinator, port = None, 0
       ip, port = ray.get(self.actors[self.hosts[0]].where.remote(), timeout=_CALL_S)
       self.coordinator = f'{ip}:{port}'
-    except (RayActorError, GetTimeoutError):
+    except RayError:
       pass  # worker 0's actor never came: its death, seen at the first look
     return port
 

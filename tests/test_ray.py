@@ -6,18 +6,15 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
-from mecefo_jax import job_rules, launch, ray_driver, ray_host
+from benchmarks.ray_cluster import local_cluster, remove_node
+from mecefo_jax import job_rules, launch, ray_driver
 from mecefo_jax.run.exits import BAD_INPUT, PEER_LOST, STOPPED
 from mecefo_jax.run.supervised import process_state
 from mecefo_jax.supervisor import free_port
@@ -70,26 +67,9 @@ def test_no_ray_cluster_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
-  """A 0-CPU head and 3 one-CPU nodes, each with its own snapshot directory (`cluster.dirs`),
-  all of Ray's files in a short temporary directory of the test's own (Unix socket paths)."""
-  temp = Path(tempfile.mkdtemp(prefix='ray', dir='/tmp'))
-  monkeypatch.setenv('RAY_TMPDIR', str(temp))
-  small = dict(object_store_memory=80 << 20, include_dashboard=False)
-  c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, temp_dir=str(temp), **small))
-  c.temp, c.dirs = temp, {}
-  for i in range(3):
-    shm = tmp_path / f'node{i}-shm'
-    shm.mkdir()
-    node = c.add_node(num_cpus=1, env_vars={ray_host.NODE_SNAPSHOT_DIR_ENV: str(shm),
-                                            'TMPDIR': str(temp), 'PYTHONPATH': str(ROOT)},
-                      **small)
-    c.dirs[node.node_id] = shm
-  try:
+def cluster(tmp_path):
+  with local_cluster(3, tmp_path) as c:
     yield c
-  finally:
-    c.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_ray_runs_the_job_through_a_kill_a_lost_node_and_a_stall(launcher, tmp_path, cluster):
@@ -124,11 +104,8 @@ def test_ray_runs_the_job_through_a_kill_a_lost_node_and_a_stall(launcher, tmp_p
   wait_for(lambda: _last(events, 'rejoin'), 180, 'host 1 to rejoin', driver)
   trained_again(len(_events(events)) - 1)
   # 2. Host 2's node removed (its snapshot memory with it): the job goes on without it.
-  node_id = _last(events, 'place')['nodes']['2']
-  [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
   seen = len(_events(events))
-  cluster.remove_node(node)
-  shutil.rmtree(cluster.dirs.pop(node_id))
+  remove_node(cluster, _last(events, 'place')['nodes']['2'])
   trained_again(seen)
   # 3. A trainer SIGSTOPped: named, killed, and the job restarts without that process.
   seen = len(_events(events))
