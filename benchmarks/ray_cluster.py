@@ -26,6 +26,7 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
   temp = Path(tempfile.mkdtemp(prefix='ray', dir='/tmp'))
   before = os.environ.get('RAY_TMPDIR')
   os.environ['RAY_TMPDIR'] = str(temp)  # the address file and the sessions, ours alone
+  (temp / 'ray').mkdir()  # where Ray writes the address file
   cluster = None
   try:
     cluster = Cluster(initialize_head=True,
@@ -53,4 +54,4 @@ def remove_node(cluster, node_id: str) -> None:
   """Node `node_id` removed, its snapshot directory (its memory) with it."""
   [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
   cluster.remove_node(node)
-  shutil.rmtree(cluster.dirs.pop(node_id))
+  shutil.rmtree(cluster.dirs.pop(node_id), ignore_errors=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 
 import ray
@@ -42,6 +43,7 @@ _NOT_FORWARDED = (NODE_SNAPSHOT_DIR_ENV, 'CUDA_VISIBLE_DEVICES')
 _CALL_S = 60.0  # an actor's start, kill or wait (its node's worker start-up included)
 _LOOK_S = 2.0  # a look waits this long for the actors' answers; the others answer next time
 _NODES_S = 1.0  # ray.nodes() asked at most this often
+_CONNECT_S = 10.0  # the cluster's address takes a connection within this
 
 
 def connect(address: str | None) -> None:
@@ -49,11 +51,19 @@ def connect(address: str | None) -> None:
   ConfigError (one line) where none runs."""
   address = address or os.environ.get('RAY_ADDRESS') or 'auto'
   try:
+    _reachable(address)
     ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
-  except (ConnectionError, RuntimeError, ValueError) as err:
+  except (OSError, RuntimeError, ValueError) as err:  # ConnectionError is an OSError
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     raise ConfigError(f'--backend ray: no Ray cluster at {address!r} ({reason}); start one '
                       '(`ray start --head`, KubeRay) or pass --address') from None
+
+
+def _reachable(address: str) -> None:
+  """An OSError where HOST:PORT takes no connection (ray.init would retry it for minutes)."""
+  host, sep, port = address.rpartition(':')
+  if sep and port.isdigit() and '://' not in address:
+    socket.create_connection((host, int(port)), timeout=_CONNECT_S).close()
 
 
 def host_resources(args) -> dict[str, float]:

@@ -21,7 +21,8 @@ from mecefo_jax.supervisor import free_port
 from procs import ROOT, TINY, error_lines, report, wait_for
 
 STEPS = 60
-ARGS = ['mesh.slice=3', *TINY, f'train.steps={STEPS}', 'train.log_every=1', 'snapshot.every=1',
+# ordered_reduce: the params bit-identical to the one-process replay (docs/multiprocess.md).
+ARGS = ['mesh.slice=3', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', *TINY, f'train.steps={STEPS}', 'train.log_every=1', 'snapshot.every=1',
         'train.eval_every=0', 'train.plot=false']
 
 
@@ -105,7 +106,9 @@ def test_ray_runs_the_job_through_a_kill_a_lost_node_and_a_stall(launcher, tmp_p
   trained_again(len(_events(events)) - 1)
   # 2. Host 2's node removed (its snapshot memory with it): the job goes on without it.
   seen = len(_events(events))
-  remove_node(cluster, _last(events, 'place')['nodes']['2'])
+  node_id = _last(events, 'place')['nodes']['2']
+  removed = cluster.dirs[node_id]
+  remove_node(cluster, node_id)
   trained_again(seen)
   # 3. A trainer SIGSTOPped: named, killed, and the job restarts without that process.
   seen = len(_events(events))
@@ -146,6 +149,7 @@ def test_ray_runs_the_job_through_a_kill_a_lost_node_and_a_stall(launcher, tmp_p
   pids = [p for e in _events(events) if e['kind'] == 'start' for p in e['pids'].values()]
   assert all(_gone(p) for p in pids if p > 0)
   assert not [p for d in cluster.dirs.values() for p in d.rglob('*') if p.is_file()]
+  assert not removed.exists()  # nothing of the removed node's trainer wrote after it went
   assert not list(cluster.temp.glob('mecefo-marks-*'))
   raylets = [n.all_processes for n in cluster.worker_nodes]
   cluster.shutdown()
