@@ -19,9 +19,9 @@ _SMALL = dict(object_store_memory=80 << 20, include_dashboard=False)
 
 @contextlib.contextmanager
 def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
-  """The cluster (ray.cluster_utils.Cluster) with `dirs` {node id: its snapshot directory, under
-  `root`} and `temp` (Ray's files; removed after, with RAY_TMPDIR restored); `env`: more of
-  the nodes' environment."""
+  """The cluster (ray.cluster_utils.Cluster) with `dirs` and `tmps` {node id: its snapshot
+  directory, its TMPDIR; under `root`: a node's own, as a machine's} and `temp` (Ray's files;
+  removed after, with RAY_TMPDIR restored); `env`: more of the nodes' environment."""
   from ray.cluster_utils import Cluster
   temp = Path(tempfile.mkdtemp(prefix='ray', dir='/tmp'))
   before = os.environ.get('RAY_TMPDIR')
@@ -31,14 +31,15 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
   try:
     cluster = Cluster(initialize_head=True,
                       head_node_args=dict(num_cpus=0, temp_dir=str(temp), **_SMALL))
-    cluster.temp, cluster.dirs = temp, {}
+    cluster.temp, cluster.dirs, cluster.tmps = temp, {}, {}
     for i in range(nodes):
-      shm = Path(root) / f'node{i}-shm'
+      shm, tmp = Path(root) / f'node{i}-shm', Path(root) / f'node{i}-tmp'
       shm.mkdir(parents=True)
+      tmp.mkdir()
       node = cluster.add_node(num_cpus=1, env_vars={
-          NODE_SNAPSHOT_DIR_ENV: str(shm), 'TMPDIR': str(temp), 'PYTHONPATH': str(REPO),
+          NODE_SNAPSHOT_DIR_ENV: str(shm), 'TMPDIR': str(tmp), 'PYTHONPATH': str(REPO),
           **(env or {})}, **_SMALL)
-      cluster.dirs[node.node_id] = shm
+      cluster.dirs[node.node_id], cluster.tmps[node.node_id] = shm, tmp
     yield cluster
   finally:
     if cluster is not None:
@@ -51,7 +52,8 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
 
 
 def remove_node(cluster, node_id: str) -> None:
-  """Node `node_id` removed, its snapshot directory (its memory) with it."""
+  """Node `node_id` removed, its snapshot directory (its memory) and its TMPDIR with it."""
   [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
   cluster.remove_node(node)
-  shutil.rmtree(cluster.dirs.pop(node_id), ignore_errors=True)
+  for folders in (cluster.dirs, cluster.tmps):
+    shutil.rmtree(folders.pop(node_id), ignore_errors=True)

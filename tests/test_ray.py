@@ -69,8 +69,10 @@ def test_no_ray_cluster_is_one_line(tmp_path, capsys, monkeypatch):
 
 @pytest.fixture
 def cluster(tmp_path):
+  default = set(Path('/tmp/ray').glob('session_*'))  # Ray's own place: nothing of ours there
   with local_cluster(3, tmp_path) as c:
     yield c
+  assert not c.temp.exists() and set(Path('/tmp/ray').glob('session_*')) == default
 
 
 def test_ray_runs_the_job_through_a_kill_a_lost_node_and_a_stall(launcher, tmp_path, cluster):
@@ -150,7 +152,7 @@ def test_ray_runs_the_job_through_a_kill_a_lost_node_and_a_stall(launcher, tmp_p
   assert all(_gone(p) for p in pids if p > 0)
   assert not [p for d in cluster.dirs.values() for p in d.rglob('*') if p.is_file()]
   assert not removed.exists()  # nothing of the removed node's trainer wrote after it went
-  assert not list(cluster.temp.glob('mecefo-marks-*'))
+  assert not [p for d in cluster.tmps.values() for p in d.iterdir()]  # the actors' marks
   raylets = [n.all_processes for n in cluster.worker_nodes]
   cluster.shutdown()
   assert all(p.process.poll() is not None for n in raylets for ps in n.values() for p in ps)
