@@ -106,19 +106,21 @@ def _kill_and_time(args, run: Run, cluster) -> dict:
                              300, "the survivors' job")
     again, _ = run.wait_for(lambda: run.first_after(restarted), 900, 'step after the kill')
     said = lambda line: line.startswith('launch [') and 'trained again' in line
-    recovered = run.wait_for(lambda: any(said(line) for _, line in run.lines), 120,
-                             "the supervisor's recovery line")
+    until = time.time() + 120  # (a job that ends first prints it no more: None then)
+    while not (recovered := any(said(line) for _, line in run.lines)) and \
+        run.proc.poll() is None and time.time() < until:
+      time.sleep(0.05)
     run.proc.send_signal(signal.SIGTERM)  # the job stops at an agreed step: its report
     run.proc.wait(timeout=300)
   finally:
     run.kill()
   report = json.loads((run.out / 'report.json').read_text())
   history = [json.loads(x) for x in (run.out / 'history.jsonl').read_text().splitlines()]
-  back = next(e['t'] for e in history if e['kind'] == 'recovered' and e['t'] > t_kill)
+  back = next((e['t'] for e in history if e['kind'] == 'recovered' and e['t'] > t_kill), None)
   death = next(e['t'] for e in run.events() if e['kind'] == 'death' and e['t'] > t_kill)
   cold, restart = first - run.t0, again - t_kill
   return {'cold_start_s': cold, 'kill_to_first_step_s': restart, 'ratio': restart / cold,
-          'first_step_again_s': back - t_kill, 'seen_s': death - t_kill,
+          'first_step_again_s': back and back - t_kill, 'seen_s': death - t_kill,
           'recovery': report['recovery'], 'programs': report['programs'],
           'supervisor_line': next(line for _, line in run.lines if said(line))
           if recovered else None}
@@ -127,7 +129,7 @@ def _kill_and_time(args, run: Run, cluster) -> dict:
 def _medians(runs: list[dict]) -> dict:
   median = lambda values: statistics.median(values)
   keys = ('cold_start_s', 'kill_to_first_step_s', 'ratio', 'first_step_again_s', 'seen_s')
-  return {**{k: median([r[k] for r in runs]) for k in keys},
+  return {**{k: median([r[k] for r in runs if r[k] is not None] or [0.0]) for k in keys},
           **{p: median([r['recovery'][p] or 0.0 for r in runs]) for p in PHASES}}
 
 
@@ -143,7 +145,7 @@ def main(argv=None) -> dict:
       r = runs[backend][-1]
       print(f'repeat {i + 1} ({backend}): cold {r["cold_start_s"]:.1f} s, restart '
             f'{r["kill_to_first_step_s"]:.1f} s ({r["ratio"]:.2f}x), first step again '
-            f'{r["first_step_again_s"]:.1f} s; {load()}', file=sys.stderr)
+            f'{r["first_step_again_s"]} s; {load()}', file=sys.stderr)
   medians = {b: _medians(rs) for b, rs in runs.items()}
   first = backends[0]
   result = {**info, 'processes': args.processes, 'steps': args.steps, 'kill_at': args.kill_at,
