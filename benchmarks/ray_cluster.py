@@ -51,9 +51,10 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def remove_node(cluster, node_id: str) -> None:
-  """Node `node_id` removed, its snapshot directory (its memory) and its TMPDIR with it."""
+def remove_node(cluster, node_id: str, graceful: bool = True) -> None:
+  """Node `node_id` removed (not `graceful`: its processes SIGKILLed, its raylet says no
+  goodbye), its snapshot directory (its memory) and its TMPDIR with it."""
   [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
-  cluster.remove_node(node)
+  cluster.remove_node(node, allow_graceful=graceful)
   for folders in (cluster.dirs, cluster.tmps):
     shutil.rmtree(folders.pop(node_id), ignore_errors=True)

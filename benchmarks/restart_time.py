@@ -18,8 +18,9 @@ Ray one (`--backend ray`) on a Ray cluster of this machine (benchmarks/ray_clust
 head, one 1-CPU node per host, started for the repeat and not timed); medians per backend.
 `first_step_again_s`: the kill to the `recovered` line of history.jsonl (process 0's first
 step trained again, written by it: no terminal's or Ray's log forwarding in it).
---remove-node (Ray): host 1's node is removed instead of its process killed; `ray_detect_s`:
-the removal to the driver's `death` event (Ray's detection).
+--remove-node [graceful|hard] (Ray): host 1's node is removed instead of its process killed
+(hard: its raylet SIGKILLed, as a machine lost); `seen_s`: the removal's start to the driver's
+`death` event (Ray's detection).
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def _args(argv):
   p.add_argument('--steps', type=int, default=150)
   p.add_argument('--kill-at', type=int, default=40, help='the step after which host 1 dies')
   p.add_argument('--backends', default='local', help='local, ray, or both in turn: local,ray')
-  p.add_argument('--remove-node', action='store_true',
-                 help='ray: remove host 1\'s node instead of killing its process')
+  p.add_argument('--remove-node', nargs='?', const='graceful', choices=('graceful', 'hard'),
+                 help='ray: remove host 1\'s node instead of killing its process (hard: its '
+                      'raylet SIGKILLed, no goodbye to the cluster)')
   return p.parse_intermixed_args(argv)
 
 
@@ -97,7 +99,7 @@ def _kill_and_time(args, run: Run, cluster) -> dict:
     t_kill = time.time()
     if cluster is not None and args.remove_node:
       place = [e for e in run.events() if e['kind'] == 'place'][-1]
-      ray_cluster.remove_node(cluster, place['nodes']['1'])
+      ray_cluster.remove_node(cluster, place['nodes']['1'], args.remove_node == 'graceful')
     else:
       os.kill(run.host_pid(1), signal.SIGKILL)
     # The first step logged after the survivors' job started (none of the old job's lines).
