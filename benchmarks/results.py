@@ -120,21 +120,35 @@ def _recovery(d: dict) -> str:
           f"(cold start {d['cold_start']['first_step_s']:.1f} s)")
 
 
+_FAILURE = {False: 'SIGKILL of host 1', True: "host 1's node removed",
+            'graceful': "host 1's node removed", 'hard': "host 1's node killed (raylet SIGKILLed)"}
+
+
 def _restart_time(d: dict) -> str:
-  m = d['median']
-  phases = ', '.join(f"{k} {m[k + '_s']:.1f}" for k in (
-      'detect', 'stop', 'imports', 'distributed', 'setup', 'restore', 'programs', 'first_step'))
+  """Per backend (local supervisor, Ray driver): the failure to the first step trained again."""
   over = ' '.join(d['overrides']) or 'defaults'
-  return (f"{d['processes']} processes ({over}), SIGKILL after step {d['kill_at']} "
-          f"({_restart_case(d)}), medians of {d['repeats']}: SIGKILL to the first "
-          f"step trained again {m['kill_to_first_step_s']:.1f} s, cold start "
-          f"{m['cold_start_s']:.1f} s, ratio {m['ratio']:.2f}; phases (s): {phases}")
+  failure = _FAILURE[d.get('remove_node', False)]
+  runs = d.get('by_backend') or {'local': {'median': d['median'], 'runs': d['runs']}}
+  return (f"{d['processes']} processes ({over}), {failure} after step {d['kill_at']}, medians "
+          f"of {d['repeats']}: " + '; '.join(
+              (f'{backend}: ' if 'by_backend' in d else '') + _restart_figures(r['median'], r['runs'])
+              for backend, r in runs.items()))
 
 
-def _restart_case(d: dict) -> str:
+def _restart_figures(m: dict, runs: list[dict]) -> str:
+  phases = ', '.join(f"{k} {m[k + '_s']:.1f}" for k in (
+      'detect', 'stop', 'spawn', 'imports', 'distributed', 'setup', 'restore', 'programs',
+      'first_step'))
+  seen = f"seen in {m['seen_s']:.1f} s, " if 'seen_s' in m else ''
+  return (f"{seen}to the first step trained again {m['kill_to_first_step_s']:.1f} s, cold start "
+          f"{m['cold_start_s']:.1f} s, ratio {m['ratio']:.2f} ({_restart_case(runs)}); "
+          f"phases (s): {phases}")
+
+
+def _restart_case(runs: list[dict]) -> str:
   """Which case a restart is: whether the dead job's background builds had stored the survivors'
   programs (loaded) or the survivors compiled them (a death in a job's first steps)."""
-  median = lambda key: statistics.median(r['programs'][key] for r in d['runs'])
+  median = lambda key: statistics.median(r['programs'][key] for r in runs)
   return (f"the survivors' job loaded {median('loaded'):g} programs from the store and compiled "
           f"{median('compiled'):g}")
 

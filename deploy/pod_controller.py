@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's
 
 from mecefo_jax.config import DEFAULT_OUT, ConfigError  # noqa: E402
 from mecefo_jax.launch import serve  # noqa: E402
-from mecefo_jax.supervisor import Supervisor, _exit_text  # noqa: E402
+from mecefo_jax.job_rules import exit_text  # noqa: E402
+from mecefo_jax.supervisor import Supervisor  # noqa: E402
 from mecefo_jax.run import cli  # noqa: E402
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT  # noqa: E402
 from mecefo_jax.run.stop import STOP_FILE  # noqa: E402
@@ -265,7 +266,7 @@ class PodController(Supervisor):
     self.clock.failure('death', host, self.clock.since_last_look())
     # Whichever process was seen first (the coordination service may end the survivors before
     # a lost host's ssh notices), every host is probed: only the probe decides who goes on.
-    self.say('death', f'host {host}\'s process ended ({_exit_text(code)}): stopping the others, '
+    self.say('death', f'host {host}\'s process ended ({exit_text(code)}): stopping the others, '
                       'asking every host whether it is usable', host=host, code=code)
     self.kill_all()  # they would wait in the next collective for the dead one
     self.clock.stopped()

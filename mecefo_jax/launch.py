@@ -11,7 +11,8 @@ over by faults.takeover (docs/tpu.md). With --rejoin-after S, a replacement for 
 ready S seconds after the death (standing in for the repair); the job is then stopped at an
 agreed step (SIGTERM) and restarted with it. A job whose processes stop making progress (their
 progress marks, mecefo_jax/watch.py) is stopped as after the death of the one that stopped
-first (--stall-s). Exit code: the job's.
+first (--stall-s). With --backend ray the processes run on the nodes of a running Ray cluster,
+one host per node, under the same rules (mecefo_jax/ray_driver.py). Exit code: the job's.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import signal
 import sys
 from pathlib import Path
 
-from mecefo_jax.config import DEFAULT_OUT
+from mecefo_jax.config import DEFAULT_OUT, ConfigError
 from mecefo_jax.run import dir_lock, hints, saved
 from mecefo_jax.run.cli import OneLineParser, at_least
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
@@ -57,6 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='the processes stop the job (snapshotted) once this supervisor has been '
                       'stopped (SIGSTOP, Ctrl-Z) this long; it restarts the job when it runs again '
                       f'(default {STOPPED_S:g})')
+  p.add_argument('--backend', choices=('local', 'ray'), default='local',
+                 help='where the processes run: this machine, or the nodes of a running Ray '
+                      'cluster, one host per node (pip install "mecefo-jax[ray]")')
+  p.add_argument('--address', default=None,
+                 help='--backend ray: the cluster (default: $RAY_ADDRESS, else the local one)')
+  p.add_argument('--ray-resources', type=_resources, default={'CPU': 1.0}, metavar='NAME=N,...',
+                 help='--backend ray: what each host holds on its node (default CPU=1; e.g. '
+                      'TPU=4,CPU=8); --gpus adds GPU=K')
   p.add_argument('--log-dir', default=None,
                  help='output of the processes other than process 0 (whose output is shown): '
                       'host<h>.log files (default: <--out>/logs, or runs/launch_logs)')
@@ -72,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.num_processes < 2 or args.devices_per_process < 1:
     p.error('need -n >= 2 (a lone process has no peer to hold its snapshot parity) and '
             '--devices-per-process >= 1')
-  if args.gpus:
+  if args.gpus and args.backend == 'local':  # on Ray, the nodes' GPUs
     _check_gpus(p, args.num_processes * args.devices_per_process)
   own = [a for a in args.train_args if a.split('=')[0] in _OWN_FLAGS]
   if own:
@@ -92,6 +101,15 @@ def _check_gpus(p, needed: int) -> None:
   if found < needed:
     p.error(f'--gpus: the job needs {needed} GPU(s) (-n x --devices-per-process) and this machine '
             f'shows {found} (/dev/nvidiaN); leave --gpus out to run on CPU devices')
+
+
+def _resources(text: str) -> dict[str, float]:
+  """'TPU=4,CPU=8' -> {'TPU': 4.0, 'CPU': 8.0}."""
+  try:
+    pairs = [item.split('=') for item in text.split(',') if item]
+    return {name.strip(): float(n) for name, n in pairs}
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'expected NAME=N,... (e.g. CPU=1,TPU=4), got {text!r}')
 
 
 def _train_out(train_args: list[str]) -> Path | None:
@@ -142,7 +160,22 @@ def main(argv=None) -> int:
     print(f'error: {dir_lock.in_use_message(args.out, holder)}', file=sys.stderr)
     return BAD_INPUT
   os.environ[hints.LAUNCH_COMMAND_ENV] = args.command  # the processes' hints: rerun it as typed
-  return serve(Supervisor(args))
+  try:
+    sup = Supervisor(args) if args.backend == 'local' else _ray_driver(args)
+  except ConfigError as err:  # a cluster that cannot run the job: one line
+    print(f'error: {err}', file=sys.stderr)
+    return BAD_INPUT
+  return serve(sup)
+
+
+def _ray_driver(args) -> Supervisor:
+  """The Ray transport's supervisor, connected to the cluster (ConfigError: it cannot run)."""
+  try:
+    from mecefo_jax import ray_driver
+  except ImportError as err:
+    raise ConfigError(f'--backend ray needs Ray ({err}): pip install "mecefo-jax[ray]"') from None
+  ray_driver.connect(args.address)
+  return ray_driver.RayDriver(args)
 
 
 if __name__ == '__main__':

@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 
 from mecefo_jax import files
-from mecefo_jax.config import ConfigError
+from mecefo_jax.job_rules import (dead, error_lines, exit_text, failed_in_start_up, resuming,
+                                  starts)
 from mecefo_jax.progress_marks import MARKS_ENV
 from mecefo_jax.run import recovery_time, rundir
-from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
+from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, PEER_LOST, STOPPED
 from mecefo_jax.run.hints import LAUNCH_ENV
 from mecefo_jax.run.stop import STOP_FILE
 from mecefo_jax.run.supervised import SUPERVISOR_ENV, handed_down
@@ -28,21 +29,13 @@ _POLL_S, _GRACE_S = 0.1, 60.0
 # A survivor that lost a peer (PEER_LOST) is no death: the dead process shows within this
 # long (a remote one once its transport notices), else the whole job restarts.
 _PEER_WAIT_S = 45.0
-_SURVIVOR_EXITS = (STOPPED, PEER_LOST)  # a process's exits that are not its death
 
 
-def free_port() -> int:
-  """A TCP port free on this machine now (for a local job's coordinator)."""
+def free_port(address: str = '127.0.0.1') -> int:
+  """A TCP port free on this machine's `address` now (a job's coordinator; '': every one)."""
   with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
+    s.bind((address, 0))
     return s.getsockname()[1]
-
-
-def _exit_text(code: int) -> str:
-  if code < 0:
-    return f'killed by {signal.Signals(-code).name}'
-  names = {**JOB_EXITS, PEER_LOST: 'lost a peer'}
-  return f'exit {code}' + (f' ({names[code]})' if code in names else '')
 
 
 class Supervisor:
@@ -100,6 +93,7 @@ class Supervisor:
     return (self.args.out / rundir.RUN_STATE).exists()
 
   def start(self) -> None:
+    self.clock.spawning()  # a transport's start of its hosts (Ray: their actors) included
     port, n = self._port(), len(self.hosts)
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since = {}, False, None
@@ -107,18 +101,9 @@ class Supervisor:
     self._clear_stop_request()
     self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
                       for h in self.hosts}
-    self.starts = self._starts()
-    self.clock.spawning()
+    self.starts = starts(self.args.out)
     for pid, host in enumerate(self.hosts):
-      cmd, env = self.command(pid, host, n, port)
-      # Every process logs the same events: process 0 speaks for the job, the others to files.
-      out = None if pid == 0 else open(self._log(host), 'ab')
-      env = {**env, SUPERVISOR_ENV: handed_down(self.watched_fd, os.getpid(),
-                                                self.args.stopped_s)}
-      self.procs[host] = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.watched_fd,),
-                                          stderr=subprocess.STDOUT if out else None)
-      if out:
-        out.close()  # the child holds it
+      self.procs[host] = self.spawn(pid, host, n, port)
     pids = {h: p.pid for h, p in self.procs.items()}
     if self.watch:
       self.watch.start(pids)
@@ -127,25 +112,31 @@ class Supervisor:
              hosts=self.hosts, pids=pids, **self.clock.spawned())
 
   def _resuming(self) -> bool:
-    """Whether the job started resumes the run: a restart, --resume, or an unfinished run in
-    --out (train.py resumes it on its own)."""
-    args = self._train_args()
-    if '--resume' in args or '--fresh' in args:
-      return '--resume' in args
-    try:
-      return rundir.unfinished(self.args.out)
-    except ConfigError:  # a damaged run_state.json: train.py says so in its own line
-      return False
+    """Whether the job started resumes the run (a restart, --resume, an unfinished run)."""
+    return resuming(self._train_args(), self.args.out)
 
   def _log(self, host: int) -> Path:
     return self.args.log_dir / f'host{host}.log'
 
-  def _starts(self) -> int:
-    """The starts the run's history.jsonl records (a job writes one once it trains)."""
-    history = rundir.read_history(self.args.out) if self.args.out.is_dir() else []
-    return sum(e['kind'] == 'start' for e in history)
+  # The transport: the hooks a driver of processes elsewhere replaces (deploy/pod_controller.py,
+  # ray_driver.py); the rules above and below are the same for all.
+  def spawn(self, pid: int, host: int, n: int, port: int):
+    """Starts process `pid` (logical host `host`) of an n-process job; its handle: a Popen, or
+    what answers as one (pid, returncode, poll, wait, send_signal, kill)."""
+    cmd, env = self.command(pid, host, n, port)
+    # Every process logs the same events: process 0 speaks for the job, the others to files.
+    out = None if pid == 0 else open(self._log(host), 'ab')
+    env = {**env, SUPERVISOR_ENV: handed_down(self.watched_fd, os.getpid(), self.args.stopped_s)}
+    proc = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.watched_fd,),
+                            stderr=subprocess.STDOUT if out else None)
+    if out:
+      out.close()  # the child holds it
+    return proc
 
-  # The hooks a controller of remote hosts replaces (deploy/pod_controller.py).
+  def kill_first(self, host: int) -> None:
+    """Kills the stalled process of `host` (and what it started) before the others."""
+    kill_group(self.procs[host])
+
   def _port(self) -> int:
     return free_port()
 
@@ -172,7 +163,11 @@ class Supervisor:
 
   def _ready(self) -> list[int]:
     """The dead hosts whose replacement is ready now."""
-    return sorted(h for h, t in self.ready_at.items() if time.monotonic() >= t)
+    return sorted(h for h, t in self._coming().items() if time.monotonic() >= t)
+
+  def _coming(self) -> dict[int, float]:
+    """{dead host: when its replacement is ready}, of those whose replacement is coming."""
+    return self.ready_at
 
   def kill_all(self) -> None:
     for p in self.procs.values():
@@ -216,10 +211,9 @@ class Supervisor:
     failed = self._failed_start(exited)
     if failed is not None:
       return self._start_failed(failed, exited[failed])
-    dead = [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and
-            c not in _SURVIVOR_EXITS]
-    if dead:
-      return self._death(dead[0], exited[dead[0]])
+    died = dead(exited)
+    if died:
+      return self._death(died[0], exited[died[0]])
     if PEER_LOST in exited.values():
       return self._lost_peer(exited)
     if exited and len(exited) == len(codes):
@@ -243,27 +237,18 @@ class Supervisor:
     directory being here) with an error of its own before the job trained (no new start in
     history.jsonl) and no process was killed (a death: restarted). A restart would fail alike:
     the job ends. Host 0 first (its lines are on the terminal)."""
-    if any(c < 0 for c in exited.values()):
-      return None
-    local = self.args.out.is_dir()
-    failed = sorted((h for h, c in exited.items() if c == BAD_INPUT or local and c > 0 and
-                     c not in JOB_EXITS and c not in _SURVIVOR_EXITS),
-                    key=lambda h: h != self.hosts[0])
-    if not failed or (exited[failed[0]] != BAD_INPUT and self._starts() > self.starts):
+    failed = failed_in_start_up(exited, self.hosts[0], self.args.out.is_dir())
+    if not failed or (exited[failed[0]] != BAD_INPUT and starts(self.args.out) > self.starts):
       return None
     return failed[0]
 
   def _start_failed(self, host: int, code: int) -> int:
     """Shows that host's `error:` lines (host 0's are on the terminal already), stops the job."""
     if host != self.hosts[0]:
-      with open(self._log(host), 'rb') as f:
-        f.seek(self.log_sizes.get(host, 0))
-        lines = f.read().decode(errors='replace').splitlines()
-      shown = [line for line in lines if line.startswith('error:')] or lines[-1:]
-      for line in shown:
+      for line in error_lines(self._log(host), self.log_sizes.get(host, 0)):
         print(line, file=sys.stderr, flush=True)
     self.kill_all()
-    self.say('end', f'host {host} failed in start-up ({_exit_text(code)}; its output: '
+    self.say('end', f'host {host} failed in start-up ({exit_text(code)}; its output: '
                     f'{self._log(host) if host != self.hosts[0] else "above"}): the job is '
                     f'stopped', code=code, host=host)
     return code
@@ -289,7 +274,7 @@ class Supervisor:
       return None
     if self.interrupted:
       code = max(exited.values(), key=abs) or 0
-      self.say('end', f'job stopped by {self.interrupted} ({_exit_text(code)}) after '
+      self.say('end', f'job stopped by {self.interrupted} ({exit_text(code)}) after '
                       f'{self.deaths} death(s){self._stalls()}, {self.rejoins} rejoin(s), '
                       f'{self.restarts} restart(s); resume it with the same command', code=code)
       return code
@@ -307,7 +292,7 @@ class Supervisor:
     self.deaths += 1
     # A failure seen at this look: the restart is timed from here (a stall alike).
     self.clock.failure('death', host, self.clock.since_last_look())
-    self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({_exit_text(code)}): '
+    self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({exit_text(code)}): '
                       f'stopping the survivors {[h for h in self.hosts if h != host]}',
              host=host, code=code)
     return self._without(host)
@@ -324,7 +309,7 @@ class Supervisor:
       self.kill_all()
       self.clock.stopped()
       return self._restart()
-    kill_group(self.procs[stall.host])  # before the others: none may see it leave first
+    self.kill_first(stall.host)  # before the others: none may see it leave first
     return self._without(stall.host)
 
   def _stalls(self) -> str:
@@ -342,12 +327,13 @@ class Supervisor:
     if self.args.rejoin_after is not None:
       self.ready_at[host] = time.monotonic() + self.args.rejoin_after
     while len(self.hosts) < 2:
-      if not self.ready_at:
+      coming = self._coming()
+      if not coming:
         self.say('give-up', f'{len(self.hosts)} host left and no replacement coming '
                             '(--rejoin-after): the run stops here; resume it with the same '
                             'command once hosts are back')
         return ALL_DOWN
-      host, at = min(self.ready_at.items(), key=lambda kv: kv[1])
+      host, at = min(coming.items(), key=lambda kv: kv[1])
       self.say('wait', f'{len(self.hosts)} host left: waiting {max(0, at - time.monotonic()):.0f}'
                        f' s for the replacement of host {host}')
       time.sleep(max(0.0, at - time.monotonic()))
@@ -410,7 +396,7 @@ class Supervisor:
   def _finished(self, exited: dict) -> int:
     code = next((c for c in exited.values() if c != 0), 0)
     what = 'stopped' if code == STOPPED else 'ended'  # a stop (--stop-after) is resumable
-    self.say('end', f'job {what} ({_exit_text(code)}) after {self.deaths} death(s)'
+    self.say('end', f'job {what} ({exit_text(code)}) after {self.deaths} death(s)'
                     f'{self._stalls()}, {self.rejoins} rejoin(s), {self.restarts} restart(s); '
                     f'the failure history is '
                     f'failures.txt in the run directory' + (

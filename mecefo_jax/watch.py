@@ -125,12 +125,32 @@ def allowance(key: str, measured: dict[str, float], step_s: float | None,
           (PHASE_FIRST_S, 'first'))
 
 
+class LocalMarks:
+  """Where the watch reads a job's marks and process states: files and /proc on this machine.
+  A driver of processes elsewhere hands the watch what its processes report instead
+  (ray_driver.py)."""
+
+  def __init__(self, directory: Path):
+    self.directory = Path(directory)
+
+  def mark(self, host: int, pid: int) -> dict | None:
+    return read_mark(mark_path(self.directory, host))
+
+  def state(self, host: int, pid: int) -> str | None:
+    return process_state(pid)
+
+  def cpu_seconds(self, host: int, pid: int) -> float | None:
+    return cpu_seconds(pid)
+
+
 class StallWatch:
   """The marks of the job's processes, looked at each poll; `look()` says when it stalled.
-  What it measured carries over to the next job of the same supervisor (a restart)."""
+  What it measured carries over to the next job of the same supervisor (a restart).
+  `reader`: where marks and states come from (LocalMarks of `directory` by default)."""
 
-  def __init__(self, directory: Path, stall_s: float | None = None):
+  def __init__(self, directory: Path, stall_s: float | None = None, reader=None):
     self.directory, self.stall_s = Path(directory), stall_s
+    self.reader = reader or LocalMarks(self.directory)
     self.measured: dict[str, float] = {}  # phase key -> the longest seen, over the job's starts
     self.pids: dict[int, int] = {}
     self.marks: dict[int, dict] = {}
@@ -150,13 +170,13 @@ class StallWatch:
     # The first window ends a window after the job's start, not after the first look (late on
     # a loaded machine).
     self._cpu = {host: (self.changed_at, used) for host, pid in self.pids.items()
-                 if (used := cpu_seconds(pid)) is not None}
+                 if (used := self.reader.cpu_seconds(host, pid)) is not None}
 
   def look(self, now: float | None = None) -> Stall | None:
     """Reads the marks; a Stall once none changed for longer than the deadline."""
     now = time.monotonic() if now is None else now
     for host, pid in self.pids.items():
-      mark = read_mark(mark_path(self.directory, host))
+      mark = self.reader.mark(host, pid)
       if mark is None or mark.get('pid') != pid:
         continue  # none yet, half-written, or an earlier process's
       if mark != self.marks.get(host):
@@ -186,7 +206,7 @@ class StallWatch:
       if (mark['phase'] if mark else 'starting') not in WORKING:
         self._cpu.pop(host, None)
         continue
-      used = cpu_seconds(pid)
+      used = self.reader.cpu_seconds(host, pid)
       then, before = self._cpu.get(host, (None, None))
       if used is None or then is not None and now - then < window_s:
         continue
@@ -214,7 +234,7 @@ class StallWatch:
     stopped process (SIGSTOP) first, else the one alone behind the others (the lowest step
     dispatched, then the fewest marks since: it never reached the wait the others are in)."""
     stopped = tuple(h for h, pid in self.pids.items()
-                    if process_state(pid) in _STOPPED_STATES)
+                    if self.reader.state(h, pid) in _STOPPED_STATES)
     at = {h: self._position(self.marks.get(h)) for h in self.pids}
     if stopped:
       first = min(stopped, key=lambda h: at[h])

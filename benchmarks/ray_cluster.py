@@ -1,0 +1,60 @@
+"""A Ray cluster of this machine for mecefo-launch --backend ray (tests/test_ray.py, the restart
+benchmark): a 0-CPU head and one 1-CPU node per host, each node with a snapshot directory of its
+own (all raylets share this machine's /dev/shm otherwise, and a removed node's part would
+survive it), small object stores, and every file of Ray's in a short temporary directory
+(Unix socket paths)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from mecefo_jax.ray_host import NODE_SNAPSHOT_DIR_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+_SMALL = dict(object_store_memory=80 << 20, include_dashboard=False)
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
+  """The cluster (ray.cluster_utils.Cluster) with `dirs` and `tmps` {node id: its snapshot
+  directory, its TMPDIR; under `root`: a node's own, as a machine's} and `temp` (Ray's files;
+  removed after, with RAY_TMPDIR restored); `env`: more of the nodes' environment."""
+  from ray.cluster_utils import Cluster
+  temp = Path(tempfile.mkdtemp(prefix='ray', dir='/tmp'))
+  before = os.environ.get('RAY_TMPDIR')
+  os.environ['RAY_TMPDIR'] = str(temp)  # the address file and the sessions, ours alone
+  (temp / 'ray').mkdir()  # where Ray writes the address file
+  cluster = None
+  try:
+    cluster = Cluster(initialize_head=True,
+                      head_node_args=dict(num_cpus=0, temp_dir=str(temp), **_SMALL))
+    cluster.temp, cluster.dirs, cluster.tmps = temp, {}, {}
+    for i in range(nodes):
+      shm, tmp = Path(root) / f'node{i}-shm', Path(root) / f'node{i}-tmp'
+      shm.mkdir(parents=True)
+      tmp.mkdir()
+      node = cluster.add_node(num_cpus=1, env_vars={
+          NODE_SNAPSHOT_DIR_ENV: str(shm), 'TMPDIR': str(tmp), 'PYTHONPATH': str(REPO),
+          **(env or {})}, **_SMALL)
+      cluster.dirs[node.node_id], cluster.tmps[node.node_id] = shm, tmp
+    yield cluster
+  finally:
+    if cluster is not None:
+      cluster.shutdown()
+    if before is None:
+      os.environ.pop('RAY_TMPDIR', None)
+    else:
+      os.environ['RAY_TMPDIR'] = before
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def remove_node(cluster, node_id: str, graceful: bool = True) -> None:
+  """Node `node_id` removed (not `graceful`: its processes SIGKILLed, its raylet says no
+  goodbye), its snapshot directory (its memory) and its TMPDIR with it."""
+  [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
+  cluster.remove_node(node, allow_graceful=graceful)
+  for folders in (cluster.dirs, cluster.tmps):
+    shutil.rmtree(folders.pop(node_id), ignore_errors=True)

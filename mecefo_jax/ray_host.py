@@ -1,0 +1,122 @@
+"""One host of a job that Ray runs (ray_driver.py): the actor on the host's node that runs the
+trainer as its child, answers for it (exit code, progress mark, process state) and stops the
+job at an agreed step once the driver's lease runs out.
+
+The trainer runs in a session of its own and dies with the actor's process (PR_SET_PDEATHSIG:
+the actor killed, or its node gone). It watches the actor as a local process watches its
+supervisor (run/supervised.py: the read end of a pipe whose write end the actor holds). The
+actor is detached, so a driver that dies or is stopped does not kill the job at once: each of
+the driver's looks renews a lease; past it the actor closes the pipe, every trainer of the job
+asks for a stop after its next step (snapshotted, resumable), and the actor then leaves.
+Needs Ray only where ray_driver.py makes it an actor; Linux (prctl, /proc).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from mecefo_jax.progress_marks import MARKS_ENV, mark_path, read_mark
+from mecefo_jax.run.supervised import SUPERVISOR_ENV, cpu_seconds, handed_down, process_state
+from mecefo_jax.supervisor import free_port
+
+# A node's own in-memory snapshot directory, in its raylet's environment (a node without one
+# uses the trainer's default, the machine's /dev/shm: each machine has its own).
+NODE_SNAPSHOT_DIR_ENV = 'MECEFO_NODE_SNAPSHOT_DIR'
+GRACE_S = 60.0  # a stop at an agreed step, after the lease ran out, before the trainer is killed
+# The child sets PR_SET_PDEATHSIG (1) to SIGKILL, checks that its parent is still the actor
+# (it may have died before the prctl), then becomes the trainer: no preexec_fn in a process
+# with Ray's threads.
+_DIE_WITH_PARENT = ('import ctypes, os, sys\n'
+                    'ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n'
+                    'if os.getppid() != int(sys.argv[1]): os._exit(137)\n'
+                    'os.execv(sys.argv[2], sys.argv[2:])')
+
+
+class Host:
+  """The actor of logical host `host` in one job (ray_driver.py makes it remote)."""
+
+  def __init__(self, host: int, lease_s: float):
+    self.host, self.lease_s = host, lease_s
+    self.child: subprocess.Popen | None = None
+    self.renewed = time.monotonic()
+    self.read_fd, self.write_fd = os.pipe()
+    self.marks = Path(tempfile.mkdtemp(prefix='mecefo-marks-'))  # on this node
+    threading.Thread(target=self._lease, daemon=True, name='mecefo-lease').start()
+
+  def where(self) -> tuple[str, int]:
+    """(This node's address, a TCP port free on it now): the coordinator of the job, asked of
+    its process 0's actor."""
+    import ray
+    return ray.util.get_node_ip_address(), free_port('')
+
+  def start(self, args: list[str], env: dict[str, str], log: str | None,
+            stopped_s: float) -> int:
+    """Starts `python -m mecefo_jax ARGS` (this node's Python) with the job's `env` over the
+    node's; output to `log` (None: this actor's, which Ray shows the driver). Its pid."""
+    node_dir = os.environ.get(NODE_SNAPSHOT_DIR_ENV)
+    args = [*args, f'snapshot.dir={node_dir}'] if node_dir else list(args)
+    env = {**os.environ, **env, MARKS_ENV: str(self.marks),
+           SUPERVISOR_ENV: handed_down(self.read_fd, os.getpid(), stopped_s)}
+    out = None
+    if log:
+      Path(log).parent.mkdir(parents=True, exist_ok=True)
+      out = open(log, 'ab')
+    cmd = [sys.executable, '-S', '-c', _DIE_WITH_PARENT, str(os.getpid()), sys.executable,
+           '-m', 'mecefo_jax', *args]
+    self.child = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.read_fd,),
+                                  stderr=subprocess.STDOUT if out else None,
+                                  start_new_session=True)
+    if out:
+      out.close()  # the child holds it
+    return self.child.pid
+
+  def look(self) -> dict:
+    """The trainer now: exit code (None while it runs), mark, state, CPU seconds; renews the
+    driver's lease."""
+    self.renewed = time.monotonic()
+    pid = self.child.pid
+    return {'code': self.child.poll(), 'mark': read_mark(mark_path(self.marks, self.host)),
+            'state': process_state(pid), 'cpu': cpu_seconds(pid)}
+
+  def signal(self, signum: int) -> None:
+    if self.child.poll() is None:
+      self.child.send_signal(signum)
+
+  def kill(self) -> int:
+    """SIGKILL to the trainer's process group (a stopped one too); its exit code."""
+    if self.child.poll() is None:
+      try:
+        os.killpg(self.child.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    return self.child.wait()
+
+  def wait(self) -> int:
+    return self.child.wait()
+
+  def close(self) -> None:
+    """The trainer killed if it runs, its mark removed: the actor may go."""
+    if self.child is not None:
+      self.kill()
+    shutil.rmtree(self.marks, ignore_errors=True)
+
+  def _lease(self) -> None:
+    """Once no look renewed the lease for lease_s (the driver is gone or stopped): the job stops
+    at an agreed step (the pipe's end), the trainer is killed past GRACE_S, the actor leaves."""
+    while time.monotonic() - self.renewed <= self.lease_s:
+      time.sleep(min(1.0, self.lease_s / 4))
+    os.close(self.write_fd)
+    if self.child is not None:
+      try:
+        self.child.wait(GRACE_S)
+      except subprocess.TimeoutExpired:
+        pass
+    self.close()
+    os._exit(0)

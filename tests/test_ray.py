@@ -1,0 +1,181 @@
+"""The supervisor's Ray transport (mecefo-launch --backend ray) on a real Ray cluster of this
+machine (ray.cluster_utils: a 0-CPU head and one 1-CPU node per host, each node with a
+snapshot directory of its own): a trainer SIGKILLed, a node removed, a trainer SIGSTOPped; the
+run equals the one-process replay of its failures.txt, and nothing is left after it."""
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.ray_cluster import local_cluster, remove_node
+from deploy import pod_controller as pc
+from mecefo_jax import job_rules, launch, ray_driver
+from mecefo_jax.run import cli
+from mecefo_jax.run.exits import BAD_INPUT, PEER_LOST, STOPPED
+from mecefo_jax.run.supervised import process_state
+from mecefo_jax.supervisor import free_port
+from procs import ROOT, TINY, error_lines, report, wait_for
+
+STEPS = 60
+# ordered_reduce: the params bit-identical to the one-process replay (docs/multiprocess.md).
+ARGS = ['mesh.slice=3', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', *TINY, f'train.steps={STEPS}', 'train.log_every=1', 'snapshot.every=1',
+        'train.eval_every=0', 'train.plot=false']
+
+
+def _events(path: Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _rows(run: Path) -> int:
+  path = run / 'metrics.jsonl'
+  return path.read_text().count('"step"') if path.exists() else 0
+
+
+def _last(events: Path, kind: str) -> dict | None:
+  return next((e for e in reversed(_events(events)) if e['kind'] == kind), None)
+
+
+def _gone(pid: int) -> bool:
+  return process_state(pid) in (None, 'Z')
+
+
+def test_a_lost_actor_is_a_death_and_a_survivors_exit_is_not():
+  # An actor Ray declares dead reads as its trainer killed (ray_driver.RayProcess).
+  assert job_rules.dead({0: -signal.SIGKILL, 1: PEER_LOST, 2: STOPPED, 3: 0, 4: 1}) == [0, 4]
+  assert job_rules.exit_text(-signal.SIGKILL) == 'killed by SIGKILL'
+
+
+def test_a_host_needs_a_node_with_its_resources_and_gpus_add_their_own():
+  args = launch.parse_args(['-n', '2', '--backend', 'ray', '--gpus', '--devices-per-process', '4',
+                            '--ray-resources', 'CPU=8,TPU=0', '--', '--out', 'r'])
+  assert ray_driver.host_resources(args) == {'CPU': 8.0, 'TPU': 0.0, 'GPU': 4.0}
+  assert launch.parse_args(['-n', '2']).ray_resources == {'CPU': 1.0}
+
+
+def test_the_kuberay_recipe_runs_the_driver_with_flags_it_accepts():
+  """deploy/kuberay-tpu.yaml (not run on a pod): its entrypoint passes mecefo-launch's parser
+  and train.py's config; one job host per worker pod, whose chips hold one MeCeFO slice."""
+  manifest = yaml.safe_load((ROOT / 'deploy' / 'kuberay-tpu.yaml').read_text())
+  assert manifest['kind'] == 'RayJob' and manifest['apiVersion'].startswith('ray.io/')
+  command = shlex.split(manifest['spec']['entrypoint'])
+  assert command[0] == 'mecefo-launch', command  # the package's console script
+  args = launch.parse_args(command[1:])
+  [group] = manifest['spec']['rayClusterSpec']['workerGroupSpecs']
+  assert args.backend == 'ray' and group['numOfHosts'] == 1
+  assert group['replicas'] == group['minReplicas'] == args.num_processes
+  [container] = group['template']['spec']['containers']
+  chips = int(container['resources']['limits']['google.com/tpu'])
+  cfg = cli.new_config(pc.check_train_args(args.train_args))  # exits if refused
+  assert cfg.mesh.fsdp * cfg.mesh.tensor == chips == args.devices_per_process
+  assert args.ray_resources == {'TPU': float(chips)}
+  assert cfg.snapshot.durable_dir.startswith('gs://') and cfg.snapshot.durable_every > 0
+
+
+def test_no_ray_cluster_is_one_line(tmp_path, capsys, monkeypatch):
+  monkeypatch.delenv('RAY_ADDRESS', raising=False)
+  address = f'127.0.0.1:{free_port()}'  # nothing listens there
+  code = launch.main(['--backend', 'ray', '--address', address, '-n', '2', '--', '--out',
+                      str(tmp_path / 'run')])
+  [line] = error_lines(capsys.readouterr().err)
+  assert code == BAD_INPUT and line.startswith(f"error: --backend ray: no Ray cluster at "
+                                               f"'{address}' ("), line
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+  default = set(Path('/tmp/ray').glob('session_*'))  # Ray's own place: nothing of ours there
+  with local_cluster(3, tmp_path) as c:
+    yield c
+  assert not c.temp.exists() and set(Path('/tmp/ray').glob('session_*')) == default
+
+
+def test_ray_runs_the_job_through_a_kill_a_lost_node_and_a_stall(launcher, tmp_path, cluster):
+  # A cluster that cannot run the job: one line.
+  refused = launcher.run([sys.executable, '-m', 'mecefo_jax.launch', '--backend', 'ray',
+                          '--address', cluster.address, '-n', '4', '--', '--out', tmp_path / 'x',
+                          *ARGS], timeout=120)
+  [line] = error_lines(refused.stderr)
+  assert refused.returncode == BAD_INPUT and line.startswith(
+      "error: --backend ray: the cluster has 3 node(s) with the resources of a host "
+      "({'CPU': 1.0}) among 4 alive; -n 4 needs 4"), refused.stderr[-3000:]
+
+  run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
+  out = open(tmp_path / 'driver.log', 'wb')
+  driver = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '--backend', 'ray',
+                           '--address', cluster.address, '-n', '3', '--rejoin-after', '0',
+                           '--stall-s', '10', '--events', events, '--', '--out', run, *ARGS],
+                          stdout=out, stderr=subprocess.STDOUT)
+  out.close()
+
+  def trained_again(after: int) -> None:
+    """Waits for a job started after event `after` to train a step."""
+    def done():
+      started = [e for e in _events(events)[after:] if e['kind'] == 'start']
+      return started and _rows(run) > rows_at[0]
+    rows_at = [_rows(run)]
+    wait_for(done, 180, 'the job to train again', driver)
+
+  wait_for(lambda: _rows(run) >= 3, 240, 'three trained steps', driver)
+  # 1. A trainer SIGKILLed: the survivors go on; its host (its node alive) rejoins at once.
+  os.kill(_last(events, 'start')['pids']['1'], signal.SIGKILL)
+  wait_for(lambda: _last(events, 'rejoin'), 180, 'host 1 to rejoin', driver)
+  trained_again(len(_events(events)) - 1)
+  # 2. Host 2's node removed (its snapshot memory with it): the job goes on without it.
+  seen = len(_events(events))
+  node_id = _last(events, 'place')['nodes']['2']
+  removed = cluster.dirs[node_id]
+  remove_node(cluster, node_id)
+  trained_again(seen)
+  # 3. A trainer SIGSTOPped: named, killed, and the job restarts without that process.
+  seen = len(_events(events))
+  stopped = _last(events, 'start')['pids']['1']
+  os.kill(stopped, signal.SIGSTOP)
+  try:
+    wait_for(lambda: driver.poll() is not None, 240, 'the run to end')
+  finally:
+    if not _gone(stopped):
+      os.kill(stopped, signal.SIGKILL)
+  log = (tmp_path / 'driver.log').read_text(errors='replace')
+  assert driver.returncode == 0, log[-5000:]
+  kinds = [e['kind'] for e in _events(events) if e['kind'] not in ('place', 'actor-lost')]
+  assert kinds == ['start', 'death', 'start', 'rejoin-ready', 'rejoin', 'start', 'death',
+                   'start', 'stall', 'wait', 'start', 'end'], kinds
+  lost = [e for e in _events(events) if e['kind'] == 'actor-lost']
+  assert [e['host'] for e in lost] == [2], lost
+  deaths = [e for e in _events(events) if e['kind'] == 'death']
+  assert [d['host'] for d in deaths] == [1, 2] and deaths[0]['code'] == -signal.SIGKILL
+  [stall] = [e for e in _events(events)[seen:] if e['kind'] == 'stall']
+  assert stall['host'] == 1 and stall['stopped'] == [1], stall
+  assert _gone(stopped)
+  assert 'host 1 stopped first' in log and 'its process is stopped (SIGSTOP)' in log
+
+  result = report(run)
+  assert result['steps'] == STEPS and result['samples']['dropped'] == 0, result['samples']
+  assert result['recovery']['cause'] == 'stall' and result['recovery']['host'] == 1
+  # The one-process replay of failures.txt, as printed there.
+  line = (run / 'failures.txt').read_text().splitlines()[0]
+  replay_cmd = re.fullmatch(r'# replay: `(python -m mecefo_jax [^`]*)`', line).group(1)
+  replay = launcher.run([sys.executable, *shlex.split(replay_cmd)[1:]], timeout=600,
+                        cwd=tmp_path, env={**launcher.env(), 'PYTHONPATH': str(ROOT)})
+  assert replay.returncode == 0, replay.stderr[-3000:]
+  assert result['params_sha256'] == report(run / 'replay')['params_sha256']
+  assert result['samples'] == report(run / 'replay')['samples']
+
+  # Nothing left: no trainer, no actor's mark, no snapshot part on a node, no raylet.
+  pids = [p for e in _events(events) if e['kind'] == 'start' for p in e['pids'].values()]
+  assert all(_gone(p) for p in pids if p > 0)
+  assert not [p for d in cluster.dirs.values() for p in d.rglob('*') if p.is_file()]
+  assert not removed.exists()  # nothing of the removed node's trainer wrote after it went
+  assert not [p for d in cluster.tmps.values() for p in d.iterdir()]  # the actors' marks
+  raylets = [n.all_processes for n in cluster.worker_nodes]
+  cluster.shutdown()
+  assert all(p.process.poll() is not None for n in raylets for ps in n.values() for p in ps)
+  assert (cluster.temp / 'session_latest').exists()  # Ray's files went where it was told
