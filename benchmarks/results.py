@@ -230,6 +230,8 @@ README_ROWS = [
      'once the background builds are done', _restart_time),
     ('restart_time_3proc_kill_at_3.json', 'a process SIGKILLed under the supervisor in the '
      "job's first steps", _restart_time),
+    ('restart_time_ray_vs_local_tiny.json', 'the same on a Ray cluster of this machine '
+     '(`--backend ray`) against the local supervisor, alternately', _restart_time),
 ]
 
 
