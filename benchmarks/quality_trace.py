@@ -136,18 +136,25 @@ def trained(result: dict) -> list[str]:
   return [p for p in result['summary'] if p != 'down_pct_per_seed']
 
 
-def decide(quality: list[dict], replay: dict) -> dict:
+def decide(quality: list[dict], replay: dict, frontier: dict | None = None) -> dict:
   """Issue 52's rule: of the takeover policies trained in every `quality` result that keep
   every sample (not `drop`: elastic restart's samples, its rival), those within the loss bound
   in each; of those, the one the `replay` credits with the most goodput at its headline profile
-  (a policy the replay lacks is out)."""
+  (a policy the replay lacks is out). None within the bound: the rule picks none, and the
+  `frontier`'s recommendation stands (the time to the fault-free loss at `high`)."""
   policies = [p for p in trained(quality[0]) if all(p in q['summary'] for q in quality)]
   ok = {p: all(q['summary'][p]['within_bound'] for q in quality) for p in policies}
   goodput = {p: replay['by_profile'][p][replay['profile']]['goodput_pct']
              for p in policies if p in replay['by_profile']}
-  eligible = [p for p in goodput if ok[p] and p != 'drop']
-  return {'within_bound': ok, 'goodput_pct': goodput,
-          'default': max(eligible, key=goodput.get) if eligible else None,
+  keeps = [p for p in goodput if p != 'drop']
+  eligible = [p for p in keeps if ok[p]]
+  # The highest mean increase of a policy over the slice counts trained.
+  worst = {p: max(q['summary'][p]['eval_increase_pct']['mean'] for q in quality) for p in keeps}
+  default = (max(eligible, key=goodput.get) if eligible else
+              frontier['recommended'] if frontier else None)
+  return {'within_bound': ok, 'goodput_pct': goodput, 'worst_mean_increase_pct': worst,
+          'default': default, 'by': 'goodput within the loss bound' if eligible else
+          "none within the loss bound: the frontier's recommendation",
           'best_goodput': max(goodput, key=goodput.get) if goodput else None}
 
 
@@ -176,7 +183,7 @@ def default_table(quality: dict[str, dict], replay_name: str, replay: dict,
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   names = list(dict.fromkeys([*trained(quality[files[0]]), 'elastic-restart',
                               replay['targets']['best_checkpoint']]))
-  d = decide([quality[n] for n in files], replay)
+  d = decide([quality[n] for n in files], replay, frontier)
   for name in names:
     a = replay['approaches'].get(name)
     progress = ('not replayed' if a is None else f"{a['goodput_pct']:.2f}% ({a['degraded_pct']:.1f}"
@@ -197,9 +204,20 @@ def notes(quality, files, replay_name, replay, frontier, d) -> list[str]:
   ckpt, el = t['best_checkpoint'], 'elastic-restart'
   spread = lambda *ns: max(a[n]['goodput_pct_spread'] for n in ns)
   out = []
-  if best is None:
-    out.append('* **No policy meets the loss bound at every slice count.**')
-  else:
+  if best is not None and not d['within_bound'][best]:
+    w = d['worst_mean_increase_pct']
+    out.append(
+        f"* **No policy that keeps every sample meets the loss bound** (+{LOSS_BOUND_PCT:g}%, or "
+        'within 1 SEM of 0) at every slice count: the highest mean increase of each, '
+        + ', '.join(f'`{p}` {v:+.2f}%' for p, v in w.items())
+        + f". The rule picks none, so the frontier's recommendation stands (the least slowdown "
+        f"to the fault-free loss at `{frontier['preset']}`, a stress test): `{best}`, "
+        f"{a[best]['goodput_pct']:.2f}% of fault-free progress at `{prof}` (≥ 99%: "
+        f"{'yes' if a[best]['goodput_pct'] >= 99 else 'no'}); "
+        f"{a[best]['goodput_pct'] - a[ckpt]['goodput_pct']:+.2f} points over {ckpt} and "
+        f"{a[best]['goodput_pct'] - a[el]['goodput_pct']:+.2f} over elastic restart (the draws' "
+        f"spread {spread(best, ckpt, el):.2f}).")
+  elif best is not None:
     g = a[best]['goodput_pct']
     out.append(
         f"* **The default by the rule** (most progress at `{prof}` among the policies that keep "
@@ -225,6 +243,12 @@ def notes(quality, files, replay_name, replay, frontier, d) -> list[str]:
     r = lambda n: replay['by_profile'][n][slow]['goodput_pct']
     out.append(f"* **A slow restart** (`{slow}`, {replay['profiles'][slow]['total_s']:.0f} s): "
                f"`{best}` {r(best):.2f}%, elastic restart {r(el):.2f}%, {ckpt} {r(ckpt):.2f}%.")
+  levers = replay.get('rejoin_levers', {}).get(best)
+  if levers:
+    cell = lambda spec: ' / '.join(f'{v:.2f}' for v in levers[spec].values())
+    out.append(f"* **Rejoin** (`{best}`, {' / '.join(next(iter(levers.values())))}): a repaired "
+               f"node rejoining at once (`now`, what the product does) {cell('now')}%; "
+               + '; '.join(f'`{k}` {cell(k)}%' for k in levers if k != 'now') + '.')
   if frontier is not None:
     p = frontier['policies']
     out.append(f"* **A harsher cluster** (the `{frontier['preset']}` preset, a stress test: "

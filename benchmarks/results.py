@@ -1,5 +1,5 @@
 """docs/benchmarks.md's tables, README's results table and docs/failures.md's fault-log replay
-table, generated from docs/results/*.json.
+table and default-policy block, generated from docs/results/*.json.
 
 Run: python -m benchmarks.results            (rewrites them; --check: exit 1 where one is stale)
 Every row is one JSON file with the date, machine, commit and command it records; the headline
@@ -209,6 +209,20 @@ def _frontier_short(d: dict) -> str:
       for k in ('spread', 'exact', 'budget:1.0', 'neighbor')) +
       f"; the ≤ {t['drop_pct']:g}% / ≤ +{t['loss_increase_pct']:g}% target met by "
       f"{', '.join(k for k, v in p.items() if v['targets_met']) or 'none'}")
+
+
+def _trace_default(d: dict) -> str:
+  """README's first row (issue 52): what the default keeps on a real cluster's faults, beside
+  elastic restart and checkpoint-restart at equal hardware."""
+  a, log, t = d['approaches'], d['log'], d['targets']
+  ckpt = t['best_checkpoint']
+  keep = lambda n: f"{a[n]['goodput_pct']:.1f}%"
+  return (f"{Path(d['trace']).name} ({d['nodes']} servers, days {log['days'][0]:g}-"
+          f"{log['days'][1]:g}, {log['mean_down_pct']:.1f}% down on average), {d['profile']} "
+          f"restart ({d['profiles'][d['profile']]['total_s']:.0f} s): the default "
+          f"`{d['default']}` keeps {keep(d['default'])} of fault-free progress; elastic restart "
+          f"{keep('elastic-restart')} (drops the absent rows), {ckpt.replace('-', ' ')} "
+          f"{keep(ckpt)}; simulated on CPU-measured step costs")
 
 
 README_ROWS = [

@@ -95,7 +95,8 @@ def test_the_default_is_the_policy_with_most_goodput_within_the_loss_bound():
   loss = lambda mean, sem: {'mean': mean, 'sem': sem}
   assert quality_trace.within_bound(loss(0.3, 0.0)) and quality_trace.within_bound(loss(0.9, 1.0))
   assert not quality_trace.within_bound(loss(0.31, 0.2))
-  summary = lambda ok: {'summary': {p: {'within_bound': v} for p, v in ok.items()}}
+  summary = lambda ok: {'summary': {p: {'within_bound': v, 'eval_increase_pct': {'mean': 0.0}}
+                                    for p, v in ok.items()}}
   quality = [summary({'spread': True, 'budget:1.0': False, 'exact': True, 'drop': True}),
              summary({'spread': True, 'budget:1.0': True, 'exact': True, 'drop': True})]
   replay = {'profile': 'fast', 'by_profile': {p: {'fast': {'goodput_pct': g}} for p, g in
@@ -106,6 +107,14 @@ def test_the_default_is_the_policy_with_most_goodput_within_the_loss_bound():
   assert decision['default'] == 'spread' and decision['best_goodput'] == 'budget:1.0'
   assert decision['within_bound'] == {'spread': True, 'budget:1.0': False, 'exact': True,
                                       'drop': True}
+  # None within the bound (drop aside): the frontier's recommendation stands.
+  out = lambda means: {'summary': {p: {'within_bound': p == 'drop',
+                                       'eval_increase_pct': {'mean': m}} for p, m in means.items()}}
+  quality = [out({'spread': 0.9, 'budget:1.0': 2.0, 'drop': 0.1}),
+             out({'spread': 0.5, 'budget:1.0': 0.8, 'drop': 0.2})]
+  decision = quality_trace.decide(quality, replay, {'recommended': 'exact'})
+  assert decision['default'] == 'exact' and decision['worst_mean_increase_pct']['budget:1.0'] == 2.0
+  assert quality_trace.decide(quality, replay)['default'] is None
 
 
 def test_trace_mode_trains_each_seed_through_its_own_draw_of_the_log(launcher, tmp_path):
@@ -137,7 +146,8 @@ def test_the_configs_default_policy_is_the_one_the_data_chose_and_failures_md_sa
   files = [d for n, d in loaded.items() if results.kind_of(n)[0] == 'quality_trace']
   assert {d['slices'] for d in files} >= {8, 32} and all(len(d['seeds']) >= 3 for d in files)
   replay = loaded[Path(files[0]['replay']).name]
-  assert quality_trace.decide(files, replay)['default'] == trace_goodput.default_policy(Config())
+  decision = quality_trace.decide(files, replay, loaded['frontier_32slices.json'])
+  assert decision['default'] == trace_goodput.default_policy(Config())
   text = results.FAILURES.read_text()
   assert results.with_default_table(text, results.default_table(loaded)) == text, \
       'docs/failures.md default block is stale: run python -m benchmarks.results'
