@@ -12,6 +12,10 @@ simulated seconds; --rate per_device (default) scales the mean interval by 32/sl
 slices see the paper's per-GPU failure rate and the same fraction of them is down on average.
 When every slice is down the cluster waits for the first repair (simulate.stall_all_down), as
 the throughput replay does, so every run trains all its steps.
+Run (a node fault log): python -m benchmarks.quality --trace FILE --seeds 0,1,2 [--days A:B]
+    [--trace-nodes 400] [--classes all] [--replay TRACE_GOODPUT.json] [overrides...]: per seed its
+    own draw of nodes onto slices, the window compressed into train.steps (benchmarks/quality_trace.py);
+    each run's degraded rows beside the replay's at its own scale.
 Every policy trains the same samples (drop skips the failed slices') from the same initial
 state. Reports the final eval loss on one fixed held-out set, perplexity, and their increase
 vs fault-free (the paper's table reports perplexity), plus wall time.
@@ -49,6 +53,11 @@ def _args(argv):
   p.add_argument('--seeds', default='',
                  help='presets: e.g. 0,1,2,3,4: the whole comparison once per train.seed (init, '
                       'data order and failure draws), summarized as mean +- std over seeds')
+  p.add_argument('--trace', default='', help='a JSON node fault log instead of presets (needs --seeds)')
+  p.add_argument('--days', default='', help="trace: window A:B in the log's days (default: all)")
+  p.add_argument('--trace-nodes', type=int, default=400, help="trace: the cluster's size")
+  p.add_argument('--classes', default='all', help='trace: fault classes that count')
+  p.add_argument('--replay', default=None, help="trace: the log's trace_goodput JSON (predictions)")
   p.add_argument('--data', default=None, help='train.data: synthetic | text:PATH | ...')
   p.add_argument('--eval-batches', type=int, default=8)
   p.add_argument('--figure', default=None,
@@ -59,9 +68,13 @@ def _args(argv):
   args.seeds = [int(x) for x in args.seeds.split(',') if x]
   if args.figure and not args.presets:
     p.error('--figure needs --presets')
-  if args.seeds and (not args.presets or args.schedule_seed is not None):
-    p.error('--seeds needs --presets, and draws the schedules from each seed (no --schedule-seed)')
-  args.policies = (args.policies or ('neighbor,spread,drop' if args.presets
+  if args.seeds and (not (args.presets or args.trace) or args.schedule_seed is not None):
+    p.error('--seeds needs --presets or --trace, and draws the schedules from each seed (no '
+            '--schedule-seed)')
+  if args.trace and (args.presets or not args.seeds):
+    p.error('--trace needs --seeds and no --presets')
+  args.policies = (args.policies or ('spread,budget:1.0,budget:1.05,exact,drop' if args.trace else
+                                     'neighbor,spread,drop' if args.presets
                                      else 'neighbor,spread,drop,naive')).split(',')
   return args
 
@@ -73,8 +86,12 @@ def main(argv=None) -> dict:
   info = common.run_info(__spec__.name, argv)
   for spec in args.policies:  # a typo fails here, not after the fault-free run
     common.policy_spec(spec)
-  result = (run_seeds(args) if args.seeds else run_presets(args) if args.presets
-            else run_scripted(args))
+  if args.trace:
+    from benchmarks import quality_trace
+    result = quality_trace.run_trace(args)
+  else:
+    result = (run_seeds(args) if args.seeds else run_presets(args) if args.presets
+              else run_scripted(args))
   result = {**info, **result, 'config': args.config, 'overrides': args.overrides,
             'slices': args.slices, 'data': args.data or 'synthetic'}
   rows = table_rows(result)
@@ -221,6 +238,12 @@ def table_rows(result: dict) -> list[dict]:
             'steps_with_failure': sched['steps_with_failure_frac'] if sched else '',
             'degraded': r['samples'].get('degraded', 0), 'dropped': r['samples'].get('dropped', 0),
             'wall_s': r['wall_s']}
+  if result['mode'] == 'trace':
+    return [{'policy': policy, 'seeds': len(result['seeds']),
+             'mean_loss_increase_pct': v['eval_increase_pct']['mean'],
+             'sem': v['eval_increase_pct']['sem'], 'degraded_pct': v['degraded_pct'],
+             'dropped_pct': v['dropped_pct'], 'within_bound': v['within_bound']}
+            for policy, v in result['summary'].items() if policy != 'down_pct_per_seed']
   if result['mode'] == 'seeds':
     return [{'preset': preset, 'policy': policy, 'seeds': len(result['seeds']),
              'mean_loss_increase_pct': v['mean'], 'std': v['std'], 'sem': v['sem'],

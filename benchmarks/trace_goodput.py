@@ -101,10 +101,8 @@ class Setup:
 
 def setup(a) -> tuple[Setup, dict]:
   text = Path(a.trace).read_text()
-  start, _, end = a.days.partition(':')
-  first = float(start or 0.0)
   faults = fault_log.parse(text, a.trace)
-  last = float(end) if end else max((f.day for f in faults), default=0.0)
+  first, last = fault_log.window(faults, a.days)
   n = a.slices or a.nodes
   events = [fault_log.slice_events(text, a.trace, n, fault_log.LogMapping(
       a.nodes, a.classes, first, 1.0, seed), last) for seed in range(a.seeds)]
@@ -141,6 +139,12 @@ def log_stats(events, horizon_s: float, n: int, faults, first: float, last: floa
           'nodes_failing': len({f.node for f in inside}),
           'slice_failures': sum(e.kind == 'fail' for e in events),
           'mean_down_pct': 100.0 * area / horizon_s / n, 'max_down': most}
+
+
+def default_policy(cfg) -> str:
+  """The config's takeover as a policy spec: 'budget:T' names its time budget."""
+  f = cfg.faults
+  return f'budget:{f.time_budget:g}' if f.takeover == 'budget' else f.takeover
 
 
 def planner(s: Setup, spec: str, kind: type[Planner] = Planner) -> Planner:
@@ -343,7 +347,8 @@ def main(argv=None) -> dict:
   profiles = restart_profiles.profiles(a.step_s)
   if a.profile not in profiles:
     raise SystemExit(f'--profile must be one of {", ".join(profiles)}, got {a.profile!r}')
-  policies = a.policies.split(',')
+  default = default_policy(s.cfg)
+  policies = list(dict.fromkeys([*a.policies.split(','), default]))  # the default always replayed
   names = [*policies, ELASTIC, *(checkpoint_name(int(k)) for k in a.spares.split(','))]
   weights = loss_weights()
   restarts = sorted({*(p.total_s for p in profiles.values()),
@@ -351,7 +356,6 @@ def main(argv=None) -> dict:
   every, by_profile = run_all(s, names, restarts, profiles, weights)
   sweep_ = sweep(s, names, restarts, every)
   approaches = {n: by_profile[n][a.profile] for n in names}
-  default = s.cfg.faults.takeover
   best = max(policies, key=lambda p: approaches[p]['goodput_pct'])
   result = {
       **common.run_info(__spec__.name, argv), 'trace': a.trace,

@@ -74,3 +74,80 @@ def test_figure_needs_presets(capsys):
   with pytest.raises(SystemExit) as stop:
     quality.main(['--figure', 'x.png'])
   assert stop.value.code == 2 and '--figure needs --presets' in capsys.readouterr().err
+
+
+LOG = 'benchmarks/traces/infinitehbd_days0-174.5.json'
+
+
+def test_a_log_window_is_compressed_into_the_run_as_train_py_maps_it():
+  import argparse
+  from benchmarks import quality_trace
+  args = argparse.Namespace(trace=LOG, days='20:40', trace_nodes=400, classes='all')
+  log, where = quality_trace.mapping(args, steps=100, cluster_step_s=60.0, seed=3)
+  assert where['days'] == [20.0, 40.0] and log.seed == 3 and log.start_day == 20.0
+  assert where['log_s_per_step'] == pytest.approx(20 * 86400 / 100)  # 20 days in 100 steps
+  assert log.compress * 60.0 == pytest.approx(where['log_s_per_step'])
+  assert 'faults.trace_nodes=400' in where['train_py_settings']
+
+
+def test_the_default_is_the_policy_with_most_goodput_within_the_loss_bound():
+  from benchmarks import quality_trace
+  loss = lambda mean, sem: {'mean': mean, 'sem': sem}
+  assert quality_trace.within_bound(loss(0.3, 0.0)) and quality_trace.within_bound(loss(0.9, 1.0))
+  assert not quality_trace.within_bound(loss(0.31, 0.2))
+  summary = lambda ok: {'summary': {p: {'within_bound': v, 'eval_increase_pct': {'mean': 0.0}}
+                                    for p, v in ok.items()}}
+  quality = [summary({'spread': True, 'budget:1.0': False, 'exact': True, 'drop': True}),
+             summary({'spread': True, 'budget:1.0': True, 'exact': True, 'drop': True})]
+  replay = {'profile': 'fast', 'by_profile': {p: {'fast': {'goodput_pct': g}} for p, g in
+                                              {'spread': 90.0, 'budget:1.0': 97.0,
+                                               'exact': 88.0}.items()}}
+  # budget:1.0 misses the bound at one slice count; drop is not replayed as a policy here.
+  decision = quality_trace.decide(quality, replay)
+  assert decision['default'] == 'spread' and decision['best_goodput'] == 'budget:1.0'
+  assert decision['within_bound'] == {'spread': True, 'budget:1.0': False, 'exact': True,
+                                      'drop': True}
+  # None within the bound (drop aside): the frontier's recommendation stands.
+  out = lambda means: {'summary': {p: {'within_bound': p == 'drop',
+                                       'eval_increase_pct': {'mean': m}} for p, m in means.items()}}
+  quality = [out({'spread': 0.9, 'budget:1.0': 2.0, 'drop': 0.1}),
+             out({'spread': 0.5, 'budget:1.0': 0.8, 'drop': 0.2})]
+  decision = quality_trace.decide(quality, replay, {'recommended': 'exact'})
+  assert decision['default'] == 'exact' and decision['worst_mean_increase_pct']['budget:1.0'] == 2.0
+  assert quality_trace.decide(quality, replay)['default'] is None
+
+
+def test_trace_mode_trains_each_seed_through_its_own_draw_of_the_log(launcher, tmp_path):
+  small = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=64', 'model.seq_len=32',
+           'train.steps=20', 'train.log_every=5']
+  result = launcher.benchmark('quality', '--trace', LOG, '--slices', '8', '--seeds', '0,1',
+                              '--policies', 'spread,drop', '--eval-batches', '2', *small,
+                              json_path=tmp_path / 'q.json')
+  assert result['mode'] == 'trace' and result['steps'] == 20
+  s = result['summary']
+  assert len(s['spread']['eval_increase_pct']['per_seed']) == 2
+  for seed in result['per_seed'].values():
+    sched, runs = seed['schedule'], seed['runs']
+    # The policies of one seed train through one schedule: spread degrades the rows drop drops.
+    assert runs['spread']['samples']['degraded'] == runs['drop']['samples']['dropped']
+    assert (runs['spread']['degraded_pct'] > 0) == (sched['failures'] > 0)
+    assert 0.0 <= sched['down_pct_in_steps'] <= 100.0
+  draws = [tuple(e['slice'] for e in v['schedule']['events']) for v in result['per_seed'].values()]
+  assert draws[0] != draws[1]  # each seed its own draw of nodes
+
+
+def test_the_configs_default_policy_is_the_one_the_data_chose_and_failures_md_says_so():
+  """The rule of issue 52 on the JSON in docs/results: its pick is FaultConfig's default, and
+  docs/failures.md's block is the one benchmarks.results renders from the same files."""
+  from pathlib import Path
+  from benchmarks import quality_trace, results, trace_goodput
+  from mecefo_jax.config import Config
+  loaded = results.load()
+  files = [d for n, d in loaded.items() if results.kind_of(n)[0] == 'quality_trace']
+  assert {d['slices'] for d in files} >= {8, 32} and all(len(d['seeds']) >= 3 for d in files)
+  replay = loaded[Path(files[0]['replay']).name]
+  decision = quality_trace.decide(files, replay, loaded['frontier_32slices.json'])
+  assert decision['default'] == trace_goodput.default_policy(Config())
+  text = results.FAILURES.read_text()
+  assert results.with_default_table(text, results.default_table(loaded)) == text, \
+      'docs/failures.md default block is stale: run python -m benchmarks.results'

@@ -13,6 +13,14 @@ from mecefo_jax.core.takeover import Planner
 H = 3600.0
 
 
+def test_the_default_is_named_as_a_policy_spec():
+  from benchmarks.trace_goodput import default_policy
+  from mecefo_jax.config import load_config
+  assert default_policy(load_config(None, ['faults.takeover=budget',
+                                           'faults.time_budget=1.05'])) == 'budget:1.05'
+  assert default_policy(load_config(None, ['faults.takeover=exact'])) == 'exact'
+
+
 def test_repairs_wait_for_the_rejoin_policy_and_a_node_failing_meanwhile_never_rejoined():
   events = [E(1 * H, 0, 'fail'), E(2 * H, 0, 'repair'), E(3 * H, 1, 'fail'), E(4 * H, 1, 'repair'),
             E(10 * H, 0, 'fail'), E(30 * H, 2, 'fail'), E(31 * H, 2, 'repair')]
@@ -64,8 +72,11 @@ def test_the_benchmark_replays_a_window_of_the_real_log(launcher, tmp_path):
       '20:40', '--slices', '16', '--seeds', '2', '--policies', 'spread,budget:1.0', '--spares',
       '0,2', '--sweep-restart-s', '30', '--sweep-checkpoint-min', '10,60', '--rejoin-levers',
       'every:24', '--figure', tmp_path / 'f.png', json_path=tmp_path / 'tg.json')
-  assert result['default'] == 'spread' and result['slices'] == 16 and result['nodes'] == 400
-  names = {'spread', 'budget:1.0', 'elastic-restart', 'checkpoint-restart-0-spares',
+  from benchmarks.trace_goodput import default_policy
+  from mecefo_jax.config import Config
+  default = default_policy(Config())  # replayed whether --policies names it or not
+  assert result['default'] == default and result['slices'] == 16 and result['nodes'] == 400
+  names = {'spread', 'budget:1.0', default, 'elastic-restart', 'checkpoint-restart-0-spares',
            'checkpoint-restart-2-spares'}
   assert set(result['approaches']) == names
   for r in result['approaches'].values():

@@ -87,6 +87,14 @@ def _event(i: int, e, where: str) -> Fault:
   return Fault(i, node, float(day), typ == 'fault_start', tuple(kind[k] for k in FAULT_KEYS))
 
 
+def window(faults: list[Fault], days: str) -> tuple[float, float]:
+  """The window 'A:B' in the log's days (either end left out: the log's first day 0, its last
+  event's day)."""
+  start, _, end = days.partition(':')
+  last = max((f.day for f in faults), default=0.0)
+  return float(start or 0.0), float(end) if end else last
+
+
 def counted(faults: list[Fault], classes: str, where: str) -> list[Fault]:
   """The faults of the classes that count: `classes` is 'all' or comma-separated terms, each a
   Level or Class name to count or, after '-', one not to (only exclusions: all but those)."""
