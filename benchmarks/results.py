@@ -250,9 +250,13 @@ def _trace_default(d: dict) -> str:
 
 
 README_ROWS = [
+    ('trace_goodput_infinitehbd_days0-174.5_400slices_flops.json', 'what the default keeps on '
+     "a real cluster's fault log, 400 slices (simulated)", _trace_default),
+    ('quality_trace_infinitehbd_tiny_pydoc_32slices.json', 'the eval-loss cost at that log\'s '
+     'rates, 32 slices (trained)', _quality_trace),
     ('step_cost_llama_60m.json', 'degraded step vs normal step, llama_60m', _step_cost),
-    ('frontier_32slices.json', 'takeover policies at 32 slices, `high` failure rate',
-     _frontier_short),
+    ('frontier_32slices.json', 'takeover policies at 32 slices, `high` failure rate (a stress '
+     'test, simulated)', _frontier_short),
     ('snapshot_overhead_llama_60m_auto.json', 'every-step snapshots, llama_60m', _snapshot_overhead),
     ('restart_time_3proc_kill_at_40.json', 'a process SIGKILLed under the supervisor, '
      'once the background builds are done', _restart_time),

@@ -119,7 +119,10 @@ def test_a_start_up_stall_before_the_run_exists_starts_it_anew(launcher, tmp_pat
     shutil.rmtree(shm, ignore_errors=True) if proc.returncode else None
   assert proc.returncode == 0, out[-3000:]
   kinds = [e['kind'] for e in _events(events)]
-  assert kinds == ['start', 'stall', 'start-again', 'start', 'end'], out[-3000:]
+  # --stall-s bounds every phase: at load 15-30 a final save of the restarted job ran past it
+  # once (a stall, a restart from its snapshot, the same end), which is not this test's case.
+  assert kinds[:4] == ['start', 'stall', 'start-again', 'start'] and kinds[-1] == 'end', out[-3000:]
+  assert 'start-again' not in kinds[4:], out[-3000:]
   assert _events(events)[3]['hosts'] == [0, 1, 2]
   stall = _events(events)[1]
   assert stall['host'] == 2 and stall['start_up'], stall
