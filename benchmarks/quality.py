@@ -27,10 +27,10 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
                    + __file__.rpartition('/')[2].removesuffix('.py'))
 
 import argparse
-import tempfile
 from pathlib import Path
 
 import benchmarks
+from benchmarks.quality_runs import _cfg, _relative, mean_std_sem, schedule_stats, train
 from mecefo_jax.config import PRESETS, RATES  # imports no jax (fake_cpu_devices must come first)
 
 
@@ -103,32 +103,6 @@ def main(argv=None) -> dict:
 
 # --- runs ---------------------------------------------------------------------------------------
 
-def _cfg(args, policy: str):
-  from benchmarks import common
-  from mecefo_jax.config import load_config
-  data = [f'train.data={args.data}'] if args.data else []
-  takeover, budget = common.policy_spec('neighbor' if policy == 'fault-free' else policy)
-  budget = [] if budget is None else [f'faults.time_budget={budget}']
-  return load_config(args.config, [f'mesh.slice={args.slices}', 'mesh.fsdp=1', 'mesh.tensor=1',
-                                   'snapshot.enabled=false', f'faults.takeover={takeover}',
-                                   *data, *args.overrides, *budget])
-
-
-def train(args, policy: str, schedule) -> dict:
-  """One run; its final params evaluated on the fixed held-out set."""
-  from mecefo_jax.run.trainer import Trainer
-  with tempfile.TemporaryDirectory() as out:
-    trainer = Trainer(_cfg(args, policy), Path(out), schedule)
-    report = trainer.run()
-    if report.get('stopped'):  # its final loss would not be comparable with the others'
-      raise RuntimeError(f'{policy} run stopped early: {report["stopped"]}')
-    run = {k: report.get(k) for k in ('final_loss', 'wall_s', 'samples', 'goodput',
-                                      'params_sha256', 'losses', 'evals', 'compile_s')}
-    # Fixed held-out rows of all n slices, whichever are live at the end: comparable runs.
-    run['eval_loss'] = trainer.evaluate(args.eval_batches)
-  return run
-
-
 def run_scripted(args) -> dict:
   from mecefo_jax.core.failures import FailureSchedule
   steps = _cfg(args, 'fault-free').train.steps
@@ -190,41 +164,11 @@ def seed_summary(per_seed: dict) -> dict:
   return summary
 
 
-def mean_std_sem(xs) -> dict:
-  """Mean, sample std and standard error over seeds (std and sem 0 for one seed)."""
-  import numpy as np
-  x = np.asarray(xs, dtype=float)
-  std = float(x.std(ddof=1)) if len(x) > 1 else 0.0
-  return {'mean': float(x.mean()), 'std': std, 'sem': std / float(np.sqrt(len(x)))}
-
-
-def _relative(runs: dict, base: dict) -> None:
-  import numpy as np
-  for r in runs.values():
-    r['perplexity'] = float(np.exp(r['eval_loss']))
-    r['eval_increase_pct'] = 100.0 * (r['eval_loss'] / base['eval_loss'] - 1.0)
-    r['ppl_increase_pct'] = 100.0 * (np.exp(r['eval_loss'] - base['eval_loss']) - 1.0)
-  base.setdefault('perplexity', float(np.exp(base['eval_loss'])))
-
-
 def _floor(presets: dict) -> dict:
   """The issue's floor: eval loss increase <= 2% at the high preset, per policy."""
   high = presets.get('high', {}).get('runs', {})
   return {p: {'eval_increase_pct': r['eval_increase_pct'], 'met': r['eval_increase_pct'] <= 2.0}
           for p, r in high.items()}
-
-
-def live_counts(schedule, n: int, steps: int) -> list[int]:
-  """Live slices at each step, as the controller sees them (a step's events apply first)."""
-  return [n - len(failed) for failed in schedule.failed_sets(steps)]
-
-
-def schedule_stats(schedule, n: int, steps: int) -> dict:
-  live = live_counts(schedule, n, steps)
-  return {'failures': sum(e.kind == 'fail' for e in schedule.all_events()),
-          'steps_with_failure_frac': sum(x < n for x in live) / steps,
-          'mean_down_slices': n - sum(live) / steps, 'min_live': min(live),
-          'live_per_step': live, 'events': [e.to_dict() for e in schedule.all_events()]}
 
 
 # --- output -------------------------------------------------------------------------------------

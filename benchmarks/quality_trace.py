@@ -34,7 +34,7 @@ def schedule(args, n: int, steps: int, cluster_step_s: float, seed: int):
   """(the schedule every policy of seed `seed` trains through, its statistics): the log's
   events through FailureSchedule.from_trace, as `--failures trace:FILE` reads them; a step with
   every slice down is waited through (simulate.stall_all_down), so every run trains all steps."""
-  from benchmarks import quality, simulate, trace_goodput
+  from benchmarks import quality_runs, simulate, trace_goodput
   from mecefo_jax.core.failures import FailureSchedule
   log, where = mapping(args, steps, cluster_step_s, seed)
   text = Path(args.trace).read_text()
@@ -48,7 +48,7 @@ def schedule(args, n: int, steps: int, cluster_step_s: float, seed: int):
   events = fault_log.slice_events(text, args.trace, n, log, last)
   in_log = trace_goodput.log_stats(events, (last - first) * fault_log.DAY_S * 1.0 / log.compress,
                                    n, fault_log.parse(text, args.trace), first, last)
-  stats = quality.schedule_stats(stalled, n, steps)
+  stats = quality_runs.schedule_stats(stalled, n, steps)
   return stalled, {**where, **stats, 'down_pct_in_steps': 100.0 * stats['mean_down_slices'] / n,
                    'down_pct_in_log': in_log['mean_down_pct'],
                    'all_down_steps_waited': sum(len(f) == n for f in sched.failed_sets(steps))}
@@ -62,16 +62,16 @@ def rows(samples: dict) -> dict:
 
 def run_trace(args) -> dict:
   """Per seed: the fault-free run and every policy through that seed's draw of the log."""
-  from benchmarks import quality
+  from benchmarks import quality_runs
   from mecefo_jax.core.failures import FailureSchedule
   per_seed = {}
   for seed in args.seeds:
     one = argparse.Namespace(**{**vars(args), 'overrides': [*args.overrides, f'train.seed={seed}']})
-    cfg = quality._cfg(one, 'fault-free')
+    cfg = quality_runs._cfg(one, 'fault-free')
     sched, stats = schedule(one, args.slices, cfg.train.steps, cfg.faults.cluster_step_s, seed)
-    fault_free = quality.train(one, 'fault-free', FailureSchedule(args.slices))
-    runs = {p: quality.train(one, p, sched) for p in args.policies}
-    quality._relative(runs, fault_free)
+    fault_free = quality_runs.train(one, 'fault-free', FailureSchedule(args.slices))
+    runs = {p: quality_runs.train(one, p, sched) for p in args.policies}
+    quality_runs._relative(runs, fault_free)
     for r in runs.values():
       r.update(rows(r['samples']))
     per_seed[seed] = {'schedule': stats, 'fault_free': fault_free, 'runs': runs}
@@ -89,7 +89,7 @@ def summary(per_seed: dict, replay: dict | None) -> dict:
   """Per policy: the eval-loss increase over seeds (mean, std, SEM, per seed), the rows each
   run degraded or dropped, whether the loss bound holds, and what the replay at its own scale
   predicts (its degraded and dropped rows, its goodput at its headline profile)."""
-  from benchmarks.quality import mean_std_sem
+  from benchmarks.quality_runs import mean_std_sem
   out = {}
   for policy in next(iter(per_seed.values()))['runs']:
     runs = [v['runs'][policy] for v in per_seed.values()]

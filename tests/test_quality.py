@@ -1,7 +1,7 @@
 """Quality under failures: MeCeFO's final eval loss stays within 3% of the fault-free run."""
 import pytest
 
-from benchmarks import quality
+from benchmarks import quality, quality_runs
 
 
 def test_neighbor_takeover_loss_within_3pct_of_fault_free(launcher, tmp_path):
@@ -20,8 +20,8 @@ def test_neighbor_takeover_loss_within_3pct_of_fault_free(launcher, tmp_path):
 def test_live_counts_apply_a_steps_events_first():
   from mecefo_jax.core.failures import FailureSchedule
   sched = FailureSchedule(4).fail_at(1, 2).fail_at(3, 3).repair_at(1, 5).repair_at(3, 5)
-  assert quality.live_counts(sched, 4, 7) == [4, 4, 3, 2, 2, 4, 4]
-  stats = quality.schedule_stats(sched, 4, 7)
+  assert quality_runs.live_counts(sched, 4, 7) == [4, 4, 3, 2, 2, 4, 4]
+  stats = quality_runs.schedule_stats(sched, 4, 7)
   assert stats['failures'] == 2 and stats['min_live'] == 2
   assert stats['steps_with_failure_frac'] == pytest.approx(3 / 7)
   assert stats['mean_down_slices'] == pytest.approx(5 / 7)

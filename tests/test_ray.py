@@ -16,7 +16,7 @@ import yaml
 
 from benchmarks.ray_cluster import local_cluster, remove_node
 from deploy import pod_controller as pc
-from mecefo_jax import job_rules, launch, ray_driver
+from mecefo_jax import job_rules, launch, ray_driver, ray_host
 from mecefo_jax.run import cli
 from mecefo_jax.run.exits import BAD_INPUT, PEER_LOST, STOPPED
 from mecefo_jax.run.supervised import process_state
@@ -179,3 +179,17 @@ def test_ray_runs_the_job_through_a_kill_a_lost_node_and_a_stall(launcher, tmp_p
   cluster.shutdown()
   assert all(p.process.poll() is not None for n in raylets for ps in n.values() for p in ps)
   assert (cluster.temp / 'session_latest').exists()  # Ray's files went where it was told
+
+
+def test_a_host_runs_the_trainer_as_its_child_and_answers_for_it(tmp_path):
+  """ray_host.Host without Ray (the actor's body): it starts `python -m mecefo_jax ARGS` as its
+  child, a look says the child's exit code, and close() removes the marks it kept."""
+  host = ray_host.Host(0, lease_s=3600.0)  # no lease runs out here (it would end this process)
+  log = tmp_path / 'host0.log'
+  host.start(['--help'], {}, str(log), stopped_s=60.0)
+  assert host.wait() == 0
+  seen = host.look()
+  assert seen['code'] == 0 and seen['mark'] is None
+  assert 'usage:' in log.read_text()
+  host.close()
+  assert not host.marks.exists()

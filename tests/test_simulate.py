@@ -3,7 +3,7 @@ the programs the real decider's plans build, and the background worker that move
 import numpy as np
 import pytest
 
-from benchmarks import quality, simulate
+from benchmarks import quality_runs, simulate
 from benchmarks.ledger import Premover, ProgramLedger
 from benchmarks.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, replay
 from mecefo_jax.core import programs
@@ -110,7 +110,7 @@ def test_stall_all_down_waits_out_steps_with_every_slice_down():
   # sees the same failed set as step 3 and gets no event. The rest moves 3 steps earlier.
   assert [(e.step, e.slice, e.kind) for e in out.all_events()] == [
       (2, 0, 'fail'), (6, 0, 'repair'), (9, 1, 'fail')]
-  assert quality.live_counts(out, 2, 10) == [2, 2, 1, 1, 1, 1, 2, 2, 2, 1]
+  assert quality_runs.live_counts(out, 2, 10) == [2, 2, 1, 1, 1, 1, 2, 2, 2, 1]
   assert simulate.stall_all_down(sched, 2, 12) is None  # all down from step 13 on
 
 
@@ -118,11 +118,11 @@ def test_stalled_preset_never_has_every_slice_down_and_covers_every_step():
   plain = simulate.preset_schedule('high', 2, 400, 1800.0, seed=1, interval_scale=4.0)
   stalled = simulate.preset_schedule('high', 2, 400, 1800.0, seed=1, interval_scale=4.0,
                                      stall=True)
-  assert 0 in quality.live_counts(plain, 2, 400)  # the plain preset does take both down
-  live = quality.live_counts(stalled, 2, 400)
+  assert 0 in quality_runs.live_counts(plain, 2, 400)  # the plain preset does take both down
+  live = quality_runs.live_counts(stalled, 2, 400)
   assert min(live) == 1 and max(e.step for e in stalled.all_events()) > 380
-  first_stop = quality.live_counts(plain, 2, 400).index(0)
-  assert live[:first_stop] == quality.live_counts(plain, 2, 400)[:first_stop]
+  first_stop = quality_runs.live_counts(plain, 2, 400).index(0)
+  assert live[:first_stop] == quality_runs.live_counts(plain, 2, 400)[:first_stop]
 
 
 def test_needed_roles_cover_carriers_and_spread_shares():
