@@ -1,0 +1,66 @@
+"""The renderers of the recovery results (restart, stall, stop): one line per JSON file, for
+benchmarks/results.py's tables."""
+from __future__ import annotations
+
+import statistics
+
+
+def _recovery(d: dict) -> str:
+  kills = ', '.join(f"{x['kill_to_first_step_s']:.1f}" for x in d['deaths'])
+  return (f"{d['processes']} processes: SIGKILL to the first step trained again {kills} s "
+          f"(cold start {d['cold_start']['first_step_s']:.1f} s)")
+
+
+_FAILURE = {False: 'SIGKILL of host 1', True: "host 1's node removed",
+            'graceful': "host 1's node removed", 'hard': "host 1's node killed (raylet SIGKILLed)"}
+
+
+def _restart_time(d: dict) -> str:
+  """Per backend (local supervisor, Ray driver): the failure to the first step trained again."""
+  over = ' '.join(d['overrides']) or 'defaults'
+  failure = _FAILURE[d.get('remove_node', False)]
+  runs = d.get('by_backend') or {'local': {'median': d['median'], 'runs': d['runs']}}
+  return (f"{d['processes']} processes ({over}), {failure} after step {d['kill_at']}, medians "
+          f"of {d['repeats']}: " + '; '.join(
+              (f'{backend}: ' if 'by_backend' in d else '') + _restart_figures(r['median'], r['runs'])
+              for backend, r in runs.items()))
+
+
+def _restart_figures(m: dict, runs: list[dict]) -> str:
+  phases = ', '.join(f"{k} {m[k + '_s']:.1f}" for k in (
+      'detect', 'stop', 'spawn', 'imports', 'distributed', 'setup', 'restore', 'programs',
+      'first_step'))
+  seen = f"seen in {m['seen_s']:.1f} s, " if 'seen_s' in m else ''
+  return (f"{seen}to the first step trained again {m['kill_to_first_step_s']:.1f} s, cold start "
+          f"{m['cold_start_s']:.1f} s, ratio {m['ratio']:.2f} ({_restart_case(runs)}); "
+          f"phases (s): {phases}")
+
+
+def _restart_case(runs: list[dict]) -> str:
+  """Which case a restart is: whether the dead job's background builds had stored the survivors'
+  programs (loaded) or the survivors compiled them (a death in a job's first steps)."""
+  median = lambda key: statistics.median(r['programs'][key] for r in runs)
+  return (f"the survivors' job loaded {median('loaded'):g} programs from the store and compiled "
+          f"{median('compiled'):g}")
+
+
+def _stall_recovery(d: dict) -> str:
+  over = ' '.join(d['overrides']) or 'defaults'
+  seen = (f"seen as a death in {d['detect_s']:.1f} s" if d['deadline_s'] is None else
+          f"detected in {d['detect_s']:.1f} s (deadline {d['deadline_s']:.0f} s, "
+          f"{d['deadline_from']}), host {d['named_host']} named")
+  return (f"{d['processes']} processes ({over}), host {d['host']} {d['how']} at step "
+          f"{d['step_at_stop']}: {seen}; stop to the first step trained again "
+          f"{d['stop_to_first_step_s']:.1f} s; dropped {d['samples']['dropped']}")
+
+
+def _stall_clean_runs(d: dict) -> str:
+  walls = [r['wall_s'] for r in d['clean_runs']]
+  return (f"{d['runs_ok']} of {len(walls)} runs of the README's multi-process example (evals, "
+          f"both snapshot tiers, an empty compile cache each) ended with exit 0; false stalls "
+          f"{d['false_stalls']}; {min(walls):.0f}-{max(walls):.0f} s each")
+
+
+def _stop_time(d: dict) -> str:
+  return (f"{d['processes']} process(es): SIGTERM to exit {d['stop_s']} s, both tiers saved "
+          f"{d['both_tiers']}, exit {d['exit_code']}")
