@@ -8,10 +8,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 from mecefo_jax.ray_host import NODE_SNAPSHOT_DIR_ENV
+from mecefo_jax.run.supervised import process_state
 
 REPO = Path(__file__).resolve().parents[1]
 _SMALL = dict(object_store_memory=80 << 20, include_dashboard=False)
@@ -51,10 +54,38 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def remove_node(cluster, node_id: str, graceful: bool = True) -> None:
+def remove_node(cluster, node_id: str, graceful: bool = True, wait_s: float = 30.0) -> None:
   """Node `node_id` removed (not `graceful`: its processes SIGKILLed, its raylet says no
-  goodbye), its snapshot directory (its memory) and its TMPDIR with it."""
+  goodbye), its snapshot directory (its memory) and its TMPDIR with it, once none of its
+  processes is left (a machine's memory goes with its processes: a trainer that outlived its
+  raylet by a moment must not write its part back; those left after `wait_s` are SIGKILLed)."""
   [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
+  shm = cluster.dirs[node_id]
   cluster.remove_node(node, allow_graceful=graceful)
+  deadline = time.monotonic() + wait_s
+  while (left := _processes_of(shm)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  for pid in left:
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(pid, signal.SIGKILL)
+  while _processes_of(shm) and time.monotonic() < deadline + 10:
+    time.sleep(0.1)
   for folders in (cluster.dirs, cluster.tmps):
     shutil.rmtree(folders.pop(node_id), ignore_errors=True)
+
+
+def _processes_of(shm: Path) -> list[int]:
+  """This machine's live processes of the node whose snapshot directory is `shm` (its raylet,
+  its workers and their trainers carry it in their environment); zombies are gone already."""
+  mark = f'{NODE_SNAPSHOT_DIR_ENV}={shm}'.encode()
+  pids = []
+  for proc in Path('/proc').iterdir():
+    if not proc.name.isdigit():
+      continue
+    try:
+      environ = (proc / 'environ').read_bytes().split(b'\0')
+    except OSError:  # gone, or not ours to read
+      continue
+    if mark in environ and process_state(int(proc.name)) not in (None, 'Z'):
+      pids.append(int(proc.name))
+  return pids
