@@ -35,14 +35,9 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
     cluster = Cluster(initialize_head=True,
                       head_node_args=dict(num_cpus=0, temp_dir=str(temp), **_SMALL))
     cluster.temp, cluster.dirs, cluster.tmps = temp, {}, {}
-    for i in range(nodes):
-      shm, tmp = Path(root) / f'node{i}-shm', Path(root) / f'node{i}-tmp'
-      shm.mkdir(parents=True)
-      tmp.mkdir()
-      node = cluster.add_node(num_cpus=1, env_vars={
-          NODE_SNAPSHOT_DIR_ENV: str(shm), 'TMPDIR': str(tmp), 'PYTHONPATH': str(REPO),
-          **(env or {})}, **_SMALL)
-      cluster.dirs[node.node_id], cluster.tmps[node.node_id] = shm, tmp
+    cluster.root, cluster.env, cluster.added = Path(root), env or {}, 0
+    for _ in range(nodes):
+      add_node(cluster)
     yield cluster
   finally:
     if cluster is not None:
@@ -52,6 +47,20 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
     else:
       os.environ['RAY_TMPDIR'] = before
     shutil.rmtree(temp, ignore_errors=True)
+
+
+def add_node(cluster) -> str:
+  """One more 1-CPU node, with a snapshot directory and a TMPDIR of its own; its id."""
+  i = cluster.added
+  shm, tmp = cluster.root / f'node{i}-shm', cluster.root / f'node{i}-tmp'
+  shm.mkdir(parents=True)
+  tmp.mkdir()
+  node = cluster.add_node(num_cpus=1, env_vars={
+      NODE_SNAPSHOT_DIR_ENV: str(shm), 'TMPDIR': str(tmp), 'PYTHONPATH': str(REPO),
+      **cluster.env}, **_SMALL)
+  cluster.dirs[node.node_id], cluster.tmps[node.node_id] = shm, tmp
+  cluster.added += 1
+  return node.node_id
 
 
 def remove_node(cluster, node_id: str, graceful: bool = True, wait_s: float = 30.0) -> None:

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.results_recovery import (_recovery, _restart_time, _stall_clean_runs,
-                                        _stall_recovery, _stop_time)
+from benchmarks.results_recovery import (_ray_driver_lost, _recovery, _restart_time,
+                                        _stall_clean_runs, _stall_recovery, _stop_time)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'docs' / 'results'
@@ -164,6 +164,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('stall_recovery', 'Recovery from a stall', _stall_recovery),
     ('stall_clean_runs', 'No false stall', _stall_clean_runs),
     ('stop_time', 'A stop within a grace period', _stop_time),
+    ('ray_driver_lost', 'A Ray driver killed: the lease stops the job', _ray_driver_lost),
 ]
 
 # README's short table: (file, what it measures, its figures from that file).

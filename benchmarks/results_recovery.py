@@ -64,3 +64,13 @@ def _stall_clean_runs(d: dict) -> str:
 def _stop_time(d: dict) -> str:
   return (f"{d['processes']} process(es): SIGTERM to exit {d['stop_s']} s, both tiers saved "
           f"{d['both_tiers']}, exit {d['exit_code']}")
+
+
+def _ray_driver_lost(d: dict) -> str:
+  over = ' '.join(d['overrides']) or 'defaults'
+  return (f"{d['processes']} processes on Ray ({over}), the driver SIGKILLed after step "
+          f"{d['kill_step']}, lease {d['stopped_s']:g} s: the job stopped itself after step "
+          f"{d['stop_step']}, {d['kill_to_stop_s']:.1f} s after the kill (every trainer gone at "
+          f"{d['kill_to_trainers_gone_s']:.1f} s); the same command resumed at step "
+          f"{d['resumed_step']}, its first step {d['relaunch_to_first_step_s']:.1f} s after its "
+          "launch")

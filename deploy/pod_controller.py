@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's
 
 from mecefo_jax.config import DEFAULT_OUT, ConfigError  # noqa: E402
 from mecefo_jax.launch import serve  # noqa: E402
-from mecefo_jax.job_rules import exit_text  # noqa: E402
+from mecefo_jax.job_rules import exit_text, megascale_env  # noqa: E402
 from mecefo_jax.supervisor import Supervisor  # noqa: E402
 from mecefo_jax.run import cli  # noqa: E402
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT  # noqa: E402
@@ -128,15 +128,6 @@ def _pid_file(args, slot: int) -> str:
   return f'{args.pid_dir}/mecefo-{tag}-host{slot}.pid'
 
 
-def megascale_env(args, hosts: list[int], slot: int) -> dict[str, str]:
-  """TPU multislice: the job's TPU slices numbered 0.. in logical order (so that process ids,
-  numbered by slot, are those jax derives from them), the coordinator on process 0's host."""
-  units = sorted({h // args.slice_hosts for h in hosts})
-  return {'MEGASCALE_NUM_SLICES': str(len(units)),
-          'MEGASCALE_SLICE_ID': str(units.index(slot // args.slice_hosts)),
-          'MEGASCALE_COORDINATOR_ADDRESS': args.hosts[hosts[0]]}
-
-
 def remote_command(args, hosts: list[int], pid: int, port: int, train_args: list[str]) -> str:
   """The shell command that runs process `pid` of the job of logical hosts `hosts` on its host:
   its pid kept in a file (to signal it later), then the installed trainer (`python -m
@@ -145,7 +136,8 @@ def remote_command(args, hosts: list[int], pid: int, port: int, train_args: list
   train = [args.python, '-m', 'mecefo_jax', f'--coordinator={args.hosts[hosts[0]]}:{port}',
            f'--num-processes={len(hosts)}', f'--process-id={pid}', f'--host-slot={slot}',
            *train_args]
-  env = [f'{k}={v}' for k, v in megascale_env(args, hosts, slot).items()] if args.megascale else []
+  ms = megascale_env(hosts, slot, args.slice_hosts, args.hosts[hosts[0]]) if args.megascale else {}
+  env = [f'{k}={v}' for k, v in ms.items()]
   steps = [f'cd {shlex.quote(args.workdir)}']
   if pid == 0:  # a stop request that no job honoured must not stop this one
     steps.append(f'rm -f {shlex.quote(str(args.out / STOP_FILE))}')
@@ -231,16 +223,11 @@ class PodController(Supervisor):
         return
     self._signal('TERM')
 
-  def _tpu_slice(self, host: int) -> range:
-    """The logical hosts of `host`'s TPU slice (itself alone with --slice-hosts 1)."""
-    k = self.args.slice_hosts
-    return range(host // k * k, host // k * k + k)
-
   def usable(self, hosts) -> list[int]:
     """Those of `hosts` whose whole TPU slice answers the probe now."""
-    asked = sorted({u for h in hosts for u in self._tpu_slice(h)})
+    asked = sorted({u for h in hosts for u in self.unit_of(h)})
     answers = self._on_hosts({h: self.args.probe.replace('{slot}', str(h)) for h in asked})
-    return sorted(h for h in hosts if all(answers[u] for u in self._tpu_slice(h)))
+    return sorted(h for h in hosts if all(answers[u] for u in self.unit_of(h)))
 
   def _ready(self) -> list[int]:
     """The absent hosts that answered (asked every --probe-every seconds)."""

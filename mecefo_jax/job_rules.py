@@ -1,5 +1,6 @@
 """How a supervisor reads its job, whatever runs its processes (here, ssh, Ray): their exits (a
-death, a survivor's, a failed start-up, in words) and the run they train (resumed, started)."""
+death, a survivor's, a failed start-up, in words), the run they train (resumed, started) and
+the TPU slices its hosts form (--slice-hosts: the unit that fails and rejoins whole)."""
 from __future__ import annotations
 
 import signal
@@ -58,3 +59,21 @@ def starts(out: Path) -> int:
   """The starts the run's history.jsonl records (a job writes one once it trains)."""
   history = rundir.read_history(out) if out.is_dir() else []
   return sum(e['kind'] == 'start' for e in history)
+
+
+def tpu_slice(host: int, slice_hosts: int) -> list[int]:
+  """The logical hosts of `host`'s TPU slice: hosts K*u .. K*u+K-1 are slice u (K =
+  `slice_hosts`; with 1, a host alone)."""
+  first = host // slice_hosts * slice_hosts
+  return list(range(first, first + slice_hosts))
+
+
+def megascale_env(hosts: list[int], slot: int, slice_hosts: int,
+                  coordinator: str) -> dict[str, str]:
+  """TPU multislice, for the process of logical host `slot` in the job of `hosts`: the job's TPU
+  slices numbered 0.. in logical order (so that process ids, numbered by slot, are those jax
+  derives from them), the coordinator on process 0's host (`coordinator`: its address)."""
+  units = sorted({h // slice_hosts for h in hosts})
+  return {'MEGASCALE_NUM_SLICES': str(len(units)),
+          'MEGASCALE_SLICE_ID': str(units.index(slot // slice_hosts)),
+          'MEGASCALE_COORDINATOR_ADDRESS': coordinator}

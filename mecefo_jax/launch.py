@@ -66,6 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--ray-resources', type=_resources, default={'CPU': 1.0}, metavar='NAME=N,...',
                  help='--backend ray: what each host holds on its node (default CPU=1; e.g. '
                       'TPU=4,CPU=8); --gpus adds GPU=K')
+  p.add_argument('--slice-hosts', type=at_least(1), default=1, metavar='K',
+                 help='--backend ray: hosts K*u .. K*u+K-1 are TPU slice u, on the K nodes of one '
+                      'slice (Ray\'s ray.io/tpu-slice-name label), which leave and rejoin whole')
+  p.add_argument('--megascale', action='store_true',
+                 help='--backend ray, TPU multislice: set MEGASCALE_NUM_SLICES, _SLICE_ID and '
+                      '_COORDINATOR_ADDRESS for the TPU slices of each job (not run on a pod)')
   p.add_argument('--log-dir', default=None,
                  help='output of the processes other than process 0 (whose output is shown): '
                       'host<h>.log files (default: <--out>/logs, or runs/launch_logs)')
@@ -81,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.num_processes < 2 or args.devices_per_process < 1:
     p.error('need -n >= 2 (a lone process has no peer to hold its snapshot parity) and '
             '--devices-per-process >= 1')
+  if args.backend == 'local' and (args.slice_hosts > 1 or args.megascale):
+    p.error('--slice-hosts and --megascale place hosts on TPU slices: they need --backend ray '
+            '(or deploy/pod_controller.py)')
+  if args.num_processes % args.slice_hosts:
+    p.error(f'-n {args.num_processes}: a multiple of --slice-hosts={args.slice_hosts} (whole '
+            'TPU slices)')
   if args.gpus and args.backend == 'local':  # on Ray, the nodes' GPUs
     _check_gpus(p, args.num_processes * args.devices_per_process)
   own = [a for a in args.train_args if a.split('=')[0] in _OWN_FLAGS]

@@ -11,7 +11,11 @@ death or a stall the job restarts without that host, as the local supervisor's d
 rejoins (after --rejoin-after) once its node is alive, or a spare node Ray provides (one with
 the resources and no host of the job) takes its place. A driver killed or stopped: the actors
 are detached and hold a lease that every look renews; past --stopped-s the job stops at an
-agreed step (snapshotted) and the actors leave (ray_host.py).
+agreed step (snapshotted) and the actors leave (ray_host.py). With --slice-hosts K (TPU VMs),
+hosts K*u .. K*u+K-1 run on the K nodes of one TPU slice (Ray's slice-name label), in its
+worker order: a death of one of them takes its whole slice out of the job, which rejoins once
+that slice (or a spare one) is whole and alive; --megascale numbers the job's slices for
+multislice (docs/tpu.md).
 
 Why raw actors, not Ray Train's JaxTrainer: its worker group restarts whole and waits for the
 missing node; MeCeFO goes on at once with the survivors, each keeping its logical host and its
@@ -32,6 +36,7 @@ from ray.exceptions import ActorUnavailableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mecefo_jax.config import ConfigError
+from mecefo_jax.job_rules import megascale_env, tpu_slice
 from mecefo_jax.ray_host import NODE_SNAPSHOT_DIR_ENV, Host
 from mecefo_jax.supervisor import Supervisor
 
@@ -44,6 +49,8 @@ _CALL_S = 60.0  # an actor's start, kill or wait (its node's worker start-up inc
 _LOOK_S = 2.0  # a look waits this long for the actors' answers; the others answer next time
 _NODES_S = 1.0  # ray.nodes() asked at most this often
 _CONNECT_S = 10.0  # the cluster's address takes a connection within this
+# Ray's labels of a TPU VM's node: its slice's name, its index in the slice (--slice-hosts).
+SLICE_LABEL, WORKER_LABEL = 'ray.io/tpu-slice-name', 'ray.io/tpu-worker-id'
 
 
 def connect(address: str | None) -> None:
@@ -74,21 +81,40 @@ def host_resources(args) -> dict[str, float]:
   return need
 
 
-def usable_nodes(need: dict[str, float]) -> list[str]:
-  """The alive nodes with `need` among their resources, in a stable order."""
-  return sorted(n['NodeID'] for n in ray.nodes() if n['Alive'] and
-                all(n['Resources'].get(k, 0) >= v for k, v in need.items()))
+def usable_groups(need: dict[str, float], slice_hosts: int = 1) -> list[tuple[str, ...]]:
+  """The alive nodes with `need` among their resources, in a stable order: one node a group
+  with `slice_hosts` 1; else the TPU slices (Ray's ray.io/tpu-slice-name label) whose
+  `slice_hosts` nodes are all alive and usable, each in its TPU worker order."""
+  nodes = sorted((n for n in ray.nodes() if n['Alive'] and
+                  all(n['Resources'].get(k, 0) >= v for k, v in need.items())),
+                 key=lambda n: n['NodeID'])
+  if slice_hosts == 1:
+    return [(n['NodeID'],) for n in nodes]
+  slices: dict[str, list[dict]] = {}
+  for n in nodes:
+    name = n.get('Labels', {}).get(SLICE_LABEL)
+    if name:
+      slices.setdefault(name, []).append(n)
+  return [tuple(n['NodeID'] for n in sorted(members, key=_worker_id))
+          for _, members in sorted(slices.items()) if len(members) == slice_hosts]
 
 
-def check_cluster(n: int, need: dict[str, float]) -> list[str]:
-  """n usable nodes for a job of n hosts; ConfigError (one line) where the cluster has fewer."""
-  nodes = usable_nodes(need)
-  if len(nodes) < n:
+def _worker_id(node: dict) -> int:
+  return int(node.get('Labels', {}).get(WORKER_LABEL, 0))
+
+
+def check_cluster(n: int, need: dict[str, float], slice_hosts: int = 1) -> list[tuple[str, ...]]:
+  """The groups (usable_groups) for a job of n hosts; ConfigError (one line) where the cluster
+  has fewer."""
+  groups, units = usable_groups(need, slice_hosts), n // slice_hosts
+  if len(groups) < units:
     alive = [x for x in ray.nodes() if x['Alive']]
-    raise ConfigError(f'--backend ray: the cluster has {len(nodes)} node(s) with the resources '
-                      f'of a host ({need}) among {len(alive)} alive; -n {n} needs {n} (one '
+    what = ('node(s)' if slice_hosts == 1 else f'whole TPU slice(s) of {slice_hosts} nodes '
+            f'(label {SLICE_LABEL})')
+    raise ConfigError(f'--backend ray: the cluster has {len(groups)} {what} with the resources '
+                      f'of a host ({need}) among {len(alive)} alive; -n {n} needs {units} (one '
                       'host per node)')
-  return nodes[:n]
+  return groups[:units]
 
 
 class RayProcess:
@@ -174,19 +200,23 @@ class RayDriver(Supervisor):
 
   def __init__(self, args):
     super().__init__(args)
-    self.need = host_resources(args)
-    self.node_of = dict(zip(self.hosts, check_cluster(len(self.hosts), self.need)))
+    self.need, self.k = host_resources(args), args.slice_hosts
+    # TPU slice u (hosts K*u .. K*u+K-1) -> its nodes, host K*u+w on the w-th.
+    self.group_of = dict(enumerate(check_cluster(len(self.hosts), self.need, self.k)))
     self.actors: dict[int, object] = {}
     self.coordinator: str | None = None
     self._nodes, self._nodes_at = [], -_NODES_S
     if self.watch:
       self.watch.reader = _Seen(self)
 
-  def _alive(self) -> list[str]:
-    """The usable nodes now (asked of Ray at most every _NODES_S)."""
+  def _alive(self) -> list[tuple[str, ...]]:
+    """The usable groups of nodes now (asked of Ray at most every _NODES_S)."""
     if time.monotonic() - self._nodes_at >= _NODES_S:
-      self._nodes, self._nodes_at = usable_nodes(self.need), time.monotonic()
+      self._nodes, self._nodes_at = usable_groups(self.need, self.k), time.monotonic()
     return self._nodes
+
+  def node_of(self, host: int) -> str:
+    return self.group_of[host // self.k][host % self.k]
 
   def _port(self) -> int:
     """The job's actors, one per host on its node; the coordinator on worker 0's node."""
@@ -198,11 +228,11 @@ class RayDriver(Supervisor):
     for h in self.hosts:
       self.actors[h] = actor.options(
           name=f'{self.args.out.name}-host{h}-{os.getpid()}-{self.restarts}', **options,
-          scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_of[h], soft=False),
+          scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_of(h), soft=False),
       ).remote(h, self.args.stopped_s)
     self.say('place', f'hosts {self.hosts} on Ray nodes '
-                      f'{[self.node_of[h][:8] for h in self.hosts]}',
-             nodes={h: self.node_of[h] for h in self.hosts})
+                      f'{[self.node_of(h)[:8] for h in self.hosts]}',
+             nodes={h: self.node_of(h) for h in self.hosts})
     try:
       self.coordinator, port = None, 0
       ip, port = ray.get(self.actors[self.hosts[0]].where.remote(), timeout=_CALL_S)
@@ -219,6 +249,8 @@ class RayDriver(Supervisor):
     if 'TPU' in self.need:  # the node's TPU chips, not CPU devices (the local default)
       args = [a for a in args if not a.startswith('--host-devices=')]
       env['JAX_PLATFORMS'] = os.environ.get('JAX_PLATFORMS', 'tpu')
+    if self.args.megascale and self.coordinator is not None:
+      env.update(megascale_env(self.hosts, host, self.k, self.coordinator.rpartition(':')[0]))
     log = None if pid == 0 else str(self._log(host))  # process 0's output: Ray shows it here
     actor = self.actors[host]
     if self.coordinator is None:
@@ -260,16 +292,18 @@ class RayDriver(Supervisor):
     self.actors = {}
 
   def _coming(self) -> dict[int, float]:
-    """The absent hosts with a node for them now: their own, alive, else a spare one (alive,
-    with the resources, no host on it), which becomes theirs."""
-    alive, taken = self._alive(), {self.node_of[h] for h in self.hosts}
-    own = {h for h in self.ready_at if self.node_of[h] in alive and self.node_of[h] not in taken}
-    taken |= {self.node_of[h] for h in own}
-    spare, coming = [x for x in alive if x not in taken], {}
-    for h, at in sorted(self.ready_at.items(), key=lambda kv: kv[1]):
-      if h not in own and spare:
-        self.node_of[h] = spare.pop(0)
-      if h in own or self.node_of[h] not in taken and self.node_of[h] in alive:
-        coming[h] = at
-        taken.add(self.node_of[h])
+    """The absent hosts with nodes for them now, a TPU slice's all at once: their own nodes,
+    alive, else a spare group (alive, with the resources, no host on it), which becomes theirs."""
+    alive, taken = self._alive(), {self.group_of[h // self.k] for h in self.hosts}
+    absent = sorted({h // self.k for h in self.ready_at},
+                    key=lambda u: self.ready_at[u * self.k])
+    own = {u for u in absent if self.group_of[u] in alive and self.group_of[u] not in taken}
+    taken |= {self.group_of[u] for u in own}
+    spare, coming = [g for g in alive if g not in taken], {}
+    for u in absent:
+      if u not in own and spare:
+        self.group_of[u] = spare.pop(0)
+      if u in own or self.group_of[u] not in taken and self.group_of[u] in alive:
+        coming.update({h: self.ready_at[h] for h in tpu_slice(u * self.k, self.k)})
+        taken.add(self.group_of[u])
     return coming

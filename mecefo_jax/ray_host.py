@@ -119,4 +119,8 @@ class Host:
       except subprocess.TimeoutExpired:
         pass
     self.close()
+    self._leave()
+
+  def _leave(self) -> None:
+    """The actor's process ends (its lease ran out): Ray sees the actor gone."""
     os._exit(0)

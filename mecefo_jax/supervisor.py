@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.job_rules import (dead, error_lines, exit_text, failed_in_start_up, resuming,
-                                  starts)
+                                  starts, tpu_slice)
 from mecefo_jax.progress_marks import MARKS_ENV
 from mecefo_jax.run import recovery_time, rundir
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, PEER_LOST, STOPPED
@@ -293,8 +293,7 @@ class Supervisor:
     # A failure seen at this look: the restart is timed from here (a stall alike).
     self.clock.failure('death', host, self.clock.since_last_look())
     self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({exit_text(code)}): '
-                      f'stopping the survivors {[h for h in self.hosts if h != host]}',
-             host=host, code=code)
+                      f'stopping the survivors {self._survivors(host)}', host=host, code=code)
     return self._without(host)
 
   def _stall(self, stall: Stall) -> int | None:
@@ -315,17 +314,25 @@ class Supervisor:
   def _stalls(self) -> str:
     return f', {self.stalls} stall(s)' if self.stalls else ''  # the end lines' count
 
+  def unit_of(self, host: int) -> list[int]:
+    """The hosts that leave and rejoin with `host`: its TPU slice (--slice-hosts)."""
+    return tpu_slice(host, self.args.slice_hosts)
+
+  def _survivors(self, host: int) -> list[int]:
+    return [h for h in self.hosts if h not in self.unit_of(host)]
+
   def _without(self, host: int) -> int | None:
-    """The job stopped and restarted without `host` (dead or stalled)."""
+    """The job stopped and restarted without `host` (dead or stalled) and its TPU slice."""
     self.kill_all()  # they would wait in the next collective for the dead one
     self.clock.stopped()
     if not self._run_exists():  # no snapshot holds its slices for the others: a fresh start
       self.say('start-again', f'the run does not exist yet (no {rundir.RUN_STATE}): starting the '
                               f'whole job again, host {host} included', host=host)
       return self._restart()
-    self.hosts = [h for h in self.hosts if h != host]
+    self.hosts = self._survivors(host)
     if self.args.rejoin_after is not None:
-      self.ready_at[host] = time.monotonic() + self.args.rejoin_after
+      self.ready_at.update(dict.fromkeys(self.unit_of(host),
+                                         time.monotonic() + self.args.rejoin_after))
     while len(self.hosts) < 2:
       coming = self._coming()
       if not coming:
@@ -334,11 +341,13 @@ class Supervisor:
                             'command once hosts are back')
         return ALL_DOWN
       host, at = min(coming.items(), key=lambda kv: kv[1])
+      back = [h for h in self.unit_of(host) if h in coming]  # a TPU slice comes back whole
       self.say('wait', f'{len(self.hosts)} host left: waiting {max(0, at - time.monotonic()):.0f}'
-                       f' s for the replacement of host {host}')
+                       f' s for the replacement of host(s) {back}')
       time.sleep(max(0.0, at - time.monotonic()))
-      del self.ready_at[host]
-      self.hosts, self.rejoins = sorted(self.hosts + [host]), self.rejoins + 1
+      for h in back:
+        del self.ready_at[h]
+      self.hosts, self.rejoins = sorted(self.hosts + back), self.rejoins + len(back)
     return self._restart()
 
   def _lost_peer(self, exited: dict) -> int | None:

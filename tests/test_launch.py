@@ -115,7 +115,10 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
     (['-n', '1'], 'need -n >= 2'),
     (['-n', '2', '--rejoin-after', '-5'], 'argument --rejoin-after: must be >= 0, got -5'),
     (['-n', '2', '--rejoin-after', 'nan'], 'argument --rejoin-after: must be >= 0, got nan'),
-    (['-n', '2', '--stall-s', '-1'], 'argument --stall-s: must be >= 0, got -1')])
+    (['-n', '2', '--stall-s', '-1'], 'argument --stall-s: must be >= 0, got -1'),
+    (['-n', '4', '--slice-hosts', '2'], '--slice-hosts and --megascale place hosts on TPU '
+                                        'slices: they need --backend ray'),
+    (['-n', '3', '--backend', 'ray', '--slice-hosts', '2'], '-n 3: a multiple of --slice-hosts=2')])
 def test_supervisor_input_errors_are_one_line(capsys, argv, expected):
   line = usage_error(capsys, launch.parse_args, argv)
   assert expected in line, line

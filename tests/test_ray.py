@@ -7,8 +7,11 @@ import os
 import re
 import shlex
 import signal
+import select
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,8 @@ import yaml
 from benchmarks.ray_cluster import local_cluster, remove_node
 from deploy import pod_controller as pc
 from mecefo_jax import job_rules, launch, ray_driver, ray_host
-from mecefo_jax.run import cli
+from mecefo_jax.config import ConfigError
+from mecefo_jax.run import cli, rundir
 from mecefo_jax.run.exits import BAD_INPUT, PEER_LOST, STOPPED
 from mecefo_jax.run.supervised import process_state
 from mecefo_jax.supervisor import free_port
@@ -57,6 +61,64 @@ def test_a_host_needs_a_node_with_its_resources_and_gpus_add_their_own():
                             '--ray-resources', 'CPU=8,TPU=0', '--', '--out', 'r'])
   assert ray_driver.host_resources(args) == {'CPU': 8.0, 'TPU': 0.0, 'GPU': 4.0}
   assert launch.parse_args(['-n', '2']).ray_resources == {'CPU': 1.0}
+
+
+def _node(i: int, tpu_slice: str | None = None, worker: int = 0, alive: bool = True) -> dict:
+  """A node as ray.nodes() describes it; a TPU VM's with the labels Ray gives it."""
+  labels = {} if tpu_slice is None else {ray_driver.SLICE_LABEL: tpu_slice,
+                                         ray_driver.WORKER_LABEL: str(worker)}
+  return {'NodeID': f'n{i}', 'Alive': alive, 'Resources': {'CPU': 1.0}, 'Labels': labels}
+
+
+def test_a_tpu_slice_is_placed_in_its_worker_order_and_leaves_and_rejoins_whole(
+    monkeypatch, tmp_path):
+  import ray
+  nodes = [_node(0, 'b', 1), _node(1, 'a', 1), _node(2, 'a', 0), _node(3, 'b', 0), _node(4),
+           _node(5, 'c', 0), _node(6, 'c', 1, alive=False)]
+  monkeypatch.setattr(ray, 'nodes', lambda: nodes)
+  monkeypatch.setattr(ray_driver, '_NODES_S', 0.0)  # every look asks Ray
+  need = {'CPU': 1.0}
+  assert ray_driver.usable_groups(need) == [(f'n{i}',) for i in range(6)]
+  assert ray_driver.usable_groups(need, 2) == [('n2', 'n1'), ('n3', 'n0')]  # c: one node down
+  with pytest.raises(ConfigError, match=r'^--backend ray: the cluster has 2 whole TPU slice\(s\) '
+                                        r'of 2 nodes .* -n 6 needs 3 '):
+    ray_driver.check_cluster(6, need, 2)
+  run = tmp_path / 'run'
+  args = launch.parse_args(['-n', '4', '--backend', 'ray', '--slice-hosts', '2',
+                            '--rejoin-after', '0', '--', '--out', str(run)])
+  driver = ray_driver.RayDriver(args)
+  assert [driver.node_of(h) for h in range(4)] == ['n2', 'n1', 'n3', 'n0']
+  restarts = []
+  monkeypatch.setattr(driver, 'kill_all', lambda: None)
+  monkeypatch.setattr(driver, '_restart', lambda: restarts.append(list(driver.hosts)))
+  run.mkdir()
+  (run / rundir.RUN_STATE).write_text('{}')  # the run exists: a restart of the survivors
+  driver._without(3)  # host 3 died: its slice's host 2 leaves with it
+  assert restarts == [[0, 1]] and sorted(driver.ready_at) == [2, 3]
+  nodes[0]['Alive'] = False  # slice b is no longer whole, and no spare slice is
+  assert driver._coming() == {}
+  nodes[0]['Alive'] = True  # slice b whole again: its own hosts come back on it, both
+  assert sorted(driver._coming()) == [2, 3] and driver.group_of[1] == ('n3', 'n0')
+  nodes[0]['Alive'], nodes[6]['Alive'] = False, True  # b lost, c whole: c is theirs now
+  assert sorted(driver._coming()) == [2, 3] and driver.group_of[1] == ('n5', 'n6')
+
+
+def test_a_job_of_one_tpu_slice_waits_for_it_whole(monkeypatch, tmp_path):
+  import ray
+  nodes = [_node(0, 'a', 0), _node(1, 'a', 1)]
+  monkeypatch.setattr(ray, 'nodes', lambda: nodes)
+  monkeypatch.setattr(ray_driver, '_NODES_S', 0.0)
+  run = tmp_path / 'run'
+  driver = ray_driver.RayDriver(launch.parse_args(
+      ['-n', '2', '--backend', 'ray', '--slice-hosts', '2', '--rejoin-after', '0', '--',
+       '--out', str(run)]))
+  restarts = []
+  monkeypatch.setattr(driver, 'kill_all', lambda: None)
+  monkeypatch.setattr(driver, '_restart', lambda: restarts.append(list(driver.hosts)))
+  run.mkdir()
+  (run / rundir.RUN_STATE).write_text('{}')
+  driver._without(0)
+  assert restarts == [[0, 1]] and driver.rejoins == 2 and driver.ready_at == {}
 
 
 def test_the_kuberay_recipe_runs_the_driver_with_flags_it_accepts():
@@ -192,4 +254,22 @@ def test_a_host_runs_the_trainer_as_its_child_and_answers_for_it(tmp_path):
   assert seen['code'] == 0 and seen['mark'] is None
   assert 'usage:' in log.read_text()
   host.close()
+  assert not host.marks.exists()
+
+
+def test_a_lease_that_runs_out_ends_the_pipe_then_the_actor(monkeypatch):
+  """A driver killed or stopped (no look for lease_s): the actor closes the write end of the
+  pipe its trainer watches (the trainer then stops the job after its next step, snapshotted:
+  run/supervised.py, as under a local supervisor that is gone), removes its marks and leaves;
+  each look renews the lease."""
+  left = threading.Event()
+  monkeypatch.setattr(ray_host.Host, '_leave', lambda self: left.set())
+  host = ray_host.Host(0, lease_s=1.0)
+  deadline = time.monotonic() + 2.5
+  while time.monotonic() < deadline:  # looks keep it: 2.5 s, past its 1 s lease
+    host.renewed = time.monotonic()  # what look() does, without a child to look at
+    time.sleep(0.1)
+  assert not left.is_set() and select.select([host.read_fd], [], [], 0)[0] == []
+  assert left.wait(10), 'the lease did not run out'
+  assert os.read(host.read_fd, 1) == b''  # the trainer's watch sees the end of the pipe
   assert not host.marks.exists()
