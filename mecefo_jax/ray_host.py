@@ -60,6 +60,7 @@ class Host:
             stopped_s: float) -> int:
     """Starts `python -m mecefo_jax ARGS` (this node's Python) with the job's `env` over the
     node's; output to `log` (None: this actor's, which Ray shows the driver). Its pid."""
+    self.renewed = time.monotonic()  # the first look comes after every host's start
     node_dir = os.environ.get(NODE_SNAPSHOT_DIR_ENV)
     args = [*args, f'snapshot.dir={node_dir}'] if node_dir else list(args)
     env = {**os.environ, **env, MARKS_ENV: str(self.marks),

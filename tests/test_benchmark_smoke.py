@@ -45,3 +45,10 @@ def test_step_trees_times_the_normal_and_degraded_step(launcher, tmp_path):
                               '--repeats', '1', '--steps', '2', json_path=tmp_path / 'steps.json')
   [row] = result['rows']
   assert row['normal_s'] > 0 and row['time_ratio'] > 0 and row['memory_ratio'] > 0, row
+
+
+def test_ray_driver_lost_is_stopped_by_the_lease_and_resumed_at_that_step(launcher, tmp_path):
+  result = launcher.benchmark('ray_driver_lost', '--kill-at', '2', '--stopped-s', '10',
+                              '--steps', '400', *TINY, json_path=tmp_path / 'driver.json')
+  assert 2 <= result['stop_step'] == result['resumed_step'] < 400, result
+  assert result['kill_to_trainers_gone_s'] >= result['kill_to_stop_s'] >= 10
