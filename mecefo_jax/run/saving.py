@@ -15,6 +15,10 @@ from mecefo_jax.snapshot import durable
 from mecefo_jax.snapshot.interval import SnapshotInterval
 from mecefo_jax.snapshot.manager import Snapshots
 
+# A stop's reason where this process did not ask for it (another process's request reached
+# the job first): its history record, process 0's, says this.
+AGREED_STOP = 'a stop agreed by the job'
+
 log = logging.getLogger('mecefo')
 
 
@@ -138,7 +142,7 @@ class Stop(Hook):
     if not self.stopping(record):
       return None
     steps = record.steps_done
-    self.reason = self.request.reason or 'a stop agreed by the job'
+    self.reason = self.request.reason or AGREED_STOP
     where = self.saver.save_now(steps)
     saved = ('saved as the ' + ' and the '.join(where) if where else
              'saved nothing (snapshots are off)' if not self.saver.snapshots else
