@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.ray_cluster import add_node, local_cluster, remove_node
+from benchmarks.ray_cluster import local_cluster, remove_node
 from deploy import pod_controller as pc
 from mecefo_jax import job_rules, launch, ray_driver, ray_host
 from mecefo_jax.config import ConfigError
@@ -248,37 +248,6 @@ def _replay_matches(launcher, run: Path, cwd: Path) -> dict:
   assert result['params_sha256'] == report(run / 'replay')['params_sha256']
   assert result['samples'] == report(run / 'replay')['samples']
   return result
-
-
-def test_a_tpu_slice_of_two_nodes_leaves_and_rejoins_whole_on_ray(launcher, tmp_path):
-  """--slice-hosts 2 on 4 nodes that carry Ray's TPU labels (two slices, as a TPU VM's raylet
-  or an autoscaler sets them): hosts placed in worker order; host 3's trainer SIGKILLed takes
-  its slice (hosts 2, 3) out, which rejoins whole."""
-  with local_cluster(0, tmp_path) as cluster:
-    nodes = [add_node(cluster, {ray_driver.SLICE_LABEL: name, ray_driver.WORKER_LABEL: str(w)})
-             for name, w in (('a', 1), ('a', 0), ('b', 0), ('b', 1))]
-    run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
-    driver = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '--backend', 'ray',
-                             '--address', cluster.address, '-n', '4', '--slice-hosts', '2',
-                             '--rejoin-after', '0', '--events', events, '--', '--out', run,
-                             *[a for a in ARGS if not a.startswith(('mesh.slice', 'train.steps'))],
-                             'mesh.slice=4', 'train.steps=30'],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: _rows(run) >= 2, 240, 'two trained steps', driver)
-    placed = _last(events, 'place')['nodes']
-    assert [placed[str(h)] for h in range(4)] == [nodes[1], nodes[0], nodes[2], nodes[3]]
-    os.kill(_last(events, 'start')['pids']['3'], signal.SIGKILL)
-    wait_for(lambda: driver.poll() is not None, 300, 'the run to end')
-    assert driver.returncode == 0
-    seen = [(e['kind'], e.get('hosts', e.get('host'))) for e in _events(events)
-            if e['kind'] not in ('place', 'actor-lost')]
-    assert seen == [('start', [0, 1, 2, 3]), ('death', 3), ('start', [0, 1]),
-                    ('rejoin-ready', [2, 3]), ('rejoin', [2, 3]), ('start', [0, 1, 2, 3]),
-                    ('end', None)], seen
-    result = _replay_matches(launcher, run, tmp_path)
-    assert result['steps'] == 30 and result['samples']['dropped'] == 0
-    assert not [p for d in cluster.dirs.values() for p in d.rglob('*') if p.is_file()]
-  assert not cluster.temp.exists()
 
 
 def test_a_host_runs_the_trainer_as_its_child_and_answers_for_it(tmp_path):
