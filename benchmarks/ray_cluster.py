@@ -6,7 +6,6 @@ survive it), small object stores, and every file of Ray's in a short temporary d
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -50,23 +49,15 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def add_node(cluster, labels: dict[str, str] | None = None) -> str:
-  """One more 1-CPU node, with a snapshot directory and a TMPDIR of its own; its id. `labels`:
-  the node's, Ray's own included (ray.io/tpu-slice-name, as on a TPU VM), given as an
-  autoscaler gives them (Ray refuses ray.io/ keys from a user)."""
-  from ray._private import ray_constants
+def add_node(cluster) -> str:
+  """One more 1-CPU node, with a snapshot directory and a TMPDIR of its own; its id."""
   i = cluster.added
   shm, tmp = cluster.root / f'node{i}-shm', cluster.root / f'node{i}-tmp'
   shm.mkdir(parents=True)
   tmp.mkdir()
-  if labels:  # read by this process while it starts the node
-    os.environ[ray_constants.LABELS_ENVIRONMENT_VARIABLE] = json.dumps(labels)
-  try:
-    node = cluster.add_node(num_cpus=1, env_vars={
-        NODE_SNAPSHOT_DIR_ENV: str(shm), 'TMPDIR': str(tmp), 'PYTHONPATH': str(REPO),
-        **cluster.env}, **_SMALL)
-  finally:
-    os.environ.pop(ray_constants.LABELS_ENVIRONMENT_VARIABLE, None)
+  node = cluster.add_node(num_cpus=1, env_vars={
+      NODE_SNAPSHOT_DIR_ENV: str(shm), 'TMPDIR': str(tmp), 'PYTHONPATH': str(REPO),
+      **cluster.env}, **_SMALL)
   cluster.dirs[node.node_id], cluster.tmps[node.node_id] = shm, tmp
   cluster.added += 1
   return node.node_id
