@@ -61,21 +61,27 @@ class StartupStopped(BaseException):
 
 # The SIGTERM the start-up's handler raised on. Its StartupStopped can land in a garbage-collection
 # callback (jax's), which swallows it and the start-up goes on (seen at load 20 on 2 cores):
-# raise_if_swallowed() raises it again at a line of the start-up's own.
+# raise_if_swallowed() raises it again at a line of the start-up's own, and the start-up's
+# unraisable hook keeps Python's "Exception ignored in" traceback off stderr (one line, not two).
 _raised: list[int] = []
 
 
 def stop_startup_on_sigterm():
   """Until the run's own stop request takes over (run/stop.py), SIGTERM stops the start-up at
   the next Python line (a compile or a wait inside the runtime finishes first); once. Returns
-  the handler it replaced (restore_sigterm); main thread only, else nothing is changed."""
+  what it replaced (restore_sigterm); main thread only, else nothing is changed."""
   def on_sigterm(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one would cut the clean-up
     _raised.append(signum)
     raise StartupStopped(signum)
   if threading.current_thread() is not threading.main_thread():
     return None
-  return signal.signal(signal.SIGTERM, on_sigterm)
+  previous_hook = sys.unraisablehook
+  def quiet_if_stopped(unraisable):
+    if not isinstance(unraisable.exc_value, StartupStopped):  # that one is raised again later
+      previous_hook(unraisable)
+  sys.unraisablehook = quiet_if_stopped
+  return signal.signal(signal.SIGTERM, on_sigterm), previous_hook
 
 
 def raise_if_swallowed() -> None:
@@ -87,7 +93,8 @@ def raise_if_swallowed() -> None:
 
 def restore_sigterm(previous) -> None:
   if previous is not None:
-    signal.signal(signal.SIGTERM, previous)
+    handler, sys.unraisablehook = previous
+    signal.signal(signal.SIGTERM, handler)
 
 
 def phase(stop: BaseException) -> str:

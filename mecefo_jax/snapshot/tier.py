@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 _ORBAX_SAVE_LOCK = threading.Lock()  # two Orbax save() calls at once (two tiers) break its commit
 _CLOSE_TRIES = 8  # closes of an Orbax manager, each raising one part's error of a failed save
+_RELIST_TRIES = 5  # listings of a tier that a step removed meanwhile can fail
 
 
 # Every snapshot's meta says its parameter layout (model/layout.py); one without it was written
@@ -142,7 +143,13 @@ class Tier:
     return self.directory / str(step)
 
   def steps(self) -> list[int]:
-    self._orbax.reload()  # another process (the crashed trainer) may have written them
+    for tries_left in reversed(range(_RELIST_TRIES)):
+      try:  # another process (the crashed trainer) may have written them
+        self._orbax.reload()
+        break
+      except FileNotFoundError:  # a step removed between Orbax's listing and its stat of it
+        if not tries_left:  # (this tier's own finisher keeping max_to_keep; seen in CI)
+          raise
     return sorted(self._orbax.all_steps(), reverse=True)
 
   def save(self, step: int, state: Any, meta: dict, *, background: bool = False,
