@@ -212,6 +212,26 @@ def test_a_collectives_failure_is_a_lost_peer_in_one_line(capsys):
                          '(Gloo AllGather failed: Read error') and 'pair.cc' not in line, line
 
 
+def test_the_coordination_services_host_lingers_after_its_lost_peer_line(monkeypatch, capsys):
+  """Process 0 holds the job's coordination service: when it exits, jax aborts the processes
+  still connected (SIGABRT, not their one line: seen at load 6). Process 0 of 3 or more stays
+  SERVICE_LINGER_S with SIGTERM at its default (a supervisor's stop ends it); no other does."""
+  import jax
+  slept, previous = [], signal.getsignal(signal.SIGTERM)
+  monkeypatch.setattr(ending.time, 'sleep', lambda s: slept.append(
+      (s, signal.getsignal(signal.SIGTERM))))
+  gloo = JaxRuntimeError('Gloo all-reduce failed: Connection closed by peer')
+  try:
+    for index, count in ((1, 3), (0, 2), (0, 3)):
+      monkeypatch.setattr(jax, 'process_index', lambda: index)
+      monkeypatch.setattr(jax, 'process_count', lambda: count)
+      assert ending.lost_peer(index, gloo) == PEER_LOST
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert slept == [(ending.SERVICE_LINGER_S, signal.SIG_DFL)]
+  assert len(capsys.readouterr().err.splitlines()) == 3
+
+
 def test_a_restarts_phases_add_up_to_its_whole_and_the_last_launch_start_is_its_own():
   part = recovery_time.SupervisorPart('death', 1, 0.1, detected_t=100.0, stopped_t=100.5,
                                       spawned_t=101.0)

@@ -6,6 +6,7 @@ import re
 import signal
 import sys
 import threading
+import time
 
 from pathlib import Path
 
@@ -46,7 +47,26 @@ def lost_peer(host: int, err: BaseException) -> int:
   print(f'error: host {host}: a collective failed, a peer process of the job is gone ({what}); '
         f'exit {PEER_LOST}: the job restarts without the dead process, from its last snapshot '
         '(the supervisor does it)', file=sys.stderr, flush=True)
+  _linger_if_service_host()
   return PEER_LOST
+
+
+# The job's coordination service lives in process 0. Once process 0 exits, jax aborts every
+# process still connected to it (SIGABRT, "Terminating process because the JAX distributed
+# service detected fatal errors", a C++ trace): on a loaded machine that came before a slower
+# survivor's own collective failed and it said so (exit -6 in a 3-process test, run here).
+# Process 0 stays this long after its line; a supervisor kills it at once (kill_all).
+SERVICE_LINGER_S = 10.0
+
+
+def _linger_if_service_host() -> None:
+  """Process 0 of a job of 3 or more waits SERVICE_LINGER_S (SIGTERM ends it) before exiting,
+  so that every other survivor reports its own lost peer first."""
+  import jax  # here: this module is imported before train.py sets up jax's flags
+  if jax.process_index() != 0 or jax.process_count() < 3:
+    return
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a stop ends the wait, not a handler
+  time.sleep(SERVICE_LINGER_S)
 
 
 class StartupStopped(BaseException):
