@@ -84,10 +84,12 @@ def test_a_run_with_auto_measures_sets_and_reports_its_interval(tmp_path):
   assert result['snapshots']['saved'] == saves
 
 
-def _replayed(changes, steps, start=8, periods=4):
+def _replayed(changes, steps, periods=4):
   """The steps at which the tuner proposes, and the snapshots saved, for the intervals it set
   (`changes`): a save at each multiple of the interval, the last step's as the final state's."""
-  every, closed, proposed, saves = start, -1, [], 1  # the first period starts at a save
+  from mecefo_jax.snapshot.interval import START
+  every, closed, proposed, saves = START, -1, [], 1  # the first period starts at a save
+  intervals_set = (e for _, e in changes)
   for step in range(1, steps + 1):
     if step % every:
       continue
@@ -95,6 +97,5 @@ def _replayed(changes, steps, start=8, periods=4):
     closed += 1
     if closed == periods:
       proposed.append(step)
-      every, closed = (changes[len(proposed) - 1][1] if len(proposed) <= len(changes)
-                       else every), 0
+      every, closed = next(intervals_set, every), 0
   return proposed, saves
