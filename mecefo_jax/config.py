@@ -4,12 +4,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mecefo_jax.files import read_user_text, read_yaml
+from mecefo_jax.overrides import ConfigError, apply_updates, parse_override
 from mecefo_jax.settings import (KEPT, MAY_CHANGE, MAY_GROW, Rule, leaves,
                                  markdown as settings_markdown, setting)
 
@@ -33,10 +33,6 @@ AUTO_MODES = ('auto', 'always', 'never')  # faults.precompile, train.move_progra
 # device pays; CPU step times give 0.3-0.6. Too high only degrades more rows than needed.
 DEGRADED_COST = 0.65
 DEFAULT_OUT = 'runs/latest'
-
-
-class ConfigError(ValueError):
-  """A bad configuration value; the message is one line naming the key and what is allowed."""
 
 
 def resolve_compute_dtype(compute_dtype: str, platform: str) -> str:
@@ -263,66 +259,6 @@ class Config:
   snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
 
-def _coerce(key: str, value, typ):
-  """`value` as a `typ` (the field's annotation); declared rules are checked by validate."""
-  if typing.get_origin(typ) is types.UnionType:  # e.g. int | str: the first arm that fits
-    for arm in typing.get_args(typ):
-      try:
-        return _coerce(key, value, arm)
-      except ConfigError:
-        pass
-    names = ' or '.join(arm.__name__ for arm in typing.get_args(typ))
-    raise ConfigError(f"config key '{key}' must be {names}, got {value!r}")
-  if typ is float and not isinstance(value, bool):
-    # PyYAML reads '3e-3' (no dot) as a string; accept any float literal.
-    try:
-      value = float(value) if isinstance(value, (int, str)) else value
-    except ValueError:
-      pass
-  if typ is bool or isinstance(value, bool):
-    ok = isinstance(value, bool) and typ is bool
-  else:
-    ok = isinstance(value, typ)
-  if not ok:
-    raise ConfigError(f"config key '{key}' must be {typ.__name__}, got {value!r}")
-  return value
-
-
-def _apply(cfg, updates: dict, prefix: str = ''):
-  """Returns cfg with `updates` (a nested dict) applied, checking names and types."""
-  hints = typing.get_type_hints(type(cfg))
-  fields = {f.name: f for f in dataclasses.fields(cfg)}
-  names = list(fields)
-  changes = {}
-  for name, value in updates.items():
-    key = f'{prefix}{name}'
-    if name not in names:
-      allowed = ', '.join(prefix + n for n in names)
-      raise ConfigError(f"unknown config key '{key}'; allowed: {allowed}")
-    if dataclasses.is_dataclass(hints[name]):
-      if not isinstance(value, dict):
-        raise ConfigError(f"config key '{key}' is a section; give it a mapping, got {value!r}")
-      changes[name] = _apply(getattr(cfg, fields[name].name), value, key + '.')
-    else:
-      changes[name] = _coerce(key, value, hints[name])
-  return dataclasses.replace(cfg, **changes)
-
-
-def parse_override(text: str) -> dict:
-  """'model.n_layers=4' -> {'model': {'n_layers': 4}} (value parsed as YAML)."""
-  if '=' not in text:
-    raise ConfigError(f"override {text!r} must look like section.key=value")
-  dotted, raw = text.split('=', 1)
-  value = read_yaml(raw, f'override {text!r}', ConfigError) if raw.strip() else ''
-  nested: dict = {}
-  node = nested
-  parts = dotted.strip().split('.')
-  for part in parts[:-1]:
-    node = node.setdefault(part, {})
-  node[parts[-1]] = value
-  return nested
-
-
 def _across_fields(cfg: Config) -> typing.Iterator[str]:
   """The refusals of the rules between fields (each rule of one field is declared on it)."""
   m, most = cfg.model, min(cfg.model.d_model, cfg.model.ffn_dim)
@@ -406,7 +342,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
                 base: dict | None = None) -> Config:
   """Defaults (or `base`: a recorded config, e.g. of a run to resume), then the YAML file at
   `path`, then dotted overrides; validated."""
-  cfg = _apply(Config(), base) if base else Config()
+  cfg = apply_updates(Config(), base) if base else Config()
   if path is not None:
     path = Path(path)
     where = f'config file {str(path)!r}'
@@ -416,9 +352,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
                         f'built-in defaults, or give a built-in config (--config tiny)')
     if not isinstance(data, dict):
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
-    cfg = _apply(cfg, data)
+    cfg = apply_updates(cfg, data)
   for text in overrides:
-    cfg = _apply(cfg, parse_override(text))
+    cfg = apply_updates(cfg, parse_override(text))
   return validate(cfg)
 
 

@@ -1,18 +1,24 @@
-"""Run directories: one run per directory, a lock, config checks on resume, tmpfs errors."""
+"""Run directories: one run per directory, a lock, config checks on resume, tmpfs errors, run_state.json
+on a full disk, what a failed Orbax save leaves in the logs."""
+import errno
 import logging
+import os
 import re
 import resource
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from mecefo_jax.config import ConfigError, load_config, to_dict
-from mecefo_jax.run import cli, dir_lock, hints, rundir
+from mecefo_jax import files
+from mecefo_jax.run import cli, dir_lock, hints, rundir, storage
+from mecefo_jax.run.exits import BAD_INPUT
 
-from procs import ROOT, TINY, report
+from procs import ROOT, TINY, error_lines, report
 
 RUN = (*TINY, 'train.log_every=1', 'train.plot=false', 'mesh.slice=1')
 
@@ -169,3 +175,57 @@ def test_a_resume_reads_the_runs_own_copy_of_its_trace_where_the_given_one_is_go
   with pytest.raises(ConfigError, match=rf"'{given}' not found, and '{out}' holds no copy"):
     rundir.read_trace(out, f'trace:{given}', resume=True)
   assert rundir.read_trace(out, 'high', resume=True) is None
+
+
+def test_an_impossible_device_count_is_refused_before_any_work(tmp_path, capsys):
+  """--host-devices beyond what XLA's CPU client runs is one line, exit 2, before jax starts
+  and before the run directory is made."""
+  with pytest.raises(SystemExit) as exited:
+    cli.main(['--out', str(tmp_path / 'run'), '--host-devices', '1000'])
+  assert exited.value.code == BAD_INPUT
+  [line] = error_lines(capsys.readouterr().err)
+  assert 'argument --host-devices: must be <= 256, got 1000' in line, line
+  assert not (tmp_path / 'run').exists()
+
+
+def test_orbax_closed_loop_noise_is_dropped_and_every_other_report_stays(monkeypatch, caplog):
+  """What a failed Orbax save leaves behind (tensorstore callbacks into its closed event loop,
+  futures nobody awaited) is dropped; any other unraisable exception or asyncio error still
+  reaches the hook before it (Python's, which prints it)."""
+  reached = []
+  monkeypatch.setattr(sys, 'unraisablehook', lambda u: reached.append(str(u.exc_value)))
+  storage.quiet_failed_saves()
+  hook = sys.unraisablehook
+  storage.quiet_failed_saves()  # once: a second call wraps nothing more
+  assert sys.unraisablehook is hook
+
+  def unraisable(err):
+    return types.SimpleNamespace(exc_type=type(err), exc_value=err, exc_traceback=None,
+                                 err_msg=None, object=None)
+  hook(unraisable(RuntimeError('Event loop is closed')))
+  hook(unraisable(RuntimeError('something else')))
+  assert reached == ['something else']
+  asyncio_log = logging.getLogger('asyncio')
+  with caplog.at_level(logging.ERROR, 'asyncio'):
+    asyncio_log.error('_GatheringFuture exception was never retrieved')
+    asyncio_log.error('Task was destroyed but it is pending!')
+  assert caplog.messages == ['Task was destroyed but it is pending!']
+
+
+def test_run_state_is_written_in_place_when_the_disk_has_no_room_for_a_new_file(
+    tmp_path, monkeypatch):
+  """An atomic replace needs a new file, which a full disk refuses (ENOSPC: made here by
+  failing files.replace_text, the OS boundary); run_state.json is then written over its own
+  bytes, so its status says the truth. Longer text than the file holds is not written."""
+  rundir.write_run_state(tmp_path, 'running', run_id='abc', config={'a': 1})
+
+  def full(path, text):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+  monkeypatch.setattr(files, 'replace_text', full)
+  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', config={'a': 1})
+  assert rundir.read_run_state(tmp_path) == {'status': 'stopped', 'run_id': 'abc',
+                                             'config': {'a': 1}}
+  with pytest.raises(OSError):
+    rundir.write_run_state(tmp_path, 'finished', run_id='abc', config={'a': 1, 'b': 2})
+  assert rundir.read_run_state(tmp_path)['status'] == 'stopped'
+  assert [p.name for p in tmp_path.iterdir()] == [rundir.RUN_STATE]

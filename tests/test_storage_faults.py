@@ -16,8 +16,7 @@ import pytest
 
 from mecefo_jax.config import load_config
 from mecefo_jax.model import train_state
-from mecefo_jax import files
-from mecefo_jax.run import cli, metrics, rundir, storage
+from mecefo_jax.run import cli, metrics, rundir
 from mecefo_jax.run.exits import BAD_INPUT, CHECKPOINTS_FAILING, OUTPUTS_FAILING
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
 from mecefo_jax.snapshot.manager import state_nbytes
@@ -367,60 +366,6 @@ def test_resume_with_a_smaller_durable_keep_counts_what_pruning_frees(tmp_path, 
   assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q',
                    'snapshot.durable_keep=1']) == 0
   assert report(tmp_path / 'run')['snapshots']['durable_retained_steps'] == [8]
-
-
-def test_an_impossible_device_count_is_refused_before_any_work(tmp_path, capsys):
-  """--host-devices beyond what XLA's CPU client runs is one line, exit 2, before jax starts
-  and before the run directory is made."""
-  with pytest.raises(SystemExit) as exited:
-    cli.main(['--out', str(tmp_path / 'run'), '--host-devices', '1000'])
-  assert exited.value.code == BAD_INPUT
-  [line] = error_lines(capsys.readouterr().err)
-  assert 'argument --host-devices: must be <= 256, got 1000' in line, line
-  assert not (tmp_path / 'run').exists()
-
-
-def test_orbax_closed_loop_noise_is_dropped_and_every_other_report_stays(monkeypatch, caplog):
-  """What a failed Orbax save leaves behind (tensorstore callbacks into its closed event loop,
-  futures nobody awaited) is dropped; any other unraisable exception or asyncio error still
-  reaches the hook before it (Python's, which prints it)."""
-  reached = []
-  monkeypatch.setattr(sys, 'unraisablehook', lambda u: reached.append(str(u.exc_value)))
-  storage.quiet_failed_saves()
-  hook = sys.unraisablehook
-  storage.quiet_failed_saves()  # once: a second call wraps nothing more
-  assert sys.unraisablehook is hook
-
-  def unraisable(err):
-    return types.SimpleNamespace(exc_type=type(err), exc_value=err, exc_traceback=None,
-                                 err_msg=None, object=None)
-  hook(unraisable(RuntimeError('Event loop is closed')))
-  hook(unraisable(RuntimeError('something else')))
-  assert reached == ['something else']
-  asyncio_log = logging.getLogger('asyncio')
-  with caplog.at_level(logging.ERROR, 'asyncio'):
-    asyncio_log.error('_GatheringFuture exception was never retrieved')
-    asyncio_log.error('Task was destroyed but it is pending!')
-  assert caplog.messages == ['Task was destroyed but it is pending!']
-
-
-def test_run_state_is_written_in_place_when_the_disk_has_no_room_for_a_new_file(
-    tmp_path, monkeypatch):
-  """An atomic replace needs a new file, which a full disk refuses (ENOSPC: made here by
-  failing files.replace_text, the OS boundary); run_state.json is then written over its own
-  bytes, so its status says the truth. Longer text than the file holds is not written."""
-  rundir.write_run_state(tmp_path, 'running', run_id='abc', config={'a': 1})
-
-  def full(path, text):
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-  monkeypatch.setattr(files, 'replace_text', full)
-  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', config={'a': 1})
-  assert rundir.read_run_state(tmp_path) == {'status': 'stopped', 'run_id': 'abc',
-                                             'config': {'a': 1}}
-  with pytest.raises(OSError):
-    rundir.write_run_state(tmp_path, 'finished', run_id='abc', config={'a': 1, 'b': 2})
-  assert rundir.read_run_state(tmp_path)['status'] == 'stopped'
-  assert [p.name for p in tmp_path.iterdir()] == [rundir.RUN_STATE]
 
 
 @pytest.mark.slow
