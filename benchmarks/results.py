@@ -1,5 +1,6 @@
-"""docs/benchmarks.md's tables, README's results table and docs/failures.md's fault-log replay
-table and default-policy block, generated from docs/results/*.json.
+"""docs/benchmarks.md's tables, README's results table, docs/failures.md's fault-log replay
+table and default-policy block, and docs/limitations.md's measured figures, generated from
+docs/results/*.json.
 
 Run: python -m benchmarks.results            (rewrites them; --check: exit 1 where one is stale)
 Every row is one JSON file with the date, machine, commit and command it records; the headline
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from benchmarks.results_limits import LIMITATIONS, limitations
 from benchmarks.results_recovery import (_ray_driver_lost, _recovery, _restart_time,
                                         _stall_clean_runs, _stall_recovery, _stop_time)
 
@@ -351,7 +353,8 @@ def main(argv=None) -> int:
   wanted = {PAGE: page(PAGE.read_text(), results),
             README: with_readme_table(README.read_text(), readme_table(results)),
             FAILURES: with_default_table(with_trace_table(FAILURES.read_text(), trace_table(results)),
-                                         default_table(results))}
+                                         default_table(results)),
+            LIMITATIONS: limitations(LIMITATIONS.read_text(), results)}
   stale = [p for p, text in wanted.items() if not p.exists() or p.read_text() != text]
   if args.check:
     for path in stale:
