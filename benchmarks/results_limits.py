@@ -12,6 +12,10 @@ SNAPSHOT = 'snapshot_overhead_llama_60m_auto.json'
 SCALE = 'failure_throughput_scale_llama_60m_flops.json'
 FRONTIER = 'frontier_32slices.json'
 TRACE = 'trace_goodput_infinitehbd_days0-174.5_400slices_flops.json'
+SEEDS = 'quality_seeds_tiny_text_lr3e-3.json'
+SHAPED = ('quality_presets_llama_60m_shaped_lr1e-3.json',
+          'quality_presets_llama_60m_shaped_lr1e-3_seed1.json')
+VIM = tuple(f'quality_seeds_tiny_vimdoc_{n}steps.json' for n in (300, 1200, 2400))
 QUALITY = ('quality_trace_infinitehbd_tiny_pydoc_8slices.json',
            'quality_trace_infinitehbd_tiny_pydoc_32slices.json')
 
@@ -65,8 +69,35 @@ def _real_cluster(r: dict) -> str:
           + f" ({_link(TRACE)}, {', '.join(map(_link, QUALITY))})")
 
 
+def _steps(d: dict) -> str:
+  steps = {run['steps'] for run in d['per_seed'].values()} if 'per_seed' in d else {d['steps']}
+  return '/'.join(map(str, sorted(steps)))
+
+
+def _short_runs(r: dict) -> str:
+  d = r[SEEDS]
+  high = d['summary']['high']
+  loss = lambda p: f"{high[p]['mean']:+.1f} ± {high[p]['sem']:.1f}%"
+  shaped = [r[n]['floor_2pct_at_high'] for n in SHAPED]
+  through = [v['eval_increase_pct'] for s in shaped for k, v in s.items() if k != 'naive']
+  naive = [s['naive']['eval_increase_pct'] for s in shaped if 'naive' in s]
+  lr = next(o.split('=')[1] for o in r[SHAPED[0]]['overrides'] if o.startswith('optimizer.lr='))
+  vim = {_steps(r[n]): r[n]['summary']['high'] for n in VIM}
+  path = lambda p: ' → '.join(f"{v[p]['mean']:+.1f}%" for v in vim.values())
+  return (f"at `high`, tiny on real text ({len(d['seeds'])} seeds, {d['slices']} slices, "
+          f"{_steps(d)} steps) loses {loss('neighbor')} eval loss with neighbor and "
+          f"{loss('spread')} with spread ({_link(SEEDS)}); {_steps(r[SHAPED[0]])}-step "
+          f"llama_60m-shaped runs (lr {lr}, {len(SHAPED)} seeds) lose {min(through):.1f}–"
+          f"{max(through):.1f}% with neighbor, spread and drop, "
+          + (f"{naive[0]:+.1f}% with naive (exact) " if naive else '')
+          + f"({', '.join(map(_link, SHAPED))}); on the Vim help folder "
+          f"({len(r[VIM[0]]['seeds'])} seeds, {' / '.join(vim)} steps) neighbor's cost goes "
+          f"{path('neighbor')} and spread's {path('spread')} ({', '.join(map(_link, VIM))})")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
-    'snapshot': _snapshot, 'scale': _scale, 'real cluster': _real_cluster}
+    'snapshot': _snapshot, 'scale': _scale, 'real cluster': _real_cluster,
+    'short runs': _short_runs}
 
 
 def begin(key: str) -> str:
