@@ -57,6 +57,21 @@ def test_an_interval_never_exceeds_max_every_and_starts_probing_when_no_step_is_
   assert proposals and set(proposals[-3:]) == {16}
 
 
+def test_a_cost_measured_at_zero_halves_the_interval_instead_of_dropping_it_to_one():
+  """A loaded machine's noise can hide a snapshot's cost (the idle steps' median above the
+  periods'): seen in a suite run, where auto went 8 -> 1 -> 20. Each re-measure of a zero cost
+  halves the interval; a real cost raises it at once."""
+  tuner = IntervalTuner(budget=0.01, max_every=100, start=8, periods=1)
+  proposals = []
+  for _ in range(4):
+    for step in range(tuner.every):
+      tuner.observe(1.0, step == 0, False)  # no step slower than an idle one: cost 0
+    tuner.observe(1.0, True, False)
+    proposals.append(tuner.propose())
+  assert tuner.cost_s == 0 and proposals == [4, 2, 1, 1]
+  assert simulate(tuner, 400, 1.0, 0.3, 0.0, 1.0)[-1] == 30  # 0.3 s a save: up in one move
+
+
 def test_a_run_with_auto_measures_sets_and_reports_its_interval(tmp_path):
   from mecefo_jax.config import load_config
   from mecefo_jax.run.trainer import Trainer

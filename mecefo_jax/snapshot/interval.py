@@ -88,12 +88,16 @@ class IntervalTuner:
 
   def propose(self) -> int:
     """The interval for the measurements since the last proposal; with no idle step seen yet
-    (every step ran beside a save), twice the interval, to find some."""
+    (every step ran beside a save), twice the interval, to find some. It grows at once (the
+    budget holds from the next period) but shrinks at most by half: a cost that noise hid (the
+    idle steps' median above a period's, measured 0 on a loaded machine) walks it down one
+    re-measure at a time instead of dropping it to every step."""
     if not self._costs:
       proposal = min(2 * self.every, self.max_every)
     else:
       self.cost_s = max(0.0, statistics.median(self._costs))
-      proposal = smallest_interval(self.cost_s, self.idle_s, self.budget, self.max_every)
+      proposal = max(smallest_interval(self.cost_s, self.idle_s, self.budget, self.max_every),
+                     self.every // 2)
     self._costs, self._closed = [], 0
     self.every = proposal
     return proposal
