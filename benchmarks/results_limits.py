@@ -27,9 +27,10 @@ def _link(name: str) -> str:
 def _snapshot(r: dict) -> str:
   d = r[SNAPSHOT]
   return (f"{d['snapshot_cpu_s']:.2f} CPU-s per snapshot, {d['overhead_pct']:.1f}% of a "
-          f"{d['times']['no_snapshot']['mean_s']:.1f} s step (mean; {d['overhead_pct_median']:.1f}% "
-          f"median) on {d['date'][:10]}, and `snapshot.every=auto` snapshotted every "
-          f"{d['auto_every']} steps to stay within {d['auto_budget']:.0%} ({_link(SNAPSHOT)})")
+          f"{d['times']['no_snapshot']['mean_s']:.1f} s step (mean; "
+          f"{d['overhead_pct_median']:.1f}% median) on {d['date'][:10]}, and "
+          f"`snapshot.every=auto` snapshotted every {d['auto_every']} steps to stay within "
+          f"{d['auto_budget']:.0%} ({_link(SNAPSHOT)})")
 
 
 def _scale(r: dict) -> str:
@@ -60,7 +61,8 @@ def _real_cluster(r: dict) -> str:
           f"average: the default `{t['default']}` keeps {keep(t['default']):.1f}% of fault-free "
           f"progress at {t['slices']} slices with a {t['profiles'][t['profile']]['total_s']:.0f} s "
           f"restart ({keep(t['default']) - keep('elastic-restart'):+.1f} points against elastic "
-          f"restart's {keep('elastic-restart'):.1f}%; `budget:1.0` keeps {keep('budget:1.0'):.1f}%). "
+          f"restart's {keep('elastic-restart'):.1f}%; `budget:1.0` keeps "
+          f"{keep('budget:1.0'):.1f}%). "
           f"Its eval-loss cost at the log's rates ({quality[0]['steps']} steps, "
           f"{len(quality[0]['seeds'])} seeds) is {loss}, against a "
           f"+{quality_trace.LOSS_BOUND_PCT:g}% bound; "
@@ -79,7 +81,8 @@ def _short_runs(r: dict) -> str:
   high = d['summary']['high']
   loss = lambda p: f"{high[p]['mean']:+.1f} ± {high[p]['sem']:.1f}%"
   shaped = [r[n]['floor_2pct_at_high'] for n in SHAPED]
-  through = [v['eval_increase_pct'] for s in shaped for k, v in s.items() if k != 'naive']
+  through = list(dict.fromkeys(k for s in shaped for k in s if k != 'naive'))
+  losses = [s[k]['eval_increase_pct'] for s in shaped for k in through if k in s]
   naive = [s['naive']['eval_increase_pct'] for s in shaped if 'naive' in s]
   lr = next(o.split('=')[1] for o in r[SHAPED[0]]['overrides'] if o.startswith('optimizer.lr='))
   vim = {_steps(r[n]): r[n]['summary']['high'] for n in VIM}
@@ -87,8 +90,8 @@ def _short_runs(r: dict) -> str:
   return (f"at `high`, tiny on real text ({len(d['seeds'])} seeds, {d['slices']} slices, "
           f"{_steps(d)} steps) loses {loss('neighbor')} eval loss with neighbor and "
           f"{loss('spread')} with spread ({_link(SEEDS)}); {_steps(r[SHAPED[0]])}-step "
-          f"llama_60m-shaped runs (lr {lr}, {len(SHAPED)} seeds) lose {min(through):.1f}–"
-          f"{max(through):.1f}% with neighbor, spread and drop, "
+          f"llama_60m-shaped runs (lr {lr}, {len(SHAPED)} seeds) lose {min(losses):.1f}–"
+          f"{max(losses):.1f}% with {', '.join(through)}, "
           + (f"{naive[0]:+.1f}% with naive (exact) " if naive else '')
           + f"({', '.join(map(_link, SHAPED))}); on the Vim help folder "
           f"({len(r[VIM[0]]['seeds'])} seeds, {' / '.join(vim)} steps) neighbor's cost goes "

@@ -1,5 +1,5 @@
-"""Run directories: one run per directory, a lock, config checks on resume, tmpfs errors, run_state.json
-on a full disk, what a failed Orbax save leaves in the logs."""
+"""Run directories: one run per directory, a lock, config checks on resume, tmpfs errors,
+run_state.json on a full disk, what a failed Orbax save leaves in the logs."""
 import errno
 import logging
 import os
