@@ -9,6 +9,7 @@ import pytest
 
 from mecefo_jax import config
 from mecefo_jax.config import Config, ConfigError, load_config
+from mecefo_jax.overrides import apply_updates, parse_override
 from mecefo_jax.run import rundir
 from mecefo_jax.settings import MAY_CHANGE, MAY_GROW, leaves, setting
 
@@ -34,6 +35,23 @@ def _refusal(overrides, path=None) -> str:
   with pytest.raises(ConfigError) as err:
     load_config(path, overrides)
   return str(err.value)
+
+
+def test_overrides_coerce_each_value_to_its_fields_type_on_any_frozen_config():
+  """overrides.py knows no section of ours: a dotted override becomes a nested mapping, a
+  union field takes the first arm that fits, a float may be written as '3e-3' (PyYAML reads a
+  string), a bool is never an int, and an unknown key names what is allowed."""
+  assert parse_override('dummy.every=auto') == {'dummy': {'every': 'auto'}}
+  assert parse_override('dummy.ratio=3e-3') == {'dummy': {'ratio': '3e-3'}}
+  d = apply_updates(DummyConfig(), {'every': 'auto', 'ratio': '3e-3', 'size': 4})
+  assert (d.every, d.ratio, d.size) == ('auto', 0.003, 4)
+  assert apply_updates(DummyConfig(), {'every': 7}).every == 7
+  with pytest.raises(ConfigError, match="config key 'size' must be int, got True"):
+    apply_updates(DummyConfig(), {'size': True})
+  with pytest.raises(ConfigError, match="unknown config key 'x.levels'; allowed: x.level, "):
+    apply_updates(DummyConfig(), {'levels': 'low'}, prefix='x.')
+  with pytest.raises(ConfigError, match='must look like section.key=value'):
+    parse_override('dummy.every')
 
 
 def test_a_rule_declared_on_its_field_is_parsed_checked_and_documented(monkeypatch, tmp_path):
