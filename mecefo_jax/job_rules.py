@@ -11,6 +11,11 @@ from mecefo_jax.run import rundir
 from mecefo_jax.run.exits import BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
 
 SURVIVOR_EXITS = (STOPPED, PEER_LOST)  # a process's exits that are not its death
+# A death by SIGABRT may be a survivor's: gloo's checks (and jax's coordination client) abort a
+# process whose peer died in a collective, and the peer's own exit can show a look later (a
+# loaded suite run: gloo's "Received data size doesn't match expected size" on host 0 after
+# host 1's SIGKILL, seen first, so host 0 was taken for the dead one).
+ABORTED = -signal.SIGABRT
 
 
 def exit_text(code: int) -> str:
@@ -24,6 +29,12 @@ def dead(exited: dict[int, int]) -> list[int]:
   """The hosts among `exited` ({host: code}) whose exit is a death (a signal, a crash)."""
   return [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and
           c not in SURVIVOR_EXITS]
+
+
+def blamed(died: list[int], exited: dict[int, int]) -> int | None:
+  """Of the hosts that `died`, the one a restart is for: the first whose exit is not an abort;
+  None when every one is an abort (the death that caused them may not show yet)."""
+  return next((h for h in died if exited[h] != ABORTED), None)
 
 
 def failed_in_start_up(exited: dict[int, int], first: int, local: bool) -> list[int]:

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from mecefo_jax import files
-from mecefo_jax.job_rules import (dead, error_lines, exit_text, failed_in_start_up, resuming,
-                                  starts, tpu_slice)
+from mecefo_jax.job_rules import (blamed, dead, error_lines, exit_text, failed_in_start_up,
+                                  resuming, starts, tpu_slice)
 from mecefo_jax.progress_marks import MARKS_ENV
 from mecefo_jax.run import recovery_time, rundir
 from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, PEER_LOST, STOPPED
@@ -29,6 +29,7 @@ _POLL_S, _GRACE_S = 0.1, 60.0
 # A survivor that lost a peer (PEER_LOST) is no death: the dead process shows within this
 # long (a remote one once its transport notices), else the whole job restarts.
 _PEER_WAIT_S = 45.0
+_ABORT_WAIT_S = 5.0  # aborts alone wait this long for the death behind them (job_rules.ABORTED)
 
 
 def free_port(address: str = '127.0.0.1') -> int:
@@ -50,6 +51,7 @@ class Supervisor:
     self.procs: dict[int, subprocess.Popen] = {}
     self.deaths = self.rejoins = self.restarts = 0
     self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
+    self.settle_since = self.abort_since = None  # since when exits wait for others (start())
     self.interrupted: str | None = None  # the signal that stops the job
     self.signals = 0  # SIGINT/SIGTERM received: a second one ends the job at once
     self.away, self.looked_at = False, time.monotonic()  # stopped (SIGSTOP) since a start
@@ -96,7 +98,7 @@ class Supervisor:
     self.clock.spawning()  # a transport's start of its hosts (Ray: their actors) included
     port, n = self._port(), len(self.hosts)
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
-    self.procs, self.stopping, self.settle_since = {}, False, None
+    self.procs, self.stopping, self.settle_since, self.abort_since = {}, False, None, None
     self.away, self.looked_at = False, time.monotonic()
     self._clear_stop_request()
     self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
@@ -213,7 +215,7 @@ class Supervisor:
       return self._start_failed(failed, exited[failed])
     died = dead(exited)
     if died:
-      return self._death(died[0], exited[died[0]])
+      return self._first_death(died, exited)
     if PEER_LOST in exited.values():
       return self._lost_peer(exited)
     if exited and len(exited) == len(codes):
@@ -287,6 +289,17 @@ class Supervisor:
     self.rejoins += len(ready)
     self.say('rejoin', f'host(s) {ready} rejoin', hosts=ready)
     return self._restart()
+
+  def _first_death(self, died: list[int], exited: dict) -> int | None:
+    """The death the restart is for; where each one seen is an abort (a survivor's, maybe), the
+    death that caused it is waited for, within _ABORT_WAIT_S, before the first abort counts."""
+    host = blamed(died, exited)
+    if host is None:
+      self.abort_since = self.abort_since or time.monotonic()
+      if time.monotonic() - self.abort_since <= _ABORT_WAIT_S:
+        return None
+      host = died[0]
+    return self._death(host, exited[host])
 
   def _death(self, host: int, code: int) -> int | None:
     self.deaths += 1

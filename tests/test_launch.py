@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -215,6 +216,27 @@ def test_a_stop_by_ctrl_c_ends_with_a_closing_line_and_a_history_row(tmp_path, c
   sup.interrupted = None
   assert sup._finished({0: STOPPED, 1: STOPPED}) == STOPPED
   assert 'job stopped (exit 143) after 0 death(s)' in capsys.readouterr().err
+
+
+def test_an_abort_waits_for_the_death_that_caused_it(tmp_path, capsys, monkeypatch):
+  """gloo aborts a survivor whose peer died in a collective (SIGABRT), and a transport may see
+  that abort a look before the peer's own death (a loaded suite run on Ray took host 0 for the
+  dead one after host 1's SIGKILL): the death that is no abort is the one restarted for; an
+  abort alone counts once no other death showed within the wait."""
+  run = tmp_path / 'run'
+  run.mkdir()
+  sup = supervisor.Supervisor(launch.parse_args(['-n', '3', '--', '--out', str(run)]))
+  restarted = []
+  monkeypatch.setattr(sup, '_without', restarted.append)
+  sup.procs = {0: _Exited(-signal.SIGABRT), 1: _Exited(None), 2: _Exited(None)}
+  assert sup._watch() is None and restarted == []  # an abort alone: the cause may follow
+  sup.procs[1] = _Exited(-signal.SIGKILL, pid=11)
+  assert sup._watch() is None and restarted == [1]
+  assert 'host 1 (pid 11) died (killed by SIGKILL)' in capsys.readouterr().err
+  sup.procs, sup.abort_since = {0: _Exited(-signal.SIGABRT), 1: _Exited(None)}, None
+  assert sup._watch() is None and restarted == [1]
+  sup.abort_since -= supervisor._ABORT_WAIT_S + 1  # no other death within the wait
+  assert sup._watch() is None and restarted == [1, 0] and sup.deaths == 2
 
 
 @pytest.mark.parametrize('state, train_args, resuming', [
