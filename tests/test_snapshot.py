@@ -199,6 +199,30 @@ def test_falls_back_to_durable_when_memory_is_empty(tmp_path, mesh):
     assert manager.restore_latest(abstract(states[0])) is None
 
 
+def test_what_a_tier_holds_is_counted_while_another_process_removes_its_tmp_folders(
+    tmp_path, monkeypatch):
+  """A restarted process counts the bytes its tmpfs tier holds while another process's Orbax
+  removes a save's *.orbax-checkpoint-tmp folder (a loaded suite run: FileNotFoundError in
+  the start-up); a folder or file gone meanwhile is left out, the rest counted."""
+  kept, tmp = tmp_path / 'host0' / '3', tmp_path / 'host2' / '4.orbax-checkpoint-tmp'
+  for folder in (kept, tmp / 'meta.orbax-checkpoint-tmp'):
+    folder.mkdir(parents=True)
+  (kept / 'image').write_bytes(b'x' * 100)
+  (tmp / 'meta.orbax-checkpoint-tmp' / 'meta').write_bytes(b'y' * 7)
+  (tmp / 'part').write_bytes(b'z' * 5)
+  walk = os.walk
+
+  def racing(top):  # the other process removes the tmp folder once the walk has listed it
+    for entry in walk(top):
+      yield entry
+      if entry[0] == str(tmp):
+        shutil.rmtree(tmp)
+  monkeypatch.setattr(capacity.os, 'walk', racing)
+  assert capacity.held_bytes(tmp_path) == 105  # its part, counted before it went; not its meta
+  monkeypatch.undo()
+  assert capacity.held_bytes(tmp_path) == 100 and capacity.held_bytes(tmp_path / 'no') == 0
+
+
 def test_bad_directories_are_rejected_before_training(tmp_path):
   with pytest.raises(SnapshotError, match=r'missing/snap: parent .*missing does not exist'):
     SnapshotManager(tmp_path / 'missing' / 'snap')

@@ -47,9 +47,16 @@ def check_writable(directory: Path, key: str = 'snapshot.dir') -> Path:
 def held_bytes(directory: Path) -> int:
   """Bytes of the snapshots already in a tier's `directory` (a resume's): the tier prunes them
   to its `keep` newest, so their room counts as the tier's own."""
-  if not directory.is_dir():
-    return 0
-  return sum(f.stat().st_size for f in directory.rglob('*') if f.is_file())
+  held = 0
+  # os.walk skips a folder that goes meanwhile: another process's Orbax removes its finished or
+  # failed saves' *.orbax-checkpoint-tmp folders while this one counts (a loaded suite run).
+  for folder, _, names in os.walk(directory):
+    for name in names:
+      try:
+        held += os.stat(os.path.join(folder, name), follow_symlinks=False).st_size
+      except FileNotFoundError:
+        pass  # removed between the listing and its stat
+  return held
 
 
 def check_capacity(directory: str | os.PathLike, state_bytes: int, keep: int, *,
