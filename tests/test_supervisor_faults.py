@@ -106,7 +106,8 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(launcher, tmp_pa
 
 def test_a_survivor_of_a_peers_death_says_so_in_one_line(launcher, tmp_path):
   """Three processes without a supervisor (nothing kills the survivors): host 1 dies after
-  step 2; hosts 0 and 2 fail in their next collective and each says so in one line."""
+  step 2; hosts 0 and 2 fail in their next collective and each says so in one line, unless gloo's
+  own check aborts it first (a torn message from the dying peer: C++, nothing to catch)."""
   run, port = tmp_path / 'run', launch_port()
   env = launcher.env(MECEFO_TEST_SIGKILL='1:2')
   procs = [launcher.start([sys.executable, '-m', 'mecefo_jax', f'--coordinator=127.0.0.1:{port}',
@@ -118,6 +119,8 @@ def test_a_survivor_of_a_peers_death_says_so_in_one_line(launcher, tmp_path):
   assert procs[1].returncode == -signal.SIGKILL, ended[1][1][-3000:]
   for host in (0, 2):
     err = ended[host][1]
+    if procs[host].returncode == -signal.SIGABRT and 'gloo::EnforceNotMet' in err:
+      continue  # gloo's own check aborted it mid-collective (C++; docs/errors.md says so)
     assert procs[host].returncode == PEER_LOST, (host, procs[host].returncode, err[-3000:])
     assert 'Traceback' not in err, err[-3000:]
     [line] = error_lines(err)
