@@ -116,7 +116,9 @@ def down_intervals(faults: list[Fault], where: str) -> dict[str, list[tuple[floa
   is open (starts and ends paired by node and fault type; an end and a start at one time keep it
   down). Untidy events are read with a warning naming them: a start of a fault already open is
   part of it; an end with no start before it means down since the log's first day; an end of a
-  fault already ended is ignored. A fault still open at the log's end stays down (end inf)."""
+  fault already ended is ignored. A fault still open at the log's end stays down (end inf).
+  A fault that ends when it starts (a zero-length [t, t), an orphan end on the first day
+  included) takes no time: dropped, its node stays up, one warning with the count."""
   first = faults[0].day if faults else 0.0
   open_at: dict[tuple, float] = {}
   ended: set[tuple] = set()
@@ -142,7 +144,12 @@ def down_intervals(faults: list[Fault], where: str) -> dict[str, list[tuple[floa
       ended.add(key)
   for (node, _), start in open_at.items():
     spans.setdefault(node, []).append((start, math.inf))
-  return {node: _merged(s) for node, s in spans.items()}
+  zero = sum(b <= a for s in spans.values() for a, b in s)
+  if zero:
+    log.warning('%s: %d fault(s) end when they start (zero length): dropped, their nodes stay up',
+                where, zero)
+  merged = {node: _merged([(a, b) for a, b in s if b > a]) for node, s in spans.items()}
+  return {node: s for node, s in merged.items() if s}
 
 
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
