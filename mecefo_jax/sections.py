@@ -53,8 +53,9 @@ def name(tp) -> str:
     return 'object'
   if origin is Literal:
     return ' \\| '.join(f"'{o}'" for o in args)
-  if origin is list:
-    return f'list of {name(args[0])}'
+  if origin is list:  # nullable items in parentheses, apart from a null list
+    item = name(args[0])
+    return f'list of ({item})' if nullable(args[0]) is not None else f'list of {item}'
   if origin is tuple:
     return f'[{name(args[0])}, {name(args[1])}]'
   if tp is dict or origin is dict:

@@ -61,16 +61,81 @@ def test_untidy_events_are_read_with_a_warning_naming_each(caplog):
     (text(ev('a', 1, 'start'), ev('a', '2', 'end')), 'event 1: event_time must be a number'),
     (text(ev('a', 1, 'begin')), 'event 0: event_type must be fault_start or fault_end'),
     (text({**ev('a', 1, 'start'), 'fault_type': {'Class': 'GPU'}}), 'event 0: fault_type must'),
-    (text(ev('a', 2, 'start'), ev('b', 1, 'start')),
-     'event 1 (node b, day 1) comes before the one ahead of it (day 2): events must be sorted'),
+    ('', 'the fault log is empty'),
+    (' \n', 'the fault log is empty'),
+    ('[]', 'the fault log has no events'),
+    ('{}', 'a fault log is a JSON list of events, got a dict'),
+    ('node_id,event_time,event_type\na,1,fault_start\n', 'not a JSON fault log: Expecting value'),
+    (text(ev('a', 1, 'start'), {**ev('a', 2, 'end'), 'host': 'h1', 'Time': 2}),
+     "event 1: unknown field(s) 'host', 'Time' (an event has node_id, event_time, event_type, "
+     'fault_type); got {'),
 ])
 def test_a_bad_log_is_refused_in_one_line_naming_the_event(tmp_path, log, says):
-  path = tmp_path / 'faults.json'
+  path = tmp_path / 'faults.json'  # a *.json file is a node log, whatever its text
   path.write_text(log)
   with pytest.raises(ConfigError) as err:
     FailureSchedule.from_trace(path, 4)
   assert str(err.value).startswith(f'{path}: ') and says in str(err.value)
   assert '\n' not in str(err.value)
+
+
+def test_a_csv_log_not_named_json_is_read_as_step_lines_and_refused_on_line_1(tmp_path):
+  path = tmp_path / 'faults.csv'
+  path.write_text('node_id,event_time,event_type\na,1,fault_start\n')
+  with pytest.raises(ConfigError) as err:
+    FailureSchedule.from_trace(path, 4)
+  assert str(err.value) == (f"{path}:1: expected 'step slice fail|repair', got "
+                            "'node_id,event_time,event_type'")
+
+
+def test_an_empty_step_trace_warns_that_the_run_has_no_failures(tmp_path, caplog):
+  path = tmp_path / 'trace.txt'
+  path.write_text('# nothing yet\n')
+  with caplog.at_level(logging.WARNING, logger='mecefo'):
+    assert FailureSchedule.from_trace(path, 4).all_events() == []
+  assert caplog.messages == [f'failure trace {path} holds no events: the run has no failures']
+
+
+def test_an_unsorted_log_is_sorted_with_one_warning_counting_the_events_out_of_order(caplog):
+  tidy = [ev('a', 1, 'start'), ev('b', 1.5, 'start'), ev('a', 2, 'end'), ev('a', 2, 'start', NIC),
+          ev('b', 3, 'end'), ev('a', 4, 'end', NIC)]
+  # b's end (day 3) moved to the front and b's start after a's day-2 pair: 4 events come after
+  # a later one; the two at day 2 keep their file order (an end, then a start: a stays down).
+  shuffled = [tidy[4], tidy[0], tidy[2], tidy[3], tidy[1], tidy[5]]
+  with caplog.at_level(logging.WARNING, logger='mecefo'):
+    faults = fault_log.parse(text(*shuffled), 'log')
+  assert caplog.messages == ['log: 4 event(s) out of time order (the first: event 1, node a, '
+                             'day 1, after day 3): sorted by event_time']
+  assert [(f.index, f.day) for f in faults] == [(1, 1), (4, 1.5), (2, 2), (3, 2), (0, 3), (5, 4)]
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger='mecefo'):
+    assert down(*shuffled) == down(*tidy) == {'a': [(1, 4)], 'b': [(1.5, 3)]}
+  assert len(caplog.messages) == 1  # the shuffled log's: a sorted one warns nothing
+
+
+def test_a_zero_length_fault_never_fails_its_slice_the_other_nodes_fail_and_are_repaired(
+    tmp_path, caplog):
+  """Node z's only fault ends when it starts: its slice is live at every step, with no event
+  (not even a one-step outage); node a is down from day 1 to day 2. A step is an hour of log
+  time (compress 60, 60 s steps): a fails at step 24 and is repaired at step 48."""
+  path = tmp_path / 'faults.json'
+  path.write_text(text(ev('z', 1, 'start'), ev('a', 1, 'start'), ev('z', 1, 'end'),
+                       ev('a', 2, 'end')))
+  mapping = LogMapping(compress=60.0)
+  with caplog.at_level(logging.WARNING, logger='mecefo'):
+    sched = FailureSchedule.from_trace(path, 2, log=mapping, cluster_step_s=60.0)
+  assert any('1 fault(s) end when they start' in m for m in caplog.messages)
+  z, a = sched.trace_nodes.index('z'), sched.trace_nodes.index('a')
+  failed = list(sched.failed_sets(60))
+  assert all(z not in f for f in failed)
+  assert [a in f for f in failed] == [False] * 24 + [True] * 24 + [False] * 12
+  assert [(e.step, e.slice, e.kind) for e in sched.all_events()] == [
+      (24, a, 'fail'), (48, a, 'repair')]
+  # from_timed builds the same schedule from the log's timed events: none for z's slice.
+  played = fault_log.replay(path.read_text(), str(path), 2, mapping)
+  assert played.nodes == sched.trace_nodes and {e.slice for e in played.events} == {a}
+  timed = FailureSchedule.from_timed(played.events, 2, 60.0, 'trace:faults.json')
+  assert timed.all_events() == sched.all_events()
 
 
 def test_fault_classes_filter_and_an_unknown_class_is_refused():
@@ -123,6 +188,23 @@ def test_a_run_maps_the_log_by_its_config(tmp_path):
   assert sched.all_events() == expected.all_events() and sched.all_events()[0].step == 0
   assert sched.all_events() != FailureSchedule.from_trace(LOG, 400, log=LogMapping(
       400, seed=3), cluster_step_s=60.0).all_events()
+
+
+def test_a_run_of_a_node_log_records_the_node_each_slice_replays(tmp_path):
+  """report.json's trace_nodes_by_slice: the draw of fault_log.draw_nodes (a seed drawing one
+  logged node and one that never fails), the log's faults after the run's steps."""
+  from mecefo_jax.run import cli
+  from procs import TINY, report
+  log = tmp_path / 'faults.json'
+  log.write_text(text(ev('a', 30, 'start'), ev('b', 31, 'start'), ev('b', 32, 'end')))
+  draw = lambda seed: fault_log.draw_nodes(['a', 'b'], 2, 4, seed, 'log')
+  seed = next(s for s in range(1, 50) if None in draw(s) and set(draw(s)) - {None})
+  out = tmp_path / 'run'
+  assert cli.main(['--out', str(out), '--failures', f'trace:{log}', *TINY, 'mesh.slice=2',
+                   'train.steps=2', 'train.eval_every=0', 'train.plot=false',
+                   'train.compile_cache=', f'snapshot.dir={tmp_path}/shm',
+                   'faults.trace_nodes=4', f'train.seed={seed}']) == 0
+  assert report(out)['trace_nodes_by_slice'] == draw(seed)
 
 
 def test_the_real_log_reads_clean():

@@ -81,6 +81,14 @@ def test_a_nested_section_is_checked_and_documented_key_by_key():
       "gadgets[0].kinds[0]: expected one of ('a', 'b'), got 'c'", 'gadgets[1].count: missing']
 
 
+def test_a_nullable_list_of_nullable_items_says_which_null_is_which():
+  assert sections.name(list[str | None] | None) == 'list of (str \\| null) \\| null'
+  assert sections.name(list[str] | None) == 'list of str \\| null'
+  found: list[str] = []
+  sections.check(list[str | None] | None, ['a', None, 3], 'x', found)
+  assert [f.split(':')[0] for f in found] == ['x[2]'], found
+
+
 def test_floats_are_finite_and_a_bool_is_no_int():
   found: list[str] = []
   sections.check(float, float('inf'), 'x', found)

@@ -92,6 +92,7 @@ def test_report_matches_the_schema(run):
   on_disk = json.loads((out / 'report.json').read_text())
   assert report_schema.errors(on_disk) == []
   assert on_disk['schema_version'] == report_schema.SCHEMA_VERSION
+  assert on_disk['trace_nodes_by_slice'] is None  # no node fault log
   sn = on_disk['snapshots']
   assert sn['enabled'] and sn['saved'] == STEPS // 5 and sn['durable_saved'] == STEPS // 10
   assert sn['retained_steps'][-1] == STEPS and sn['durable_retained_steps'] == [10, 20]

@@ -90,6 +90,8 @@ class FailureSchedule:
   def __init__(self, n_slices: int):
     self.n_slices = n_slices
     self._events: dict[int, list[FailureEvent]] = defaultdict(list)
+    # A node fault log's: the node each slice replays (None: one that never fails in the log).
+    self.trace_nodes: list[str | None] | None = None
 
   def _add(self, slice_: int, step: int, kind: str, source: str) -> None:
     if not 0 <= slice_ < self.n_slices:
@@ -153,14 +155,16 @@ class FailureSchedule:
                  cluster_step_s: float = 60.0) -> 'FailureSchedule':
     """One event per line: `step slice fail|repair`; blank lines and # comments ignored. Or a
     JSON node fault log (core/fault_log.py), mapped by `log` (default LogMapping()) to steps of
-    `cluster_step_s` seconds. `text`: the file's text if already read; `source`: the events'
-    (default trace:<name>)."""
+    `cluster_step_s` seconds (a *.json file is one, JSON or not), its nodes as `trace_nodes`.
+    `text`: the file's text if already read; `source`: the events' (default trace:<name>)."""
     path = Path(path)
     sched, source = cls(n_slices), source or f'trace:{path.name}'
     text = read_user_text(path, 'failure trace', ConfigError) if text is None else text
-    if fault_log.is_node_log(text):
-      events = fault_log.slice_events(text, str(path), n_slices, log or fault_log.LogMapping())
-      return cls.from_timed(events, n_slices, cluster_step_s, source)
+    if fault_log.is_node_log(text) or path.suffix.lower() == '.json':
+      played = fault_log.replay(text, str(path), n_slices, log or fault_log.LogMapping())
+      sched = cls.from_timed(played.events, n_slices, cluster_step_s, source)
+      sched.trace_nodes = played.nodes
+      return sched
     for lineno, line in enumerate(text.splitlines(), 1):
       fields = line.split('#', 1)[0].split()
       if not fields:
@@ -178,7 +182,9 @@ class FailureSchedule:
 
   def _warn_no_ops(self, where: str) -> None:
     """A warning per event that changes nothing (likely a typo in a trace): a fail of a slice
-    already down, a repair of a live one."""
+    already down, a repair of a live one; one for no events at all (an empty file, say)."""
+    if not self._events:
+      log.warning('%s holds no events: the run has no failures', where)
     failed = set()
     for step in sorted(self._events):
       for e in self.events_at(step):

@@ -12,6 +12,7 @@ from mecefo_jax.config import ConfigError
 from mecefo_jax.core.timed import TimedEvent
 
 DAY_S = 86400.0
+FIELDS = ('node_id', 'event_time', 'event_type', 'fault_type')
 EVENT_TYPES = ('fault_start', 'fault_end')
 FAULT_KEYS = ('Level', 'Class', 'Desc')
 log = logging.getLogger('mecefo')
@@ -50,8 +51,11 @@ class Fault:
 
 
 def parse(text: str, where: str) -> list[Fault]:
-  """The log's events, checked: not JSON, an event without its fields or out of time order is
-  one ConfigError line naming the event."""
+  """The log's events, checked, in time order: an empty file, not JSON, no events or an event
+  without its fields (or with others) is one ConfigError line naming it; events out of time
+  order are sorted, with one warning."""
+  if not text.strip():
+    raise ConfigError(f'{where}: the fault log is empty (a JSON list of events expected)')
   try:
     raw = json.loads(text)
   except json.JSONDecodeError as err:
@@ -59,15 +63,24 @@ def parse(text: str, where: str) -> list[Fault]:
                       f'{err.colno}') from None
   if not isinstance(raw, list):
     raise ConfigError(f'{where}: a fault log is a JSON list of events, got a {type(raw).__name__}')
-  faults, last = [], -math.inf
-  for i, e in enumerate(raw):
-    fault = _event(i, e, where)
-    if fault.day < last:
-      raise ConfigError(f'{where}: event {i} (node {fault.node}, day {fault.day:g}) comes before '
-                        f'the one ahead of it (day {last:g}): events must be sorted by event_time')
-    faults.append(fault)
-    last = fault.day
-  return faults
+  if not raw:
+    raise ConfigError(f'{where}: the fault log has no events')
+  return _sorted([_event(i, e, where) for i, e in enumerate(raw)], where)
+
+
+def _sorted(faults: list[Fault], where: str) -> list[Fault]:
+  """`faults` by time, in file order at one time (an end and a start there keep their order);
+  one warning with the count of events earlier than one before them in the file."""
+  late, last = [], -math.inf
+  for f in faults:
+    if f.day < last:
+      late.append((f, last))
+    last = max(last, f.day)
+  if late:
+    (f, after), n = late[0], len(late)
+    log.warning('%s: %d event(s) out of time order (the first: event %d, node %s, day %g, after '
+                'day %g): sorted by event_time', where, n, f.index, f.node, f.day, after)
+  return sorted(faults, key=lambda f: f.day)  # stable
 
 
 def _event(i: int, e, where: str) -> Fault:
@@ -75,7 +88,11 @@ def _event(i: int, e, where: str) -> Fault:
   bad = lambda what: ConfigError(f'{where}: event {i}: {what}; got {json.dumps(e)[:120]}')
   if not isinstance(e, dict):
     raise bad('not an object')
-  node, day, typ, kind = (e.get(k) for k in ('node_id', 'event_time', 'event_type', 'fault_type'))
+  unknown = [k for k in e if k not in FIELDS]
+  if unknown:  # a misspelt field would otherwise read as a missing one, or pass unseen
+    raise bad(f"unknown field(s) {', '.join(map(repr, unknown))} (an event has "
+              f"{', '.join(FIELDS)})")
+  node, day, typ, kind = (e.get(k) for k in FIELDS)
   if not isinstance(node, str) or not node:
     raise bad('node_id must be a non-empty string')
   if isinstance(day, bool) or not isinstance(day, (int, float)) or not 0 <= day < math.inf:
@@ -194,13 +211,27 @@ def timed_events(down: dict, slice_nodes: list[str | None], start_day: float, en
   return sorted(events, key=lambda e: (e.time_s, e.kind != 'repair', e.slice))
 
 
-def slice_events(text: str, where: str, n_slices: int, mapping: LogMapping,
-                 end_day: float = math.inf) -> list[TimedEvent]:
-  """The log `text` as the timed events of `n_slices` slices under `mapping`."""
+@dataclasses.dataclass(frozen=True)
+class Replay:
+  """A log replayed on slices: each slice's node (draw_nodes; None: one that never fails in the
+  log) and the slices' timed events."""
+  nodes: list[str | None]
+  events: list[TimedEvent]
+
+
+def replay(text: str, where: str, n_slices: int, mapping: LogMapping,
+           end_day: float = math.inf) -> Replay:
+  """The log `text` replayed by `n_slices` slices under `mapping`, up to `end_day`."""
   if not mapping.compress > 0:
     raise ConfigError(f'{where}: the compression factor must be > 0, got {mapping.compress}')
   faults = parse(text, where)
   down = down_intervals(counted(faults, mapping.classes, where), where)
   # Every node of the log is drawn from, whatever the class filter: one seed, one draw.
   nodes = draw_nodes(sorted({f.node for f in faults}), n_slices, mapping.nodes, mapping.seed, where)
-  return timed_events(down, nodes, mapping.start_day, end_day, mapping.compress)
+  return Replay(nodes, timed_events(down, nodes, mapping.start_day, end_day, mapping.compress))
+
+
+def slice_events(text: str, where: str, n_slices: int, mapping: LogMapping,
+                 end_day: float = math.inf) -> list[TimedEvent]:
+  """The log `text` as the timed events of `n_slices` slices under `mapping` (replay's)."""
+  return replay(text, where, n_slices, mapping, end_day).events

@@ -39,6 +39,7 @@ def build(run, end: RunEnd) -> dict:
   r.failure_events = [AppliedEvent(**e) for e in c.events]
   r.failures_note = ending.no_failure_note(cfg, run.presence.n_slices, end.steps_done, c.events)
   r.scheduled_events = list(run.schedule.all_events())
+  r.trace_nodes_by_slice = run.schedule.trace_nodes
   r.samples, r.goodput, r.live_slices_at_end = dict(c.samples), Seconds(**c.goodput), list(c.live())
   r.resumed_from_step, r.steps_lost = run.origin.resumed_from, run.origin.steps_lost
   r.rollback, r.changed_on_resume = run.origin.rollback, run.files.changed
