@@ -70,19 +70,28 @@ def test_the_benchmark_replays_a_window_of_the_real_log(launcher, tmp_path):
   result = launcher.benchmark(
       'trace_goodput', '--trace', 'benchmarks/traces/infinitehbd_days0-174.5.json', '--days',
       '20:40', '--slices', '16', '--seeds', '2', '--policies', 'spread,budget:1.0', '--spares',
-      '0,2', '--sweep-restart-s', '30', '--sweep-checkpoint-min', '10,60', '--rejoin-levers',
-      'every:24', '--figure', tmp_path / 'f.png', json_path=tmp_path / 'tg.json')
+      '0,4', '--sweep-restart-s', '30', '--sweep-checkpoint-min', '10,60', '--rejoin-levers',
+      'every:24', '--slice-hosts', '2', '--hot-spares', '2', '--figure', tmp_path / 'f.png',
+      json_path=tmp_path / 'tg.json')
   from benchmarks.trace_goodput import default_policy
   from mecefo_jax.config import Config
   default = default_policy(Config())  # replayed whether --policies names it or not
   assert result['default'] == default and result['slices'] == 16 and result['nodes'] == 400
   names = {'spread', 'budget:1.0', default, 'elastic-restart', 'checkpoint-restart-0-spares',
-           'checkpoint-restart-2-spares'}
+           'checkpoint-restart-4-spares'}  # servers: 4 are two slices of 2 hosts
   assert set(result['approaches']) == names
   for r in result['approaches'].values():
     assert {'goodput_pct', 'dropped_pct', 'degraded_pct', 'restarts'} <= set(r)
     assert 0.0 <= r['goodput_pct'] <= 100.0 and len(r['goodput_pct_per_seed']) == 2
-  # 2 of 16 nodes are spares: checkpoint-restart keeps at most 14/16 of the samples.
-  assert result['approaches']['checkpoint-restart-2-spares']['goodput_pct'] <= 100 * 14 / 16
+  # 2 of 16 slices (2 hosts each) are spares: checkpoint-restart keeps at most 14/16 of them.
+  assert result['approaches']['checkpoint-restart-4-spares']['goodput_pct'] <= 100 * 14 / 16
+  assert result['slice_hosts'] == 2 and result['micro_batch'] == 2 * result['rows_per_host']
+  # Two of the 32 servers hot spares: 15 slices train, the hardware counts all 32 servers.
+  hot = result['hot_spares']['2']
+  assert (hot['servers'], hot['slices'], hot['spares']) == (32, 15, 2)
+  for r in hot['approaches'].values():
+    assert r['of_hardware_pct'] == pytest.approx(r['goodput_pct'] * 30 / 32)
+  assert set(result['what_if']) == {f'{default}+peers', 'elastic-restart+peers'}
+  assert set(result['sensitivity']['goodput_pct']) == names
   assert result['sweep']['restart_s'][0] == 30.0 and (tmp_path / 'f.png').stat().st_size > 0
   assert set(result['profiles']) == {'fast', 'FlashRecovery', 'slow'}

@@ -1,0 +1,222 @@
+"""The fault-log replay's runs: one fleet's draws, each approach charged, the seeds' means.
+
+Every approach whose recovery is a process restart (the takeover policies, elastic restart) pays
+one set of charges (`charges`): the in-memory snapshots' tax, the steps since the last snapshot
+after a death, the same restart profile. Used by benchmarks/trace_goodput.py.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.simulate import PolicyModel
+from benchmarks.trace_hosts import Fleet, slice_events
+from benchmarks.trace_replay import Outcome, Rejoin, batched, checkpoint_restart, takeover
+from benchmarks import common, failure_costs
+from mecefo_jax.config import ConfigError, load_config
+from mecefo_jax.core import fault_log
+from mecefo_jax.core.programs import RunPrograms
+from mecefo_jax.core.roles import Role
+from mecefo_jax.core.takeover import Planner
+
+ELASTIC = 'elastic-restart'
+SNAPSHOTS = 'docs/results/snapshot_overhead_llama_60m_auto.json'  # the tax and interval measured
+PEERS = '+peers'  # a what-if: the state from live peers (no snapshot tax, no steps since one)
+
+
+@dataclasses.dataclass
+class Setup:
+  """What every replay of one fleet shares."""
+  args: argparse.Namespace
+  fleet: Fleet
+  events: list  # per seed: the timed slice events
+  horizon_s: float
+  b: int  # rows per slice
+  costs: object
+  cfg: object
+  granule: int
+  snapshots: dict  # every, tax_pct, source: the charges of a process restart
+
+  @property
+  def n(self) -> int:
+    return self.fleet.slices
+
+  @property
+  def fault_free(self) -> float:
+    return self.n * self.b * self.horizon_s / self.args.step_s
+
+  @property
+  def hardware_fault_free(self) -> float:
+    """Every server of the fleet training, spares included."""
+    return self.fleet.servers * self.b / self.fleet.hosts * self.horizon_s / self.args.step_s
+
+
+def read_log(a) -> tuple[list, tuple[float, float]]:
+  """The log's events and the window, or one ConfigError line."""
+  try:
+    text = Path(a.trace).read_text()
+  except (OSError, UnicodeDecodeError) as err:
+    raise ConfigError(f'{a.trace}: cannot read the fault log: {err}') from None
+  faults = fault_log.parse(text, a.trace)
+  first, last = fault_log.window(faults, a.days)
+  if not last > first:
+    raise ConfigError(f'{a.trace}: the window {first:g}:{last:g} (days) holds no time; the log '
+                      f'has {len(faults)} events')
+  return faults, (first, last)
+
+
+def snapshot_charges(a) -> dict:
+  """The in-memory snapshots' interval and tax: measured on llama_60m (SNAPSHOTS) where not
+  given; the tax at another interval is the measured cost of one snapshot over that interval."""
+  m = json.loads(Path(SNAPSHOTS).read_text())
+  every = a.snapshot_every or m['auto_every']
+  measured = 100.0 * m['auto_cost_s'] / (every * m['auto_idle_step_s'])
+  tax = measured if a.snapshot_overhead_pct is None else a.snapshot_overhead_pct
+  return {'every': every, 'tax_pct': tax, 'source': (
+      f"{SNAPSHOTS}: every {m['auto_every']} steps (the auto interval), one snapshot "
+      f"{m['auto_cost_s']:.3f} s against a {m['auto_idle_step_s']:.2f} s step, measured"
+      + ('' if a.snapshot_overhead_pct is None else f'; the tax given: {tax:g}%'))}
+
+
+def setup(a, faults: list, window: tuple[float, float], fleet: Fleet) -> Setup:
+  first, last = window
+  events = [slice_events(faults, fleet, a.nodes, a.classes, window, seed, a.trace)[0]
+            for seed in range(a.seeds)]
+  measured = json.loads(Path(a.costs).read_text())
+  rows, b0 = fleet.hosts * (a.rows or measured['micro_batch']), measured['micro_batch']
+  cfg = load_config(a.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1',
+                               f'train.micro_batch={rows}'])
+  costs = failure_costs.costs_from(measured['measurement'], a.stat)
+  # Other rows per slice: the fused step grows as the split path does (the affine role model).
+  split = lambda b: costs.group(Role(b)) + costs.update_s
+  normal = costs.normal_s * split(rows) / split(b0)
+  scale = a.step_s / normal  # the costs, as shares of the stated step time
+  costs = dataclasses.replace(
+      costs, normal_s=a.step_s, update_s=costs.update_s * scale, refresh_s=costs.refresh_s * scale,
+      group_s={r: s * scale for r, s in costs.group_s.items()},
+      group_compile_s=dict.fromkeys(costs.group_s, 0.0), fused_compile_s=0.0,
+      compile_s_by_kind=dict.fromkeys(costs.compile_s_by_kind, 0.0), move_s=0.0, rejoin_s=0.0)
+  return Setup(a, fleet, events, (last - first) * fault_log.DAY_S, rows, costs, cfg,
+               a.granule or measured.get('granule', 1), snapshot_charges(a))
+
+
+def log_stats(events, horizon_s: float, n: int, faults, first: float, last: float) -> dict:
+  """The window's failures as the replay sees them (seed 0's slices)."""
+  down, t0, area, most = set(), 0.0, 0.0, 0
+  for e in events:
+    area += len(down) * (e.time_s - t0)
+    t0 = e.time_s
+    (down.add if e.kind == 'fail' else down.discard)(e.slice)
+    most = max(most, len(down))
+  area += len(down) * (horizon_s - t0)
+  inside = [f for f in faults if first <= f.day < last]
+  return {'days': [first, last], 'fault_starts': sum(f.start for f in inside),
+          'nodes_failing': len({f.node for f in inside}),
+          'slice_failures': sum(e.kind == 'fail' for e in events),
+          'mean_down_pct': 100.0 * area / horizon_s / n, 'max_down': most}
+
+
+def servers_down(faults, a, window: tuple[float, float]) -> dict:
+  """The log's servers down in the window, whatever the slices: mean (% of --nodes), most."""
+  first, last = window
+  down = fault_log.down_intervals(fault_log.counted(faults, a.classes, a.trace), a.trace)
+  edges = sorted((t, d) for spans in down.values() for lo, hi in spans
+                 for t, d in ((max(lo, first), 1), (min(hi, last), -1)) if min(hi, last) > max(lo, first))
+  now, most, area, t0 = 0, 0, 0.0, first
+  for t, d in edges:  # at one time the ends (-1) come first
+    area, t0, now = area + now * (t - t0), t, now + d
+    most = max(most, now)
+  return {'mean_down_pct': 100.0 * area / (last - first) / a.nodes, 'max_down': most}
+
+
+def planner(s: Setup, spec: str, kind: type[Planner] = Planner) -> Planner:
+  policy, budget = common.policy_spec(spec)
+  return kind.from_config(s.cfg, s.n, s.granule, policy, budget)
+
+
+class MemoPlanner(Planner):
+  """A planner that keeps its plans: the replays of one draw at every restart cost meet the same
+  live sets (planning 400 slices is most of a replay's time)."""
+
+  def plan(self, live):
+    memo = self.__dict__.setdefault('_plans', {})
+    key = tuple(live)
+    if key not in memo:
+      memo[key] = super().plan(live)
+    return memo[key]
+
+
+def spec_of(name: str) -> str:
+  """The decider's policy an approach replays (elastic restart: drop)."""
+  base = name.removesuffix(PEERS)
+  return 'drop' if base == ELASTIC else base
+
+
+def charges(s: Setup, name: str) -> tuple[float, float]:
+  """(the snapshot tax in %, the steps a death loses) of an approach whose recovery is a
+  process restart: one charge for all of them (takeover, elastic restart); the `+peers` what-if
+  takes the state from live peers: no tax, only the step in flight."""
+  if name.endswith(PEERS):
+    return 0.0, 1.0
+  return s.snapshots['tax_pct'], 1.0 + (s.snapshots['every'] - 1) / 2.0
+
+
+def replay(s: Setup, name: str, restart_s: float, seed: int, checkpoint_min: float,
+           rejoin: Rejoin, plan: Planner | None = None) -> dict:
+  """One approach, one restart cost, one draw: goodput and its parts, % of the fault-free run;
+  `plan`: the planner to use (default a new one)."""
+  a, events = s.args, s.events[seed]
+  if name.startswith('checkpoint-restart'):  # spare servers, whole slices of them
+    spares = int(name.split('-')[2]) // s.fleet.hosts
+    out = checkpoint_restart(events, s.n, spares, s.horizon_s, a.step_s, s.b, restart_s,
+                             checkpoint_min * 60.0)
+    return summary(s, out, 0.0)
+  # RunPrograms.of(.., True): the svd bases (the default) are refreshed while rows are degraded.
+  model = PolicyModel(plan or planner(s, spec_of(name)), s.costs, RunPrograms.of(s.cfg, True),
+                      s.cfg.mecefo.tau)
+  tax_pct, lost_steps = charges(s, name)
+  out, _ = takeover(batched(events, rejoin), s.horizon_s, model, restart_s,
+                    lost_steps * a.step_s)
+  return summary(s, out, tax_pct)
+
+
+def summary(s: Setup, out: Outcome, overhead_pct: float) -> dict:
+  ff = s.fault_free
+  keep = 1.0 - overhead_pct / 100.0  # steps slowed by the snapshots' share
+  goodput = 100.0 * out.samples * keep / ff
+  lost = {k: 100.0 * v / s.horizon_s for k, v in out.lost_s.items()}
+  lost['snapshots'] = overhead_pct * (out.samples / ff)
+  lost['dropped_rows'] = 100.0 * out.dropped / ff * keep
+  lost['other'] = 100.0 - goodput - sum(lost.values())  # slower steps (policies), idle spares
+  return {'goodput_pct': goodput, 'samples_pct': 100.0 * out.samples / ff,
+          'tax_pct': overhead_pct, 'dropped_pct': 100.0 * out.dropped / ff,
+          'degraded_pct': 100.0 * out.degraded / ff, 'restarts': out.restarts,
+          'lost_pct_by_cause': lost}
+
+
+def mean_over_seeds(runs: list[dict]) -> dict:
+  """The seeds' mean of every figure, with the goodput's spread (max - min) and per seed."""
+  goodput = [r['goodput_pct'] for r in runs]
+  mean = lambda key: float(np.mean([r[key] for r in runs]))
+  return {'goodput_pct': float(np.mean(goodput)), 'goodput_pct_std': float(np.std(goodput)),
+          'goodput_pct_spread': float(max(goodput) - min(goodput)),
+          'goodput_pct_per_seed': goodput, 'samples_pct': mean('samples_pct'),
+          'tax_pct': runs[0]['tax_pct'], 'dropped_pct': mean('dropped_pct'),
+          'degraded_pct': mean('degraded_pct'), 'restarts': mean('restarts'),
+          'lost_pct_by_cause': {k: float(np.mean([r['lost_pct_by_cause'][k] for r in runs]))
+                                for k in runs[0]['lost_pct_by_cause']}}
+
+
+def at_restarts(s: Setup, name: str, restarts: list[float], checkpoint_min: float) -> dict:
+  """restart cost -> the seeds' mean of `name` there (draw by draw, one planner each)."""
+  a, rejoin = s.args, Rejoin.parse(s.args.rejoin)
+  runs: dict[float, list] = {r: [] for r in restarts}
+  for seed in range(a.seeds):
+    plan = planner(s, spec_of(name), MemoPlanner)
+    for r in restarts:
+      runs[r].append(replay(s, name, r, seed, checkpoint_min, rejoin, plan))
+  return {r: mean_over_seeds(v) for r, v in runs.items()}
