@@ -129,7 +129,7 @@ def _sensitivity(ds: list[dict]) -> list[str]:
   first = ds[0]['sensitivity']
   costs = first['restart_s']
   at = [0, costs.index(ds[0]['profiles'][ds[0]['profile']]['total_s']), len(costs) - 1]
-  head = ['hosts/slice', 'approach', *(f"tax {t:g}%: R = " + ' / '.join(f'{costs[i]:g}' for i in at)
+  head = ['hosts/slice', 'approach', *(f"tax {t:g}%: R = " + ' / '.join(f'{costs[i]:.0f}' for i in at)
                                        + ' s' for t in first['tax_pct'])]
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for d in ds:
@@ -140,8 +140,27 @@ def _sensitivity(ds: list[dict]) -> list[str]:
   return lines
 
 
+def _across(ds: list[dict]) -> str:
+  """Where the compared approaches change places from one slice size to the next (the best
+  checkpoint-restart of each file as one)."""
+  best = 'best checkpoint-restart'
+  value = lambda d, n: d['approaches'][d['targets']['best_checkpoint'] if n == best else n][
+      'goodput_pct']
+  names = [ds[0]['default'], ds[0]['targets']['best_policy'], 'elastic-restart', best]
+  names = [n for n in dict.fromkeys(names) if all(n == best or n in d['approaches'] for d in ds)]
+  flips = []
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      ahead = [d['slice_hosts'] for d in ds if value(d, a) > value(d, b)]
+      if 0 < len(ahead) < len(ds):
+        flips.append(f"{a} ahead of {b} at {', '.join(map(str, ahead))} host(s)/slice, behind "
+                     f"at {', '.join(str(d['slice_hosts']) for d in ds if d['slice_hosts'] not in ahead)}")
+  return (f"* **Across the slice sizes** (`{ds[0]['profile']}`, the measured tax): "
+          + ('; '.join(flips) if flips else 'the same order at every size') + '.')
+
+
 def _notes(ds: list[dict]) -> list[str]:
-  out = []
+  out = [_across(ds)]
   for d in ds:
     k = d['slice_hosts']
     flips = d['sensitivity']['flips']
