@@ -120,6 +120,17 @@ def _prepare_rate(d: dict) -> str:
           f"{last['peak_rss_mb']:.0f} MB; 100 GB of text in about {est['hours']} h")
 
 
+def _row_value(d: dict) -> str:
+  """Each mode's v against its thresholds."""
+  def one(name, m):
+    v = 'censored (an arm never reached the fault-free loss)' if m['v'] is None else (
+        f"v = {m['v']:.2f} [{m['v_ci95'][0]:.2f}, {m['v_ci95'][1]:.2f}]")
+    return (f"{name}: {v}; d = {m['d_flops']:.2f} by FLOPs, {m['d_time']:.2f} by time; "
+            f"{len(m['seeds'])} seeds x {m['steps']} steps")
+  return (f"B = {d['rows']}, k = {d['degraded']}: " + '; '.join(one(n, m) for n, m in d['modes'].items())
+          + f"; {d['machine_time_s'] / 3600:.1f} h")
+
+
 def _quality_trace(d: dict) -> str:
   s = d['summary']
   down = s['down_pct_per_seed']['in_steps']
@@ -135,6 +146,7 @@ def _quality_trace(d: dict) -> str:
 KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('step_cost', 'Per-slice step cost', _step_cost),
     ('ablation', 'Ablation of the degraded step', _ablation),
+    ('row_value', 'What a degraded row is worth', _row_value),
     ('quality_tiny', 'Quality: one slice down for half the run', _quality_tiny),
     ('quality_presets', 'Quality at the failure presets', _quality_presets),
     ('quality_seeds', 'Quality over seeds', _quality_seeds),
