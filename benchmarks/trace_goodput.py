@@ -4,7 +4,7 @@ Run: python -m benchmarks.trace_goodput --trace FILE [--days A:B] [--slices N] [
      [--nodes 400] [--slice-hosts 1] [--hot-spares K,...] [--swap-min 10]
      [--seeds 5] [--step-s 10] [--rows R] [--granule G] [--classes all]
      [--profile fast] [--policies spread,exact,budget:1.0,budget:1.05,neighbor]
-     [--spares 0,4,8,16,32]
+     [--spares 0,4,8,16,32,64,128]
      [--checkpoint-min 30] [--sweep-restart-s ...] [--sweep-checkpoint-min ...]
      [--rejoin now] [--rejoin-levers every:24,count:4] [--costs MEASURED.json] [--stat flops]
      [--figure PNG]

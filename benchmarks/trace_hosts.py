@@ -55,7 +55,7 @@ def slice_events(faults: list, fleet: Fleet, nodes: int, classes: str, window: t
 
 def _union(down: dict, members: list[list]) -> dict[int, list[tuple[float, float]]]:
   """Each slice down while any of its hosts is."""
-  return {s: fault_log._merged([span for h in hosts for span in down.get(h, ())])
+  return {s: fault_log.merged([span for h in hosts for span in down.get(h, ())])
           for s, hosts in enumerate(members)}
 
 
@@ -147,4 +147,4 @@ def _swapped(down: dict, members: list[list], spares: list, swap_days: float
   book.swaps_until(math.inf)
   for s, since in book.down_since.items():
     book.spans.setdefault(s, []).append((since, math.inf))
-  return {s: fault_log._merged(spans) for s, spans in book.spans.items()}
+  return {s: fault_log.merged(spans) for s, spans in book.spans.items()}

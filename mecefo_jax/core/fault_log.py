@@ -165,11 +165,12 @@ def down_intervals(faults: list[Fault], where: str) -> dict[str, list[tuple[floa
   if zero:
     log.warning('%s: %d fault(s) end when they start (zero length): dropped, their nodes stay up',
                 where, zero)
-  merged = {node: _merged([(a, b) for a, b in s if b > a]) for node, s in spans.items()}
-  return {node: s for node, s in merged.items() if s}
+  kept = {node: merged([(a, b) for a, b in s if b > a]) for node, s in spans.items()}
+  return {node: s for node, s in kept.items() if s}
 
 
-def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+  """[start, end) spans, sorted, those that touch or overlap made one."""
   out: list[list[float]] = []
   for a, b in sorted(spans):
     if out and a <= out[-1][1]:
