@@ -196,7 +196,7 @@ def main(argv=None) -> dict:
     per_seed = {}
     for seed in (int(s) for s in a.seeds.split(',')):
       per_seed[seed] = one_seed(mode, seed)
-    params = sum(x.size for x in jax.tree.leaves(mode.state(0).params))
+    params = sum(x.size for x in jax.tree.leaves(train_state.abstract_state(mode.cfg).params))
     result['modes'][name] = {**summarize(per_seed, a, mode.costs()), 'steps': a.steps,
                              'seeds': list(per_seed), 'params': int(params),
                              'per_seed': per_seed}

@@ -71,9 +71,9 @@ class _Swaps:
   """The hot-spare bookkeeping: which hosts each slice holds, the free spares, the slices
   waiting for one, the swaps under way, and each slice's down spans."""
 
-  def __init__(self, n_members: list[int], spares: list[int], swap_days: float):
-    self.slice_of = {h: s for s, hosts in enumerate(n_members) for h in hosts}
-    self.members = [set(hosts) for hosts in n_members]
+  def __init__(self, members: list[list[int]], spares: list[int], swap_days: float):
+    self.slice_of = {h: s for s, hosts in enumerate(members) for h in hosts}
+    self.members = [set(hosts) for hosts in members]
     self.free, self.swap_days = set(spares), swap_days
     self.down_hosts: set[int] = set()
     self.waiting: list[tuple[int, int]] = []  # (slice, host to replace), first come first served
@@ -138,9 +138,9 @@ def _swapped(down: dict, members: list[list], spares: list, swap_days: float
              ) -> dict[int, list[tuple[float, float]]]:
   """Each slice's down spans with hot spares swapped in for its failed hosts."""
   hosts = [*(h for m in members for h in m), *spares]
-  n_members = [list(range(s * len(members[0]), (s + 1) * len(members[0])))
-               for s in range(len(members))]
-  book = _Swaps(n_members, list(range(len(hosts) - len(spares), len(hosts))), swap_days)
+  k = len(members[0])  # host indices: slice s holds [s k, (s + 1) k), the spares come last
+  book = _Swaps([list(range(s * k, (s + 1) * k)) for s in range(len(members))],
+                list(range(len(hosts) - len(spares), len(hosts))), swap_days)
   for day, h, kind in _host_events(down, hosts):
     book.swaps_until(day)
     (book.fail if kind == 'fail' else book.repair)(h, day)
