@@ -106,6 +106,24 @@ def test_round_trip_is_bit_exact_on_target_shardings(tmp_path, mesh):
     assert got.sharding == want.sharding and got.dtype == want.dtype
 
 
+def test_no_tier_signals_through_the_key_value_store_its_peers_share(tmp_path, mesh,
+                                                                    monkeypatch):
+  # Orbax's async directory creation signals through jax.distributed's key-value store under
+  # keys named by a process-wide counter: in a multi-process job two tiers saving from two
+  # threads (and each process's local tier, on its peers' keys) waited for signals that were
+  # never set or were deleted: every process hung in `saving` (snapshot/tier.py).
+  from orbax.checkpoint._src.futures import future
+  signalled = []
+  monkeypatch.setattr(future.AwaitableSignalsContract, 'add_to_awaitable_signals_contract',
+                      classmethod(lambda cls, signals: signalled.append(signals)))
+  kwargs = dict(durable_dir=tmp_path / 'durable', durable_every=1)
+  with SnapshotManager(tmp_path / 'mem', **kwargs) as manager:
+    for step in range(2):
+      assert manager.maybe_save(step, make_state(mesh), META) == ('memory', 'durable')
+  assert signalled == []
+  assert step_dirs(tmp_path / 'mem') == step_dirs(tmp_path / 'durable') == [0, 1]
+
+
 def test_save_is_a_copy_that_survives_donation(tmp_path, mesh, slow_orbax_writes):
   state = make_state(mesh, width=4096)  # 1.5 MiB of leaves
   # Read from a twin: under jax 0.11 on CPU the host value a read leaves on `state` would keep

@@ -99,9 +99,18 @@ class Tier:
     if local or shared:
       self.directory.mkdir(parents=True, exist_ok=True)  # Orbax's create= is refused here
     self._hold = hold.from_env() if name == 'durable' else None  # a test hook
-    if self._hold:
-      manager_kwargs['async_options'] = ocp.AsyncOptions(
-          post_finalization_callback=lambda: self._hold.in_commit(self._last_saved))
+    # Directories made in the save() call, not signalled from a thread: Orbax's signals are
+    # keys `awaitable_signals_contract_<operation id>/...` in jax.distributed's key-value
+    # store, shared by every process, with one process-wide operation counter that every
+    # save of every manager advances. Two tiers saving from two threads advance it in a
+    # different order in each process, and each process's local tier uses the same keys as
+    # its peers' and deletes them when its save ends: a multi-process job then waited for a
+    # signal that was never set or was deleted (Orbax's timeout: 20 min), every process in
+    # `saving` (seen under load at durable_every=1 within a few hundred steps). Without
+    # signals no such key is written or read (tests/test_snapshot_tiers.py).
+    manager_kwargs['async_options'] = ocp.AsyncOptions(
+        create_directories_asynchronously=False,
+        post_finalization_callback=self._hold and (lambda: self._hold.in_commit(self._last_saved)))
     # Cleans up the *.orbax-checkpoint-tmp directories a killed save left: only ever opened
     # with the run's lock held (run/trainer.py), so never a running trainer's save in flight.
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
