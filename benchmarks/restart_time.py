@@ -7,8 +7,10 @@ Each repeat is one supervised run of the issue's scenario (`python -m mecefo_jax
 --devices-per-process 1 -- mesh.slice=3 train.steps=150 snapshot.every=1 train.log_every=1
 train.eval_every=0`, --config tiny, overrides appended) in a fresh HOME (an empty program store
 and compilation cache). Cold start: the launch to its first logged step. Once step --kill-at is
-logged, the process of host 1 is SIGKILLed; restart: the kill to the first step logged by the
-survivors' job. The supervisor then stops the job (SIGTERM: an agreed step), and the report's
+logged and the job has said 'background builds done' (the programs of the jobs that restart
+after a death are in the program store), the process of host 1 is SIGKILLed; restart: the kill to
+the first step logged by the survivors' job; `programs_built`: how that job's first step got
+its programs (compiled, loaded). The supervisor then stops the job (SIGTERM: an agreed step), and the report's
 `recovery` section gives where the restart went (detection, the survivors' stop, the spawn,
 the processes' start: imports, jax.distributed, set-up, restore, programs, the first step).
 Medians over the repeats; the machine's load (`uptime`) before and after.
@@ -41,6 +43,7 @@ from pathlib import Path
 
 from benchmarks import common, ray_cluster
 
+BUILT = 'background builds done'
 PHASES = ('detect_s', 'stop_s', 'spawn_s', 'process_start_s', 'imports_s', 'distributed_s',
           'setup_s', 'restore_s', 'programs_s', 'first_step_s', 'total_s')
 
@@ -96,6 +99,9 @@ def _kill_and_time(args, run: Run, cluster) -> dict:
   try:
     first, _ = run.wait_for(lambda: run.first_after(run.t0), 900, 'first step')
     run.wait_for(lambda: run.last_step() >= args.kill_at, 900, f'step {args.kill_at}')
+    # As a user would: once the job says its programs for a restart are built (process 0's
+    # line, on the terminal), whatever the other processes are doing then.
+    run.wait_for(lambda: any(BUILT in line for _, line in list(run.lines)), 900, BUILT)
     t_kill = time.time()
     if cluster is not None and args.remove_node:
       place = [e for e in run.events() if e['kind'] == 'place'][-1]
@@ -126,6 +132,11 @@ def _kill_and_time(args, run: Run, cluster) -> dict:
           'recovery': report['recovery'], 'programs': report['programs'],
           'supervisor_line': next(line for _, line in run.lines if said(line))
           if recovered else None}
+
+
+def _built(recovery: dict) -> str:
+  """'loaded 3', 'compiled 1 loaded 2': how the first step trained again got its programs."""
+  return ' '.join(f'{how} {n}' for how, n in sorted(recovery.get('programs_built', {}).items()))
 
 
 def _medians(runs: list[dict]) -> dict:
@@ -159,11 +170,13 @@ def main(argv=None) -> dict:
         b: {'median': medians[b], 'runs': runs[b]} for b in backends})
   rows = [{'backend': b, 'run': i + 1, 'cold_s': r['cold_start_s'],
            'restart_s': r['kill_to_first_step_s'], 'again_s': r['first_step_again_s'],
-           'seen_s': r['seen_s'], **{p: r['recovery'][p] for p in PHASES}}
+           'seen_s': r['seen_s'], **{p: r['recovery'][p] for p in PHASES},
+           'programs_built': _built(r['recovery'])}
           for b in backends for i, r in enumerate(runs[b])]
   rows += [{'backend': b, 'run': 'median', 'cold_s': m['cold_start_s'],
             'restart_s': m['kill_to_first_step_s'], 'again_s': m['first_step_again_s'],
-            'seen_s': m['seen_s'], **{p: m[p] for p in PHASES}} for b, m in medians.items()]
+            'seen_s': m['seen_s'], **{p: m[p] for p in PHASES}, 'programs_built': ''}
+           for b, m in medians.items()]
   table = common.markdown_table(rows, list(rows[0]))
   table += f'\n\nload before: {before}\nload after: {load()}'
   common.emit(result, table, args.json)

@@ -241,14 +241,14 @@ def test_a_restarts_phases_add_up_to_its_whole_and_the_last_launch_start_is_its_
   marks = {'jax_imported': 103.0, 'distributed': 103.5, 'imported': 104.5}
   seconds = {'restore_s': 0.5, 'first_programs_s': 2.0, 'first_step_run_s': 1.0}
   r = recovery_time.measure(part, origin=101.25, marks=marks, seconds=seconds,
-                            first_step_end=110.0)
+                            first_step_end=110.0, programs_built={'loaded': 2, 'compiled': 1})
   assert (r.stop_s, r.spawn_s, r.process_start_s, r.imports_s, r.distributed_s) == (
       0.5, 0.5, 0.25, 2.75, 0.5)
   assert r.total_s == 10.0 and r.setup_s == 10.0 - (0.5 + 0.5 + 0.25 + 2.75 + 0.5 + 0.5 + 2.0 +
                                                    1.0)
   line = recovery_time.describe(dataclasses.asdict(r))
   assert line.startswith('trained again 10.0 s after the death of host 1 was seen: detect <= '
-                         '0.10 s, stop 0.5 s') and 'programs 2.0 s, first step 1.0 s' in line
+                         '0.10 s, stop 0.5 s') and 'programs 2.0 s (1 compiled, 2 loaded), first step 1.0 s' in line
   fields = dataclasses.asdict(part)
   history = [{'kind': 'launch-start', 'recovery': {**fields, 'host': 0}}, {'kind': 'start'},
              {'kind': 'launch-death'}, {'kind': 'launch-start', 'recovery': fields}]

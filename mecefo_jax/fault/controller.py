@@ -1,6 +1,7 @@
 """Host controller: the decider's plan of each step (core/decider.py), run by the executor."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -81,6 +82,7 @@ class Controller:
     self.last_plan: StepPlan | None = None  # the plan of the last step run
     self.last_built: tuple = ()  # the programs it waited for: ((key, how), ...)
     self.first_programs_s: float | None = None  # Controller.start: the first step's programs
+    self.first_programs: dict[str, int] = {}  # ... by how each was built: {'loaded': 3}
     self.step_memory: dict = {}  # Controller.start: the fused step's memory per device
 
   @classmethod
@@ -98,9 +100,10 @@ class Controller:
       self.apply_presence(step)
       if all_down_at is not None and step <= all_down_at:
         self.decider.devices_back_at = all_down_at  # a resume means every slice is back
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), len(self.programs.built)
     fused = self.build_step_programs()
     self.first_programs_s = time.perf_counter() - t0
+    self.first_programs = dict(collections.Counter(how for _, how, _ in self.programs.built[before:]))
     self.step_memory = train_step.memory_summary(fused) if fused else {}
     if self.wants_precompile() and multihost.is_multiprocess():
       # Filling the store for restarts waits for this start's first step: it would take the
@@ -290,11 +293,15 @@ class Controller:
 
   def store_live_set(self, live: tuple[int, ...]) -> None:
     """Compiles into the program store the programs of `live` of shapes it lacks (until the
-    run ends: a restart compiles what is left)."""
-    for key in self.decider.programs_for(live):
-      if self.precompiler and self.precompiler.stopping:
-        return
-      self.programs.prepare(key)
+    run ends: a restart compiles what is left). The processes split them by claims: each
+    first compiles those no peer claimed, then waits for its peers' (or takes over a dead
+    one's), so that a process's 'background builds done' means the store holds them all."""
+    stopping = lambda: bool(self.precompiler and self.precompiler.stopping)
+    keys = self.decider.programs_for(live)
+    claimed = [key for key in keys if not stopping() and not self.programs.prepare(key)]
+    for key in claimed:
+      if not stopping():
+        self.programs.prepare(key, give_up=stopping)
 
   def build_live_set(self, live: tuple[int, ...]) -> None:
     """Builds every program steps on `live` request, while fewer than faults.precompile_max

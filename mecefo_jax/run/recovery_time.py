@@ -39,6 +39,8 @@ class Recovery:
   restore_s: float = entry('s', 'the newest usable snapshot found and restored')
   programs_s: float = entry('s', "the first step's programs compiled or loaded from the program "
                             'store')
+  programs_built: dict[str, int] = entry('programs', "those programs by how each was built: "
+                                         "'compiled', 'loaded' (the program store), 'moved'")
   first_step_s: float = entry('s', 'the first step trained again, blocked on its metrics')
   total_s: float = entry('s', 'from the detection to the end of the first step trained again')
 
@@ -74,10 +76,10 @@ def restarted_by(history: list[dict]) -> SupervisorPart | None:
 
 
 def measure(part: SupervisorPart, origin: float, marks: dict[str, float], seconds: dict,
-            first_step_end: float) -> Recovery:
+            first_step_end: float, programs_built: dict[str, int]) -> Recovery:
   """The whole restart: the supervisor's `part`, this process's start (`origin`: its start,
   `marks`: startup.marks(), `seconds`: the start-up clock's), `first_step_end`: its first
-  step's end (all time.time())."""
+  step's end (all time.time()), `programs_built`: how its first step's programs were built."""
   jax_at = marks.get('jax_imported', origin)
   up_at = marks.get('distributed', jax_at)
   imported_at = marks.get('imported', up_at)
@@ -93,7 +95,8 @@ def measure(part: SupervisorPart, origin: float, marks: dict[str, float], second
   r = Recovery(cause=part.cause, host=part.host, detect_s=part.detect_s, stop_s=stop_s,
                spawn_s=spawn_s, process_start_s=process_start_s, imports_s=imports_s,
                distributed_s=distributed_s, setup_s=setup_s, restore_s=restore_s,
-               programs_s=programs_s, first_step_s=first_step_s, total_s=total_s)
+               programs_s=programs_s, programs_built=dict(programs_built),
+               first_step_s=first_step_s, total_s=total_s)
   return dataclasses.replace(r, **{f.name: round(v, 3) for f, v in
                                    zip(dataclasses.fields(r), dataclasses.astuple(r))
                                    if isinstance(v, float)})
@@ -107,8 +110,14 @@ def describe(r: dict) -> str:
           f'stop {r["stop_s"]:.1f} s, spawn {r["spawn_s"]:.1f} s, process start '
           f'{r["process_start_s"]:.1f} s, imports {r["imports_s"]:.1f} s, jax.distributed '
           f'{r["distributed_s"]:.1f} s, setup {r["setup_s"]:.1f} s, restore '
-          f'{r["restore_s"]:.1f} s, programs {r["programs_s"]:.1f} s, first step '
+          f'{r["restore_s"]:.1f} s, programs {r["programs_s"]:.1f} s{_built(r)}, first step '
           f'{r["first_step_s"]:.1f} s (report.json: recovery)')
+
+
+def _built(r: dict) -> str:
+  """' (3 loaded)', ' (1 compiled, 2 loaded)'; '' for a record without the counts."""
+  built = r.get('programs_built') or {}
+  return f" ({', '.join(f'{n} {how}' for how, n in sorted(built.items()))})" if built else ''
 
 
 class Follower:

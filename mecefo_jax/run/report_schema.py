@@ -25,14 +25,14 @@ from mecefo_jax.snapshot.manager import Snapshots
 from mecefo_jax.step.cache import Programs
 from mecefo_jax.step.precompile import Precompile
 
-SCHEMA_VERSION = 11  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
+SCHEMA_VERSION = 12  # 2: precompile section; 3: programs section; 4: programs.store, loaded;
 # 5: steps_lost_total, preempted includes --stop-after and the supervisor's stop request;
 # 6: snapshot_interval, compute_dtype (model.compute_dtype resolved on the run's backend);
 # 7: startup section (the start-up clock), startup.init_loaded, programs.scan_unroll,
 # programs.other_compiles and other_compile_s, snapshots.durable_failed; 8: goodput.restart;
 # 9: programs.moved_ahead and moved_ahead_s, plans. The keys are those of version 9 since: the
 # sections became dataclasses (sections.py), only the order of keys inside a few sections moved.
-# 10: rollback, changed_on_resume, failures_note. 11: trace_nodes_by_slice.
+# 10: rollback, changed_on_resume, failures_note. 11: trace_nodes_by_slice. 12: recovery.programs_built.
 
 
 class ReportError(ValueError):

@@ -238,7 +238,8 @@ class Trainer:
     (the supervisor prints it) and in report.json."""
     s = self.startup
     self.recovery = recovery_time.measure(self._restarted_by, s.origin, startup_marks(),
-                                          s.seconds, s.first_step_end)
+                                          s.seconds, s.first_step_end,
+                                          self.controller.first_programs)
     self.records.history(recovery_time.RECOVERED, **dataclasses.asdict(self.recovery))
 
   def __enter__(self) -> Trainer:

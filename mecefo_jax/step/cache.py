@@ -265,21 +265,20 @@ class ProgramCache:
         return built.program
     raise AssertionError('the compiled source always builds')
 
-  def prepare(self, key: ProgramKey) -> None:
+  def prepare(self, key: ProgramKey, give_up=None) -> bool:
     """Compiles `key` into the program store only, unless the store or this cache has one of
     its shape: for a later process (a restart), not this one, so no process vote; and outside
-    the lock, so that the training thread never waits for it."""
+    the lock, so that the training thread never waits for it. One that a peer process claimed
+    is left to it: False, unless `give_up` is given (ProgramStore.fill waits for the peer)."""
     if self.store is None or not self.move or self.moved.has(key):
-      return
+      return True
     t0 = time.perf_counter()
     request = self._request(key, ahead=True)
-    if self.store.path(request.store_key).exists():
-      return
-    with self.store.claim(request.store_key) as mine:
-      if not mine:
-        return  # another process of this machine compiles it into the shared store
+
+    def compile_into() -> None:
       built = self.compiled.build(request, keep=False)  # logs 'compiling the ... (background)'
-    self._book(built.how, time.perf_counter() - t0, True)
+      self._book(built.how, time.perf_counter() - t0, True)
+    return self.store.fill(request.store_key, compile_into, give_up)
 
   def evict_ahead(self, keep: set[ProgramKey]) -> int:
     """Drops the programs built ahead of need that are not in `keep`; how many."""

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jaxlib
@@ -21,6 +21,7 @@ log = logging.getLogger('mecefo')
 FORMAT = 3  # bump when an entry's layout changes: older entries are then misses
 SUFFIX = '.jaxprog'
 CLAIM_S = 600.0  # a claim to compile an entry older than this is stale (its holder is stuck)
+PEER_POLL_S = 0.2  # how often a process looks for an entry that another process compiles
 
 
 _hits = threading.local()  # this thread's hits of JAX's persistent compilation cache
@@ -146,6 +147,24 @@ class ProgramStore:
     finally:
       if held:
         path.unlink(missing_ok=True)
+
+  def fill(self, key: str, compile_into: Callable[[], None],
+           give_up: Callable[[], bool] | None = None) -> bool:
+    """Sees that entry `key` gets into the store: `compile_into()` here, unless a live process
+    of this machine holds its claim; then (`give_up` given) waits until that process's entry
+    is written, or its claim is released or goes stale (this process then takes it over), or
+    `give_up()`. Whether the entry is there, or compiled here, when it returns: a job's
+    processes split a restart's programs among themselves by claims, and a process that dies
+    holding one must not leave the others to report their builds done without it."""
+    while not self.path(key).exists():
+      with self.claim(key) as mine:
+        if mine:
+          compile_into()
+          return True
+      if give_up is None or give_up():
+        return False
+      time.sleep(PEER_POLL_S)
+    return True
 
   def read(self, key: str) -> retarget.Serialized | None:
     """The entry under `key`, checked; None if there is none or it is unusable (warned)."""
