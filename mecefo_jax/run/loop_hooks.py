@@ -26,7 +26,7 @@ def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
                     enabled=run.files.is_chief, guard=run.outputs)
   saver = SnapshotSaver(run.snapshots, lambda: c.state, lambda steps: {
       'controller': c.dump_meta(), 'losses': rows.losses, 'reached': steps,
-      'evals': evals.evals}, run.records, resume_hint)
+      'evals': evals.evals}, run.records, resume_hint, cfg.snapshot.keep_when_finished)
   stop = Stop(run.stop, saver, run.records, resume_hint)
   evals = Evals(c, cfg.train.eval_batches, cfg.train.steps - 1, has_eval=run.corpus.has_eval,
                 stopping=stop.stopping, emit=rows.emit, evals=list(meta.get('evals', [])))

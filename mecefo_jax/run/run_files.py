@@ -12,6 +12,7 @@ from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.core.fault_log import LogMapping
 from mecefo_jax.run import dir_lock, rundir
 from mecefo_jax.run.resume import carried_state
+from mecefo_jax.snapshot.manager import memory_kept_when_finished
 
 log = logging.getLogger('mecefo')
 
@@ -95,8 +96,7 @@ class RunFiles:
     unless its final durable save failed (the in-memory tier then holds the only copy).
     `refused`: a start that failed: the tiers' empty directories go, and the run directory if
     it holds nothing else."""
-    guard = snapshots and snapshots.durable
-    kept = self.cfg.snapshot.keep_when_finished or bool(guard and not guard.last_ok)
+    kept = snapshots and memory_kept_when_finished(snapshots, self.cfg.snapshot.keep_when_finished)
     if snapshots:
       snapshots.close()
     # A dead host's part (a job restarted without it) goes with the run's own.

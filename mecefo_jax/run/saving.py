@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -13,7 +14,7 @@ from mecefo_jax.run.stop import StopRequest
 from mecefo_jax.sections import Draft
 from mecefo_jax.snapshot import durable
 from mecefo_jax.snapshot.interval import SnapshotInterval
-from mecefo_jax.snapshot.manager import Snapshots
+from mecefo_jax.snapshot.manager import Snapshots, memory_kept_when_finished
 
 # A stop's reason where this process did not ask for it (another process's request reached
 # the job first): its history record, process 0's, says this.
@@ -28,8 +29,9 @@ class SnapshotSaver(Hook):
   state (the decider's state, losses, evals)."""
 
   def __init__(self, snapshots, state: Callable, meta: Callable[[int], dict],
-               records: RunRecords, resume_hint: str):
+               records: RunRecords, resume_hint: str, keep_when_finished: bool = False):
     self.snapshots, self.state, self.meta = snapshots, state, meta
+    self.keep_when_finished = keep_when_finished  # snapshot.keep_when_finished
     self.records, self.resume_hint = records, resume_hint
     self.checkpoints_failing = False  # stopped by durable saves that kept failing
     self._saved: tuple[int | None, tuple[str, ...]] = (None, ())  # (steps, tiers) last saved
@@ -116,6 +118,9 @@ class SnapshotSaver(Hook):
     """report.json's `snapshots` and `snapshot_interval` sections (their defaults: off)."""
     sn = self.snapshots
     report.snapshots = sn.report() if sn else Snapshots()
+    if sn and not end.stopped and not memory_kept_when_finished(sn, self.keep_when_finished):
+      # Written before the run's end frees them (RunFiles.close): none is left by then.
+      report.snapshots = dataclasses.replace(report.snapshots, retained_steps=[])
     report.snapshot_interval = sn.interval.report() if sn else SnapshotInterval()
 
 

@@ -33,7 +33,8 @@ class Snapshots:
   saved: int = entry('', 'in-memory snapshots written by this process', default=0)
   skipped: int = entry('', 'in-memory snapshots skipped on a write error (e.g. tmpfs full), with a '
                        'warning each; training went on', default=0)
-  retained_steps: list[int] = entry('steps', 'in-memory snapshots on disk at the end', factory=list)
+  retained_steps: list[int] = entry('steps', "in-memory snapshots left on disk (this host's part): "
+                                    'none where a finished run frees that tier', factory=list)
   durable_dir: str | None = entry('', 'durable checkpoint directory; null if none', default=None)
   durable_every: int = entry('steps', 'snapshot.durable_every; 0 if no durable tier', default=0)
   durable_saved: int = entry('', 'durable checkpoints written by this process', default=0)
@@ -60,6 +61,14 @@ def tiers_report(memory: Tier, every: int, saved: int, skipped: int, durable: Ti
                              durable_saved=durable_saved - durable_failed,
                              durable_failed=durable_failed,
                              durable_retained_steps=sorted(durable.steps()))
+
+
+def memory_kept_when_finished(snapshots, keep_when_finished: bool) -> bool:
+  """Whether a finished run keeps its in-memory tier (a manager's): asked to
+  (snapshot.keep_when_finished), or its last durable save failed (that tier then holds the
+  only copy of the end)."""
+  guard = snapshots.durable
+  return keep_when_finished or bool(guard and not guard.last_ok)
 
 
 def rolled_back(step: int) -> str:
