@@ -187,6 +187,30 @@ def test_processes_sharing_a_store_take_turns_to_fill_an_entry(tmp_path):
   assert not claim.exists()
 
 
+def test_a_process_waits_for_a_peers_claimed_entry_and_takes_over_a_dead_peers_claim(
+    launcher, tmp_path):
+  """'background builds done' means the store holds the restart's programs: a process whose
+  peer claimed an entry waits for it (or gives up when told), and compiles it itself once
+  that peer dies holding the claim (it used to skip it: a kill then left a compile to the
+  survivors' job)."""
+  import socket
+  import threading
+
+  from mecefo_jax.step.program_store import ProgramStore
+  store, compiled = ProgramStore(tmp_path, 1 << 20), []
+  compile_into = lambda: (compiled.append(1), store.path('k').write_bytes(b'entry'))
+  peer = launcher.start(['sleep', '60'])
+  (tmp_path / 'k.claim').write_text(f'{socket.gethostname()} {peer.pid}')
+  assert not store.fill('k', compile_into)  # no waiting asked for: left to the peer
+  threading.Timer(0.5, lambda: store.path('k').write_bytes(b'peer')).start()
+  assert store.fill('k', compile_into, give_up=lambda: False) and not compiled
+  assert store.path('k').read_bytes() == b'peer'
+  store.path('k').unlink()
+  threading.Timer(0.5, lambda: (peer.kill(), peer.wait())).start()  # dies holding the claim
+  assert store.fill('k', compile_into, give_up=lambda: False) and compiled == [1]
+  assert not (tmp_path / 'k.claim').exists()
+
+
 def test_the_restart_benchmark_measures_a_kill_against_a_cold_start(launcher, tmp_path):
   """benchmarks.restart_time on a tiny job: its cold start, the restart after a real SIGKILL,
   and the report's breakdown, in its JSON."""
