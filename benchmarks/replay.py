@@ -30,6 +30,9 @@ class Tally:
   builds: BuildStats = dataclasses.field(default_factory=BuildStats)
   restarts: int = 0
   lost_steps: int = 0  # checkpoint-restart: steps redone after a failure
+  # {(exact rows, degraded rows) of a step: steps run so}: progress counted in loss from it
+  # (benchmarks/loss_equivalent.py)
+  mix: dict = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -142,6 +145,8 @@ class Replay:
     """`run` steps of `plan` took `work` seconds (refreshes included)."""
     t = self.tally
     t.samples += run * plan.processed
+    rows = (plan.samples['exact'], plan.samples['degraded'])
+    t.mix[rows] = t.mix.get(rows, 0.0) + run
     t.steps += math.ceil(run)
     t.refreshes += refreshes
     if len(plan.live) == self.decider.n_slices:

@@ -36,13 +36,15 @@ def _fleet(d: dict) -> str:
 
 def _trace_goodput(d: dict) -> str:
   a, t, log = d['approaches'], d['targets'], d['log']
-  disc = a[t['best_loss_discounted']]['goodput_loss_discounted_pct']
+  best = t['best_loss_equivalent']
   return (f"days {log['days'][0]:g}-{log['days'][1]:g}, {_fleet(d)}, {d['micro_batch']} "
           f"rows/slice, {d['profile']} restart ({d['profiles'][d['profile']]['total_s']:.0f} s), "
           f"goodput over {d['seeds']} draws: "
           + ', '.join(f"{k} {a[k]['goodput_pct']:.2f}%" for k in _focus(d))
-          + f"; >= 99%: {'yes' if t['keeps_99_pct'] else 'no'}; degraded rows discounted: "
-          f"{t['best_loss_discounted']} best ({disc:.2f}%); {d['runtime_s']:.0f} s")
+          + f"; >= 99%: {'yes' if t['keeps_99_pct'] else 'no'}; in loss (v = "
+          f"{d['loss_model']['v']:.2f}, r -> inf): {best} best "
+          f"({a[best]['loss_equivalent_pct']:.2f}%, limit {d['limit_pct']['r_inf']:.2f}%); "
+          f"{d['runtime_s']:.0f} s")
 
 
 def _trace_default(d: dict) -> str:
@@ -93,9 +95,12 @@ def _trace_verdict(name: str, d: dict) -> str:
           f"{t['best_goodput_pct']:.2f}% at {d['profile']} (>= 99%: "
           f"{'yes' if t['keeps_99_pct'] else 'no'}), {t['margin_over_checkpoint_pct']:+.2f} points "
           f"over {t['best_checkpoint']} and {t['margin_over_elastic_pct']:+.2f} over elastic "
-          f"restart beyond the draws' spread; with degraded rows discounted the best is "
-          f"{t['best_loss_discounted']} "
-          f"({a[t['best_loss_discounted']]['goodput_loss_discounted_pct']:.2f}%).")
+          f"restart beyond the draws' spread; counted in loss (v = {d['loss_model']['v']:.2f}) "
+          f"the best is {t['best_loss_equivalent']} at r -> inf "
+          f"({a[t['best_loss_equivalent']]['loss_equivalent_pct']:.2f}%, limit "
+          f"{d['limit_pct']['r_inf']:.2f}%) and {t['best_loss_equivalent_r1']} at r = 1 "
+          f"({a[t['best_loss_equivalent_r1']]['loss_equivalent_r1_pct']:.2f}%, limit "
+          f"{d['limit_pct']['r1']:.2f}%).")
 
 
 def topology_table(results: dict[str, dict]) -> str:
@@ -106,12 +111,16 @@ def topology_table(results: dict[str, dict]) -> str:
     return f'{TOPOLOGY_BEGIN}\n{TOPOLOGY_END}'
   ds = list(files.values())
   head = ['approach', *(f"[{d['slice_hosts']} host(s)/slice](results/{n}): {_fleet(d)}, "
-                        f"{d['log']['slice_mean_down_pct']:.1f}% of slices down"
+                        f"{d['log']['slice_mean_down_pct']:.1f}% of slices down; samples; in "
+                        f"loss at r -> inf / r = 1 (v = {d['loss_model']['v']:.2f})"
                         for n, d in files.items())]
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for name in dict.fromkeys(n for d in ds for n in d['approaches']):
     cells = [_cell(d['approaches'].get(name)) for d in ds]
     lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  limits = [f"in loss {d['limit_pct']['r_inf']:.2f} / {d['limit_pct']['r1']:.2f} (restarts "
+            f"{d['limit_pct']['restarts_pct']:.2f})" for d in ds]
+  lines.append('| limit: every live slice at full pace | ' + ' | '.join(limits) + ' |')
   return '\n'.join([TOPOLOGY_BEGIN, *lines, '', *_sensitivity(ds), '', *_notes(ds),
                     TOPOLOGY_END])
 
@@ -121,7 +130,8 @@ def _cell(a: dict | None) -> str:
     return 'n/a'
   rows = (f", {a['degraded_pct']:.1f}% degraded" if a['degraded_pct'] else '') + (
       f", {a['dropped_pct']:.1f}% dropped" if a['dropped_pct'] else '')
-  return f"{a['goodput_pct']:.2f}%{rows}"
+  return (f"{a['goodput_pct']:.2f}%; in loss {a['loss_equivalent_pct']:.2f} / "
+          f"{a['loss_equivalent_r1_pct']:.2f}{rows}")
 
 
 def _sensitivity(ds: list[dict]) -> list[str]:

@@ -15,14 +15,16 @@ def figure(result: dict, path: str) -> None:
 
 
 def _bars(ax, result: dict) -> None:
-  """Goodput (± the seeds' std) and the loss-discounted goodput of every approach."""
+  """Goodput (± the seeds' std) and the loss-equivalent progress (r -> inf) of every approach."""
   names = list(result['approaches'])
   rows = [result['approaches'][n] for n in names]
   y = range(len(names))
   ax.barh([i + 0.2 for i in y], [r['goodput_pct'] for r in rows], 0.4,
           xerr=[r['goodput_pct_std'] for r in rows], label='goodput (samples)')
-  ax.barh([i - 0.2 for i in y], [r['goodput_loss_discounted_pct'] or 0.0 for r in rows], 0.4,
-          label='degraded rows discounted (frontier time-to-loss)')
+  ax.barh([i - 0.2 for i in y], [r['loss_equivalent_pct'] for r in rows], 0.4,
+          label=f"progress in loss (a degraded row worth v = {result['loss_model']['v']:.2f})")
+  ax.axvline(result['limit_pct']['r_inf'], color='k', lw=0.8, ls='--',
+             label='limit: every live slice at full pace')
   ax.set_yticks(list(y), labels=names, fontsize=8)
   ax.invert_yaxis()
   log = result['log']

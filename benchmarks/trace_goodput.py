@@ -22,24 +22,21 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
 
 import argparse
 import hashlib
-import json
 import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks import common, restart_profiles, trace_figure, trace_scenarios
+from benchmarks import common, loss_equivalent, restart_profiles, trace_figure, trace_scenarios
 from benchmarks.trace_hosts import Fleet
 from benchmarks.trace_replay import Rejoin
-from benchmarks.trace_runs import (ELASTIC, PEERS, SNAPSHOTS, MemoPlanner, Setup, at_restarts,
-                                   log_stats, planner, read_log, replay, servers_down, setup,
-                                   spec_of)
+from benchmarks.trace_runs import (ELASTIC, SNAPSHOTS, MemoPlanner, Setup, at_restarts,
+                                   limit_pct, log_stats, planner, read_log, replay,
+                                   servers_down, setup)
 from mecefo_jax.config import ConfigError
 
 COSTS = 'docs/results/failure_throughput_scale_llama_60m_median.json'
-FRONTIER = 'docs/results/frontier_32slices.json'
-QUALITY = [f'docs/results/quality_frontier_tiny_pydoc_8slices_seed{s}.json' for s in range(3)]
 
 
 def checkpoint_name(spares: int) -> str:
@@ -86,6 +83,8 @@ def _args(argv):
   p.add_argument('--config', default='configs/llama_60m.yaml')
   p.add_argument('--costs', default=COSTS, help="a failure_throughput JSON's measurement")
   p.add_argument('--stat', default='flops', choices=('flops', 'median', 'min'))
+  p.add_argument('--v', type=float, default=None, help="a degraded row's worth in loss relative "
+                 f"to an exact row's (default: the full mode's, measured: {loss_equivalent.ROW_VALUE})")
   p.add_argument('--figure', default=None)
   p.add_argument('--json', default=None)
   return p.parse_args(argv)
@@ -97,40 +96,13 @@ def default_policy(cfg) -> str:
   return f'budget:{f.time_budget:g}' if f.takeover == 'budget' else f.takeover
 
 
-def loss_weights() -> dict[str, float]:
-  """Extra fault-free steps (as a share of the run) per unit share of degraded rows, by policy:
-  the frontier's make-up steps at `high` over the degraded share of its quality runs (8 slices,
-  tiny, seeds 0-2)."""
-  frontier = json.loads(Path(FRONTIER).read_text())['policies']
-  shares: dict[str, list[float]] = {}
-  for path in QUALITY:
-    for run in json.loads(Path(path).read_text())['per_seed'].values():
-      for policy, r in run['presets']['high']['runs'].items():
-        rows = r['samples']
-        shares.setdefault(policy, []).append(rows['degraded'] / sum(rows.values()))
-  return {p: frontier[p]['make_up_steps_pct'] / 100.0 / float(np.mean(sh))
-          for p, sh in shares.items() if p in frontier and np.mean(sh) > 0}
-
-
-def discounted(name: str, result: dict, weights: dict) -> float | None:
-  """Goodput with the degraded rows' loss cost taken off: the time to the same loss (None: no
-  frontier reading of the policy). Dropped rows are already out of the goodput."""
-  if name.startswith('checkpoint-restart') or spec_of(name) == 'drop' or not result['degraded_pct']:
-    return result['goodput_pct']
-  w = weights.get(name.removesuffix(PEERS))
-  if w is None:
-    return None
-  return result['goodput_pct'] / (1.0 + w * result['degraded_pct'] / 100.0)
-
-
-def run_all(s: Setup, names: list[str], restarts: list[float], profiles: dict,
-            weights: dict) -> tuple[dict, dict]:
-  """(name -> restart cost -> the seeds' mean; name -> profile -> the same, with the
-  loss-discounted goodput), checkpoint-restart at the headline interval."""
+def run_all(s: Setup, names: list[str], restarts: list[float], profiles: dict
+            ) -> tuple[dict, dict]:
+  """(name -> restart cost -> the seeds' mean; name -> profile -> the same), checkpoint-restart
+  at the headline interval."""
   every = {name: at_restarts(s, name, restarts, s.args.checkpoint_min) for name in names}
-  by_profile = {name: {prof: {**every[name][p.total_s], 'goodput_loss_discounted_pct':
-                              discounted(name, every[name][p.total_s], weights)}
-                       for prof, p in profiles.items()} for name in names}
+  by_profile = {name: {prof: every[name][p.total_s] for prof, p in profiles.items()}
+                for name in names}
   return every, by_profile
 
 
@@ -175,8 +147,7 @@ def targets(approaches: dict, sweep_: dict, policies: list[str], default: str) -
                           - approaches[best]['goodput_pct_spread']
                           - approaches[other]['goodput_pct_spread'])
   best_at = lambda i: max(sweep_['goodput_pct'][p][i] for p in policies)
-  discounted_best = max(approaches, key=lambda n: approaches[n]['goodput_loss_discounted_pct']
-                        if approaches[n]['goodput_loss_discounted_pct'] is not None else -1.0)
+  in_loss = lambda key: max(approaches, key=lambda n: approaches[n][key])
   wins = {}
   for c, names in sweep_['winner'].items():
     ours = [i for i, n in enumerate(names) if n in policies]
@@ -188,7 +159,8 @@ def targets(approaches: dict, sweep_: dict, policies: list[str], default: str) -
           'keeps_99_pct': approaches[best]['goodput_pct'] >= 99.0,
           'keeps_99_pct_at_restart_s': [r for i, r in enumerate(sweep_['restart_s'])
                                         if best_at(i) >= 99.0],
-          'best_loss_discounted': discounted_best,
+          'best_loss_equivalent': in_loss('loss_equivalent_pct'),
+          'best_loss_equivalent_r1': in_loss('loss_equivalent_r1_pct'),
           'best_checkpoint': ckpt, 'margin_over_checkpoint_pct': margin(ckpt),
           'margin_over_elastic_pct': margin(ELASTIC),
           'beats_checkpoint': margin(ckpt) > 0, 'beats_elastic': margin(ELASTIC) > 0,
@@ -206,9 +178,8 @@ def table(result: dict) -> str:
     for prof, r in by.items():
       row[prof] = f"{r['goodput_pct']:.2f} ± {r['goodput_pct_std']:.2f}"
     f = by[result['profile']]
-    disc = f['goodput_loss_discounted_pct']
-    row |= {'loss-discounted': 'n/a' if disc is None else f'{disc:.2f}',
-            'dropped_%': f"{f['dropped_pct']:.2f}", 'degraded_%': f"{f['degraded_pct']:.2f}",
+    row |= {'loss-eq r=inf': f"{f['loss_equivalent_pct']:.2f}",
+            'loss-eq r=1': f"{f['loss_equivalent_r1_pct']:.2f}", 'dropped_%': f"{f['dropped_pct']:.2f}", 'degraded_%': f"{f['degraded_pct']:.2f}",
             'restarts': f"{f['restarts']:.0f}"}
     rows.append(row)
   return common.markdown_table(rows, list(rows[0]))
@@ -222,9 +193,26 @@ def approach_names(a, default: str) -> tuple[list[str], list[str]]:
   return policies, [*policies, ELASTIC, *(checkpoint_name(k) for k in spares)]
 
 
+def _loss_model(a) -> dict:
+  """v (given, or the default mode's measured) and r: the inputs of progress counted in loss;
+  sets a.v for the replay."""
+  v = loss_equivalent.read_v() if a.v is None else {'v': a.v, 'v_ci95': None,
+                                                    'source': 'given (--v)'}
+  a.v = v['v']
+  return {**v, 'r': ['inf', 1.0], 'r_source': loss_equivalent.R_SOURCE}
+
+
+def _restarts_pct(elastic: dict) -> float:
+  """The share of the time elastic restart loses to its restarts (the restart and the steps
+  lost at a death): every live-set change is one, as for any approach that restarts."""
+  lost = elastic['lost_pct_by_cause']
+  return lost['restart'] + lost['step_in_flight']
+
+
 def main(argv=None) -> dict:
   t0, load_before = time.perf_counter(), uptime()
   a = _args(argv)
+  loss_model = _loss_model(a)
   try:
     faults, window = read_log(a)
     fleet = Fleet(a.slices, a.slice_hosts) if a.slices else Fleet.of(a.nodes, a.slice_hosts)
@@ -238,10 +226,9 @@ def main(argv=None) -> dict:
     raise SystemExit(f'--profile must be one of {", ".join(profiles)}, got {a.profile!r}')
   default = default_policy(s.cfg)
   policies, names = approach_names(a, default)
-  weights = loss_weights()
   restarts = sorted({*(p.total_s for p in profiles.values()),
                      *(float(r) for r in a.sweep_restart_s.split(',') if r)})
-  every, by_profile = run_all(s, names, restarts, profiles, weights)
+  every, by_profile = run_all(s, names, restarts, profiles)
   sweep_ = sweep(s, names, restarts, every)
   approaches = {n: by_profile[n][a.profile] for n in names}
   best = max(policies, key=lambda p: approaches[p]['goodput_pct'])
@@ -268,7 +255,8 @@ def main(argv=None) -> dict:
                  'no tax, the work since its durable checkpoint lost at a death, the same profile',
       'rejoin': a.rejoin, 'checkpoint_min': a.checkpoint_min, 'profile': a.profile,
       'profiles': {k: p.to_json() for k, p in profiles.items()},
-      'loss_weights': weights, 'default': default, 'approaches': approaches,
+      'loss_model': loss_model, 'limit_pct': limit_pct(s, _restarts_pct(approaches[ELASTIC])),
+      'default': default, 'approaches': approaches,
       'by_profile': by_profile, 'sweep': sweep_,
       'sensitivity': trace_scenarios.sensitivity(
           every, names, restarts, [default, best, ELASTIC, targets_['best_checkpoint']]),

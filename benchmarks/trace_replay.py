@@ -76,6 +76,7 @@ class Outcome:
   degraded: float = 0.0
   dropped: float = 0.0
   restarts: int = 0
+  mix: dict = dataclasses.field(default_factory=dict)  # {(exact, degraded) rows: steps}
   lost_s: dict = dataclasses.field(default_factory=lambda: {
       'restart': 0.0, 'step_in_flight': 0.0, 'since_checkpoint': 0.0, 'waiting_for_repair': 0.0})
 
@@ -109,7 +110,7 @@ def takeover(events: Sequence[TimedEvent], horizon_s: float, model: PolicyModel,
         out.lost_s['waiting_for_repair'] += max(0.0, t_next - r.now)
         r.now = max(r.now, t_next)
   samples = r.decider.state.samples
-  out.samples = r.tally.samples
+  out.samples, out.mix = r.tally.samples, r.tally.mix
   out.degraded, out.dropped = float(samples['degraded']), float(samples['dropped'])
   return out, r.tally
 
@@ -163,6 +164,8 @@ def checkpoint_restart(events: Sequence[TimedEvent], n_nodes: int, spares: int, 
         out.restarts += 1
         out.lost_s['restart'] += restart_s
   out.samples += trained * rate  # the run's end is a checkpoint
+  job_rows = (n_nodes - spares) * rows_per_node  # every step: the job's nodes' exact rows
+  out.mix = {(job_rows, 0): out.samples / job_rows}
   out.lost_s['restart'] -= max(0.0, ready - horizon_s) if ready < math.inf else 0.0
   return out
 

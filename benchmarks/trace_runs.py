@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from benchmarks.simulate import PolicyModel
 from benchmarks.trace_hosts import Fleet, slice_events
 from benchmarks.trace_replay import Outcome, Rejoin, batched, checkpoint_restart, takeover
-from benchmarks import common, failure_costs
+from benchmarks import common, failure_costs, loss_equivalent
 from mecefo_jax.config import ConfigError, load_config
 from mecefo_jax.core import fault_log
 from mecefo_jax.core.programs import RunPrograms
@@ -40,6 +41,7 @@ class Setup:
   cfg: object
   granule: int
   snapshots: dict  # every, tax_pct, source: the charges of a process restart
+  v: float  # a degraded row's worth in loss, relative to an exact row's (loss_equivalent.py)
 
   @property
   def n(self) -> int:
@@ -101,7 +103,7 @@ def setup(a, faults: list, window: tuple[float, float], fleet: Fleet) -> Setup:
       group_compile_s=dict.fromkeys(costs.group_s, 0.0), fused_compile_s=0.0,
       compile_s_by_kind=dict.fromkeys(costs.compile_s_by_kind, 0.0), move_s=0.0, rejoin_s=0.0)
   return Setup(a, fleet, events, (last - first) * fault_log.DAY_S, rows, costs, cfg,
-               a.granule or measured.get('granule', 1), snapshot_charges(a))
+               a.granule or measured.get('granule', 1), snapshot_charges(a), a.v)
 
 
 def log_stats(events, horizon_s: float, n: int, faults, first: float, last: float) -> dict:
@@ -118,6 +120,16 @@ def log_stats(events, horizon_s: float, n: int, faults, first: float, last: floa
           'nodes_failing': len({f.node for f in inside}),
           'slice_failures': sum(e.kind == 'fail' for e in events),
           'mean_down_pct': 100.0 * area / horizon_s / n, 'max_down': most}
+
+
+def limit_pct(s: Setup, restarts_pct: float) -> dict:
+  """The loss-equivalent progress of every live slice training exact rows at full pace, less
+  `restarts_pct` (the restarts' share of the time): at r -> inf 1 - f - restarts, at r = 1 the
+  time-mean of (1 - f)(1 + r)/(1 - f + r) - restarts; the seeds' mean."""
+  live = lambda r: 100.0 * float(np.mean([loss_equivalent.mean_progress_of_live(
+      events, s.n, s.horizon_s, r) for events in s.events]))
+  return {'r_inf': live(math.inf) - restarts_pct, 'r1': live(1.0) - restarts_pct,
+          'restarts_pct': restarts_pct}
 
 
 def servers_down(faults, a, window: tuple[float, float]) -> dict:
@@ -192,7 +204,10 @@ def summary(s: Setup, out: Outcome, overhead_pct: float) -> dict:
   lost['snapshots'] = overhead_pct * (out.samples / ff)
   lost['dropped_rows'] = 100.0 * out.dropped / ff * keep
   lost['other'] = 100.0 - goodput - sum(lost.values())  # slower steps (policies), idle spares
+  steps = s.horizon_s / s.args.step_s  # the fault-free run's
+  in_loss = lambda r: loss_equivalent.percent(out.mix, s.n * s.b, steps, s.v, r, keep)
   return {'goodput_pct': goodput, 'samples_pct': 100.0 * out.samples / ff,
+          'loss_equivalent_pct': in_loss(math.inf), 'loss_equivalent_r1_pct': in_loss(1.0),
           'tax_pct': overhead_pct, 'dropped_pct': 100.0 * out.dropped / ff,
           'degraded_pct': 100.0 * out.degraded / ff, 'restarts': out.restarts,
           'lost_pct_by_cause': lost}
@@ -205,6 +220,8 @@ def mean_over_seeds(runs: list[dict]) -> dict:
   return {'goodput_pct': float(np.mean(goodput)), 'goodput_pct_std': float(np.std(goodput)),
           'goodput_pct_spread': float(max(goodput) - min(goodput)),
           'goodput_pct_per_seed': goodput, 'samples_pct': mean('samples_pct'),
+          'loss_equivalent_pct': mean('loss_equivalent_pct'),
+          'loss_equivalent_r1_pct': mean('loss_equivalent_r1_pct'),
           'tax_pct': runs[0]['tax_pct'], 'dropped_pct': mean('dropped_pct'),
           'degraded_pct': mean('degraded_pct'), 'restarts': mean('restarts'),
           'lost_pct_by_cause': {k: float(np.mean([r['lost_pct_by_cause'][k] for r in runs]))

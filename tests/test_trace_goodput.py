@@ -1,7 +1,10 @@
 """The fault-log replay: rejoin batching, checkpoint-restart and takeover charged by hand, and the
 benchmark end to end at a tiny scale (slow)."""
+import math
+
 import pytest
 
+from benchmarks import loss_equivalent
 from benchmarks.cost_model import ClusterCosts
 from benchmarks.simulate import PolicyModel
 from benchmarks.trace_replay import Rejoin, batched, checkpoint_restart, takeover
@@ -63,6 +66,29 @@ def test_takeover_restarts_on_a_death_and_on_the_return():
   assert out.dropped == pytest.approx(b * 189)
   assert out.lost_s == {'restart': 20.0, 'step_in_flight': 1.0, 'since_checkpoint': 0.0,
                         'waiting_for_repair': 0.0}
+  # In loss: the 189 steps of 6 rows of 8 each make 0.75 of a full step at r -> inf, and at
+  # r = 1 2 * 0.75 / 1.75 of one; the fault-free run makes 1000 steps in the time.
+  assert out.mix == pytest.approx({(8, 0): 790.0, (6, 0): 189.0})
+  assert loss_equivalent.percent(out.mix, 8, 1000.0, 0.5, math.inf) == pytest.approx(
+      (790 + 189 * 0.75) / 10)
+  assert loss_equivalent.percent(out.mix, 8, 1000.0, 0.5, 1.0) == pytest.approx(
+      (790 + 189 * 1.5 / 1.75) / 10)
+  # The limit: slice 1 down 200 s of 1000, nothing else lost.
+  assert loss_equivalent.mean_progress_of_live(events, n, 1000.0, math.inf) == pytest.approx(0.95)
+  assert loss_equivalent.mean_progress_of_live(events, n, 1000.0, 1.0) == pytest.approx(
+      (800 + 200 * 1.5 / 1.75) / 1000)
+
+
+def test_a_degraded_row_counts_v_of_an_exact_one_and_a_shrunk_batch_loses_less_at_r1():
+  mix = {(6, 2): 10.0}  # 10 steps of 6 exact and 2 degraded rows of 8
+  assert loss_equivalent.percent(mix, 8, 10.0, 1.0, math.inf) == pytest.approx(100.0)
+  assert loss_equivalent.percent(mix, 8, 10.0, 0.0, math.inf) == pytest.approx(75.0)
+  assert loss_equivalent.percent(mix, 8, 20.0, 0.5, math.inf, keep=0.9) == pytest.approx(
+      100 * 0.9 * 7 / 8 / 2)
+  assert loss_equivalent.progress(0.75, 1.0) == pytest.approx(1.5 / 1.75)  # > 0.75
+  # Checkpoint-restart's steps are the job's rows, all exact: 2 of 3 nodes' rows.
+  out = checkpoint_restart([], 3, 1, 100.0, 1.0, 1, 10.0, 100.0)
+  assert out.mix == {(2, 0): pytest.approx(100.0)}
 
 
 @pytest.mark.slow
@@ -83,6 +109,12 @@ def test_the_benchmark_replays_a_window_of_the_real_log(launcher, tmp_path):
   for r in result['approaches'].values():
     assert {'goodput_pct', 'dropped_pct', 'degraded_pct', 'restarts'} <= set(r)
     assert 0.0 <= r['goodput_pct'] <= 100.0 and len(r['goodput_pct_per_seed']) == 2
+    assert r['loss_equivalent_pct'] <= r['loss_equivalent_r1_pct']  # a shrunk batch: r = 1
+  model, limit = result['loss_model'], result['limit_pct']
+  assert model['source'].startswith('docs/results/row_value_tiny.json') and 0 < model['v'] < 1
+  elastic = result['approaches']['elastic-restart']  # the limit less the snapshot tax, at most
+  assert elastic['loss_equivalent_pct'] <= limit['r_inf'] and \
+      elastic['loss_equivalent_r1_pct'] <= limit['r1'] <= 100.0
   # 2 of 16 slices (2 hosts each) are spares: checkpoint-restart keeps at most 14/16 of them.
   assert result['approaches']['checkpoint-restart-4-spares']['goodput_pct'] <= 100 * 14 / 16
   assert result['slice_hosts'] == 2 and result['micro_batch'] == 2 * result['rows_per_host']
