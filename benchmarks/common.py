@@ -169,6 +169,11 @@ def donating_runners(programs: dict, states: dict, tokens: dict,
 STEP_LINE = re.compile(r'\bstep (\d+)/\d+ loss')  # a step's log line of train.py
 
 
+# Process 0's line once the programs of the jobs that restart after a death are in the program
+# store (step/precompile.py): a fault after it should find them there.
+BUILT = 'background builds done'
+
+
 class JobOutput:
   """A supervised job started in a session of its own; every line of its output kept with its
   arrival time (the recovery benchmarks time the lines), its `--events` file in `events_path`."""
@@ -189,6 +194,10 @@ class JobOutput:
     steps = [int(m.group(1)) for _, line in list(self.lines)[-50:]
              if (m := STEP_LINE.search(line))]
     return max(steps, default=-1)
+
+  def said(self, text: str) -> bool:
+    """Whether a line of the job's terminal output holds `text`."""
+    return any(text in line for _, line in list(self.lines))
 
   def tail(self, n: int = 40) -> str:
     return '\n'.join(line for _, line in self.lines[-n:])

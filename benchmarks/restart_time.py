@@ -30,6 +30,7 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
   raise SystemExit('error: run it from the repository root as python -m benchmarks.'
                    + __file__.rpartition('/')[2].removesuffix('.py'))
 
+import argparse
 import contextlib
 import json
 import os
@@ -43,7 +44,6 @@ from pathlib import Path
 
 from benchmarks import common, ray_cluster
 
-BUILT = 'background builds done'
 PHASES = ('detect_s', 'stop_s', 'spawn_s', 'process_start_s', 'imports_s', 'distributed_s',
           'setup_s', 'restore_s', 'programs_s', 'first_step_s', 'total_s')
 
@@ -54,6 +54,9 @@ def _args(argv):
   p.add_argument('--processes', type=int, default=3)
   p.add_argument('--steps', type=int, default=150)
   p.add_argument('--kill-at', type=int, default=40, help='the step after which host 1 dies')
+  p.add_argument('--wait-builds', action=argparse.BooleanOptionalAction, default=True,
+                 help="the fault waits for the job's 'background builds done' too (none says it "
+                 'with faults.precompile=never: --no-wait-builds)')
   p.add_argument('--backends', default='local', help='local, ray, or both in turn: local,ray')
   p.add_argument('--remove-node', nargs='?', const='graceful', choices=('graceful', 'hard'),
                  help='ray: remove host 1\'s node instead of killing its process (hard: its '
@@ -101,7 +104,8 @@ def _kill_and_time(args, run: Run, cluster) -> dict:
     run.wait_for(lambda: run.last_step() >= args.kill_at, 900, f'step {args.kill_at}')
     # As a user would: once the job says its programs for a restart are built (process 0's
     # line, on the terminal), whatever the other processes are doing then.
-    run.wait_for(lambda: any(BUILT in line for _, line in list(run.lines)), 900, BUILT)
+    if args.wait_builds:
+      run.wait_for(lambda: run.said(common.BUILT), 900, common.BUILT)
     t_kill = time.time()
     if cluster is not None and args.remove_node:
       place = [e for e in run.events() if e['kind'] == 'place'][-1]

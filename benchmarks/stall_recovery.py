@@ -6,7 +6,8 @@ Run: python -m benchmarks.stall_recovery [--processes 3] [--steps 150] [--stop-a
 
 One supervised job (`python -m mecefo_jax.launch -n P --devices-per-process 1 -- mesh.slice=P
 train.steps=S snapshot.every=1 train.log_every=1 train.eval_every=0`, the config's defaults
-otherwise); once it has logged step --stop-at, host --host is SIGSTOPped (with --block: it blocks
+otherwise); once it has logged step --stop-at and said 'background builds done' (the
+restarts' programs in the program store), host --host is SIGSTOPped (with --block: it blocks
 itself inside that step, its heartbeat thread running: run/stop.py TEST_BLOCK_ENV). Every line
 is stamped on arrival, so the stall is cut into: detect (stop -> the supervisor's stall line),
 restart (-> the survivors' job is spawned), first_step (-> the first step trained again). The
@@ -24,6 +25,7 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
   raise SystemExit('error: run it from the repository root as python -m benchmarks.'
                    + __file__.rpartition('/')[2].removesuffix('.py'))
 
+import argparse
 import json
 import os
 import signal
@@ -46,6 +48,9 @@ def _args(argv):
   p.add_argument('--processes', type=int, default=3)
   p.add_argument('--steps', type=int, default=150)
   p.add_argument('--stop-at', type=int, default=50, help='the logged step after which it stops')
+  p.add_argument('--wait-builds', action=argparse.BooleanOptionalAction, default=True,
+                 help="the fault waits for the job's 'background builds done' too (none says it "
+                 'with faults.precompile=never: --no-wait-builds)')
   p.add_argument('--host', type=int, default=1, help='the logical host that stops')
   p.add_argument('--block', action='store_true',
                  help='the host blocks itself inside step --stop-at instead of a SIGSTOP')
@@ -84,8 +89,10 @@ def run(args, tmp: Path) -> dict:
     # Blocked: from when another host dispatched step --stop-at (its progress mark), which the
     # blocked one dispatched too before it blocked.
     other = mark_path(job.out / 'logs' / 'marks', 0 if args.host else 1)
+    # Else once the job has said its restarts' programs are built, as a user would see it.
     reached = ((lambda: (read_mark(other) or {}).get('step', -1) >= args.stop_at) if args.block
-               else lambda: job.last_step() >= args.stop_at)
+               else lambda: job.last_step() >= args.stop_at and (
+                   job.said(common.BUILT) or not args.wait_builds))
     while not reached():
       assert job.proc.poll() is None, job.tail()
       time.sleep(0.02)
