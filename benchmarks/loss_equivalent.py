@@ -1,4 +1,4 @@
-"""Progress counted in loss: each step's rows priced by a degraded row's worth v and the noise scale r.
+"""Progress counted in loss: a step's rows priced by a degraded row's worth v and the noise scale r.
 
 McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training"): the steps to a given loss
 grow as 1 + B_noise/B, so a step whose rows are worth x of a full batch (x = (exact + v·degraded)

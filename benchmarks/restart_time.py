@@ -10,10 +10,10 @@ and compilation cache). Cold start: the launch to its first logged step. Once st
 logged and the job has said 'background builds done' (the programs of the jobs that restart
 after a death are in the program store), the process of host 1 is SIGKILLed; restart: the kill to
 the first step logged by the survivors' job; `programs_built`: how that job's first step got
-its programs (compiled, loaded). The supervisor then stops the job (SIGTERM: an agreed step), and the report's
-`recovery` section gives where the restart went (detection, the survivors' stop, the spawn,
-the processes' start: imports, jax.distributed, set-up, restore, programs, the first step).
-Medians over the repeats; the machine's load (`uptime`) before and after.
+its programs (compiled, loaded). The supervisor then stops the job (SIGTERM: an agreed step),
+and the report's `recovery` section gives where the restart went (detection, the survivors'
+stop, the spawn, the processes' start: imports, jax.distributed, set-up, restore, programs, the
+first step). Medians over the repeats; the machine's load (`uptime`) before and after.
 
 --backends local,ray: each repeat runs the job under each backend in turn (alternately), the
 Ray one (`--backend ray`) on a Ray cluster of this machine (benchmarks/ray_cluster.py: a 0-CPU

@@ -84,7 +84,8 @@ def _args(argv):
   p.add_argument('--costs', default=COSTS, help="a failure_throughput JSON's measurement")
   p.add_argument('--stat', default='flops', choices=('flops', 'median', 'min'))
   p.add_argument('--v', type=float, default=None, help="a degraded row's worth in loss relative "
-                 f"to an exact row's (default: the full mode's, measured: {loss_equivalent.ROW_VALUE})")
+                 "to an exact row's (default: the full mode's, measured: "
+                 f'{loss_equivalent.ROW_VALUE})')
   p.add_argument('--figure', default=None)
   p.add_argument('--json', default=None)
   return p.parse_args(argv)
@@ -179,7 +180,8 @@ def table(result: dict) -> str:
       row[prof] = f"{r['goodput_pct']:.2f} ± {r['goodput_pct_std']:.2f}"
     f = by[result['profile']]
     row |= {'loss-eq r=inf': f"{f['loss_equivalent_pct']:.2f}",
-            'loss-eq r=1': f"{f['loss_equivalent_r1_pct']:.2f}", 'dropped_%': f"{f['dropped_pct']:.2f}", 'degraded_%': f"{f['degraded_pct']:.2f}",
+            'loss-eq r=1': f"{f['loss_equivalent_r1_pct']:.2f}",
+            'dropped_%': f"{f['dropped_pct']:.2f}", 'degraded_%': f"{f['degraded_pct']:.2f}",
             'restarts': f"{f['restarts']:.0f}"}
     rows.append(row)
   return common.markdown_table(rows, list(rows[0]))

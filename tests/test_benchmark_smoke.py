@@ -6,7 +6,8 @@ from procs import TINY
 
 def test_stall_recovery_names_the_stopped_host_and_drops_nothing(launcher, tmp_path):
   result = launcher.benchmark('stall_recovery', '--processes', '3', '--steps', '8',
-                              '--stop-at', '3', '--no-wait-builds', *TINY, json_path=tmp_path / 'stall.json')
+                              '--stop-at', '3', '--no-wait-builds', *TINY,
+                              json_path=tmp_path / 'stall.json')
   assert result['named_host'] == result['host'] == 1, result
   assert result['detect_s'] > result['deadline_s'] > 0 and result['samples']['dropped'] == 0
 

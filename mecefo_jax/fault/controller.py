@@ -103,7 +103,8 @@ class Controller:
     t0, before = time.perf_counter(), len(self.programs.built)
     fused = self.build_step_programs()
     self.first_programs_s = time.perf_counter() - t0
-    self.first_programs = dict(collections.Counter(how for _, how, _ in self.programs.built[before:]))
+    self.first_programs = dict(collections.Counter(
+        how for _, how, _ in self.programs.built[before:]))
     self.step_memory = train_step.memory_summary(fused) if fused else {}
     if self.wants_precompile() and multihost.is_multiprocess():
       # Filling the store for restarts waits for this start's first step: it would take the

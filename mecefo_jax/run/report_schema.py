@@ -32,7 +32,8 @@ SCHEMA_VERSION = 12  # 2: precompile section; 3: programs section; 4: programs.s
 # programs.other_compiles and other_compile_s, snapshots.durable_failed; 8: goodput.restart;
 # 9: programs.moved_ahead and moved_ahead_s, plans. The keys are those of version 9 since: the
 # sections became dataclasses (sections.py), only the order of keys inside a few sections moved.
-# 10: rollback, changed_on_resume, failures_note. 11: trace_nodes_by_slice. 12: recovery.programs_built.
+# 10: rollback, changed_on_resume, failures_note. 11: trace_nodes_by_slice.
+# 12: recovery.programs_built.
 
 
 class ReportError(ValueError):
