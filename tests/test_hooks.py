@@ -87,6 +87,23 @@ def test_divergence_is_a_non_finite_gradient_norm_too_and_names_the_snapshot_to_
   assert recorded == [{'diverged_at_step': 5, 'last_finite_step': 4, 'rollback_to': 3}]
 
 
+def test_a_poisoned_step_reads_as_a_divergence_while_its_file_names_it(tmp_path, monkeypatch):
+  """The soak's transient divergence (run/hooks.TEST_POISON_ENV): the step its file names has
+  a NaN loss; another step, or the same once the file is gone, is finite."""
+  from mecefo_jax.run.hooks import TEST_POISON_ENV
+  poison = tmp_path / 'poison'
+  monkeypatch.setenv(TEST_POISON_ENV, str(poison))
+  hook, recorded = _divergence()
+  assert hook.after_step(_record(3)) is None  # no file: nothing poisoned
+  poison.write_text('4')
+  assert hook.after_step(_record(3)) is None
+  stop = hook.after_step(_record(4))
+  assert 'the training loss is not finite (nan) at step 4' in stop.message
+  poison.unlink()  # the resume trains step 4 again
+  hook, recorded = _divergence()
+  assert hook.after_step(_record(4)) is None and recorded == []
+
+
 def test_hooks_run_in_order_until_one_stops_and_merge_their_report_keys():
   calls = []
 

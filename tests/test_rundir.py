@@ -136,6 +136,8 @@ def test_in_memory_snapshot_errors_skip_the_snapshot_and_training_goes_on(launch
   snapshots = report(out)['snapshots']
   assert snapshots['skipped'] >= 4 and snapshots['retained_steps'] == [], snapshots
   assert log.count('in-memory snapshot skipped') == snapshots['skipped']
+  skips = [e for e in rundir.read_history(out) if e['kind'] == 'snapshot_skipped']
+  assert sum(e['skipped'] for e in skips) == snapshots['skipped'], skips  # where, in the record
   assert 'Traceback' not in log and report(out)['steps'] == 4
 
 

@@ -5,6 +5,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from mecefo_jax import progress_marks
@@ -12,6 +14,10 @@ from mecefo_jax.core.decider import StepPlan
 from mecefo_jax.sections import Draft
 
 log = logging.getLogger('mecefo')
+# A test's transient divergence (benchmarks/soak.py): while the file this names holds a step
+# number, that step's training loss reads as NaN on every process (each reads it alike), before
+# the step is saved anywhere; once the file is gone, a resume trains that step again, finite.
+TEST_POISON_ENV = 'MECEFO_TEST_POISON'
 
 
 @dataclasses.dataclass
@@ -106,6 +112,15 @@ class ProgressMark(Hook):
     progress_marks.dispatched(step)
 
 
+def _poisoned(step: int) -> bool:
+  """Whether TEST_POISON_ENV's file names `step`."""
+  path = os.environ.get(TEST_POISON_ENV)
+  try:
+    return bool(path) and int(Path(path).read_text()) == step
+  except (OSError, ValueError):  # no file (the usual case), or being replaced
+    return False
+
+
 class Divergence(Hook):
   """Ends the run at a non-finite training loss or gradient norm, before that step is saved
   anywhere; `diverged` then says where, and the last step seen finite (the rollback's bound).
@@ -127,6 +142,8 @@ class Divergence(Hook):
 
   def after_step(self, record: StepRecord) -> StopRun | None:
     values = record.values or {}
+    if _poisoned(record.step):
+      values = {**values, 'loss': math.nan}
     bad = [(k, values[k]) for k in ('loss', 'grad_norm')
            if values.get(k) is not None and not math.isfinite(values[k])]
     if not bad:

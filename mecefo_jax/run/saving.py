@@ -37,6 +37,7 @@ class SnapshotSaver(Hook):
     self._saved: tuple[int | None, tuple[str, ...]] = (None, ())  # (steps, tiers) last saved
     self._saved_steps: set[int] = set()  # the steps this start saved
     self._last_step: tuple[float, bool] | None = None  # the step in progress: (start, busy)
+    self._skipped = 0  # in-memory snapshots skipped (a full tmpfs) that history.jsonl records
 
   def before_step(self, step: int) -> None:
     # The interval is tuned on iteration-to-iteration walls: the last one is complete now.
@@ -55,6 +56,7 @@ class SnapshotSaver(Hook):
     # (maybe_save waited for it) and t+1 started: a crash after it costs at most step t.
     steps = record.steps_done
     self.save(steps)
+    self._record_skips(steps)
     guard = self.snapshots and self.snapshots.durable
     if not (guard and guard.failing):  # the same on every process: they agreed on it
       return None
@@ -64,6 +66,14 @@ class SnapshotSaver(Hook):
     log.error('%s', message)
     self.records.history('stop', step=steps, why='durable checkpoints failing', saved=where)
     return StopRun(message, steps)
+
+  def _record_skips(self, steps: int) -> None:
+    """A line in history.jsonl for the in-memory snapshots skipped since the last one (a write
+    error: a full tmpfs), so that the run's record says where it had no snapshot."""
+    skipped = self.snapshots.skipped if self.snapshots else 0
+    if skipped > self._skipped:
+      self.records.history('snapshot_skipped', step=steps, skipped=skipped - self._skipped)
+      self._skipped = skipped
 
   def save(self, steps_done: int, stop: bool = False) -> None:
     """Async snapshot of the state after `steps_done` steps where due; `stop`: in every tier
@@ -108,6 +118,7 @@ class SnapshotSaver(Hook):
     if not stopped:
       self.save(steps, stop=True)
     self.wait()
+    self._record_skips(steps)
 
   def wait(self) -> None:
     if self.snapshots:
