@@ -74,3 +74,18 @@ def _ray_driver_lost(d: dict) -> str:
           f"{d['kill_to_trainers_gone_s']:.1f} s); the same command resumed at step "
           f"{d['resumed_step']}, its first step {d['relaunch_to_first_step_s']:.1f} s after its "
           "launch")
+
+
+def _soak(d: dict) -> str:
+  """What was injected, how fast each kind recovered, and whether every check held."""
+  g0, g1 = d['growth']['start'], d['growth']['end']
+  mib = lambda b: f'{b / 2 ** 20:.0f}'
+  length = f"{d['minutes']:g} min" if d['minutes'] else f"{d.get('rounds', 1)} round(s)"
+  recovery = ', '.join(f"{k} {r['median']:.1f}/{r['max']:.1f}" for k, r in d['recovery_s'].items())
+  return (f"{d['processes']} processes, {length} beside {d['busy']} busy cores, seed "
+          f"{d['seed']}: {sum(d['faults'].values())} faults ("
+          + ', '.join(f'{k} {n}' for k, n in d['faults'].items()) + f"); recovery median/max (s): "
+          f"{recovery}; hangs {d['hangs']}, disagreements {len(d['disagreements'])}, params equal "
+          f"to the replay: {'yes' if d['sha_equal'] else 'no'}, leftovers {len(d['leftovers'])}; "
+          f"RSS {mib(g0['rss_bytes'])} -> {mib(g1['rss_bytes'])} MiB, tmpfs "
+          f"{mib(g0['shm_bytes'])} -> {mib(g1['shm_bytes'])} MiB, {d['steps']} steps")

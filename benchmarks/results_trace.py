@@ -169,8 +169,38 @@ def _across(ds: list[dict]) -> str:
           + ('; '.join(flips) if flips else 'the same order at every size') + '.')
 
 
+def v_to_beat(d: dict, policy: str, other: str) -> float | None:
+  """The degraded row's worth at which `policy` reaches its loss as soon as `other` at r -> inf:
+  its loss-equivalent progress is linear in v, of slope its degraded share less the tax; None
+  where it degrades no row."""
+  a, b = d['approaches'][policy], d['approaches'][other]
+  slope = a['degraded_pct'] * (1.0 - a['tax_pct'] / 100.0)
+  if not slope:
+    return None
+  return d['loss_model']['v'] + (b['loss_equivalent_pct'] - a['loss_equivalent_pct']) / slope
+
+
+def _in_loss(ds: list[dict]) -> list[str]:
+  """Per slice size: the approach that reaches a loss soonest, and the v each takeover policy
+  would need to beat elastic restart."""
+  v = ds[0]['loss_model']
+  out = [f"* **In loss** (a degraded row worth v = {v['v']:.2f}, 95% interval "
+         f"[{v['v_ci95'][0]:.2f}, {v['v_ci95'][1]:.2f}], measured on tiny: "
+         f"{v['source'].split(':')[0]}):"]
+  for d in ds:
+    t, a = d['targets'], d['approaches']
+    need = ', '.join(f'{p} {x:.2f}' for p in dict.fromkeys([d['default'], *d['approaches']])
+                     if p in a and not p.startswith(('checkpoint', 'elastic'))
+                     and (x := v_to_beat(d, p, 'elastic-restart')) is not None)
+    out.append(f"  {d['slice_hosts']} host(s)/slice: soonest {t['best_loss_equivalent']} at r -> "
+               f"inf ({a[t['best_loss_equivalent']]['loss_equivalent_pct']:.2f}%; the limit "
+               f"{d['limit_pct']['r_inf']:.2f}%) and {t['best_loss_equivalent_r1']} at r = 1; the "
+               f"v a takeover needs to beat elastic restart (r -> inf): {need}.")
+  return out
+
+
 def _notes(ds: list[dict]) -> list[str]:
-  out = [_across(ds)]
+  out = [_across(ds), *_in_loss(ds)]
   for d in ds:
     k = d['slice_hosts']
     flips = d['sensitivity']['flips']
