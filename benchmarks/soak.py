@@ -1,7 +1,7 @@
 """A soak: a supervised job hit at random by every fault it claims to survive, then checked.
 
-Run: python -m benchmarks.soak --minutes M | --rounds N [--seed S] [--processes 3] [--busy 2] [--gap-s 5:20]
-    [--kinds kill,stop_worker,...] [--keep DIR] [--json OUT] [overrides...]
+Run: python -m benchmarks.soak --minutes M | --rounds N [--seed S] [--processes 3] [--busy 2]
+    [--gap-s 5:20] [--kinds kill,stop_worker,...] [--keep DIR] [--json OUT] [overrides...]
 
 One job (`python -m mecefo_jax.launch -n P --devices-per-process 1 --rejoin-after 10
 --stopped-s 5 -- mesh.slice=P mesh.ordered_reduce=true snapshot.every=1 train.log_every=1
