@@ -84,7 +84,7 @@ def test_every_module_is_imported_by_a_fast_test(request):
 # What the run layer may ask of the controller (fault/controller.py's docstring lists it).
 CONTROLLER_INTERFACE = {'start', 'step', 'last_plan', 'last_built', 'fetch', 'evaluate', 'state', 'state_mesh',
                         'live', 'events', 'samples', 'goodput', 'tokens_trained', 'step_memory',
-                        'first_programs_s', 'programs_report', 'dump_meta', 'book',
+                        'first_programs_s', 'first_programs', 'programs_report', 'dump_meta', 'book',
                         'exclude_from_steps', 'settle', 'close'}
 CONTROLLER = {'self.controller', 'run.controller', 'controller', 'c'}  # how run/ names it
 
