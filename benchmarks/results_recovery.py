@@ -82,10 +82,13 @@ def _soak(d: dict) -> str:
   mib = lambda b: f'{b / 2 ** 20:.0f}'
   length = f"{d['minutes']:g} min" if d['minutes'] else f"{d.get('rounds', 1)} round(s)"
   recovery = ', '.join(f"{k} {r['median']:.1f}/{r['max']:.1f}" for k, r in d['recovery_s'].items())
+  restarts = d['programs_per_restart']
+  compiled = sum(r['compiled'] for r in restarts)
   return (f"{d['processes']} processes, {length} beside {d['busy']} busy cores, seed "
           f"{d['seed']}: {sum(d['faults'].values())} faults ("
           + ', '.join(f'{k} {n}' for k, n in d['faults'].items()) + f"); recovery median/max (s): "
-          f"{recovery}; hangs {d['hangs']}, disagreements {len(d['disagreements'])}, params equal "
+          f"{recovery}; {compiled} programs compiled at {len(restarts)} restarts after a failure "
+          f"(the rest loaded); hangs {d['hangs']}, disagreements {len(d['disagreements'])}, params equal "
           f"to the replay: {'yes' if d['sha_equal'] else 'no'}, leftovers {len(d['leftovers'])}; "
           f"RSS {mib(g0['rss_bytes'])} -> {mib(g1['rss_bytes'])} MiB, tmpfs "
           f"{mib(g0['shm_bytes'])} -> {mib(g1['shm_bytes'])} MiB, {d['steps']} steps")

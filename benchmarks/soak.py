@@ -24,7 +24,8 @@ against the one-process replay of failures.txt (--stop-after the step it stopped
 records against each other (report samples = metrics rows' tokens / seq_len,
 steps_lost_total = the thrown_away lines, failures.txt = the report's failure events,
 run_state status = the exit), nothing left behind (a process of the job, a tmpfs part of no
-host, an unfinished save) and what grew.
+host, an unfinished save), what grew, and how each restart got its programs (compiled,
+loaded: the `recovered` lines).
 A failed check keeps every artifact (--keep, or the temporary directory, named in the JSON).
 """
 from __future__ import annotations
@@ -250,6 +251,7 @@ def soak(args, root: Path) -> dict:
   left = soak_checks.leftovers(s.pids | {s.job.proc.pid}, str(s.run), s.shm, args.processes)
   faults = {k: sum(f.kind == k for f in s.faults) for k in KINDS}
   return {'faults': faults, 'injected': [dataclasses.asdict(f) for f in s.faults],
+          'programs_per_restart': soak_checks.programs_per_restart(s.history()),
           'hangs': len(s.hangs), 'hang_details': s.hangs, 'disagreements': disagreements,
           'sha_equal': replayed['sha_equal'], 'replay': replayed, 'leftovers': left,
           'recovery_s': _recovery(s.faults), 'growth': grown, 'exit_code': code,

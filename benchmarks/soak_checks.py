@@ -47,6 +47,14 @@ def attribute(history: list[dict], faults: list[Injected]) -> list[str]:
   return out
 
 
+def programs_per_restart(history: list[dict]) -> list[dict]:
+  """How each restart after a failure got its first step's programs (the `recovered` lines:
+  {'cause', 'compiled', 'loaded', 'moved'})."""
+  return [{'cause': e['cause'], **{how: e.get('programs_built', {}).get(how, 0)
+                                   for how in ('compiled', 'loaded', 'moved')}}
+          for e in history if e['kind'] == 'recovered']
+
+
 def _fields(line: dict) -> str:
   return ', '.join(f'{k}={v}' for k, v in line.items() if k in ('step', 'host', 'why', 'code'))
 

@@ -16,6 +16,8 @@ def test_the_soak_injects_each_fault_once_and_every_record_agrees(launcher, tmp_
   assert result['leftovers'] == [] and result['ok'], result['leftovers']
   # Each fault's recovery timed: the first step of a job started after it.
   assert set(result['recovery_s']) >= {'kill', 'stop_worker', 'ctrl_c', 'divergence'}
+  # The restarts after the death and the stall: how each got its programs.
+  assert {r['cause'] for r in result['programs_per_restart']} >= {'death', 'stall'}
   if result['tmpfs'] != 'mounted':  # no privilege to mount: that fault said so, unchecked
     [full] = [f for f in result['injected'] if f['kind'] == 'full_tmpfs']
     assert full['note'].startswith(result['tmpfs'].removeprefix('not mounted: '))
