@@ -53,6 +53,7 @@ from mecefo_jax.run.hooks import TEST_POISON_ENV
 from mecefo_jax.watch import START_FLOOR_S
 
 HANG_S = 3 * START_FLOOR_S
+WAIT_LIMIT_S = 3 * HANG_S  # a fault's outcome that never comes (the job trains on regardless)
 STOPPED_S, REJOIN_S = 5, 10
 LINGER_S = 20.0  # a process alive this long after its run's end line: its stacks are kept
 
@@ -129,9 +130,14 @@ class Soak:
 
   def wait_for(self, condition, what: str, watch: bool = True) -> None:
     """Polls `condition`; `watch`: a hang is counted where no step is logged for HANG_S (the
-    job is then killed and started again). A job that ends meanwhile is started again."""
-    last_step_t = time.time()
+    job is then killed and started again). A job that ends meanwhile is started again. What
+    never comes within WAIT_LIMIT_S, steps or not, is a hang too (the soak goes on)."""
+    last_step_t = t0 = time.time()
     while not condition():
+      if time.time() - t0 > WAIT_LIMIT_S:
+        self.hangs.append({'t': time.time(), 'waiting_for': what, 'limit_s': WAIT_LIMIT_S,
+                           'tail': self.job.tail(20)})
+        return
       self._dump_lingering()
       step = self.job.first_after(last_step_t)
       last_step_t = step[0] if step else last_step_t
