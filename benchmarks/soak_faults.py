@@ -84,6 +84,8 @@ def full_tmpfs(soak, host: int) -> Injected:
   until = time.time() + HOLD_S
   soak.wait_for(lambda: time.time() > until, 'the full tmpfs held')
   filler.unlink()
+  # Its record: a skip shows once the next save waits for the failed one (a step later).
+  soak.wait_for(lambda: soak.history_since(fault.t, 'snapshot_skipped'), 'the skips recorded')
   return fault
 
 
