@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.soak_faults import ALSO, EXPECTED, FAULT_KINDS, Injected
+from mecefo_jax.run.saving import AGREED_STOP
 
 REPLAY_LINE = re.compile(r'# replay: `python -m mecefo_jax ([^`]*)`')
 
@@ -20,7 +21,8 @@ def _explains(fault: Injected, line: dict) -> bool:
   kind = line['kind']
   if kind == 'stop':  # the one the fault asks for, or the grow-back of a host it took out
     why = str(line.get('why', ''))
-    return (fault.kind == 'stop_supervisor' and 'supervisor' in why or
+    # Process 0's record of a stop another process's watch asked for first: AGREED_STOP.
+    return (fault.kind == 'stop_supervisor' and ('supervisor' in why or why == AGREED_STOP) or
             fault.kind in ('ctrl_c', 'end') and 'SIGINT' in why or
             fault.kind in ('kill', 'stop_worker') and 'grow-back' in why)
   return kind in EXPECTED.get(fault.kind, ()) or kind in ALSO.get(fault.kind, set())
