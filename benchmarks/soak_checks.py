@@ -99,7 +99,9 @@ def replay(run: Path, cwd: Path, env: dict, timeout: float = 1800) -> dict:
   whether its params and samples equal the run's."""
   line = (run / 'failures.txt').read_text().splitlines()[0]
   steps = json.loads((run / 'report.json').read_text())['steps']
-  args = [*shlex.split(REPLAY_LINE.fullmatch(line).group(1)), '--stop-after', str(steps)]
+  # --no-snapshots: a stopped replay would keep its in-memory snapshots in /dev/shm.
+  args = [*shlex.split(REPLAY_LINE.fullmatch(line).group(1)), '--stop-after', str(steps),
+          '--no-snapshots']
   done = subprocess.run([sys.executable, '-m', 'mecefo_jax', *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=timeout)
   if done.returncode not in (0, 143):  # 143: stopped after --stop-after
