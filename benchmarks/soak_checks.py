@@ -12,6 +12,8 @@ from pathlib import Path
 
 from benchmarks.soak_faults import ALSO, EXPECTED, FAULT_KINDS, Injected
 from mecefo_jax.run.saving import AGREED_STOP
+from mecefo_jax.run.supervised import process_state
+from mecefo_jax.snapshot.capacity import held_bytes
 
 REPLAY_LINE = re.compile(r'# replay: `python -m mecefo_jax ([^`]*)`')
 
@@ -132,11 +134,8 @@ def leftovers(pids: set[int], marker: str, shm: Path, hosts: int) -> list[str]:
 
 
 def alive(pid: int) -> bool:
-  try:
-    state = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]
-  except (OSError, IndexError):
-    return False
-  return state != 'Z'
+  """Whether process `pid` runs (a zombie runs nothing)."""
+  return process_state(pid) not in (None, 'Z')
 
 
 def growth(pids: list[int], shm: Path, store: Path, run: Path) -> dict:
@@ -151,16 +150,6 @@ def growth(pids: list[int], shm: Path, store: Path, run: Path) -> dict:
     except (OSError, AttributeError):
       continue
   history = run / 'history.jsonl'
-  return {'rss_bytes': rss, 'open_fds': fds, 'shm_bytes': _bytes(shm),
-          'program_store_bytes': _bytes(store),
+  return {'rss_bytes': rss, 'open_fds': fds, 'shm_bytes': held_bytes(shm),
+          'program_store_bytes': held_bytes(store),
           'history_lines': len(history.read_text().splitlines()) if history.exists() else 0}
-
-
-def _bytes(path: Path) -> int:
-  total = 0
-  for p in path.rglob('*') if path.exists() else ():
-    try:
-      total += p.stat().st_size if p.is_file() else 0
-    except OSError:  # removed meanwhile (a save's pruning)
-      continue
-  return total
