@@ -45,6 +45,9 @@ def attribute(history: list[dict], faults: list[Injected]) -> list[str]:
     if e['kind'] not in FAULT_KINDS:
       continue
     owner = next((f for f, until in zip(faults, bounds) if f.t <= e['t'] < until), None)
+    if e['kind'] == 'snapshot_skipped':  # recorded as later saves wait: the last fill's
+      owner = next((f for f in reversed(faults) if f.kind == 'full_tmpfs' and f.t <= e['t']),
+                   owner)
     if owner is None or not _explains(owner, e):
       out.append(f"history {e['kind']} at {e['t']:.1f} ({_fields(e)}): no injected fault "
                  f"explains it (the soak's last before it: {owner.kind if owner else 'none'})")
