@@ -1,0 +1,138 @@
+"""The files a run writes, against those the code before the typed records wrote
+(tests/fixtures/run_records, README there): the same keys in the same order and the same
+values, times and paths apart; a run written then resumes now and is plotted."""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mecefo_jax import files
+from mecefo_jax.run import cli, plot, rundir
+
+FIXTURE = Path(__file__).parent / 'fixtures' / 'run_records'
+GOLDEN = json.loads((FIXTURE / 'golden.json').read_text())
+JSON_FILES = ('run_state.json', 'report.json')
+LINE_FILES = ('history.jsonl', 'metrics.jsonl')
+TEXT_FILES = ('failures.txt', 'failure_trace.txt')
+# Values that differ between two runs of one program: times and rates (numbers), and what the
+# program store held (any value: the suite's store, warm or cold).
+TIMED_SECTIONS = {'goodput', 'throughput'}
+TIMED_KEYS = {'t', 'time', 'tokens_per_s', 'steps_per_s'}
+STORE_SECTIONS = {'startup', 'programs'}
+
+
+def _placeholders(work: Path, run_id: str) -> list[tuple[str, str]]:
+  shm = files.default_snapshot_dir(rundir.run_name(work / 'run'))
+  return [(str(work), '@WORK@'), (str(shm), '@SHM@'), (str(Path.home()), '@HOME@'),
+          (run_id, '@ID@')]
+
+
+def _normal(value, pairs, timed=False, store=False):
+  """`value` with paths and the run id as placeholders, timestamps as @TIME@, each timed
+  number and each value of the program store's sections as its type alone."""
+  if isinstance(value, dict):
+    return {k: _normal(v, pairs, timed or k in TIMED_SECTIONS or k in TIMED_KEYS or
+                       k.endswith('_s'), store or k in STORE_SECTIONS)
+            for k, v in value.items()}
+  if isinstance(value, list):
+    return [_normal(v, pairs, timed, store) for v in value]
+  if store:
+    return type(value).__name__
+  if isinstance(value, str):
+    for path, mark in pairs:
+      value = value.replace(path, mark)
+    return re.sub(r'\d{8}T\d{6}Z', '@TIME@', value)
+  if timed and isinstance(value, (int, float)) and not isinstance(value, bool):
+    return 'number'
+  return value
+
+
+def _first_difference(golden, new, path='') -> str:
+  """Where `new` first differs from `golden`, and how."""
+  if isinstance(golden, dict) and isinstance(new, dict):
+    if list(golden) != list(new):
+      return f'{path or "top"}: keys {list(golden)} != {list(new)}'
+    return next((_first_difference(golden[k], new[k], f'{path}.{k}') for k in golden
+                 if golden[k] != new[k]), '')
+  if isinstance(golden, list) and isinstance(new, list) and len(golden) == len(new):
+    return next((_first_difference(g, n, f'{path}[{i}]') for i, (g, n) in
+                 enumerate(zip(golden, new)) if g != n), '')
+  return f'{path}: {golden!r:.200} != {new!r:.200}'
+
+
+def _ordered_keys(value, prefix=''):
+  """Every object's keys in order, by dotted path: report.json and run_state.json keep theirs."""
+  if isinstance(value, dict):
+    yield prefix, list(value)
+    for k, v in value.items():
+      yield from _ordered_keys(v, f'{prefix}.{k}')
+  elif isinstance(value, list):
+    for i, v in enumerate(value):
+      yield from _ordered_keys(v, f'{prefix}[{i}]')
+
+
+def _read(run: Path, pairs) -> dict:
+  """The run's files as the comparison sees them."""
+  out = {}
+  for name in JSON_FILES:
+    out[name] = _normal(json.loads((run / name).read_text()), pairs)
+  for name in LINE_FILES:
+    out[name] = [_normal(json.loads(line), pairs) for line in (run / name).read_text().splitlines()]
+  for name in TEXT_FILES:
+    out[name] = _normal((run / name).read_text(), pairs)
+  return out
+
+
+def _assert_same(stage: str, run: Path, run_id: str, work: Path) -> None:
+  golden = _read(FIXTURE / stage, [(GOLDEN['run_id'], '@ID@')])
+  new = _read(run, _placeholders(work, run_id))
+  for name in (*JSON_FILES, *LINE_FILES, *TEXT_FILES):
+    assert new[name] == golden[name], f'{stage}/{name}: {_first_difference(golden[name], new[name])}'
+  for name in JSON_FILES:
+    assert list(_ordered_keys(new[name])) == list(_ordered_keys(golden[name])), name
+
+
+def _args(work: Path) -> list[str]:
+  return ['--out', str(work / 'run'), *GOLDEN['args'],
+          f'faults.failures=trace:{work / "trace.txt"}']
+
+
+@pytest.fixture
+def work(tmp_path):
+  """A run's folder as the fixture's was (run/ and its trace), its tmpfs snapshots removed
+  after."""
+  (tmp_path / 'trace.txt').write_text(GOLDEN['trace'])
+  yield tmp_path
+  shutil.rmtree(files.default_snapshot_dir(rundir.run_name(tmp_path / 'run')),
+                ignore_errors=True)
+
+
+def test_a_run_writes_the_files_the_code_before_the_records_wrote(work, monkeypatch):
+  """Through a divergence (the test hook poisons one step), its rollback and a stop."""
+  (work / 'poison').write_text(str(GOLDEN['poisoned_step']))
+  monkeypatch.setenv('MECEFO_TEST_POISON', str(work / 'poison'))
+  assert cli.main(_args(work)) == GOLDEN['exits']['diverged']
+  monkeypatch.delenv('MECEFO_TEST_POISON')
+  run_id = json.loads((work / 'run' / 'run_state.json').read_text())['run_id']
+  _assert_same('diverged', work / 'run', run_id, work)
+  code = cli.main([*_args(work), '--resume', '--stop-after', str(GOLDEN['stop_after'])])
+  assert code == GOLDEN['exits']['stopped']
+  _assert_same('stopped', work / 'run', run_id, work)
+
+
+def test_a_run_written_before_the_records_resumes_and_is_plotted(work, tmp_path):
+  """The fixture's stopped run (its durable tier) resumes to the end the old code reached."""
+  shutil.copytree(FIXTURE / 'stopped', work / 'run')
+  pairs = [(mark, path) for path, mark in _placeholders(work, GOLDEN['run_id'])[:3]]
+  for path in (work / 'run').glob('*.*'):
+    text = path.read_text()
+    for mark, value in pairs:
+      text = text.replace(mark, value)
+    path.write_text(text)
+  assert cli.main([*_args(work), '--resume']) == GOLDEN['exits']['finished']
+  _assert_same('finished', work / 'run', GOLDEN['run_id'], work)
+  plot.main([str(work / 'run'), '--out', str(tmp_path / 'drawn.png')])
+  assert (tmp_path / 'drawn.png').stat().st_size > 0
