@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import logging
 import os
 import tempfile
 from pathlib import Path
+import typing
 from typing import Any, Callable
 
 import yaml
+
+from mecefo_jax import sections
 
 log = logging.getLogger('mecefo')
 NUMBER = (int, float)  # a float field accepts a JSON integer; bool is refused for both
@@ -54,6 +58,41 @@ def check_keys(record: Any, keys: dict, where: str, optional: dict | None = None
   return None
 
 
+def _json_name(tp) -> str:
+  """How a one-line error names a field's JSON type: 'a string', 'a number or null'..."""
+  inner = sections.nullable(tp)
+  if inner is not None:
+    return f'{_json_name(inner)} or null'
+  origin = typing.get_origin(tp) or tp
+  if sections.is_section(tp) or origin is dict:
+    return 'an object'
+  if origin in (list, tuple):
+    return 'a list'
+  if origin is bool:
+    return 'a boolean'
+  return 'a number' if origin in (int, float) else 'a string'  # str, a Literal or an Enum
+
+
+def problem(record: type, value: Any, where: str) -> str | None:
+  """What is wrong with `value`, parsed JSON, as the record type `record` (a dataclass of
+  sections.entry fields): one line naming `where`, or None. Keys it does not declare are
+  passed over (a file a later version wrote)."""
+  if not isinstance(value, dict):
+    return f'{where} holds {_type_name(value)}, not a JSON object'
+  for f, (key, tp, _, _) in zip(dataclasses.fields(record), sections.fields(record)):
+    if key not in value:
+      if sections.is_optional(f):
+        continue
+      return f'{where} lacks the key {key!r}'
+    found: list[str] = []
+    sections.check(tp, value[key], key, found, strict=False)
+    if found and found[0].startswith(f'{key}: expected'):
+      return f'{where}: key {key!r} is {_type_name(value[key])}, not {_json_name(tp)}'
+    if found:
+      return f'{where}: {found[0]}'
+  return None
+
+
 def read_bytes(path) -> bytes | None:
   """The bytes of `path` (a Path or an etils path), None if there is no such file."""
   try:
@@ -62,13 +101,12 @@ def read_bytes(path) -> bytes | None:
     return None
 
 
-def read_json(path, keys: dict | None = None, *, remedy: str,
-              error: Callable[[str], Exception] = FileError,
-              optional: dict | None = None):
-  """The JSON object in `path` with `keys` ({name: type or types}; `optional` ones of their type
-  where present), None if there is no file.
-  Anything else (unreadable, cut, not an object, a key missing or of another type) raises
-  `error` in one line naming the file, what is wrong and `remedy`."""
+def read_json(path, record=None, *, remedy: str,
+              error: Callable[[str], Exception] = FileError, optional: dict | None = None):
+  """The record of type `record` (a dataclass of sections.entry fields; None: any JSON object)
+  that `path` holds, None if there is no file. Anything else (unreadable, cut, not an object, a
+  key missing or of another type) raises `error` in one line naming the file, what is wrong and
+  `remedy`."""
   tail = f'; {remedy}' if remedy else ''
   try:
     data = read_bytes(path)
@@ -77,37 +115,56 @@ def read_json(path, keys: dict | None = None, *, remedy: str,
   if data is None:
     return None
   try:
-    record = json.loads(data.decode('utf-8'))
+    value = json.loads(data.decode('utf-8'))
   except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
     what = 'is empty' if not data.strip() else f'is not valid JSON ({err})'
     raise error(f'{path} {what}{tail}') from None
-  problem = check_keys(record, keys or {}, str(path), optional)
-  if problem:
-    raise error(problem + tail)
-  return record
+  if record is None or isinstance(record, dict):  # TRANSITIONAL: a dict of keys, until all are records
+    wrong = check_keys(value, record or {}, str(path), optional)
+    if wrong:
+      raise error(wrong + tail)
+    return value
+  wrong = problem(record, value, str(path))
+  if wrong:
+    raise error(wrong + tail)
+  return sections.from_json(record, value)
 
 
-def read_jsonl(path, keys: dict | None = None, warn: bool = True) -> list[dict]:
-  """The JSON objects of `path`, one a line ([] without the file). Lines that are not such an
-  object (cut by a crash, or damaged) are skipped, with one warning for the file (`warn`: a
-  second reader of a file that another read warns about says nothing)."""
+def read_jsonl(path, records=None, warn: bool = True) -> list:
+  """The records of `path`, one a line, each of the first type of `records` (a record type, or
+  a tuple of them; None: any JSON object) it reads as ([] without the file). Lines that are no such record (cut by a
+  crash, or damaged) are skipped, with one warning for the file (`warn`: a second reader of a
+  file that another read warns about says nothing)."""
   data = read_bytes(path)
+  kinds = records if isinstance(records, tuple) else (records,)
   rows, bad = [], []
   for number, line in enumerate((data or b'').decode('utf-8', 'replace').splitlines(), 1):
     if not line.strip():
       continue
     try:
-      row = json.loads(line)
+      value = json.loads(line)
     except ValueError:
-      row = None
-    if row is None or check_keys(row, keys or {}, '') is not None:
+      value = None
+    if records is None or isinstance(records, dict):  # TRANSITIONAL: until all are records
+      if value is None or check_keys(value, records or {}, '') is not None:
+        bad.append(number)
+      else:
+        rows.append(value)
+      continue
+    kind = next((k for k in kinds if problem(k, value, '') is None), None)
+    if kind is None:
       bad.append(number)
       continue
-    rows.append(row)
+    rows.append(sections.from_json(kind, value))
   if bad and warn:
     log.warning('%s: skipped %d unreadable line(s) (line %s; a write cut by a crash?)', path,
                 len(bad), ', '.join(map(str, bad[:5])) + (', ...' if len(bad) > 5 else ''))
   return rows
+
+
+def write_json(path: Path, record) -> None:
+  """`record` as `path`'s JSON, replaced atomically and durably (replace_text)."""
+  replace_text(path, json.dumps(sections.to_json(record)))
 
 
 def read_text(path) -> str | None:

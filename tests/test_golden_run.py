@@ -2,7 +2,6 @@
 (tests/fixtures/run_records, README there): the same keys in the same order and the same
 values, times and paths apart; a run written then resumes now and is plotted."""
 import json
-import os
 import re
 import shutil
 from pathlib import Path

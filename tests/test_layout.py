@@ -7,7 +7,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'mecefo_jax'
 # Lowest first: a module may import its own group and the groups below it, never above.
-LAYERS = ['config overrides settings sections install files progress_marks', 'core', 'sharding multihost',
+LAYERS = ['config overrides settings sections install files progress_marks', 'core', 'records',
+          'sharding multihost',
           'ops', 'layers', 'model', 'data', 'step', 'fault', 'snapshot', 'run',
           'launch supervisor watch job_rules ray_host ray_driver __main__']
 LEVEL = {group: i for i, names in enumerate(LAYERS) for group in names.split()}
