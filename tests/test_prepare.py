@@ -1,4 +1,5 @@
 """Corpus preparation: a text folder -> a token directory -> training; resume; vocab; rows read."""
+import dataclasses
 import json
 import os
 import resource
@@ -46,10 +47,10 @@ def test_a_prepared_folder_is_the_stream_text_reads_and_meta_describes_it(corpus
   tokens = np.fromfile(tmp_path / 'tok' / tokendir.TOKENS, np.uint8)
   same = load_corpus(f'text:{corpus}', seq_len=16, seed=0, vocab_size=256).tokens_1d
   np.testing.assert_array_equal(tokens, same)  # one tokenization for train.py and prepare
-  assert wrote and (meta['vocab_size'], meta['dtype'], meta['tokenizer']) == (256, 'uint8', 'bytes')
-  assert meta['doc_count'] == 41 and meta['token_count'] == len(tokens)
-  assert (meta['token_min'], meta['token_max']) == token_range(tokens, 'x') == (0, tokens.max())
-  assert meta['text_bytes'] == sum(f.stat().st_size for f in corpus.rglob('*.*') if f.suffix
+  assert wrote and (meta.vocab_size, meta.dtype, meta.tokenizer) == (256, 'uint8', 'bytes')
+  assert meta.doc_count == 41 and meta.token_count == len(tokens)
+  assert (meta.token_min, meta.token_max) == token_range(tokens, 'x') == (0, tokens.max())
+  assert meta.text_bytes == sum(f.stat().st_size for f in corpus.rglob('*.*') if f.suffix
                                    in ('.txt', '.md'))
   assert not (tmp_path / 'tok' / tokendir.PROGRESS).exists()
   # A finished directory is not rewritten; another corpus there is refused.
@@ -58,7 +59,7 @@ def test_a_prepared_folder_is_the_stream_text_reads_and_meta_describes_it(corpus
   with pytest.raises(DataError, match=r'holds a token stream of other sources .*--force'):
     prep.prepare(['pydoc'], tmp_path / 'tok')
   assert (tmp_path / 'tok' / tokendir.TOKENS).stat().st_mtime_ns == stamp
-  assert prep.prepare(['pydoc'], tmp_path / 'tok', force=True)[0]['doc_count'] > 50
+  assert prep.prepare(['pydoc'], tmp_path / 'tok', force=True)[0].doc_count > 50
 
 
 def _interrupt_after(monkeypatch, chunks: int) -> None:
@@ -95,7 +96,7 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monk
   meta, wrote = _prepare(corpus, out)
   assert wrote and (out / tokendir.TOKENS).read_bytes() == (
       tmp_path / 'whole' / tokendir.TOKENS).read_bytes()
-  assert {**meta, 'command': ''} == {**whole, 'command': ''}
+  assert dataclasses.replace(meta, command='') == dataclasses.replace(whole, command='')
 
 
 def test_a_resume_refuses_a_changed_source_and_train_py_an_unfinished_directory(corpus, tmp_path,
@@ -121,7 +122,7 @@ def test_a_resume_refuses_a_changed_source_and_train_py_an_unfinished_directory(
 def test_prepare_sources_and_their_errors(corpus, tmp_path, capsys):
   one = sorted(corpus.glob('*.txt'))[0]
   meta, _ = prep.prepare([str(one), f'text:{corpus / "sub"}'], tmp_path / 'two')
-  assert meta['doc_count'] == 1 + len(list((corpus / 'sub').glob('*.txt')))
+  assert meta.doc_count == 1 + len(list((corpus / 'sub').glob('*.txt')))
   for sources, match in [(['pydoc', str(one)], 'a pydoc or hf: source comes alone'),
                          (['hf:x?split=a&tokenizer=t'], r"takes no \['tokenizer'\] here"),
                          ([str(tmp_path / 'nope')], 'path not found')]:
@@ -216,7 +217,7 @@ def test_opening_a_token_directory_reads_none_of_the_stream(corpus, tmp_path):
   n = 512 << 20
   with open(tmp_path / 'tok' / tokendir.TOKENS, 'r+b') as f:
     f.truncate(n)
-  tokendir.write_json(tmp_path / 'tok' / tokendir.META, {**meta, 'token_count': n})
+  tokendir.write_json(tmp_path / 'tok' / tokendir.META, dataclasses.replace(meta, token_count=n))
   before = _faults()
   corpus = load_corpus(f'tokens:{tmp_path / "tok"}', seq_len=256, seed=0, vocab_size=256)
   rows = corpus.sequences(np.arange(64))
@@ -310,8 +311,8 @@ def test_a_tokenizer_stream_is_uint16_and_resumes_exactly(corpus, tmp_path, monk
   tok.train_from_iterator((f.read_text() for f in sorted(corpus.rglob('*.txt'))), trainer)
   tok.save(str(tmp_path / 'tokenizer.json'))
   whole, _ = _prepare(corpus, tmp_path / 'whole', tokenizer=str(tmp_path))
-  assert whole['dtype'] == 'uint16' and whole['vocab_size'] == tok.get_vocab_size() == 600
-  assert whole['tokenizer'].startswith('sha256:') and whole['separator_ids'] == [1]
+  assert whole.dtype == 'uint16' and whole.vocab_size == tok.get_vocab_size() == 600
+  assert whole.tokenizer.startswith('sha256:') and whole.separator_ids == [1]
   with monkeypatch.context() as m:
     _interrupt_after(m, 2)
     with pytest.raises(KeyboardInterrupt):
@@ -335,7 +336,7 @@ def test_hf_is_read_as_a_stream_and_resumed_by_skipping_rows(tmp_path, monkeypat
   prep.prepare(['hf:org/corpus?split=train'], tmp_path / 'tok', chunk_bytes=1 << 12)
   expected = b'\0'.join(r['text'].encode() for r in rows[:400])
   assert (tmp_path / 'tok' / tokendir.TOKENS).read_bytes() == expected
-  assert whole['doc_count'] == 400
+  assert whole.doc_count == 400
   with pytest.raises(DataError, match=r"row 1 of column 'text' is NoneType, not text"):
     prep.prepare(['hf:org/other'], tmp_path / 'bad')
 

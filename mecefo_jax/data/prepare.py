@@ -53,7 +53,7 @@ def open_sources(sources: list[str]) -> Documents:
 
 def prepare(sources: list[str], out: str | Path, tokenizer: str | None = None, *,
             force: bool = False, chunk_bytes: int = CHUNK_MB << 20,
-            quiet: bool = True) -> tuple[dict, bool]:
+            quiet: bool = True) -> tuple[tokendir.Meta, bool]:
   """Prepares `sources` into `out` (or finishes an interrupted preparation of them): meta.json's
   record, and whether this call wrote (False: `out` held this corpus prepared already)."""
   out = Path(out).expanduser()
@@ -110,7 +110,7 @@ def _lock(out: Path) -> int:
   return fd
 
 
-def _begin(out: Path, identity: dict, command: str, force: bool) -> dict | None:
+def _begin(out: Path, identity: dict, command: str, force: bool) -> tokendir.Progress | None:
   """The committed progress to continue from (a fresh one to start); None where `out` holds
   this corpus prepared already."""
   where = f'--out {out}'
@@ -122,15 +122,14 @@ def _begin(out: Path, identity: dict, command: str, force: bool) -> dict | None:
     record = tokendir.read_record(out / name, where)
     if record is None:
       continue
-    if record['identity'] != identity:
+    if record.identity != identity:
       raise DataError(f'{where}: holds {what} of other sources or another tokenizer (changed: '
-                      f'{", ".join(_changed(record["identity"], identity))}; made by '
-                      f'`{record["command"]}`); replace it with --force, or give another --out')
+                      f'{", ".join(_changed(record.identity, identity))}; made by '
+                      f'`{record.command}`); replace it with --force, or give another --out')
     return None if name == tokendir.META else record
   (out / tokendir.TOKENS).write_bytes(b'')
-  return {'format': tokendir.FORMAT, 'identity': identity, 'command': command,
-          'cursor': dataclasses.asdict(Cursor()), 'tokens': 0, 'token_min': None,
-          'token_max': None}
+  return tokendir.Progress(format=tokendir.FORMAT, identity=identity, command=command,
+                           cursor=Cursor(), tokens=0, token_min=None, token_max=None)
 
 
 def _changed(old: dict, new: dict, prefix: str = '') -> list[str]:
@@ -147,16 +146,16 @@ def _changed(old: dict, new: dict, prefix: str = '') -> list[str]:
   return diffs
 
 
-def _write(out: Path, documents: Documents, tok, progress: dict, chunk_bytes: int,
-           quiet: bool) -> dict:
+def _write(out: Path, documents: Documents, tok, progress: tokendir.Progress, chunk_bytes: int,
+           quiet: bool) -> tokendir.Progress:
   """Appends the rest of the stream chunk by chunk, each durable before its progress record."""
   from tqdm import tqdm
-  start = Cursor(**progress['cursor'])
+  start = progress.cursor
   bar = tqdm(total=documents.total_bytes, initial=start.bytes_in, unit='B', unit_scale=True,
              unit_divisor=1024, desc='prepare', disable=True if quiet else None,
              file=sys.stderr, mininterval=0.5)
   with open(out / tokendir.TOKENS, 'r+b') as f, bar:
-    f.truncate(progress['tokens'] * tok.dtype.itemsize)  # drops what no record committed
+    f.truncate(progress.tokens * tok.dtype.itemsize)  # drops what no record committed
     f.seek(0, os.SEEK_END)
     for ids, cursor in token_chunks(documents, tok, start, chunk_bytes):
       f.write(memoryview(ids))
@@ -165,29 +164,30 @@ def _write(out: Path, documents: Documents, tok, progress: dict, chunk_bytes: in
       progress = _advanced(progress, ids, cursor)
       tokendir.write_json(out / tokendir.PROGRESS, progress)
       bar.update(cursor.bytes_in - bar.n)
-      bar.set_postfix_str(f'{progress["tokens"]:,} tokens', refresh=False)
+      bar.set_postfix_str(f'{progress.tokens:,} tokens', refresh=False)
   return progress
 
 
-def _advanced(progress: dict, ids: np.ndarray, cursor: Cursor) -> dict:
+def _advanced(progress: tokendir.Progress, ids: np.ndarray,
+              cursor: Cursor) -> tokendir.Progress:
   lo, hi = int(ids.min()), int(ids.max())
-  old_lo, old_hi = progress['token_min'], progress['token_max']
-  return {**progress, 'cursor': dataclasses.asdict(cursor), 'tokens': progress['tokens'] + len(ids),
-          'token_min': lo if old_lo is None else min(lo, old_lo),
-          'token_max': hi if old_hi is None else max(hi, old_hi)}
+  old_lo, old_hi = progress.token_min, progress.token_max
+  return dataclasses.replace(progress, cursor=cursor, tokens=progress.tokens + len(ids),
+                             token_min=lo if old_lo is None else min(lo, old_lo),
+                             token_max=hi if old_hi is None else max(hi, old_hi))
 
 
-def _finish(out: Path, progress: dict, tok, tokenizer: str | None) -> dict:
+def _finish(out: Path, progress: tokendir.Progress, tok,
+            tokenizer: str | None) -> tokendir.Meta:
   """meta.json (it marks the directory finished), then the progress record goes."""
-  if not progress['tokens']:
+  if not progress.tokens:
     raise DataError(f'--out {out}: the sources hold no text')
-  meta = {'format': tokendir.FORMAT, 'identity': progress['identity'],
-          'command': progress['command'], 'vocab_size': tok.vocab_size,
-          'dtype': tok.dtype.name, 'token_count': progress['tokens'],
-          'token_min': progress['token_min'], 'token_max': progress['token_max'],
-          'doc_count': progress['cursor']['docs'], 'text_bytes': progress['cursor']['bytes_in'],
-          'tokenizer': tok.fingerprint, 'tokenizer_path': tokenizer,
-          'separator_ids': tok.sep_ids.tolist()}
+  meta = tokendir.Meta(
+      format=tokendir.FORMAT, identity=progress.identity, command=progress.command,
+      vocab_size=tok.vocab_size, dtype=tok.dtype.name, token_count=progress.tokens,
+      token_min=progress.token_min, token_max=progress.token_max,
+      doc_count=progress.cursor.docs, text_bytes=progress.cursor.bytes_in,
+      tokenizer=tok.fingerprint, tokenizer_path=tokenizer, separator_ids=tok.sep_ids.tolist())
   tokendir.write_json(out / tokendir.META, meta)
   (out / tokendir.PROGRESS).unlink()
   return meta
@@ -238,11 +238,11 @@ def main(argv=None) -> int:
     return EXIT_INTERRUPTED
   done = (f'prepared in {time.perf_counter() - t0:.1f} s' if wrote else
           'prepared already, nothing to do (--force prepares it again)')
-  print(f'{args.out}: {meta["token_count"]:,} tokens ({meta["dtype"]}) of {meta["doc_count"]:,} '
-        f'documents, ids {meta["token_min"]}..{meta["token_max"]} of a vocabulary of '
-        f'{meta["vocab_size"]} (tokenizer {meta["tokenizer"]}), from {meta["text_bytes"]:,} '
+  print(f'{args.out}: {meta.token_count:,} tokens ({meta.dtype}) of {meta.doc_count:,} '
+        f'documents, ids {meta.token_min}..{meta.token_max} of a vocabulary of '
+        f'{meta.vocab_size} (tokenizer {meta.tokenizer}), from {meta.text_bytes:,} '
         f'bytes of text; {done}\ntrain on it: mecefo-train --data tokens:{args.out} '
-        f'model.vocab_size={meta["vocab_size"]} (in a checkout: python train.py, the same)')
+        f'model.vocab_size={meta.vocab_size} (in a checkout: python train.py, the same)')
   return 0
 
 

@@ -218,7 +218,7 @@ def _tokens(spec: str, path: str, opts: dict[str, str], vocab_size: int):
                       f'drop ?dtype=')
     tokens_1d, meta = tokendir.open_tokens(spec, p)
     tokendir.check_vocab(spec, meta, vocab_size)
-    return tokens_1d, meta['vocab_size']
+    return tokens_1d, meta.vocab_size
   tokens_1d = _read_tokens(spec, p, opts.get('dtype'))
   data_vocab = token_range(tokens_1d, spec)[1] + 1
   if data_vocab > vocab_size:

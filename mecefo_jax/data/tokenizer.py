@@ -9,6 +9,7 @@ from typing import Iterator
 import numpy as np
 
 from mecefo_jax.data.documents import DataError, Documents, Piece, first_line
+from mecefo_jax.sections import entry
 
 BYTE_VOCAB = 256
 DOC_SEP_BYTE = 0  # joins documents: NUL never occurs in text, so it marks a boundary unambiguously
@@ -84,11 +85,13 @@ def open_tokenizer(spec: str, path: str | None) -> ByteTokenizer | FileTokenizer
 
 @dataclasses.dataclass(frozen=True)
 class Cursor:
-  """How far a corpus has been tokenized: where the next piece starts, and what came before."""
-  doc: int = 0        # document of the next piece
-  offset: int = 0     # its byte offset there
-  docs: int = 0       # non-empty documents begun (a separator precedes every one but the first)
-  bytes_in: int = 0   # text bytes read
+  """How far a corpus has been tokenized: where the next piece starts, and what came before
+  (progress.json's `cursor`)."""
+  doc: int = entry('', 'document of the next piece', default=0)
+  offset: int = entry('bytes', 'its byte offset there', default=0)
+  docs: int = entry('', 'non-empty documents begun (a separator precedes every one but the '
+                    'first)', default=0)
+  bytes_in: int = entry('bytes', 'text bytes read', default=0)
 
 
 def token_chunks(documents: Documents, tok, start: Cursor = Cursor(),
