@@ -162,9 +162,14 @@ def read_jsonl(path, records=None, warn: bool = True) -> list:
   return rows
 
 
-def write_json(path: Path, record) -> None:
+def json_text(record, indent: int | None = None) -> str:
+  """`record`'s JSON text, its keys in field order."""
+  return json.dumps(sections.to_json(record), indent=indent)
+
+
+def write_json(path: Path, record, indent: int | None = None) -> None:
   """`record` as `path`'s JSON, replaced atomically and durably (replace_text)."""
-  replace_text(path, json.dumps(sections.to_json(record)))
+  replace_text(path, json_text(record, indent))
 
 
 def read_text(path) -> str | None:
@@ -202,6 +207,28 @@ def append_whole(fd: int, data: bytes) -> None:
     except OSError:  # not a regular file (a test's /dev/full), or the device is gone
       pass
     raise
+
+
+def overwrite_in_place(path: Path, text: str) -> bool:
+  """Writes `text` over `path`'s own bytes when it is no longer than the file (a full disk
+  refuses the new file of an atomic replace, not the blocks a file holds already): the
+  fallback for run_state.json, whose status must say the truth. False where it cannot."""
+  data = text.encode()
+  try:
+    fd = os.open(path, os.O_WRONLY)
+  except OSError:
+    return False
+  try:
+    if os.fstat(fd).st_size < len(data):
+      return False
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+    os.fsync(fd)
+    return True
+  except OSError:
+    return False
+  finally:
+    os.close(fd)
 
 
 def _parses(line: bytes) -> bool:

@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 from mecefo_jax.config import ConfigError
+from mecefo_jax.records import run_state
 from mecefo_jax.run import rundir
 from mecefo_jax.run.exits import BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
 
@@ -61,7 +62,7 @@ def resuming(train_args: list[str], out: Path) -> bool:
   if '--resume' in train_args or '--fresh' in train_args:
     return '--resume' in train_args
   try:
-    return rundir.unfinished(out)
+    return run_state.unfinished(out)
   except ConfigError:  # a damaged run_state.json: train.py says so in its own line
     return False
 

@@ -1,4 +1,5 @@
 """One-line errors of train.py and its tools, Ctrl-C, strict JSON outputs, packaging."""
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from mecefo_jax import install, sections
 from mecefo_jax.config import Config, ConfigError, load_config, rule_of
 from mecefo_jax.run import cli, ending, exits, plot, report_schema, rundir, stop
 from mecefo_jax.run.metrics import MetricsWriter, to_json
+from mecefo_jax.records.run_state import RunState, read_run_state, write_run_state
 from procs import ROOT, TINY, error_lines, wait_for
 
 RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=')
@@ -117,7 +119,7 @@ def test_refused_starts_leave_no_directory_they_made(tmp_path, capsys):
   cfg = load_config(None, [*RUN, f'snapshot.dir={tmp_path / "shm"}', 'train.steps=2'])
   run = tmp_path / 'run'
   run.mkdir()
-  rundir.write_run_state(run, 'stopped', run_id='abc', config=to_dict(cfg))
+  write_run_state(run, RunState('stopped', run_id='abc', config=to_dict(cfg)))
   with pytest.raises(ConfigError, match='^resume=True: no usable snapshot or checkpoint'):
     Trainer(cfg, run, resume=True, explicit_resume=True, progress='quiet')
   assert sorted(p.name for p in run.iterdir()) == ['.lock', 'run_state.json']  # no checkpoints/
@@ -181,12 +183,11 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
   assert (tmp_path / 'run' / 'report.json').read_bytes() == report  # not overwritten
   assert not (tmp_path / 'shm').exists()  # no in-memory tier left behind
   # Stopped (SIGTERM) in its last step: resumed, it finishes (final eval, report).
-  state = rundir.read_run_state(tmp_path / 'run')
-  rundir.write_run_state(tmp_path / 'run', 'stopped',
-                           **{k: v for k, v in state.items() if k != 'status'})
+  state = read_run_state(tmp_path / 'run')
+  write_run_state(tmp_path / 'run', dataclasses.replace(state, status='stopped'))
   proc = _main(capsys, '--resume', '--quiet', *run)
   assert proc.returncode == 0 and proc.stderr.splitlines()[-1].startswith('done: 2 steps, ')
-  assert rundir.read_run_state(tmp_path / 'run')['status'] == 'finished'
+  assert read_run_state(tmp_path / 'run').status == 'finished'
 
 
 def test_the_closing_line_says_whether_the_run_finished_or_stopped(tmp_path):

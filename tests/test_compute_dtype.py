@@ -1,5 +1,6 @@
 """model.compute_dtype: `auto` resolved per backend, the resolved value in a run's log,
 report.json and run_state.json, and a resume in another dtype says what changed."""
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -13,6 +14,7 @@ from mecefo_jax.config import (ConfigError, ModelConfig, load_config, resolve_co
 from mecefo_jax.model import llama
 from mecefo_jax.run import rundir
 from mecefo_jax.run.trainer import Trainer
+from mecefo_jax.records.run_state import RunState, read_run_state, write_run_state
 from procs import TINY, suite_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,31 +65,29 @@ def test_runs_record_the_resolved_dtype_and_a_resume_in_another_one_warns(tmp_pa
   out = tmp_path / 'run'
   caplog.set_level(logging.INFO, logger='mecefo')
   first = _train(out, 2)
-  state, report = rundir.read_run_state(out), json.loads((out / rundir.REPORT).read_text())
-  assert (state['compute_dtype'], state['platform'], report['compute_dtype']) == (
+  state, report = read_run_state(out), json.loads((out / rundir.REPORT).read_text())
+  assert (state.compute_dtype, state.platform, report['compute_dtype']) == (
       'float32', 'cpu', 'float32')
-  assert state['config']['model']['compute_dtype'] == 'auto'  # resolved again by a resume
+  assert state.config['model']['compute_dtype'] == 'auto'  # resolved again by a resume
   assert ', compute float32 |' in first.describe()  # the line train.py logs at the start
   _train(out, 3, resume=True)  # the same backend: nothing to say
   assert _dtype_warnings(caplog) == []
   # As if the run so far had been made on a GPU.
-  recorded = {k: v for k, v in rundir.read_run_state(out).items() if k != 'status'}
-  rundir.write_run_state(out, 'finished', **{**recorded, 'compute_dtype': 'bfloat16',
-                                             'platform': 'gpu'})
+  write_run_state(out, dataclasses.replace(read_run_state(out), compute_dtype='bfloat16',
+                                            platform='gpu'))
   _train(out, 4, resume=True)
   [line] = _dtype_warnings(caplog)
   assert 'resumed on cpu computing in float32 (model.compute_dtype=auto)' in line
   assert 'computed in bfloat16 on gpu' in line and '\n' not in line
-  state = rundir.read_run_state(out)
-  assert (state['status'], state['compute_dtype'], state['platform']) == ('finished', 'float32',
-                                                                          'cpu')
+  state = read_run_state(out)
+  assert (state.status, state.compute_dtype, state.platform) == ('finished', 'float32', 'cpu')
 
 
 def test_a_resume_may_name_another_compute_dtype(tmp_path):
   cfg = lambda *o: load_config(None, ['train.steps=4', *o])
-  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', config=to_dict(cfg()))
+  write_run_state(tmp_path, RunState('stopped', run_id='abc', config=to_dict(cfg())))
   checked = rundir.check_start(tmp_path, cfg('model.compute_dtype=bfloat16'), resume=True,
                                replace=False)
-  assert checked['run_id'] == 'abc'
+  assert checked.run_id == 'abc'
   with pytest.raises(ConfigError, match=r'model\.param_dtype'):  # the state's dtype may not
     rundir.check_start(tmp_path, cfg('model.param_dtype=bfloat16'), resume=True, replace=False)

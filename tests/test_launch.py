@@ -20,6 +20,7 @@ from mecefo_jax.run import plot, rundir, saved
 from mecefo_jax.run.cli import TEST_START_ERROR_ENV
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.stop import TEST_DEATH_ENV
+from mecefo_jax.records.run_state import RunState, write_run_state
 from procs import ROOT, error_lines, kill, report, usage_error
 
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
@@ -246,7 +247,7 @@ def test_a_start_line_says_when_the_job_resumes_the_run(tmp_path, state, train_a
   run = tmp_path / 'run'
   run.mkdir()
   if state:
-    rundir.write_run_state(run, state, run_id='r')
+    write_run_state(run, RunState(state, run_id='r'))
   sup = supervisor.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run), *train_args]))
   assert sup._resuming() is resuming
   sup.resume = True  # a restart resumes the run where one exists, else starts it anew
@@ -259,7 +260,7 @@ def test_a_job_that_stopped_itself_while_its_supervisor_was_stopped_is_taken_bac
                                                                                   capsys):
   run = tmp_path / 'run'
   run.mkdir()
-  rundir.write_run_state(run, 'stopped', run_id='r')
+  write_run_state(run, RunState('stopped', run_id='r'))
   sup = supervisor.Supervisor(launch.parse_args(['-n', '2', '--', '--out', str(run)]))
   starts = []
   sup.start = lambda: starts.append(sup._train_args())
@@ -286,8 +287,8 @@ def test_what_a_run_has_saved_is_read_from_its_tiers_and_empty_tmpfs_folders_go(
   run, shm = tmp_path / 'run', tmp_path / 'shm'
   run.mkdir()
   assert saved.newest(run) == (None, None)  # no run yet
-  rundir.write_run_state(run, 'stopped', run_id='r',
-                         config={'snapshot': {'dir': str(shm), 'durable_dir': ''}})
+  write_run_state(run, RunState('stopped', run_id='r',
+                         config={'snapshot': {'dir': str(shm), 'durable_dir': ''}}))
   assert 'no snapshot of this run is complete' in saved.describe(run)
   for host, steps in ((0, (4, 5)), (1, (4,))):  # host 1 never finished step 5
     for step in steps:

@@ -13,6 +13,7 @@ from mecefo_jax.snapshot import hold
 from mecefo_jax.snapshot.hold import HOLD_ENV
 from mecefo_jax.snapshot.manifest import verify_manifest
 from mecefo_jax.snapshot.manager import default_snapshot_dir
+from mecefo_jax.records.run_state import read_run_state
 from procs import ROOT, TINY, error_lines, kill, report, tree, wait_all, wait_for
 
 STEPS = 3
@@ -39,11 +40,11 @@ def test_a_second_start_never_touches_a_run_held_inside_a_durable_save(launcher,
     # The first run's last durable save is written into Orbax's tmp directory and held there
     # (before its rename), the training thread waiting for it: nothing of the run moves.
     wait_for(lambda: Path(f'{gate}.held').exists(), 240, 'the held durable save', first)
-    run_id = rundir.read_run_state(out)['run_id']
+    run_id = read_run_state(out).run_id
     checkpoints = out / 'checkpoints' / run_id
     assert [p.name for p in checkpoints.glob('*.orbax-checkpoint-tmp*')] == [
         f'{STEPS}.orbax-checkpoint-tmp'], sorted(p.name for p in checkpoints.iterdir())
-    assert rundir.read_run_state(out)['status'] == 'running'
+    assert read_run_state(out).status == 'running'
     before = tree(out, shm[0])
     for flags in ([], ['--resume'], ['--fresh']):
       second = launcher.train('--out', out, *flags, *ARGS, timeout=240)
@@ -72,7 +73,7 @@ def test_a_second_start_never_touches_a_run_held_inside_a_durable_save(launcher,
     assert report(out)['snapshots']['durable_retained_steps'][-1] == STEPS
     assert report(out)['snapshots']['durable_failed'] == 0
     assert report(out)['params_sha256'] == report(calm)['params_sha256']
-    assert rundir.read_run_state(out)['status'] == 'finished'
+    assert read_run_state(out).status == 'finished'
   finally:
     for proc in (first, undisturbed):
       kill(proc)

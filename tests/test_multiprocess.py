@@ -22,6 +22,7 @@ from mecefo_jax.run import rundir
 from mecefo_jax.run.exits import PEER_LOST
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
+from mecefo_jax.records.run_state import read_run_state
 from procs import report, wait_all
 
 STEPS = 8
@@ -55,7 +56,7 @@ def _spawn(launcher, tmp: Path, out: str, n: int, *extra, heartbeat=100, env=Non
 
 def _memory_tier(tmp: Path) -> Path:
   """The in-memory snapshots of run 'run': one folder per run id under snapshot.dir."""
-  return tmp / 'run_shm' / rundir.read_run_state(tmp / 'run')['run_id']
+  return tmp / 'run_shm' / read_run_state(tmp / 'run').run_id
 
 
 def _logs(tmp: Path, out: str, tail: int = 3000) -> str:  # tail=0: all
@@ -99,7 +100,7 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
           'stopped sending heartbeats' in text), text[-3000:]
   reached = rundir.read_reached(tmp_path / 'run')
   shutil.rmtree(_memory_tier(tmp_path))  # every host's parts: only the durable tier is left
-  run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
+  run_id = read_run_state(tmp_path / 'run').run_id
   complete = sorted(int(d.name) for d in (tmp_path / 'run' / 'checkpoints' / run_id).iterdir()
                     if d.name.isdigit() and (d / MANIFEST_NAME).exists())
   assert len(complete) >= 2, complete
@@ -145,7 +146,7 @@ def test_an_auto_interval_is_agreed_by_every_process(launcher, tmp_path):
   every = interval['changes'][0][1]
   assert interval['auto'] and [s for s, _ in interval['changes']][:2] == [
       15, (15 // every + 4) * every], interval
-  memory = tmp_path / 'auto_shm' / rundir.read_run_state(tmp_path / 'auto')['run_id']
+  memory = tmp_path / 'auto_shm' / read_run_state(tmp_path / 'auto').run_id
   held = [sorted(int(p.name) for p in (memory / f'host{h}').iterdir() if p.name.isdigit())
           for h in (0, 1)]
   assert held[0] == held[1] and held[0][-1] == steps, held

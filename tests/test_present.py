@@ -6,6 +6,7 @@ import pytest
 from mecefo_jax.config import ConfigError, load_config
 from mecefo_jax.run import presence
 from mecefo_jax.run import rundir
+from mecefo_jax.records.run_state import RunState, read_run_state, write_run_state
 from procs import error_lines, report
 from test_recovery import STEPS, kill_after, train
 
@@ -14,7 +15,7 @@ def test_a_resume_with_devices_for_fewer_slices_keeps_the_runs_slices(devices, t
   cfg = load_config(None, ['mesh.slice=4', 'mesh.fsdp=4'])  # 16 devices: 2 of 4 slices here
   with pytest.raises(ConfigError, match='exceeds the 8 available'):  # a new run: it must fit
     presence.find(cfg, tmp_path, resume=True)
-  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', n_slices=4)
+  write_run_state(tmp_path, RunState('stopped', run_id='abc', n_slices=4))
   found = presence.find(cfg, tmp_path, resume=True)
   assert (found.n_slices, found.ids, dict(found.mesh.shape)) == (4, (0, 1), {
       'slice': 2, 'fsdp': 4, 'tensor': 1})
@@ -43,7 +44,7 @@ def test_absent_slices_are_taken_over_and_rejoin_when_present_again(launcher, tm
   code, log = kill_after(launcher, out, 8, *on(3))
   assert code == -signal.SIGKILL and '3 of the run\'s 4 slices present' in log, log[-3000:]
   assert 'slice 3 FAILED (absent)' in log, log[-3000:]
-  assert rundir.read_run_state(out)['n_slices'] == 4
+  assert read_run_state(out).n_slices == 4
   # All 4 present again: slice 3 rejoins, the run ends with nothing dropped.
   code, log = train(launcher, out, *on(4))
   assert code == 0 and 'slice 3 repaired, rejoining (present)' in log, log[-3000:]

@@ -25,6 +25,7 @@ from mecefo_jax.run import cli, rundir
 from mecefo_jax.run.exits import BAD_INPUT, PEER_LOST, STOPPED
 from mecefo_jax.run.supervised import process_state
 from mecefo_jax.supervisor import free_port
+from mecefo_jax.records.run_state import RUN_STATE
 from procs import ROOT, TINY, error_lines, report, wait_for
 
 STEPS = 60
@@ -92,7 +93,7 @@ def test_a_tpu_slice_is_placed_in_its_worker_order_and_leaves_and_rejoins_whole(
   monkeypatch.setattr(driver, 'kill_all', lambda: None)
   monkeypatch.setattr(driver, '_restart', lambda: restarts.append(list(driver.hosts)))
   run.mkdir()
-  (run / rundir.RUN_STATE).write_text('{}')  # the run exists: a restart of the survivors
+  (run / RUN_STATE).write_text('{}')  # the run exists: a restart of the survivors
   driver._without(3)  # host 3 died: its slice's host 2 leaves with it
   assert restarts == [[0, 1]] and sorted(driver.ready_at) == [2, 3]
   nodes[0]['Alive'] = False  # slice b is no longer whole, and no spare slice is
@@ -116,7 +117,7 @@ def test_a_job_of_one_tpu_slice_waits_for_it_whole(monkeypatch, tmp_path):
   monkeypatch.setattr(driver, 'kill_all', lambda: None)
   monkeypatch.setattr(driver, '_restart', lambda: restarts.append(list(driver.hosts)))
   run.mkdir()
-  (run / rundir.RUN_STATE).write_text('{}')
+  (run / RUN_STATE).write_text('{}')
   driver._without(0)
   assert restarts == [[0, 1]] and driver.rejoins == 2 and driver.ready_at == {}
 

@@ -16,6 +16,7 @@ import pytest
 from mecefo_jax.run import cli, metrics
 from mecefo_jax.run import rundir
 from mecefo_jax.snapshot import manifest
+from mecefo_jax.records.run_state import read_run_state
 from procs import TINY, error_lines, kill, report, wait_for
 
 STEPS = 14
@@ -81,11 +82,11 @@ def reference(launcher, tmp_path_factory) -> str:
 
 def memory_dir(out: Path, shm: Path) -> Path:
   """The run's in-memory tier: one folder per run id under snapshot.dir."""
-  return shm / rundir.read_run_state(out)['run_id']
+  return shm / read_run_state(out).run_id
 
 
 def durable_dir(out: Path) -> Path:
-  return out / 'checkpoints' / rundir.read_run_state(out)['run_id']
+  return out / 'checkpoints' / read_run_state(out).run_id
 
 
 def resume_to_end(launcher, out: Path, shm: Path, reference: str, *flags: str) -> tuple[dict, str]:
@@ -93,7 +94,7 @@ def resume_to_end(launcher, out: Path, shm: Path, reference: str, *flags: str) -
   assert code == 0, log[-3000:]
   result = report(out)
   assert result['steps'] == STEPS and result['params_sha256'] == reference
-  assert rundir.read_run_state(out)['status'] == 'finished'
+  assert read_run_state(out).status == 'finished'
   return result, log
 
 
@@ -104,7 +105,7 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(launcher, reference, t
   first = random.Random(7).randrange(4, STEPS - 6)
   code, log = kill_after(launcher, out, first, *snap_args(shm))
   assert code == -signal.SIGKILL, log[-3000:]
-  assert rundir.read_run_state(out)['status'] == 'running'
+  assert read_run_state(out).status == 'running'
   # Same command again: the unfinished run is detected and resumed; killed once more.
   second = random.Random(8).randrange(first + 2, STEPS - 1)
   code, log = kill_after(launcher, out, second, *snap_args(shm))
@@ -132,7 +133,7 @@ def test_all_slices_down_stops_cleanly_and_the_printed_hint_resumes(launcher, tm
   assert hint == f'python train.py --out {out} --resume', log[-3000:]
   stopped = report(out)
   assert stopped['steps'] == 5 and stopped['stopped'] and not stopped['preempted']
-  assert rundir.read_run_state(out)['status'] == 'stopped'
+  assert read_run_state(out).status == 'stopped'
   # The devices are back: the hint exactly as printed (the run's config and its 2 simulated
   # devices come from run_state.json).
   resumed = launcher.train(*shlex.split(hint)[2:])

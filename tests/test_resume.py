@@ -16,6 +16,7 @@ from mecefo_jax.run import report as run_report
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.resume import initial_state
 from mecefo_jax.snapshot.host import choose
+from mecefo_jax.records.run_state import RunState, write_run_state
 from procs import TINY, error_lines, report, suite_store
 
 L3, L2, L4 = (0, 1, 2), (0, 1), (0, 1, 2, 3)
@@ -166,8 +167,8 @@ def test_an_explicit_resume_with_nothing_usable_is_one_line_and_starts_nothing(t
   [line] = error_lines(capsys.readouterr().err)
   assert 'no run in' in line and 'to resume' in line, line
   out.mkdir(exist_ok=True)
-  rundir.write_run_state(out, 'stopped', run_id='abc', n_slices=1, n_hosts=1,
-                         config=to_dict(load_config(None, TINY)))
+  write_run_state(out, RunState('stopped', run_id='abc', n_slices=1, n_hosts=1,
+                         config=to_dict(load_config(None, TINY))))
   (out / rundir.METRICS_FILE).write_text('{"kind": "train", "step": 3}\n')
   files = lambda: sorted(p.name for p in out.iterdir() if not p.name.startswith('.'))
   before = files()
@@ -184,7 +185,7 @@ def test_an_explicit_resume_with_nothing_usable_is_one_line_and_starts_nothing(t
 
 def test_one_process_never_resumes_a_supervised_run_from_scratch(tmp_path, capsys, monkeypatch):
   """Case 3: the hosts' snapshot parts are one job's; one process says how to resume it."""
-  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', n_slices=4, n_hosts=2)
+  write_run_state(tmp_path, RunState('stopped', run_id='abc', n_slices=4, n_hosts=2))
   monkeypatch.delenv(hints.LAUNCH_ENV, raising=False)
   assert cli.main(['--out', str(tmp_path), '--resume', 'train.compile_cache=']) == BAD_INPUT
   [line] = error_lines(capsys.readouterr().err)

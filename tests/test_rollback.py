@@ -9,6 +9,7 @@ import shlex
 from mecefo_jax.config import load_config
 from mecefo_jax.run import cli, ending, resume, rundir
 from mecefo_jax.run.exits import BAD_INPUT, DIVERGED
+from mecefo_jax.records.run_state import RUN_STATE
 from procs import TINY, error_lines, report
 
 # Every step fetched and snapshotted: the last step seen finite is the one before the divergence.
@@ -18,7 +19,7 @@ RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=', 'train
 
 
 def _run_state(out) -> dict:
-  return json.loads((out / rundir.RUN_STATE).read_text())
+  return json.loads((out / RUN_STATE).read_text())
 
 
 def _diverged_line(caplog) -> str:
@@ -50,11 +51,11 @@ def test_a_diverged_run_resumed_with_a_lower_lr_goes_back_before_the_divergence(
   assert f'the newest snapshot before it is of step {step - 1}' in line, line
   assert any(f'-> not finite at step {step}, eval' in m for m in caplog.messages)
   # optimizer.b1 is no key a resume may change: refused in one line, nothing started.
-  state = (out / rundir.RUN_STATE).read_bytes()
+  state = (out / RUN_STATE).read_bytes()
   assert cli.main(['--out', str(out), '--resume', 'optimizer.b1=0.8']) == BAD_INPUT
   [error] = error_lines(capsys.readouterr().err)
   assert 'resume with a changed config: optimizer.b1 (0.9 -> 0.8)' in error, error
-  assert (out / rundir.RUN_STATE).read_bytes() == state
+  assert (out / RUN_STATE).read_bytes() == state
   caplog.clear()
   hint = shlex.split(re.search(r'lower learning rate, `(python train\.py [^`]*)`', line)[1])
   assert hint[2:] == ['--out', str(out), '--resume', 'optimizer.lr=30']

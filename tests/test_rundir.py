@@ -1,5 +1,6 @@
 """Run directories: one run per directory, a lock, config checks on resume, tmpfs errors,
 run_state.json on a full disk, what a failed Orbax save leaves in the logs."""
+import dataclasses
 import errno
 import logging
 import os
@@ -17,6 +18,7 @@ from mecefo_jax.config import ConfigError, load_config, to_dict
 from mecefo_jax import files
 from mecefo_jax.run import cli, dir_lock, hints, rundir, storage
 from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.records.run_state import RUN_STATE, RunState, read_run_state, write_run_state
 
 from procs import ROOT, TINY, error_lines, report
 
@@ -34,7 +36,7 @@ def test_a_fresh_run_never_continues_another(launcher, tmp_path):
   code, log = train(launcher, out, 'train.steps=6', f'snapshot.dir={shm}',
                     'snapshot.durable_every=3')
   assert code == 0, log
-  first = rundir.read_run_state(out)['run_id']
+  first = read_run_state(out).run_id
   assert not (shm / first).exists()  # a finished run frees its in-memory tier
   assert (out / 'checkpoints' / first).is_dir()
   (out / 'notes.txt').write_text('mine')
@@ -42,13 +44,13 @@ def test_a_fresh_run_never_continues_another(launcher, tmp_path):
   code, log = train(launcher, out, 'train.steps=4', 'optimizer.lr=0.001', f'snapshot.dir={shm}')
   assert code == 2 and log.strip().splitlines()[-1].startswith('error: run directory'), log
   assert 'holds another run (finished)' in log and '--fresh' in log
-  assert rundir.read_run_state(out)['run_id'] == first
+  assert read_run_state(out).run_id == first
   # --fresh: that run's outputs and checkpoints go, the user's file stays.
   code, log = train(launcher, out, '--fresh', 'train.steps=4', 'optimizer.lr=0.001',
                     f'snapshot.dir={shm}',
                     'snapshot.durable_every=2')
   assert code == 0, log
-  second = rundir.read_run_state(out)['run_id']
+  second = read_run_state(out).run_id
   assert second != first and not (out / 'checkpoints' / first).exists()
   assert (out / 'notes.txt').read_text() == 'mine'
   assert report(out)['steps'] == 4 and report(out)['config']['optimizer']['lr'] == 0.001
@@ -58,8 +60,8 @@ def test_resume_refuses_a_changed_config_naming_the_keys(tmp_path):
   cfg = lambda *o: load_config(None, ['train.steps=4', *o])
   with pytest.raises(ConfigError, match='no run in .* to resume'):
     rundir.check_start(tmp_path, cfg(), resume=True, replace=False)
-  run_id = rundir.check_start(tmp_path, cfg(), resume=False, replace=False)['run_id']
-  rundir.write_run_state(tmp_path, 'stopped', run_id=run_id, config=to_dict(cfg()))
+  run_id = rundir.check_start(tmp_path, cfg(), resume=False, replace=False).run_id
+  write_run_state(tmp_path, RunState('stopped', run_id=run_id, config=to_dict(cfg())))
   with pytest.raises(ConfigError, match=r'^resume with a changed config: ') as err:
     rundir.check_start(tmp_path, cfg('optimizer.b1=0.5', 'train.seed=3'), resume=True,
                        replace=False)
@@ -70,8 +72,8 @@ def test_resume_refuses_a_changed_config_naming_the_keys(tmp_path):
   # changes are what the start records.
   checked = rundir.check_start(tmp_path, cfg('train.steps=6', 'train.log_every=2',
                                              'optimizer.lr=1e-4'), resume=True, replace=False)
-  assert checked['run_id'] == run_id
-  assert checked['changed'] == {'optimizer.lr': [cfg().optimizer.lr, 1e-4],
+  assert checked.run_id == run_id
+  assert checked.changed == {'optimizer.lr': [cfg().optimizer.lr, 1e-4],
                                 'train.log_every': [10, 2], 'train.steps': [4, 6]}
   # In Python (a Trainer) the refusal names the Trainer's arguments; under train.py its flags.
   with pytest.raises(ConfigError, match='holds another run .stopped.; resume it with '
@@ -148,14 +150,14 @@ def test_the_default_run_directory_replaces_a_finished_run_not_an_unfinished_one
   latest, shm = tmp_path / 'runs' / 'latest', tmp_path / 'shm'
   code, log = default_out('train.steps=3', f'snapshot.dir={shm}')
   assert code == 0, log
-  first = rundir.read_run_state(latest)['run_id']
+  first = read_run_state(latest).run_id
   code, log = default_out('train.steps=4', 'optimizer.lr=0.001', f'snapshot.dir={shm}')
   assert code == 0 and 'removed the outputs, snapshots and checkpoints of the previous run' in log
-  state = rundir.read_run_state(latest)
-  assert state['run_id'] != first and state['config']['optimizer']['lr'] == 0.001
+  state = read_run_state(latest)
+  assert state.run_id != first and state.config['optimizer']['lr'] == 0.001
   assert report(latest)['steps'] == 4 and not (latest / 'checkpoints' / first).exists()
   # An unfinished run there is never replaced: a changed config is refused in one line.
-  rundir.write_run_state(latest, 'stopped', **{k: v for k, v in state.items() if k != 'status'})
+  write_run_state(latest, dataclasses.replace(state, status='stopped'))
   code, log = default_out('train.steps=4', 'optimizer.b1=0.8', f'snapshot.dir={shm}')
   assert code == 2 and 'resume with a changed config: optimizer.b1' in log, log
 
@@ -219,15 +221,14 @@ def test_run_state_is_written_in_place_when_the_disk_has_no_room_for_a_new_file(
   """An atomic replace needs a new file, which a full disk refuses (ENOSPC: made here by
   failing files.replace_text, the OS boundary); run_state.json is then written over its own
   bytes, so its status says the truth. Longer text than the file holds is not written."""
-  rundir.write_run_state(tmp_path, 'running', run_id='abc', config={'a': 1})
+  write_run_state(tmp_path, RunState('running', run_id='abc', config={'a': 1}))
 
   def full(path, text):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
   monkeypatch.setattr(files, 'replace_text', full)
-  rundir.write_run_state(tmp_path, 'stopped', run_id='abc', config={'a': 1})
-  assert rundir.read_run_state(tmp_path) == {'status': 'stopped', 'run_id': 'abc',
-                                             'config': {'a': 1}}
+  write_run_state(tmp_path, RunState('stopped', run_id='abc', config={'a': 1}))
+  assert read_run_state(tmp_path) == RunState('stopped', run_id='abc', config={'a': 1})
   with pytest.raises(OSError):
-    rundir.write_run_state(tmp_path, 'finished', run_id='abc', config={'a': 1, 'b': 2})
-  assert rundir.read_run_state(tmp_path)['status'] == 'stopped'
-  assert [p.name for p in tmp_path.iterdir()] == [rundir.RUN_STATE]
+    write_run_state(tmp_path, RunState('finished', run_id='abc', config={'a': 1, 'b': 2}))
+  assert read_run_state(tmp_path).status == 'stopped'
+  assert [p.name for p in tmp_path.iterdir()] == [RUN_STATE]

@@ -16,6 +16,7 @@ from mecefo_jax.data import tokendir
 from mecefo_jax.run import cli, rundir
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.records import RunRecords
+from mecefo_jax.records.run_state import RUN_STATE, RunState, write_run_state
 from procs import TINY, error_lines, tree
 
 MISSING = object()
@@ -124,9 +125,9 @@ def test_a_truncated_run_state_is_one_line_naming_it_and_stays_as_it_was(tmp_pat
   """Defect 5: a truncated run_state.json was a JSONDecodeError traceback on every start."""
   out = tmp_path / 'run'
   out.mkdir()
-  rundir.write_run_state(out, 'stopped', run_id='abc', n_slices=1, n_hosts=1,
-                         config=to_dict(load_config(None, TINY)))
-  path = out / rundir.RUN_STATE
+  write_run_state(out, RunState('stopped', run_id='abc', n_slices=1, n_hosts=1,
+                         config=to_dict(load_config(None, TINY))))
+  path = out / RUN_STATE
   path.write_bytes(path.read_bytes()[:40])
   before = tree(out)
   for flags in ([], ['--resume']):

@@ -11,6 +11,7 @@ from mecefo_jax.run import cli, rundir
 from mecefo_jax.run.exits import CHECKPOINTS_FAILING, STOPPED
 from mecefo_jax.snapshot import durable, manager, tier
 from mecefo_jax.snapshot.capacity import SnapshotError
+from mecefo_jax.records.run_state import read_run_state
 from procs import TINY, report, tree
 
 # One config for every run of this file (train.steps too): they share their programs.
@@ -44,7 +45,7 @@ def test_a_start_that_fails_before_running_leaves_every_file_as_it_was(stopped, 
     with pytest.raises(RuntimeError, match='an injected bug'):
       cli.main([*args, *flags])
     assert tree(base / 'run', base / 'shm') == before, flags
-  assert rundir.read_run_state(base / 'run')['status'] == 'stopped'
+  assert read_run_state(base / 'run').status == 'stopped'
 
 
 @pytest.mark.slow  # whole in-process runs
@@ -59,7 +60,7 @@ def test_no_eval_rows_turn_evals_off_the_final_one_too(tmp_path, caplog):
                    '--no-snapshots']) == 0
   result = report(out)
   assert (result['eval_loss'], result['eval_perplexity'], result['evals']) == (None, None, [])
-  assert result['steps'] == 8 and rundir.read_run_state(out)['status'] == 'finished'
+  assert result['steps'] == 8 and read_run_state(out).status == 'finished'
   assert 'holds no eval rows (eval_fraction=0): evals are off, the final one too' in caplog.text
   assert 'eval n/a (perplexity n/a' in caplog.text  # the summary line
 
@@ -93,7 +94,7 @@ def test_durable_saves_that_fail_are_a_line_each_then_stop_the_run(tmp_path,
   assert stop.startswith(f'{durable.FAILURES_TO_STOP} durable checkpoint(s) in a row failed')
   result = report(out)
   assert result['steps'] == 4 and result['snapshots']['durable_failed'] == 3
-  assert rundir.read_run_state(out)['status'] == 'stopped'
+  assert read_run_state(out).status == 'stopped'
   # The durable directory works again: the printed command resumes from the in-memory tier.
   assert '--resume' in stop and cli.main([*args, '--resume']) == 0
   assert report(out)['resumed_from_step'] == 4 and report(out)['snapshots']['durable_failed'] == 0

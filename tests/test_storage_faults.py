@@ -21,6 +21,7 @@ from mecefo_jax.run.exits import BAD_INPUT, CHECKPOINTS_FAILING, OUTPUTS_FAILING
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
 from mecefo_jax.snapshot.manager import state_nbytes
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
+from mecefo_jax.records.run_state import RUN_STATE, read_run_state
 from procs import TINY, error_lines, report, tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def _args(tmp_path, *more):
 
 
 def _state(tmp_path) -> str:
-  return json.loads((tmp_path / 'run' / rundir.RUN_STATE).read_text())['status']
+  return json.loads((tmp_path / 'run' / RUN_STATE).read_text())['status']
 
 
 def _leftovers(*roots) -> list[str]:
@@ -79,11 +80,11 @@ def test_a_damaged_only_durable_checkpoint_is_set_aside_and_resume_says_where(
   assert cli.main(_args(tmp_path, 'train.steps=6', 'snapshot.durable_every=3',
                         '--stop-after', '3')) == 143
   shutil.rmtree(tmp_path / 'shm')  # the machine rebooted: the in-memory tier is gone
-  run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
+  run_id = read_run_state(tmp_path / 'run').run_id
   checkpoint = tmp_path / 'run' / 'checkpoints' / run_id / '3'
   damaged_file = sorted((checkpoint / 'state' / 'ocdbt.process_0' / 'd').iterdir())[0]
   _flip_a_byte(damaged_file)
-  damaged, run_state = _relative(checkpoint), (tmp_path / 'run' / rundir.RUN_STATE).read_bytes()
+  damaged, run_state = _relative(checkpoint), (tmp_path / 'run' / RUN_STATE).read_bytes()
   capsys.readouterr()
   caplog.set_level(logging.WARNING, 'mecefo')
   assert cli.main(['--out', str(tmp_path / 'run'), '--resume', '-q']) == BAD_INPUT
@@ -93,7 +94,7 @@ def test_a_damaged_only_durable_checkpoint_is_set_aside_and_resume_says_where(
   assert not checkpoint.exists() and _relative(moved) == damaged  # every byte as it was
   why = json.loads((moved.parent / 'why.json').read_text())
   assert why['problem'] == f'{damaged_file.relative_to(checkpoint)} fails its checksum', why
-  assert (tmp_path / 'run' / rundir.RUN_STATE).read_bytes() == run_state
+  assert (tmp_path / 'run' / RUN_STATE).read_bytes() == run_state
   assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
   [aside] = [m for m in caplog.messages if 'set aside as' in m]
   command = aside.split('to restore it by hand: ')[1].rstrip(')')
@@ -123,7 +124,7 @@ def test_a_full_disk_under_durable_saves_stops_with_exit_5_and_leaves_no_tmp(
   assert all('No space left on device' in line for line in failed), failed
   assert len(lines) == 5, lines  # and the summary line
   assert _state(tmp_path) == 'stopped'
-  run_id = rundir.read_run_state(tmp_path / 'run')['run_id']
+  run_id = read_run_state(tmp_path / 'run').run_id
   assert not list((tmp_path / 'run' / 'checkpoints' / run_id).iterdir())  # no failed save's remains
   counts = report(tmp_path / 'run')['snapshots']
   assert (counts['durable_saved'], counts['durable_failed']) == (0, 3), counts  # none written
@@ -236,7 +237,7 @@ def test_a_full_disk_under_out_ends_in_its_lines_and_every_record_is_true(
   assert stop.startswith(head) and f'saved as the in-memory snapshot {shm}/' in stop, stop
   steps = int(re.search(r' after (\d+) step', stop).group(1))
   assert fill_at < steps < 120, stop
-  assert json.loads((run / rundir.RUN_STATE).read_text())['status'] == 'stopped'
+  assert json.loads((run / RUN_STATE).read_text())['status'] == 'stopped'
   assert not _leftovers(run, shm), _leftovers(run, shm)
   # What the stop line and history.jsonl say was saved is on disk, a checkpoint whole.
   places = re.findall(r'(?:in-memory snapshot|durable checkpoint) (\S+?)(?: and the |;)', stop)

@@ -14,6 +14,7 @@ from mecefo_jax.supervisor import free_port as launch_port
 from mecefo_jax.run import dir_lock, ending, recovery_time, rundir
 from mecefo_jax.run.exits import PEER_LOST
 from mecefo_jax.run.supervised import Watch, process_state
+from mecefo_jax.records.run_state import read_run_state
 from procs import TINY, busy_core, error_lines, wait_for
 
 BASE = ['mesh.slice=3', *TINY, 'train.log_every=1', 'snapshot.every=1', 'train.eval_every=0',
@@ -47,7 +48,7 @@ def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_
     os.kill(sup.pid, signal.SIGKILL)  # the supervisor alone: its workers are left running
     sup.wait()
     wait_for(lambda: all(_gone(p) for p in pids.values()), 120, 'the workers to stop')
-  assert rundir.read_run_state(run)['status'] == 'stopped'
+  assert read_run_state(run).status == 'stopped'
   [stop] = [e for e in rundir.read_history(run) if e['kind'] == 'stop']
   why = f'the supervisor (pid {sup.pid}) is gone'
   assert stop['why'] == why, stop

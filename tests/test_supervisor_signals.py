@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mecefo_jax.files import default_snapshot_dir
 from mecefo_jax.run import rundir
+from mecefo_jax.records.run_state import read_run_state
 from procs import TINY, busy_core, kill, report, wait_for
 
 BASE = [*TINY, 'mesh.slice=2', 'train.log_every=1', 'train.eval_every=0', 'train.plot=false']
@@ -45,7 +46,7 @@ def _clean_stop(run: Path, proc: subprocess.Popen, out: str) -> int:
   """The job stopped by a signal after one agreed step, both tiers saved: exit 143,
   run_state.json `stopped`, a stop record, no temporary checkpoint, no dump. Its step."""
   assert proc.returncode == 143, out[-3000:]
-  assert rundir.read_run_state(run)['status'] == 'stopped'
+  assert read_run_state(run).status == 'stopped'
   stop = [e for e in rundir.read_history(run) if e['kind'] == 'stop'][-1]
   assert stop['why'] == 'SIGINT (Ctrl-C)' and len(stop['saved']) == 2, stop
   assert not list(run.glob('checkpoints/**/*.orbax-checkpoint-tmp*'))

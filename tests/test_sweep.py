@@ -17,6 +17,7 @@ from mecefo_jax.run import cli, plot, rundir
 from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.stop import STOP_FILE
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
+from mecefo_jax.records.run_state import RUN_STATE, read_run_state
 from procs import TINY, error_lines, report, tree
 
 KINDS = ('empty', 'cut at 1 byte', 'cut at the middle', 'cut at the last byte',
@@ -28,7 +29,7 @@ TEXT_KINDS = KINDS[:5]  # files that are no JSON: .reached, stop_request, failur
 RUN = [*TINY, 'mesh.slice=2', 'train.steps=4', 'train.log_every=1', 'train.plot=false',
        'snapshot.every=1', 'snapshot.keep=2', 'snapshot.durable_every=2']
 # The key each JSON file's 'a required key missing' drops ('' for a list: its first item).
-KEYS = {rundir.RUN_STATE: 'run_id', 'report.json': 'failure_events', tokendir.META: 'vocab_size',
+KEYS = {RUN_STATE: 'run_id', 'report.json': 'failure_events', tokendir.META: 'vocab_size',
         tokendir.PROGRESS: 'tokens', MANIFEST_NAME: 'files', 'meta': 'controller', 'layout': ''}
 LINES = {rundir.HISTORY: b'{"t": 1.0}\n', rundir.METRICS_FILE: b'{"kind": "train"}\n'}
 
@@ -88,7 +89,7 @@ def made(tmp_path_factory):
   args = ['--out', str(base / 'run'), *RUN, '--data', data, f'snapshot.dir={base / "shm"}',
           f'train.compile_cache={base / "cc"}', '-q']
   assert cli.main([*args, '--stop-after', '3']) == STOPPED
-  run_id = rundir.read_run_state(base / 'run')['run_id']
+  run_id = read_run_state(base / 'run').run_id
   shutil.rmtree(base / 'run' / 'checkpoints' / run_id / '3')
   (base / 'run' / STOP_FILE).write_text('a stop request of the supervisor')
   for name in ('run', 'shm'):
@@ -171,7 +172,7 @@ def _run_state(made, kind, flags, capsys, caplog=None) -> None:
   """run_state.json damaged: a start (or --resume) is one line naming it and its remedy, and
   leaves every file as it was; --fresh replaces the run."""
   made.reset()
-  path = made.run / rundir.RUN_STATE
+  path = made.run / RUN_STATE
   damage(path, kind)
   before = tree(made.run, made.shm)
   if flags != ['--fresh']:
@@ -182,8 +183,8 @@ def _run_state(made, kind, flags, capsys, caplog=None) -> None:
     return
   caplog.clear()
   assert cli.main([*made.args, '--fresh', '--stop-after', '1']) == STOPPED
-  assert f'whose {rundir.RUN_STATE} could not be read' in caplog.text
-  assert rundir.read_run_state(made.run)['status'] == 'stopped'
+  assert f'whose {RUN_STATE} could not be read' in caplog.text
+  assert read_run_state(made.run).status == 'stopped'
   assert report(made.run)['steps'] == 1 and report(made.run)['resumed_from_step'] is None
 
 

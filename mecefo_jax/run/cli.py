@@ -15,6 +15,7 @@ from pathlib import Path
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, MODELS, POLICIES, Config, ConfigError, FaultConfig,
                                builtin_configs, config_file, load_config, rule_of, to_dict)
+from mecefo_jax.records import run_state
 from mecefo_jax.run import ending, hints, startup, storage, supervised
 from mecefo_jax.run.exits import BAD_INPUT, INTERRUPTED
 
@@ -166,12 +167,12 @@ def _config(args) -> tuple[Config, Path]:
   run directory replays that run's config (rundir.replay_base)."""
   from mecefo_jax.run import rundir
   if args.out and not args.fresh and not args.dry_run:
-    recorded = rundir.read_run_state(Path(args.out))
-    if recorded.get('config') and (args.resume or rundir.unfinished(Path(args.out))):
+    recorded = run_state.read_run_state(Path(args.out))
+    if recorded and recorded.config and (args.resume or run_state.unfinished(Path(args.out))):
       given = args.config and config_file(args.config)
-      cfg = load_config(given, _overrides(args), base=recorded['config'])
-      if args.host_devices is None and recorded.get('host_devices'):
-        _setup_devices(recorded['host_devices'])  # jax is not imported yet
+      cfg = load_config(given, _overrides(args), base=recorded.config)
+      if args.host_devices is None and recorded.host_devices:
+        _setup_devices(recorded.host_devices)  # jax is not imported yet
       return cfg, Path(args.out)
   replay = rundir.replay_base(args.failures) if args.failures else None
   if replay is None:
@@ -294,9 +295,9 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     _test_start_error(args)
     from mecefo_jax.run import trainer
     from mecefo_jax.step import program_store
-    from mecefo_jax.run import rundir
     startup.mark('imported')
-    resume = scratch is None and (args.resume or (not args.fresh and rundir.unfinished(out_dir)))
+    resume = scratch is None and (args.resume or (not args.fresh and
+                                                   run_state.unfinished(out_dir)))
     run = trainer.Trainer(cfg, scratch or out_dir, resume=resume, explicit_resume=args.resume,
                           stop=stop_request,
                           progress='quiet' if args.quiet else 'auto', replace=args.fresh,

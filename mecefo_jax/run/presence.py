@@ -18,9 +18,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
-from mecefo_jax import multihost, sharding
+from mecefo_jax import files, multihost, sections, sharding
 from mecefo_jax.config import Config, ConfigError
-from mecefo_jax.run import hints, rundir
+from mecefo_jax.records.run_state import RunState, read_run_state
+from mecefo_jax.run import hints
 
 log = logging.getLogger('mecefo')
 
@@ -41,16 +42,16 @@ class Presence:
 
 def find(cfg: Config, out_dir: Path, resume: bool, host_slot: int | None = None) -> Presence:
   """The present slices of this start (recorded N and H when resuming, else this job's)."""
-  recorded = _recorded(out_dir) if resume else {}
+  recorded = (_recorded(out_dir) if resume else None) or RunState('', '')
   if multihost.is_multiprocess():
     return _job(cfg, recorded, host_slot)
-  if recorded.get('n_hosts', 1) > 1:
-    raise ConfigError(f'the run in {str(out_dir)!r} was trained by {recorded["n_hosts"]} '
+  if (recorded.n_hosts or 1) > 1:
+    raise ConfigError(f'the run in {str(out_dir)!r} was trained by {recorded.n_hosts} '
                       f'processes, whose snapshot parts one process cannot read; resume it with '
-                      f'{hints.resume(out_dir, recorded["n_hosts"])}')
+                      f'{hints.resume(out_dir, recorded.n_hosts)}')
   if host_slot not in (None, 0):
     raise ConfigError(f'--host-slot={host_slot} needs a multi-process run')
-  n_slices = recorded.get('n_slices')
+  n_slices = recorded.n_slices
   if not n_slices:
     mesh = sharding.make_mesh(cfg.mesh)
     _warn_idle(cfg, mesh)
@@ -74,23 +75,23 @@ def _warn_idle(cfg: Config, mesh: Mesh) -> None:
                 jax.device_count() // in_slice)
 
 
-def _recorded(out_dir: Path) -> dict:
+def _recorded(out_dir: Path) -> RunState | None:
   """run_state.json as process 0 reads it (the run directory may be its alone)."""
-  state = rundir.read_run_state(out_dir) if jax.process_index() == 0 else None
+  state = read_run_state(out_dir) if jax.process_index() == 0 else None
   if multihost.is_multiprocess():
-    state = json.loads(multihost.broadcast_bytes(json.dumps(state).encode()
-                                                 if state is not None else None, 0))
+    text = multihost.broadcast_bytes(files.json_text(state).encode(), 0)
+    state = sections.from_json(RunState | None, json.loads(text))
   return state
 
 
-def _job(cfg: Config, recorded: dict, host_slot: int | None) -> Presence:
-  n_hosts = recorded.get('n_hosts') or jax.process_count()
+def _job(cfg: Config, recorded: RunState, host_slot: int | None) -> Presence:
+  n_hosts = recorded.n_hosts or jax.process_count()
   slots = host_slots(host_slot, n_hosts)
-  if not recorded.get('n_slices'):  # a new run: every process is its own host
+  if not recorded.n_slices:  # a new run: every process is its own host
     mesh = sharding.make_mesh(cfg.mesh)
     check_job(cfg, mesh)
     return Presence(mesh, mesh.shape['slice'], tuple(range(mesh.shape['slice'])), slots, n_hosts)
-  n_slices, in_slice = recorded['n_slices'], cfg.mesh.fsdp * cfg.mesh.tensor
+  n_slices, in_slice = recorded.n_slices, cfg.mesh.fsdp * cfg.mesh.tensor
   per_host = n_slices // n_hosts
   if n_slices % n_hosts or per_host * in_slice != jax.local_device_count():
     raise ConfigError(

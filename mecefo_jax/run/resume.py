@@ -16,6 +16,7 @@ import jax
 from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError, to_dict
 from mecefo_jax.model import contract, models
+from mecefo_jax.records.run_state import Diverged, ModelId, RunState
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.metrics import last_logged_step
 from mecefo_jax.sections import entry
@@ -59,7 +60,7 @@ class Start:
 
 def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bool,
                   explicit: bool = False, n_hosts: int = 1, times: dict | None = None,
-                  program_store=None, diverged: dict | None = None) -> Start:
+                  program_store=None, diverged: Diverged | None = None) -> Start:
   """A new state (step 0), or with `resume` the newest usable snapshot. `explicit` (--resume):
   finding none is an error (ConfigError), else a warning and step 0; a resume never runs the
   initializer (its program: from `program_store` where it is there). `diverged`: the run
@@ -70,7 +71,7 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
   times = {} if times is None else times
   if resume:
     t0 = time.perf_counter()
-    bound = diverged['last_finite_step'] if diverged else None
+    bound = diverged.last_finite_step if diverged else None
     restored = snapshots and recovery.restore(snapshots, cfg, presence.mesh, at_most=bound)
     if restored:
       jax.block_until_ready(restored[1])
@@ -105,10 +106,10 @@ def _resumed(restored: tuple, out_dir: Path, rollback: Rollback | None) -> Start
   return start
 
 
-def _rollback(diverged: dict, restored: tuple, snapshots) -> Rollback:
+def _rollback(diverged: Diverged, restored: tuple, snapshots) -> Rollback:
   """The rollback a resume of a diverged run made, said in one line."""
-  back = Rollback(**{k: v for k, v in diverged.items() if k != 'rollback_to'},
-                  to_step=restored[0], discarded=list(snapshots.discarded))
+  back = Rollback(diverged.diverged_at_step, diverged.last_finite_step, to_step=restored[0],
+                  discarded=list(snapshots.discarded))
   log.warning('the run diverged at step %d: went back to the %s, the newest snapshot of a step '
               '<= %d (the last step seen with a finite loss and gradient norm)%s',
               back.diverged_at_step, restored[3], back.last_finite_step,
@@ -126,14 +127,14 @@ def same_optimizer(rollback: Rollback, changed: dict) -> None:
                 'optimizer.warmup_steps to --resume', rollback.to_step, rollback.diverged_at_step)
 
 
-def _nothing_before(diverged: dict, out_dir: Path, snapshots) -> str:
+def _nothing_before(diverged: Diverged, out_dir: Path, snapshots) -> str:
   """The refusal of a resume of a run that diverged before any snapshot it can go back to."""
-  last = diverged['last_finite_step']
+  last = diverged.last_finite_step
   seen = (f' before any snapshot of a step <= {last} (the last step seen with a finite loss '
           f'and gradient norm) was kept' if last >= 0 else ', its first step')
   off = ' (snapshots are off)' if not snapshots else ''
   return (f'{hints.flag("--resume")}: the run in {out_dir} diverged at step '
-          f'{diverged["diverged_at_step"]}{seen}{off}, so there is no snapshot to go back to; '
+          f'{diverged.diverged_at_step}{seen}{off}, so there is no snapshot to go back to; '
           f'nothing was started. Start it anew with a lower optimizer.lr or more '
           f'optimizer.warmup_steps: {hints.fresh(out_dir)}')
 
@@ -154,7 +155,8 @@ def _reached(out_dir: Path) -> int | None:
   return max(known, default=None)
 
 
-def carried_state(cfg: Config, run_id: str, presence, previous: dict, resume: bool) -> dict:
+def carried_state(cfg: Config, run_id: str, presence, previous: RunState | None,
+                  resume: bool) -> RunState:
   """run_state.json's entries of this start: the run's identity, its model's (model.kind and
   its parameter tree's digest), its config as given (`auto`
   stays auto, so that a resume on another backend resolves it there), its layout, and the
@@ -162,31 +164,30 @@ def carried_state(cfg: Config, run_id: str, presence, previous: dict, resume: bo
   says so in one warning line."""
   platform = jax.devices()[0].platform
   model = models.spec(cfg.model)
-  state = {'run_id': run_id, 'config': to_dict(cfg), 'n_slices': presence.n_slices,
-           'model': {'kind': model.kind, 'tree': model.tree_digest},
-           'n_hosts': presence.n_hosts, 'platform': platform,
-           'compute_dtype': contract.compute_dtype(cfg.model).name}
-  if platform == 'cpu':  # simulated devices: a resume simulates as many
-    state['host_devices'] = jax.local_device_count()
-  before = previous.get('compute_dtype') if resume else None
-  if before and before != state['compute_dtype']:
+  state = RunState('running', run_id, to_dict(cfg), presence.n_slices,
+                   ModelId(model.kind, model.tree_digest), presence.n_hosts, platform,
+                   contract.compute_dtype(cfg.model).name,
+                   # simulated devices: a resume simulates as many
+                   jax.local_device_count() if platform == 'cpu' else None)
+  before = previous.compute_dtype if resume and previous else None
+  if before and before != state.compute_dtype:
     # The snapshots hold the params and optimizer state in model.param_dtype whatever the
     # compute dtype, so the run goes on; only the rounding of activations and matmuls changes.
     log.warning('resumed on %s computing in %s (model.compute_dtype=%s), where the run computed '
                 'in %s on %s: the state carries over unchanged (params in %s), the rounding '
                 'of activations and matmuls changes from here', platform,
-                state['compute_dtype'], cfg.model.compute_dtype, before,
-                previous.get('platform', 'another backend'), cfg.model.param_dtype)
+                state.compute_dtype, cfg.model.compute_dtype, before,
+                previous.platform or 'another backend', cfg.model.param_dtype)
   return state
 
 
-def check_model(cfg: Config, previous: dict, resume: bool) -> None:
+def check_model(cfg: Config, previous: RunState | None, resume: bool) -> None:
   """A resume trains the run's model: one whose parameter tree differs (its code changed under
   the same model.kind) is refused in one line (ConfigError)."""
-  recorded = previous.get('model') if resume else None
+  recorded = previous.model if resume and previous else None
   model = models.spec(cfg.model)
-  if recorded and recorded.get('tree') != model.tree_digest:
+  if recorded and recorded.tree != model.tree_digest:
     raise ConfigError(f'resume with another model: model.kind={model.kind!r} now has parameter '
-                      f'tree {model.tree_digest}, the run trained tree {recorded.get("tree")} '
+                      f'tree {model.tree_digest}, the run trained tree {recorded.tree} '
                       '(its code changed?); resume with the run\'s model, or start anew with '
                       '--fresh (or another --out)')

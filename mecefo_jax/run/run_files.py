@@ -1,15 +1,17 @@
 """One start's hold on its run directory: the lock, the run's identity, run_state.json, the trace."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import jax
 
-from mecefo_jax import multihost
+from mecefo_jax import multihost, sections
 from mecefo_jax.config import Config
 from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.core.fault_log import LogMapping
+from mecefo_jax.records.run_state import Diverged, RunState, write_run_state
 from mecefo_jax.run import dir_lock, rundir
 from mecefo_jax.run.resume import carried_state
 from mecefo_jax.snapshot.manager import memory_kept_when_finished
@@ -27,8 +29,8 @@ class RunFiles:
     self.cfg, self.out_dir, self.is_chief = cfg, out_dir, jax.process_index() == 0
     self._lock = dir_lock.lock_job(out_dir)
     self.trace: rundir.Trace | None = None
-    self._checked: dict = {}
-    self.carried: dict = {}  # run_state.json's entries of this start (resume.carried_state)
+    self._checked: rundir.Checked | None = None
+    self.state: RunState | None = None  # run_state.json of this start (resume.carried_state)
 
   def schedule(self, n_slices: int, resume: bool) -> FailureSchedule:
     """faults.failures as a schedule; a trace is read from the run's own copy at a resume."""
@@ -43,37 +45,39 @@ class RunFiles:
     return FailureSchedule.from_spec(f.failures, n_slices, cfg.train.steps, f.cluster_step_s,
                                      cfg.train.seed, f.rate, LogMapping.of(cfg))
 
-  def check(self, *, resume: bool, replace: bool, replace_finished: bool) -> dict:
+  def check(self, *, resume: bool, replace: bool,
+            replace_finished: bool) -> RunState | None:
     """What start() will do, checked on process 0 without touching a file; the recorded
-    run_state.json of the run there."""
-    self._checked = multihost.on_chief(lambda: rundir.check_start(
-        self.out_dir, self.cfg, resume=resume, replace=replace, replace_finished=replace_finished))
-    return self._checked['previous']
+    run_state.json of the run there (None: none)."""
+    checked = multihost.on_chief(lambda: sections.to_json(rundir.check_start(
+        self.out_dir, self.cfg, resume=resume, replace=replace, replace_finished=replace_finished)))
+    self._checked = sections.from_json(rundir.Checked, checked)
+    return self._checked.previous
 
   @property
   def changed(self) -> dict[str, list]:
     """{key: [the run's value, this start's]} of the config keys this resume changes."""
-    return self._checked.get('changed', {})
+    return self._checked.changed
 
   @property
   def run_id(self) -> str:
-    return self._checked['run_id']
+    return self._checked.run_id
 
-  def carry(self, presence, previous: dict, resume: bool) -> None:
-    self.carried = carried_state(self.cfg, self.run_id, presence, previous, resume)
+  def carry(self, presence, previous: RunState | None, resume: bool) -> None:
+    self.state = carried_state(self.cfg, self.run_id, presence, previous, resume)
 
   @property
   def compute_dtype(self) -> str:
-    return self.carried['compute_dtype']  # model.compute_dtype resolved
+    return self.state.compute_dtype  # model.compute_dtype resolved
 
   def all_down_at(self, step: int) -> None:
     """Every slice went down at `step`: a resume brings them back there (run_state.json)."""
-    self.carried['all_down_at'] = step
+    self.state = dataclasses.replace(self.state, all_down_at=step)
 
-  def diverged(self, diverged: dict) -> None:
+  def diverged(self, diverged: Diverged) -> None:
     """The run diverged (run/hooks.Divergence): a resume goes back to a snapshot of a step <=
-    diverged['last_finite_step'] (run_state.json; the resume's own start drops it)."""
-    self.carried['diverged'] = diverged
+    its last_finite_step (run_state.json; the resume's own start drops it)."""
+    self.state = dataclasses.replace(self.state, diverged=diverged)
 
   def start(self) -> None:
     """The run's files change from here on: a new run's predecessor's files go."""
@@ -84,7 +88,7 @@ class RunFiles:
 
   def write_state(self, status: str) -> None:
     if self.is_chief:
-      rundir.write_run_state(self.out_dir, status, **self.carried)
+      write_run_state(self.out_dir, dataclasses.replace(self.state, status=status))
 
   def snapshot_dirs(self) -> tuple[Path, str]:
     return rundir.snapshot_dirs(self.cfg.snapshot, self.out_dir, self.run_id)

@@ -29,12 +29,13 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import Config, ConfigError, SnapshotConfig, resume_may_change, to_dict
-from mecefo_jax.run import hints, storage
+from mecefo_jax.records.run_state import RUN_STATE, RunState, read_run_state
+from mecefo_jax.run import hints
 from mecefo_jax.run.stop import STOP_FILE
 
 log = logging.getLogger('mecefo')
-RUN_STATE, FAILURES, HISTORY, REACHED, TRACE = (
-    'run_state.json', 'failures.txt', 'history.jsonl', '.reached', 'failure_trace.txt')
+FAILURES, HISTORY, REACHED, TRACE = (
+    'failures.txt', 'history.jsonl', '.reached', 'failure_trace.txt')
 METRICS_FILE, REPORT, PLOT, TB_DIR = 'metrics.jsonl', 'report.json', 'training.png', 'tb'
 OUTPUTS = (METRICS_FILE, REPORT, PLOT, TB_DIR, RUN_STATE, FAILURES, HISTORY, REACHED, STOP_FILE,
            TRACE)
@@ -45,38 +46,7 @@ SNAPSHOT_KEYS = {f.name for f in dataclasses.fields(SnapshotConfig)}
 
 # ---- run files ------------------------------------------------------------------------------
 
-# run_state.json's keys a start relies on, and their types (files.read_json)
-RUN_STATE_KEYS = {'status': str, 'run_id': str}
-RUN_STATE_OPTIONAL = {'config': dict, 'n_slices': int, 'n_hosts': int, 'host_devices': int,
-                      'all_down_at': int, 'platform': str, 'compute_dtype': str,
-                      'diverged': dict}
 HISTORY_KEYS = {'kind': str}
-
-
-def read_run_state(out_dir: Path) -> dict:
-  """The run_state.json of `out_dir`, {} if there is none; one that cannot be read is a
-  ConfigError naming the file and what to do (its snapshots and checkpoints are left alone)."""
-  path = Path(out_dir) / RUN_STATE
-  remedy = ('the run\'s snapshots and checkpoints are still there, but this start cannot tell '
-            'which run they are: restore the file, or start anew with --fresh (or another '
-            '--out)')
-  return files.read_json(path, RUN_STATE_KEYS, remedy=remedy, error=ConfigError,
-                         optional=RUN_STATE_OPTIONAL) or {}
-
-
-def write_run_state(out_dir: Path, status: str, **extra) -> None:
-  """`running` until the run ends; a `running` or `stopped` run is resumed automatically. On a
-  full disk, written over the old file's own bytes (it holds the same keys)."""
-  path, text = Path(out_dir) / RUN_STATE, json.dumps({'status': status, **extra})
-  try:
-    files.replace_text(path, text)
-  except OSError:
-    if not storage.overwrite_in_place(path, text):
-      raise
-
-
-def unfinished(out_dir: Path) -> bool:
-  return read_run_state(out_dir).get('status') in ('running', 'stopped')
 
 
 def write_failures(out_dir: Path, events: list[dict], replay_flags: str) -> None:
@@ -169,14 +139,14 @@ def replay_base(failures: str) -> tuple[dict, int] | None:
   steps, in one process, in the run directory hints.REPLAY_DIR inside that run (never over
   another run: runs/latest stays), with the default snapshot places."""
   path = Path(failures[len('trace:'):]) if failures.startswith('trace:') else None
-  recorded = read_run_state(path.parent) if path is not None and path.is_file() else {}
-  if not recorded.get('config') or not recorded.get('n_slices'):
+  recorded = read_run_state(path.parent) if path is not None and path.is_file() else None
+  if recorded is None or not recorded.config or not recorded.n_slices:
     return None
-  config = json.loads(json.dumps(recorded['config']))
+  config = json.loads(json.dumps(recorded.config))
   config['train']['out_dir'] = str(path.parent / hints.REPLAY_DIR)
   config['snapshot'].update(dir='', durable_dir='')
-  mesh = config['mesh'] = {**config['mesh'], 'slice': recorded['n_slices']}
-  return config, recorded['n_slices'] * mesh['fsdp'] * mesh['tensor']
+  mesh = config['mesh'] = {**config['mesh'], 'slice': recorded.n_slices}
+  return config, recorded.n_slices * mesh['fsdp'] * mesh['tensor']
 
 
 # ---- where a run's snapshots live -------------------------------------------------------------
@@ -234,50 +204,61 @@ def remove_empty_folders(directory: Path) -> None:
         empty.rmdir()
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+  """What start() will do: the run recorded in the directory (None: none), the id to train
+  under (the recorded run's when resuming), the config keys a resume changes ({key: [the
+  run's value, this start's]}) and why run_state.json could not be read (--fresh replaces it)."""
+  previous: RunState | None
+  run_id: str
+  changed: dict[str, list] = dataclasses.field(default_factory=dict)
+  unreadable: str | None = None
+
+
 def check_start(out_dir: Path, cfg: Config, *, resume: bool, replace: bool,
-                replace_finished: bool = False) -> dict:
-  """What start() will do, checked without touching a file: {'previous': the recorded
-  run_state.json, 'run_id': the id to train under (the recorded run's when resuming)}.
-  `replace` (--fresh) replaces a run whose run_state.json cannot be read, too."""
+                replace_finished: bool = False) -> Checked:
+  """What start() will do, checked without touching a file. `replace` (--fresh) replaces a run
+  whose run_state.json cannot be read, too."""
   try:
     previous = read_run_state(out_dir)
   except ConfigError as err:
     if resume or not replace:
       raise
-    return {'previous': {}, 'run_id': uuid.uuid4().hex[:12], 'unreadable': str(err)}
+    return Checked(None, uuid.uuid4().hex[:12], unreadable=str(err))
   if resume:
-    if not previous.get('run_id'):
+    if previous is None:
       raise ConfigError(f'{hints.flag("--resume")}: there is no run in {str(out_dir)!r} to '
                         f'resume (no {RUN_STATE}); nothing was started')
-    changed = _check_same_config(previous.get('config', {}), to_dict(cfg))
-    return {'previous': previous, 'run_id': previous['run_id'], 'changed': changed}
+    changed = _check_same_config(previous.config or {}, to_dict(cfg))
+    return Checked(previous, previous.run_id, changed)
   if previous or (Path(out_dir) / METRICS_FILE).exists():
-    if not (replace or replace_finished and previous.get('status') == 'finished'):
-      status = previous.get('status', 'unknown')
+    if not (replace or replace_finished and previous and previous.status == 'finished'):
+      status = previous.status if previous else 'unknown'
       raise ConfigError(f'run directory {str(out_dir)!r} holds another run ({status}); resume '
                         f'it with {hints.flag("--resume")}, replace it with '
                         f'{hints.flag("--fresh")}, or pass another {hints.flag("--out")}')
-  return {'previous': previous, 'run_id': uuid.uuid4().hex[:12]}
+  return Checked(previous, uuid.uuid4().hex[:12])
 
 
-def start(out_dir: Path, checked: dict) -> None:
+def start(out_dir: Path, checked: Checked) -> None:
   """Makes the run directory ready for the run check_start() returned `checked` for: a new
   run's predecessor's outputs, snapshots and checkpoints are removed first."""
-  previous = checked['previous']
-  if previous.get('run_id') == checked['run_id']:
+  previous = checked.previous
+  if previous and previous.run_id == checked.run_id:
     return
-  if previous or checked.get('unreadable') or (Path(out_dir) / METRICS_FILE).exists():
-    clear(out_dir, previous, checked.get('unreadable'))
+  if previous or checked.unreadable or (Path(out_dir) / METRICS_FILE).exists():
+    clear(out_dir, previous, checked.unreadable)
 
 
-def clear(out_dir: Path, previous: dict, unreadable: str | None = None) -> None:
+def clear(out_dir: Path, previous: RunState | None, unreadable: str | None = None) -> None:
   """Removes the outputs, snapshots and checkpoints of the run recorded in `out_dir` (and
   nothing else of the directory). `unreadable`: why its run_state.json could not be read; its
   snapshots and checkpoints, which that file names, are then left where they are."""
-  run_id, kept = previous.get('run_id'), ''
-  if run_id and previous.get('config'):
-    remove_snapshots(recorded_snapshot_config(previous), out_dir, run_id, durable=True)
-    kept = _set_aside_kept(recorded_snapshot_config(previous), out_dir, run_id)
+  run_id, kept = previous and previous.run_id, ''
+  if previous and previous.config:
+    sn = recorded_snapshot_config(previous)
+    remove_snapshots(sn, out_dir, run_id, durable=True)
+    kept = _set_aside_kept(sn, out_dir, run_id)
   for name in OUTPUTS:
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
@@ -301,8 +282,8 @@ def _set_aside_kept(sn: SnapshotConfig, out_dir: Path, run_id: str) -> str:
   return f'; kept: the checkpoints it set aside in {place} (remove them by hand)'
 
 
-def recorded_snapshot_config(state: dict) -> SnapshotConfig:
-  recorded = state['config'].get('snapshot', {})
+def recorded_snapshot_config(state: RunState) -> SnapshotConfig:
+  recorded = (state.config or {}).get('snapshot', {})
   return SnapshotConfig(**{k: v for k, v in recorded.items() if k in SNAPSHOT_KEYS})
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import ConfigError
+from mecefo_jax.records.run_state import read_run_state
 from mecefo_jax.run import rundir
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 
@@ -22,13 +23,13 @@ def newest(out_dir: Path) -> tuple[int | None, int | None]:
   """(The newest step whose in-memory snapshot has every host's part complete, the newest
   complete durable checkpoint): None where there is none, or the run cannot be read."""
   try:
-    state = rundir.read_run_state(out_dir)
+    state = read_run_state(out_dir)
   except ConfigError:
     return None, None
-  if 'run_id' not in state:  # no run yet
+  if state is None:  # no run yet
     return None, None
-  memory, durable = rundir.snapshot_dirs(rundir.recorded_snapshot_config(
-      {'config': {}, **state}), out_dir, state['run_id'])
+  memory, durable = rundir.snapshot_dirs(rundir.recorded_snapshot_config(state), out_dir,
+                                         state.run_id)
   hosts = sorted(memory.glob('host*')) or [memory]
   in_memory = next((s for s in _steps(hosts[0]) if _complete([h / str(s) for h in hosts])), None)
   durable_dir = Path(durable)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -34,28 +33,6 @@ def quiet_failed_saves() -> None:
 
 def no_space(err: BaseException) -> bool:
   return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def overwrite_in_place(path: Path, text: str) -> bool:
-  """Writes `text` over `path`'s own bytes when it is no longer than the file (a full disk
-  refuses the new file of an atomic replace, not the blocks a file holds already): the
-  fallback for run_state.json, whose status must say the truth. False where it cannot."""
-  data = text.encode()
-  try:
-    fd = os.open(path, os.O_WRONLY)
-  except OSError:
-    return False
-  try:
-    if os.fstat(fd).st_size < len(data):
-      return False
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))
-    os.fsync(fd)
-    return True
-  except OSError:
-    return False
-  finally:
-    os.close(fd)
 
 
 class OutputGuard:

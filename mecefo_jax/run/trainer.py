@@ -111,11 +111,11 @@ class Trainer:
     self.origin = initial_state(cfg, self.presence, self.snapshots, self.out_dir, resume=resume,
                                 explicit=explicit_resume, times=self.startup.seconds,
                                 program_store=store,
-                                diverged=previous.get('diverged') if resume else None)
+                                diverged=previous.diverged if resume and previous else None)
     if self.origin.rollback:
       same_optimizer(self.origin.rollback, self.files.changed)
     self.files.carry(self.presence, previous, resume)
-    down_at = previous.get('all_down_at') if self.origin.meta is not None else None
+    down_at = previous.all_down_at if self.origin.meta is not None and previous else None
     if down_at is not None:
       self.files.all_down_at(down_at)  # kept while resuming
     meta = self.origin.meta
@@ -125,7 +125,7 @@ class Trainer:
         all_down_at=down_at, program_store=store)
     self.startup.programs_built(self.controller.first_programs_s, time.perf_counter() - t0)
     self._finished = (resume and self.origin.step >= cfg.train.steps and
-                      previous.get('status') == 'finished')
+                      previous.status == 'finished')
 
   @property
   def state(self):
