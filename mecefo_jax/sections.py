@@ -205,6 +205,16 @@ def from_json(tp, value) -> Any:
   return value
 
 
+def part(section: type, name: str, keys: tuple[str, ...]) -> type:
+  """A record of `section`'s fields `keys` alone (their types, units and docs), each optional:
+  the part of a file one reader needs, from files of any version (a key may be absent)."""
+  declared = {f.name: f for f in dataclasses.fields(section)}
+  return dataclasses.make_dataclass(name, [
+      (k, _hints(section)[k], entry(declared[k].metadata.get('unit', ''),
+                                    declared[k].metadata.get('doc', ''), optional=True))
+      for k in keys], frozen=True)
+
+
 # ---- the docs ----------------------------------------------------------------------------------
 
 def rows(section: type, prefix: str = '') -> Iterator[tuple[str, str, str, str]]:

@@ -18,6 +18,7 @@ import pytest
 from mecefo_jax import install, sections
 from mecefo_jax.config import Config, ConfigError, load_config, rule_of
 from mecefo_jax.run import cli, ending, exits, plot, report_schema, rundir, stop
+from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.records.run_state import RunState, read_run_state, write_run_state
 from procs import ROOT, TINY, error_lines, wait_for
@@ -250,7 +251,8 @@ def test_a_diverged_run_stops_with_one_line_and_keeps_only_finite_snapshots(tmp_
 
 def test_metrics_jsonl_is_strict_json(tmp_path):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
-    writer.write({'kind': 'train', 'step': 0, 'loss': math.nan, 'grad_norm': math.inf})
+    writer.write(TrainRow(step=0, degraded_tokens=0.0, exact_tokens=64.0, grad_norm=math.inf,
+                          loss=math.nan, wall_s=0.1, live_slices=1, tokens_per_s=100.0))
   line = (tmp_path / 'metrics.jsonl').read_text()
   assert 'NaN' not in line and 'Infinity' not in line
   assert json.loads(line)['loss'] is None
@@ -270,11 +272,13 @@ def test_schema_floats_are_finite_and_losses_nullable():
 
 def _fake_run(directory: Path, losses) -> Path:
   directory.mkdir(parents=True)
-  rows = [{'kind': 'train', 'step': 10 * i, 'loss': loss, 'wall_s': 0.1 * (i + 1)}
+  rows = [TrainRow(step=10 * i, degraded_tokens=0.0, exact_tokens=64.0, grad_norm=1.0,
+                   loss=loss, wall_s=0.1 * (i + 1), live_slices=1, tokens_per_s=100.0)
           for i, loss in enumerate(losses)]
-  rows.append({'kind': 'eval', 'step': 10 * (len(losses) - 1), 'loss': losses[-1] + 0.1,
-               'perplexity': math.exp(losses[-1] + 0.1), 'wall_s': 0.1 * len(losses)})
-  (directory / 'metrics.jsonl').write_text(''.join(to_json(r) + '\n' for r in rows))
+  rows.append(EvalRow(10 * (len(losses) - 1), losses[-1] + 0.1, math.exp(losses[-1] + 0.1),
+                      eval_s=0.1, wall_s=0.1 * len(losses), live_slices=1))
+  (directory / 'metrics.jsonl').write_text(''.join(to_json(sections.to_json(r)) + '\n'
+                                                   for r in rows))
   (directory / 'report.json').write_text(to_json({'steps': 10 * len(losses), 'losses': []}))
   return directory
 

@@ -6,6 +6,7 @@ import types
 import pytest
 
 from mecefo_jax.config import load_config
+from mecefo_jax.records.metrics import Eval, EvalRow
 from mecefo_jax.run import loop_hooks  # noqa: F401  (the order: tests/test_resume.py)
 from mecefo_jax.run.evaluation import Evals
 from mecefo_jax.run.hooks import Divergence, Every, Hook, Hooks, RunEnd, StepRecord, StopRun
@@ -22,7 +23,8 @@ PLAN = types.SimpleNamespace(live=(0, 1), eval=None)
 
 
 def _record(step: int, loss: float | None = 1.0) -> StepRecord:
-  return StepRecord(step, PLAN, None if loss is None else {'loss': loss}, loop_start=0.0)
+  values = {'degraded_tokens': 0.0, 'exact_tokens': 64.0, 'grad_norm': 1.0, 'loss': loss}
+  return StepRecord(step, PLAN, None if loss is None else values, loop_start=0.0)
 
 
 def test_every_runs_its_function_after_every_nth_step_and_wants_those_steps_fetched():
@@ -173,8 +175,7 @@ def test_metric_rows_write_a_train_row_every_log_every_steps_then_the_steps_othe
     for step in range(5):
       record = _record(step, loss=5.0 - step)
       if step == 2:
-        record.rows.append({'kind': 'eval', 'step': 2, 'loss': 3.5, 'perplexity': 33.1,
-                            'eval_s': 0.1, 'wall_s': 1.0, 'live_slices': 2})
+        record.eval_row = EvalRow(2, 3.5, 33.1, eval_s=0.1, wall_s=1.0, live_slices=2)
       hook.after_step(record)
   assert [(r['kind'], r['step']) for r in rows] == [('train', 0), ('train', 2), ('eval', 2),
                                                       ('train', 4)]
@@ -207,20 +208,20 @@ def test_evals_run_where_the_plan_has_one_unless_the_run_stops_and_once_more_at_
                                      exclude_from_steps=lambda s: None)
   emitted, stopping = [], {3}
   hook = Evals(controller, 2, last_step=4, has_eval=True, stopping=lambda r: r.step in stopping,
-               emit=emitted.append, evals=[{'step': 0, 'loss': 3.0, 'perplexity': 20.1}])
+               emit=emitted.append, evals=[Eval(0, 3.0, 20.1)])
   for step in range(1, 5):
     plan = types.SimpleNamespace(live=(0, 1), eval=None if step == 2 else 'eval program')
     record = StepRecord(step, plan, {'loss': 1.0}, loop_start=0.0)
     hook.after_step(record)
-    assert [r['step'] for r in record.rows] == ([step] if step in (1, 4) else [])
+    assert [r.step for r in record.rows] == ([step] if step in (1, 4) else [])
   hook.at_end(0.0, stopped=None)  # the last step's eval ran: no second one
-  assert [e['step'] for e in hook.evals] == [0, 1, 4] and emitted == []
+  assert [e.step for e in hook.evals] == [0, 1, 4] and emitted == []
   report = Draft(Report)
   hook.report(RunEnd(5, 1.0, None), report)
   assert report.eval_loss == 1.5 and [e.step for e in report.evals] == [0, 1, 4]
   hook.last_step = 5
   hook.at_end(0.0, stopped=None)  # a final eval after a step without one
-  assert [r['step'] for r in emitted] == [5] and emitted[0]['loss'] == 1.0
+  assert [r.step for r in emitted] == [5] and emitted[0].loss == 1.0
 
 
 def test_the_snapshot_to_go_back_to_is_listed_or_in_flight_never_a_step_not_saved(tmp_path):

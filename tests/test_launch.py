@@ -74,7 +74,7 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   alone = tmp_path / 'rows'  # the same rows without the history: no death, no gap
   alone.mkdir()
   shutil.copy(run / 'metrics.jsonl', alone)
-  gap = plot.read_rows(run)[-1]['t'] - plot.read_rows(alone)[-1]['t']
+  gap = plot.read_rows(run)[-1].t - plot.read_rows(alone)[-1].t
   assert gap >= stopped['goodput']['restart']  # the death's gap: its restart and then some
 
   # The resume command the stop printed, run exactly as printed: nothing trained again.

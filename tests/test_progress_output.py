@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ROW = {'kind': 'train', 'step': 4, 'loss': 3.25, 'grad_norm': 0.5, 'tokens_per_s': 12345.0,
-       'live_slices': 1, 'wall_s': 1.0}
-EVAL = {'kind': 'eval', 'step': 4, 'loss': 3.0, 'perplexity': 20.09, 'eval_s': 0.1}
+ROW = TrainRow(step=4, degraded_tokens=0.0, exact_tokens=64.0, grad_norm=0.5, loss=3.25,
+               wall_s=1.0, live_slices=1, tokens_per_s=12345.0)
+EVAL = EvalRow(4, 3.0, 20.09, eval_s=0.1, wall_s=1.1, live_slices=1)
 
 
 class FakeTTY(io.StringIO):

@@ -211,7 +211,7 @@ def test_the_loop_runs_its_hooks_in_their_declared_order_a_users_hook_before_the
 
     def after_step(self, record):
       self.seen.append((record.step, record.live, round(record.values['loss'], 6),
-                        [row['kind'] for row in record.rows]))
+                        [row.kind for row in record.rows]))
       assert record.step_s > 0 and all(how in ('compiled', 'loaded', 'moved')
                                        for _, how in record.built)
 

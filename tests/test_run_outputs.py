@@ -10,6 +10,8 @@ import pytest
 
 from mecefo_jax import sections
 from mecefo_jax.config import load_config
+from mecefo_jax.core.failures import AppliedEvent
+from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run import plot, report_schema
 from procs import suite_store
 
@@ -138,6 +140,9 @@ def test_docs_report_md_documents_every_key():
   missing = [key for key, *_ in report_schema.rows() if f'`{key}`' not in text]
   assert not missing, f'docs/report.md lacks {missing}; regenerate the table with ' \
                       '`python -m mecefo_jax.run.report_schema --markdown`'
+  assert report_schema.rows_markdown() in text, \
+      "docs/report.md's metrics.jsonl tables differ from TrainRow and EvalRow " \
+      '(records/metrics.py); regenerate them with `python -m mecefo_jax.run.report_schema --rows`'
 
 
 def test_the_config_pages_list_every_key():
@@ -194,6 +199,20 @@ def test_plot_written_by_the_run_and_by_the_cli(run, tmp_path, capsys):
   assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20_000
 
 
+def _train(step: int, loss: float | None, wall_s: float, **more) -> TrainRow:
+  return TrainRow(step=step, degraded_tokens=0.0, exact_tokens=64.0, grad_norm=1.0, loss=loss,
+                  wall_s=wall_s, live_slices=2, tokens_per_s=100.0, **more)
+
+
+def _lines(*rows) -> str:
+  """metrics.jsonl's text of `rows`."""
+  return ''.join(json.dumps(sections.to_json(row)) + '\n' for row in rows)
+
+
+def _event(step: int, slice_: int, kind: str, source: str = 'api', live: int = 0):
+  return AppliedEvent(step, slice_, kind, source, wall_s=0.0, live=live)
+
+
 def test_an_old_report_and_its_rows_still_plot_and_compare(tmp_path, capsys):
   """A run of report schema 6 (no goodput.restart, rows without `time`): plotted and compared
   with a run of today's schema."""
@@ -203,8 +222,7 @@ def test_an_old_report_and_its_rows_still_plot_and_compare(tmp_path, capsys):
   assert plot.main([str(old), '--out', str(tmp_path / 'old.png')]) == 0
   new = tmp_path / 'new'
   new.mkdir()
-  (new / 'metrics.jsonl').write_text('{"kind": "train", "step": 0, "loss": 5.0, "wall_s": 1.0, '
-                                     '"time": 1000.0}\n')
+  (new / 'metrics.jsonl').write_text(_lines(_train(0, 5.0, 1.0, time=1000.0)))
   assert plot.main([str(old), str(new), '--out', str(tmp_path / 'both.png')]) == 0
   assert (tmp_path / 'old.png').stat().st_size > 20_000 and (tmp_path / 'both.png').exists()
 
@@ -219,48 +237,43 @@ def test_plot_cli_one_line_errors_a_missing_run_no_rows_and_an_unwritable_out(tm
                              'or a run that has not logged a step yet)')
   (tmp_path / 'metrics.jsonl').write_text('{"kind": "eval", "step": 0, "loss": 1.0}\n')
   assert error(tmp_path) == f'error: {tmp_path / "metrics.jsonl"} has no training rows to plot'
-  (tmp_path / 'metrics.jsonl').write_text('{"kind": "train", "step": 0, "loss": 1.0}\n')
+  (tmp_path / 'metrics.jsonl').write_text(_lines(_train(0, 1.0, 0.1)))
   out = tmp_path / 'no' / 'such' / 'x.png'
   assert error(tmp_path, '--out', out) == f'error: cannot write {out}: No such file or directory'
 
 
 def test_failure_windows_per_slice():
-  events = [{'step': 5, 'slice': 1, 'kind': 'fail'}, {'step': 12, 'slice': 2, 'kind': 'fail'},
-            {'step': 18, 'slice': 1, 'kind': 'repair'}]
+  events = [_event(5, 1, 'fail'), _event(12, 2, 'fail'), _event(18, 1, 'repair')]
   windows = [(w['slice'], w['start'], w['end']) for w in plot.failure_windows(events, 29)]
   assert windows == [(1, 5, 18), (2, 12, 30)]
 
 
 def test_live_slices_follow_the_failure_events_not_the_logged_steps():
-  events = [{'step': 0, 'slice': 3, 'kind': 'fail', 'source': 'absent', 'live': 3},
-            {'step': 7, 'slice': 1, 'kind': 'fail', 'source': 'trace:t', 'live': 2},
-            {'step': 7, 'slice': 3, 'kind': 'repair', 'source': 'present', 'live': 3},
-            {'step': 13, 'slice': 2, 'kind': 'fail', 'source': 'absent', 'live': 2}]
+  events = [_event(0, 3, 'fail', 'absent', 3), _event(7, 1, 'fail', 'trace:t', 2),
+            _event(7, 3, 'repair', 'present', 3), _event(13, 2, 'fail', 'absent', 2)]
   assert plot.live_slices(events, 4, 29) == ([0, 7, 13, 29], [3, 3, 2, 2])
   assert plot.live_slices([], 4, 29) == ([0, 29], [4, 4])
 
 
 def test_the_plot_title_names_the_deaths_of_a_supervised_run():
-  death = lambda step, s: {'step': step, 'slice': s, 'kind': 'fail', 'source': 'absent'}
-  events = [death(12, 2), death(12, 3), {'step': 20, 'slice': 2, 'kind': 'repair',
-                                         'source': 'present'}, death(40, 1),
-            {'step': 41, 'slice': 0, 'kind': 'fail', 'source': 'trace:t.txt'}]
-  title = plot._title({'steps': 50, 'failure_events': events})
+  death = lambda step, s: _event(step, s, 'fail', 'absent')
+  events = [death(12, 2), death(12, 3), _event(20, 2, 'repair', 'present'), death(40, 1),
+            _event(41, 0, 'fail', 'trace:t.txt')]
+  title = plot._title(plot.PlotReport(steps=50, failure_events=events))
   assert title.splitlines()[1] == ('deaths (absent at a restart): slices 2, 3 at step 12; '
                                    'slice 1 at step 40')
-  assert len(plot._title({'steps': 50, 'failure_events': events[-1:]}).splitlines()) == 1
+  assert len(plot._title(plot.PlotReport(steps=50, failure_events=events[-1:])).splitlines()) == 1
 
 
 def test_read_rows_stitches_a_resumed_run(tmp_path):
-  rows = [{'step': 0, 'loss': 5.0, 'wall_s': 1.0}, {'step': 4, 'loss': 4.0, 'wall_s': 2.0},
-          {'kind': 'train', 'step': 4, 'loss': 3.9, 'wall_s': 0.5},  # resumed: clock restarts
-          {'kind': 'eval', 'step': 4, 'loss': 3.8, 'wall_s': 0.7}]
-  (tmp_path / 'metrics.jsonl').write_text(
-      '\n'.join(map(json.dumps, rows)) + '\n{"step": 8, "lo')  # a line cut by a crash
+  rows = [_train(0, 5.0, 1.0), _train(4, 4.0, 2.0),
+          _train(4, 3.9, 0.5),  # resumed: clock restarts
+          EvalRow(4, 3.8, 44.7, eval_s=0.1, wall_s=0.7, live_slices=2)]
+  (tmp_path / 'metrics.jsonl').write_text(_lines(*rows) + '{"step": 8, "lo')  # cut by a crash
   got = plot.read_rows(tmp_path)
-  assert [(r['kind'], r['step'], r['loss']) for r in got] == [
+  assert [(r.row.kind, r.row.step, r.row.loss) for r in got] == [
       ('train', 0, 5.0), ('train', 4, 3.9), ('eval', 4, 3.8)]
-  assert [r['t'] for r in got] == [1.0, 2.5, 2.7]
+  assert [r.t for r in got] == [1.0, 2.5, 2.7]
 
 
 def _history(run_dir, *events):
@@ -270,16 +283,15 @@ def _history(run_dir, *events):
 def test_read_rows_counts_a_supervised_restart_on_the_time_axis(tmp_path):
   """The gap from a process's last row to the restarted loop counts where a death lies in it
   (rows stamped with `time`); a stop and resume, and rows of before `time`, keep no gap."""
-  rows = [{'step': 0, 'loss': 5.0, 'wall_s': 1.0, 'time': 1001.0},
-          {'step': 4, 'loss': 4.0, 'wall_s': 2.0, 'time': 1002.0},
-          {'step': 4, 'loss': 3.9, 'wall_s': 0.5, 'time': 1030.5},  # its loop started at 1030
-          {'step': 8, 'loss': 3.5, 'wall_s': 1.5, 'time': 1031.5}]
-  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  rows = [_train(0, 5.0, 1.0, time=1001.0), _train(4, 4.0, 2.0, time=1002.0),
+          _train(4, 3.9, 0.5, time=1030.5),  # its loop started at 1030
+          _train(8, 3.5, 1.5, time=1031.5)]
+  (tmp_path / 'metrics.jsonl').write_text(_lines(*rows))
   _history(tmp_path, {'t': 1000.0, 'kind': 'start'}, {'t': 1010.0, 'kind': 'launch-death'},
            {'t': 1011.0, 'kind': 'launch-start'})
-  assert [r['t'] for r in plot.read_rows(tmp_path)] == [1.0, 30.5, 31.5]  # 2 + 28 s of restart
+  assert [r.t for r in plot.read_rows(tmp_path)] == [1.0, 30.5, 31.5]  # 2 + 28 s of restart
   _history(tmp_path, {'t': 1000.0, 'kind': 'start'}, {'t': 1010.0, 'kind': 'stop'})
-  assert [r['t'] for r in plot.read_rows(tmp_path)] == [1.0, 2.5, 3.5]
+  assert [r.t for r in plot.read_rows(tmp_path)] == [1.0, 2.5, 3.5]
 
 
 def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tmp_path):

@@ -334,7 +334,7 @@ def test_a_tensorboard_file_that_cannot_be_written_turns_tensorboard_off(
   assert _state(tmp_path) == 'finished'
   assert not _leftovers(tmp_path / 'run', tmp_path / 'shm')
   rows = metrics.read_metrics(tmp_path / 'run')
-  assert [r['step'] for r in rows if r['kind'] == 'train'] == list(range(6))
+  assert [r.step for r in rows if r.kind == 'train'] == list(range(6))
 
 
 @pytest.mark.slow

@@ -1,25 +1,15 @@
 """The eval hook: held-out evals after the steps the decider plans one for, and after the last."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable
 
 import numpy as np
 
 from mecefo_jax import progress_marks
+from mecefo_jax.records.metrics import Eval, EvalRow
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
-from mecefo_jax.sections import Draft, entry
-
-
-@dataclasses.dataclass
-class Eval:
-  """One held-out eval (report.json's `evals` rows, and eval rows' first keys)."""
-  step: int = entry('step', 'last training step before the eval (the eval sees the params '
-                    'after it)')
-  loss: float | None = entry('nats/token', 'mean held-out loss over train.eval_batches batches; '
-                             'null if not finite (diverged)')
-  perplexity: float | None = entry('', 'exp(loss); null if not finite')
+from mecefo_jax.sections import Draft
 
 
 def perplexity(loss: float) -> float:
@@ -32,23 +22,23 @@ class Evals(Hook):
   last step; each eval's row follows its step's train row. `evals`: those of earlier starts."""
 
   def __init__(self, controller, n_batches: int, last_step: int, *, has_eval: bool,
-               stopping: Callable[[StepRecord], bool], emit: Callable[[dict], None],
-               evals: list[dict]):
+               stopping: Callable[[StepRecord], bool], emit: Callable[[EvalRow], None],
+               evals: list[Eval]):
     self.controller, self.n_batches, self.last_step = controller, n_batches, last_step
     self.has_eval, self.stopping, self.emit = has_eval, stopping, emit
-    self.evals = evals  # {step, loss, perplexity}, oldest first
+    self.evals = evals  # oldest first
     self.seconds = 0.0  # spent in this start's evals
 
   def after_step(self, record: StepRecord) -> None:
     if self.has_eval and record.plan.eval is not None and not self.stopping(record):
-      record.rows.append(self.row(record.step, record.loop_start))
+      record.eval_row = self.row(record.step, record.loop_start)
 
   def at_end(self, loop_start: float, stopped: str | None) -> None:
-    done = self.evals and self.evals[-1]['step'] == self.last_step
+    done = self.evals and self.evals[-1].step == self.last_step
     if self.has_eval and not stopped and not done:
       self.emit(self.row(self.last_step, loop_start))  # the final eval
 
-  def row(self, step: int, loop_start: float) -> dict:
+  def row(self, step: int, loop_start: float) -> EvalRow:
     t0 = time.perf_counter()
     with progress_marks.during('evaluating', f'after step {step}'):
       loss = self.controller.evaluate(self.n_batches)
@@ -56,13 +46,14 @@ class Evals(Hook):
     self.seconds += spent
     # An eval is not step time; its compile, if any, is booked as compile by the program cache.
     self.controller.exclude_from_steps(spent)
-    self.evals.append({'step': step, 'loss': loss, 'perplexity': perplexity(loss)})
-    return {'kind': 'eval', **self.evals[-1], 'eval_s': spent,
-            'wall_s': time.perf_counter() - loop_start,
-            'live_slices': len(self.controller.live())}
+    row = EvalRow(step, loss, perplexity(loss), eval_s=spent,
+                  wall_s=time.perf_counter() - loop_start,
+                  live_slices=len(self.controller.live()))
+    self.evals.append(row.eval)
+    return row
 
   def report(self, end: RunEnd, report: Draft) -> None:
     """report.json's evals: every one, and the final one's loss unless the run stopped early."""
-    evals = report.evals = [Eval(**e) for e in self.evals]
+    evals = report.evals = list(self.evals)
     final = evals[-1] if evals and not end.stopped else None
     report.eval_loss, report.eval_perplexity = final and final.loss, final and final.perplexity

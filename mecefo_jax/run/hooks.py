@@ -11,6 +11,7 @@ from typing import Callable, Iterator, Sequence
 
 from mecefo_jax import progress_marks
 from mecefo_jax.core.decider import StepPlan
+from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.sections import Draft
 
 log = logging.getLogger('mecefo')
@@ -31,7 +32,13 @@ class StepRecord:
   built: tuple = ()  # the programs it waited for: ((ProgramKey, 'compiled'|'loaded'|'moved'),)
   stop_voted: bool = False  # the run stops after this step (several processes: as the job voted)
   metrics: dict | None = None  # its metrics still on the devices (values: fetched to the host)
-  rows: list[dict] = dataclasses.field(default_factory=list)  # metrics rows for after it
+  train_row: TrainRow | None = None  # its train row (MetricRows'), where one is logged
+  eval_row: EvalRow | None = None  # its held-out eval (Evals'), where one ran after it
+
+  @property
+  def rows(self) -> list[TrainRow | EvalRow]:
+    """Its metrics rows in the order they are written: the train row, then the eval's."""
+    return [row for row in (self.train_row, self.eval_row) if row is not None]
 
   @property
   def steps_done(self) -> int:

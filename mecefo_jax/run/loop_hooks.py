@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from mecefo_jax import sections
+from mecefo_jax.records.metrics import Eval
 from mecefo_jax.run import hints
 from mecefo_jax.run.evaluation import Evals
 from mecefo_jax.run.hooks import Divergence, Hook, Hooks, ProgressMark
@@ -26,10 +28,12 @@ def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
                     enabled=run.files.is_chief, guard=run.outputs)
   saver = SnapshotSaver(run.snapshots, lambda: c.state, lambda steps: {
       'controller': c.dump_meta(), 'losses': rows.losses, 'reached': steps,
-      'evals': evals.evals}, run.records, resume_hint, cfg.snapshot.keep_when_finished)
+      'evals': sections.to_json(evals.evals)}, run.records, resume_hint,
+      cfg.snapshot.keep_when_finished)
   stop = Stop(run.stop, saver, run.records, resume_hint)
   evals = Evals(c, cfg.train.eval_batches, cfg.train.steps - 1, has_eval=run.corpus.has_eval,
-                stopping=stop.stopping, emit=rows.emit, evals=list(meta.get('evals', [])))
+                stopping=stop.stopping, emit=rows.emit,
+                evals=[sections.from_json(Eval, e) for e in meta.get('evals', [])])
   divergence = Divergence(
       run.origin.step, lambda bound: saver.newest(bound, run.origin.resumed_from),
       lambda lr: (hints.rollback(run.out_dir, lr, run.presence.n_hosts), hints.fresh(run.out_dir)),

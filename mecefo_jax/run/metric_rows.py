@@ -6,7 +6,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from mecefo_jax import sections
 from mecefo_jax.config import Config
+from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import MetricsWriter
 from mecefo_jax.run.rundir import TB_DIR
@@ -60,30 +62,30 @@ class MetricRows(Hook):
     loss = record.values['loss'] if record.values else (record.metrics or {}).get('loss')
     self._progress.step(len(record.live), loss)
     if self.wants_values(record.step) or record.stop_voted:  # a stopped run's last step too
-      record.rows.insert(0, self._train_row(record))
-      self.losses.append((record.step, record.rows[0]['loss']))
+      record.train_row = self._train_row(record)
+      self.losses.append((record.step, record.train_row.loss))
     for row in record.rows:
       self.emit(row)
 
-  def emit(self, row: dict) -> None:
-    """A metrics row to the terminal, metrics.jsonl (+ TensorBoard) and the on_log callback."""
-    if row['kind'] == 'train':
+  def emit(self, row: TrainRow | EvalRow) -> None:
+    """A metrics row to the terminal, metrics.jsonl (+ TensorBoard) and the on_log callback (as
+    the dict written)."""
+    if isinstance(row, TrainRow):
       self._progress.train_row(row)
     else:
       self._progress.eval_row(row)
-    self._writer.write(row)
+    written = self._writer.write(row)
     if self.on_log is not None:
-      self.on_log(row)
+      self.on_log(sections.to_json(written))
 
-  def _train_row(self, record: StepRecord) -> dict:
+  def _train_row(self, record: StepRecord) -> TrainRow:
     now, tokens = time.perf_counter(), self.tokens()
     # tokens/s since the previous train row, eval time left out: dips show failures and rejoins.
     t0, tokens0, eval0 = self._window
     seconds = max(now - t0 - (self.eval_s() - eval0), 1e-9)
     self._window = (now, tokens, self.eval_s())
-    return {'kind': 'train', 'step': record.step, **record.values,
-            'wall_s': now - record.loop_start, 'live_slices': len(record.live),
-            'tokens_per_s': (tokens - tokens0) / seconds}
+    return TrainRow(step=record.step, **record.values, wall_s=now - record.loop_start,
+                    live_slices=len(record.live), tokens_per_s=(tokens - tokens0) / seconds)
 
   def report(self, end: RunEnd, report: Draft) -> None:
     """report.json's losses, tokens and rates (of this process: a resumed run counts from its

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -9,7 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from mecefo_jax import files
+from mecefo_jax import files, sections
+from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run.storage import OutputGuard
 from mecefo_jax.run.rundir import METRICS_FILE, TB_DIR
 
@@ -40,16 +42,16 @@ def to_json(obj, **kwargs) -> str:
   return json.dumps(_finite(obj), allow_nan=False, **kwargs)
 
 
-def read_metrics(out_dir: str | Path) -> list[dict]:
+def read_metrics(out_dir: str | Path) -> list[TrainRow | EvalRow]:
   """The rows of out_dir's metrics.jsonl in file order ([] without one); a line cut by a crash,
-  or one without an integer step, is skipped (one warning)."""
-  return files.read_jsonl(Path(out_dir) / METRICS_FILE, {'step': int})
+  or one that is no row, is skipped (one warning)."""
+  return files.read_jsonl(Path(out_dir) / METRICS_FILE, (TrainRow, EvalRow))
 
 
 def last_logged_step(out_dir: str | Path) -> int | None:
   """The last step a previous process logged to metrics.jsonl (to count steps lost in a crash)."""
   rows = read_metrics(out_dir)
-  return rows[-1]['step'] if rows else None
+  return rows[-1].step if rows else None
 
 
 def _tb_writer(directory: Path):
@@ -122,19 +124,20 @@ class MetricsWriter:
     if self._tb is not None:
       _catch_tb_errors(self._tb, self._tb_failed)
 
-  def write(self, row: dict) -> None:
-    """Writes `row`, stamped with its Unix `time` (the plot's time axis across restarts)."""
-    row.setdefault('time', round(time.time(), 3))
+  def write(self, row: TrainRow | EvalRow) -> TrainRow | EvalRow:
+    """Writes `row` stamped with its Unix `time` (the plot's time axis across restarts); the row
+    as written."""
+    row = dataclasses.replace(row, time=round(time.time(), 3))
     if self._file is None:
-      return
-    self._guard.attempt(self.path, self._write_line, to_json(row) + '\n')
+      return row
+    values = sections.to_json(row)
+    self._guard.attempt(self.path, self._write_line, to_json(values) + '\n')
     self._check_tb()
     if self._tb is not None:
-      kind = row.get('kind', 'train')
-      for key in TB_KEYS.get(kind, ()):
-        value = row.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-          self._tb.add_scalar(f'{kind}/{key}', value, row['step'])
+      for key in TB_KEYS[row.kind]:
+        if isinstance(values[key], (int, float)) and math.isfinite(values[key]):
+          self._tb.add_scalar(f'{row.kind}/{key}', values[key], row.step)
+    return row
 
   def _write_line(self, line: str) -> None:
     # Unbuffered: last_logged_step reads it while (or after) we crash.

@@ -5,78 +5,72 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from mecefo_jax import files
-from mecefo_jax.core.failures import apply_event
+from mecefo_jax import files, sections
+from mecefo_jax.core.failures import AppliedEvent, apply_event
+from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run import hints, restart
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.metrics import read_metrics
+from mecefo_jax.run.report_schema import Report
 from mecefo_jax.run.rundir import METRICS_FILE, read_history
 
 log = logging.getLogger('mecefo')
 PLOT_FILE = 'training.png'
 DOWN_COLOR = 'tab:red'
+# The part of report.json a plot reads: Report's own keys, each of which a report may lack.
+PlotReport = sections.part(Report, 'PlotReport', (
+    'failure_events', 'entropy_floor', 'goodput', 'resumed_from_step', 'mesh', 'final_loss',
+    'eval_loss', 'tokens_per_s', 'steps', 'failures', 'takeover'))
 
 
-def read_rows(run_dir: str | Path) -> list[dict]:
-  """metrics.jsonl rows with a run-long wall time 't' (resumed processes restart wall_s at 0;
+class Timed(NamedTuple):
+  """A metrics row and its run-long wall time `t`."""
+  t: float
+  row: TrainRow | EvalRow
+
+
+def read_rows(run_dir: str | Path) -> list[Timed]:
+  """metrics.jsonl rows with a run-long wall time (resumed processes restart wall_s at 0;
   after a death the supervisor recorded, the time to the restarted loop counts too, where the
   rows hold their Unix `time`); a step trained again after a resume keeps its last row."""
-  rows, offset, last = {}, 0.0, {'wall_s': 0.0}
+  rows, offset, last = {}, 0.0, None
   died = restart.deaths(read_history(run_dir, warn=False))  # only its deaths count here
   for row in read_metrics(run_dir):
-    try:
-      step, wall = int(row['step']), float(row.get('wall_s', 0.0))
-    except (ValueError, TypeError):
-      continue  # a step or wall time that is not a number
-    if wall < last['wall_s']:  # a new process (resume): its clock starts again
-      offset += last['wall_s'] + _restart_gap(last, row, died)
-    last = {**row, 'wall_s': wall}
-    kind = row.get('kind', 'train')
-    rows[kind, step] = {**row, 'kind': kind, 't': offset + wall}
-  return sorted(rows.values(), key=lambda r: (r['step'], r['kind'] != 'train'))
+    if last is not None and row.wall_s < last.wall_s:  # a new process (resume): a new clock
+      offset += last.wall_s + _restart_gap(last, row, died)
+    last = row
+    rows[row.kind, row.step] = Timed(offset + row.wall_s, row)
+  return sorted(rows.values(), key=lambda r: (r.row.step, r.row.kind != 'train'))
 
 
-def _restart_gap(last: dict, first: dict, died: list[float]) -> float:
+def _restart_gap(last: TrainRow | EvalRow, first: TrainRow | EvalRow,
+                 died: list[float]) -> float:
   """Seconds from a process's `last` row to the loop start of the next process (its `first`
   row) where a death lies between them; 0 for a stop and resume, or rows without `time`."""
-  try:
-    end, start = float(last['time']), float(first['time']) - float(first['wall_s'])
-  except (KeyError, ValueError, TypeError):
+  if last.time is None or first.time is None:
     return 0.0
+  end, start = last.time, first.time - first.wall_s
   return max(0.0, start - end) if any(end <= t <= start for t in died) else 0.0
 
 
-# The keys of report.json a plot reads, where present (files.read_json's check).
-EVENT_KEYS = {'step': int, 'slice': int, 'kind': str, 'live': int}
-REPORT_KEYS = {'failure_events': list, 'entropy_floor': (*files.NUMBER, type(None)),
-               'goodput': dict, 'resumed_from_step': (int, type(None)), 'mesh': dict,
-               'final_loss': (*files.NUMBER, type(None)), 'eval_loss': (*files.NUMBER, type(None)),
-               'tokens_per_s': files.NUMBER, 'steps': int, 'failures': str, 'takeover': str}
-
-
-def read_report(run_dir: Path) -> dict:
-  """report.json of the run, {} without one; one that cannot be read (torn, another type, a
-  key of another type) is left out of the plot with a warning: the curves need only metrics."""
-  path = Path(run_dir) / 'report.json'
+def read_report(run_dir: Path) -> PlotReport:
+  """The part of report.json a plot reads (every key None without one); one that cannot be
+  read (torn, another type, a key of another type) is left out of the plot with a warning: the
+  curves need only metrics."""
   try:
-    report = files.read_json(path, optional=REPORT_KEYS, remedy='plotted without it') or {}
-    events, goodput = report.get('failure_events', []), report.get('goodput', {})
-    problem = next((p for p in (files.check_keys(e, EVENT_KEYS, f'{path}: a failure event')
-                                for e in events) if p), None)
-    if problem is None and not all(files.has_type(v, files.NUMBER) for v in goodput.values()):
-      problem = f'{path}: goodput holds a value that is not a number'
-    if problem:
-      raise files.FileError(f'{problem}; plotted without it')
+    report = files.read_json(Path(run_dir) / 'report.json', PlotReport,
+                             remedy='plotted without it')
   except files.FileError as err:
     log.warning('%s', err)
-    return {}
-  return report
+    return PlotReport()
+  return report or PlotReport()
 
 
-def _train_and_evals(run_dir: Path) -> tuple[list[dict], list[dict]]:
+def _train_and_evals(run_dir: Path) -> tuple[list[Timed], list[Timed]]:
   """(train rows, eval rows) of the run in `run_dir`; a missing run, or one with no training
   rows, is a ValueError in one line."""
   if not run_dir.is_dir():
@@ -85,10 +79,10 @@ def _train_and_evals(run_dir: Path) -> tuple[list[dict], list[dict]]:
     raise ValueError(f'{run_dir}: holds no {METRICS_FILE} (not a run directory, or a run that '
                      'has not logged a step yet)')
   rows = read_rows(run_dir)
-  train = [r for r in rows if r['kind'] == 'train' and 'loss' in r]
+  train = [r for r in rows if isinstance(r.row, TrainRow)]
   if not train:
     raise ValueError(f'{run_dir / METRICS_FILE} has no training rows to plot')
-  return train, [r for r in rows if r['kind'] == 'eval']
+  return train, [r for r in rows if isinstance(r.row, EvalRow)]
 
 
 def _save(fig, out: Path) -> Path:
@@ -99,33 +93,35 @@ def _save(fig, out: Path) -> Path:
   return out
 
 
-def failure_windows(events: list[dict], last_step: int) -> list[dict]:
+def failure_windows(events: list[AppliedEvent], last_step: int) -> list[dict]:
   """{slice, start, end (steps), start_s, end_s (wall, None if unknown)} per failure, from
-  report['failure_events']; a slice still down at the end is back at last_step + 1."""
+  the report's failure_events; a slice still down at the end is back at last_step + 1."""
   failed, down, windows = set(), {}, []  # down: the failure event of each failed slice
   for e in events:
-    if not apply_event(failed, e['kind'], e['slice']):
+    if not apply_event(failed, e.kind, e.slice):
       continue
-    if e['kind'] == 'fail':
-      down[e['slice']] = e
+    if e.kind == 'fail':
+      down[e.slice] = e
     else:
-      fail = down.pop(e['slice'])
-      windows.append({'slice': e['slice'], 'start': fail['step'], 'end': e['step'],
-                      'start_s': fail.get('wall_s'), 'end_s': e.get('wall_s')})
-  windows += [{'slice': s, 'start': e['step'], 'end': last_step + 1, 'start_s': e.get('wall_s'),
+      fail = down.pop(e.slice)
+      windows.append({'slice': e.slice, 'start': fail.step, 'end': e.step,
+                      'start_s': fail.wall_s, 'end_s': e.wall_s})
+  windows += [{'slice': s, 'start': e.step, 'end': last_step + 1, 'start_s': e.wall_s,
                'end_s': None} for s, e in down.items()]
   return sorted(windows, key=lambda w: (w['start'], w['slice']))
 
 
-def live_slices(events: list[dict], n_slices: int, last_step: int) -> tuple[list, list]:
-  """(steps, live slice count) over [0, last_step] as a step function of report['failure_events']
-  (each holds the live count after it), so that a change shows at its own step, logged or not."""
+def live_slices(events: list[AppliedEvent], n_slices: int,
+                last_step: int) -> tuple[list, list]:
+  """(steps, live slice count) over [0, last_step] as a step function of the report's
+  failure_events (each holds the live count after it), so that a change shows at its own step,
+  logged or not."""
   steps, live = [0], [n_slices]
   for e in events:
-    if e['step'] != steps[-1]:
-      steps.append(e['step'])
+    if e.step != steps[-1]:
+      steps.append(e.step)
       live.append(live[-1])
-    live[-1] = e['live']
+    live[-1] = e.live
   return steps + [last_step], live + [live[-1]]
 
 
@@ -135,9 +131,13 @@ def _shade(ax, spans, label='slice down') -> None:
     ax.axvspan(lo, hi, color=DOWN_COLOR, alpha=0.12, lw=0, label=label if i == 0 else None)
 
 
-def _losses(rows: list[dict]) -> list[float]:
+def _steps(rows: list[Timed]) -> list[int]:
+  return [r.row.step for r in rows]
+
+
+def _losses(rows: list[Timed]) -> list[float]:
   """The rows' losses, NaN where metrics.jsonl holds null (a non-finite loss)."""
-  return [np.nan if r['loss'] is None else r['loss'] for r in rows]
+  return [np.nan if r.row.loss is None else r.row.loss for r in rows]
 
 
 def _loss_panel(ax, x_train, train, x_eval, evals, xlabel, floor=None) -> None:
@@ -151,16 +151,15 @@ def _loss_panel(ax, x_train, train, x_eval, evals, xlabel, floor=None) -> None:
 
 
 def _throughput_panel(ax, train, events, n_slices):
-  rated = [r for r in train if 'tokens_per_s' in r]
-  ax.plot([r['step'] for r in rated], [r['tokens_per_s'] for r in rated], lw=1.2,
-          color='tab:green', label='tokens/s')
+  ax.plot(_steps(train), [r.row.tokens_per_s for r in train], lw=1.2, color='tab:green',
+          label='tokens/s')
   ax.set_xlabel('step')
   ax.set_ylabel('tokens/s (since the previous log line)')
   if not n_slices:
     return None
   from matplotlib.ticker import MaxNLocator
   live = ax.twinx()
-  live.plot(*live_slices(events, n_slices, train[-1]['step']), drawstyle='steps-post', lw=0.8,
+  live.plot(*live_slices(events, n_slices, train[-1].row.step), drawstyle='steps-post', lw=0.8,
             color='gray', label='live slices (right)')
   live.set_ylabel('live slices')
   live.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -186,26 +185,26 @@ def _goodput_panel(ax, goodput: dict) -> None:
   ax.set_title('goodput breakdown', fontsize=10)
 
 
-def _deaths(events: list[dict]) -> str:
+def _deaths(events: list[AppliedEvent]) -> str:
   """'slices 2, 3 at step 12; slice 1 at step 40': the slices a start found absent ('absent'
   events: a supervised job restarted without a dead process, or fewer devices)."""
   by_step: dict[int, list[str]] = {}
   for e in events:
-    if e['kind'] == 'fail' and e['source'] == 'absent':
-      by_step.setdefault(e['step'], []).append(str(e['slice']))
+    if e.kind == 'fail' and e.source == 'absent':
+      by_step.setdefault(e.step, []).append(str(e.slice))
   return '; '.join(f"slice{'s' if len(ids) > 1 else ''} {', '.join(ids)} at step {step}"
                    for step, ids in by_step.items())
 
 
-def _title(report: dict) -> str:
-  if not report:
+def _title(report: PlotReport) -> str:
+  if report == PlotReport():  # none read
     return 'training run'
-  def num(key):
-    return 'n/a' if report.get(key) is None else f'{report[key]:.4f}'
-  deaths = _deaths(report.get('failure_events', []))
-  return (f"{report.get('steps')} steps | failures {report.get('failures')}, takeover "
-          f"{report.get('takeover')} | final train loss {num('final_loss')}, eval "
-          f"{num('eval_loss')} | {report.get('tokens_per_s', 0):.0f} tokens/s"
+  def num(loss):
+    return 'n/a' if loss is None else f'{loss:.4f}'
+  deaths = _deaths(report.failure_events or [])
+  return (f'{report.steps} steps | failures {report.failures}, takeover {report.takeover} | '
+          f'final train loss {num(report.final_loss)}, eval {num(report.eval_loss)} | '
+          f'{report.tokens_per_s or 0:.0f} tokens/s'
           + (f'\ndeaths (absent at a restart): {deaths}' if deaths else ''))
 
 
@@ -227,13 +226,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
   out = Path(out) if out else run_dir / PLOT_FILE
   report = read_report(run_dir)  # first: a damaged one is a warning even without rows
   train, evals = _train_and_evals(run_dir)
-  steps, times = [r['step'] for r in train], [r['t'] for r in train]
-  events = report.get('failure_events', [])
+  steps, times = _steps(train), [r.t for r in train]
+  events = report.failure_events or []
   windows = failure_windows(events, steps[-1])
   step_spans = [(w['start'], w['end']) for w in windows]
   to_time = lambda s: float(np.interp(s, steps, times))  # step -> run-long wall time
   # Events carry the wall time of their process: exact unless the run was resumed.
-  exact = report.get('resumed_from_step') is None
+  exact = report.resumed_from_step is None
   time_spans = [(w['start_s'] if exact and w['start_s'] is not None else to_time(w['start']),
                  w['end_s'] if exact and w['end_s'] is not None else to_time(w['end']))
                 for w in windows]
@@ -241,20 +240,19 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
   fig = Figure(figsize=(13, 8.5), layout='constrained')
   FigureCanvasAgg(fig)
   (a, b), (c, d) = fig.subplots(2, 2)
-  _loss_panel(a, steps, train, [r['step'] for r in evals], evals, 'step',
-              report.get('entropy_floor'))
+  _loss_panel(a, steps, train, _steps(evals), evals, 'step', report.entropy_floor)
   _shade(a, step_spans)
   a.set_title('loss vs step', fontsize=10)
-  _loss_panel(b, times, train, [to_time(r['step']) for r in evals], evals, 'wall time (s)')
+  _loss_panel(b, times, train, [to_time(s) for s in _steps(evals)], evals, 'wall time (s)')
   _shade(b, time_spans)
   b.set_title('loss vs wall time', fontsize=10)
   # The run's slices: all live before its first event, a fail (the mesh of a resumed run holds
   # only the slices present).
-  n_slices = events[0]['live'] + 1 if events else (report.get('mesh') or {}).get('slice')
+  n_slices = events[0].live + 1 if events else (report.mesh or {}).get('slice')
   live = _throughput_panel(c, train, events, n_slices)
   _shade(c, step_spans)
   c.set_title('throughput', fontsize=10)
-  _goodput_panel(d, report.get('goodput') or {})
+  _goodput_panel(d, sections.to_json(report.goodput) if report.goodput else {})
   for ax in (a, b, c):
     ax.grid(alpha=0.3)
   a.legend(fontsize=8, loc='upper right')
@@ -283,8 +281,8 @@ def plot_compare(run_dirs, out: str | Path) -> Path:
   ax = fig.subplots()
   for run_dir, label in zip(run_dirs, _labels(run_dirs)):
     train, evals = _train_and_evals(run_dir)
-    line, = ax.plot([r['step'] for r in train], _losses(train), lw=1.2, label=label)
-    ax.plot([r['step'] for r in evals], _losses(evals), 'o', ms=5, color=line.get_color())
+    line, = ax.plot(_steps(train), _losses(train), lw=1.2, label=label)
+    ax.plot(_steps(evals), _losses(evals), 'o', ms=5, color=line.get_color())
   ax.set_xlabel('step')
   ax.set_ylabel('loss (nats/token); dots: eval loss')
   ax.grid(alpha=0.3)

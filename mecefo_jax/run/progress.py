@@ -7,6 +7,8 @@ import os
 import sys
 import threading
 
+from mecefo_jax.records.metrics import EvalRow, TrainRow
+
 log = logging.getLogger('mecefo')
 
 MODES = ('auto', 'bar', 'plain', 'quiet')
@@ -134,26 +136,24 @@ class Progress:
     self._bar.update(1)
     self._show(refresh=built)  # at once after a build: the bar said it was building
 
-  def train_row(self, row: dict) -> None:
+  def train_row(self, row: TrainRow) -> None:
     if self.mode == 'plain':
-      live = row['live_slices']
+      live = row.live_slices
       mode = '' if live == self.n_slices else f' ({self._mode(live)})'
-      log.info('step %d/%d loss %.4f grad_norm %.3f live %d/%d%s tok/s %.0f', row['step'],
-               self.total, row['loss'], row['grad_norm'], live, self.n_slices, mode,
-               row['tokens_per_s'])
+      log.info('step %d/%d loss %.4f grad_norm %.3f live %d/%d%s tok/s %.0f', row.step,
+               self.total, row.loss, row.grad_norm, live, self.n_slices, mode, row.tokens_per_s)
     elif self._bar is not None:
-      self._fields.update(loss=f'loss {row["loss"]:.4f}',
-                          rate=f'{_rate(row["tokens_per_s"])} tok/s')
+      self._fields.update(loss=f'loss {row.loss:.4f}', rate=f'{_rate(row.tokens_per_s)} tok/s')
       self._show()
 
-  def eval_row(self, row: dict) -> None:
+  def eval_row(self, row: EvalRow) -> None:
     if self.mode == 'quiet':
       return
     if self._bar is not None:
-      self._fields['eval'] = f'eval {row["loss"]:.4f}'
+      self._fields['eval'] = f'eval {row.loss:.4f}'
       self._show()
-    log.info('eval at step %d: loss %.4f perplexity %.3f (%.1fs)', row['step'], row['loss'],
-             row['perplexity'], row['eval_s'])
+    log.info('eval at step %d: loss %.4f perplexity %.3f (%.1fs)', row.step, row.loss,
+             row.perplexity, row.eval_s)
 
   def _show(self, refresh: bool = False) -> None:
     text = ' | '.join(v for v in self._fields.values() if v)

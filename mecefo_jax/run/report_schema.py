@@ -13,8 +13,8 @@ from mecefo_jax.config import COMPUTE_DTYPES
 from mecefo_jax.core.decider import Plans
 from mecefo_jax.core.failures import AppliedEvent, FailureEvent
 from mecefo_jax.core.goodput import Seconds
+from mecefo_jax.records.metrics import Eval, EvalRow, TrainRow
 from mecefo_jax.run import hints
-from mecefo_jax.run.evaluation import Eval
 from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.run.recovery_time import Recovery
 from mecefo_jax.run.resume import Rollback
@@ -170,6 +170,12 @@ def markdown(section: type = Report) -> str:
   return '\n'.join(lines + [f'| `{k}` | {t} | {u} | {d} |' for k, t, u, d in rows(section)])
 
 
+def rows_markdown() -> str:
+  """docs/report.md's tables of metrics.jsonl's rows: a train row's keys, then an eval row's."""
+  return '\n\n'.join(f'{title} rows (`kind: "{title.lower()}"`):\n\n{markdown(row)}'
+                     for title, row in (('Train', TrainRow), ('Eval', EvalRow)))
+
+
 def _bare_constant(name: str):
   raise ValueError(f'bare {name} is not JSON (a non-finite number is written as null)')
 
@@ -189,7 +195,12 @@ def main(argv=None) -> int:
                               description='Check a report.json against the schema.')
   p.add_argument('report', nargs='?', help='report.json or a run directory')
   p.add_argument('--markdown', action='store_true', help='print the key table of docs/report.md')
+  p.add_argument('--rows', action='store_true',
+                 help="print docs/report.md's tables of metrics.jsonl's rows")
   args = p.parse_args(argv)
+  if args.rows:
+    print(rows_markdown())
+    return 0
   if args.markdown or not args.report:
     print(markdown())
     return 0
