@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from mecefo_jax.ray_host import NODE_SNAPSHOT_DIR_ENV
-from mecefo_jax.run.supervised import process_state
+from mecefo_jax.records.job import process_state
 
 REPO = Path(__file__).resolve().parents[1]
 _SMALL = dict(object_store_memory=80 << 20, include_dashboard=False)

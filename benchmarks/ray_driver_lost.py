@@ -29,10 +29,10 @@ from pathlib import Path
 
 from benchmarks import common, ray_cluster
 from benchmarks.restart_time import load
-from mecefo_jax.run import rundir
-from mecefo_jax.run.exits import STOPPED
+from mecefo_jax.records import history
+from mecefo_jax.records.history import HistoryLine, Kind
+from mecefo_jax.records.job import STOPPED, process_state
 from mecefo_jax.run.saving import AGREED_STOP
-from mecefo_jax.run.supervised import process_state
 
 
 def _args(argv):
@@ -61,12 +61,9 @@ class Job(common.JobOutput):
                 *args.overrides], env)
 
 
-def _history(out: Path) -> list[dict]:
-  return rundir.read_history(out, warn=False) if (out / rundir.HISTORY).exists() else []
-
-
-def _after(out: Path, kind: str, t: float) -> dict | None:
-  return next((e for e in _history(out) if e['kind'] == kind and e['t'] > t), None)
+def _after(out: Path, kind: Kind, t: float) -> HistoryLine | None:
+  return next((line for line in history.read(out, warn=False)
+               if line.kind is kind and line.t > t), None)
 
 
 def lost_driver(args, tmp: Path, cluster) -> dict:
@@ -77,7 +74,7 @@ def lost_driver(args, tmp: Path, cluster) -> dict:
     t_kill = time.time()
     os.kill(first.proc.pid, signal.SIGKILL)  # the driver alone: the trainers are Ray's
     first.proc.wait()
-    stop = _wait(lambda: _after(first.out, 'stop', t_kill), args.stopped_s + 300, 'the stop')
+    stop = _wait(lambda: _after(first.out, Kind.STOP, t_kill), args.stopped_s + 300, 'the stop')
     _wait(lambda: all(process_state(p) in (None, 'Z') for p in pids), 120, 'the trainers to end')
     ended = time.time()
     _wait(lambda: not [m for d in cluster.tmps.values() for m in d.iterdir()], 60,
@@ -91,17 +88,17 @@ def lost_driver(args, tmp: Path, cluster) -> dict:
     code = second.wait(300)
   finally:
     second.kill()
-  start = _after(second.out, 'start', t_again)
-  if not (stop['why'] == AGREED_STOP or stop['why'].startswith('the supervisor (pid') and
-          stop['why'].endswith('is gone')):
+  start = _after(second.out, Kind.START, t_again)
+  if not (stop.why == AGREED_STOP or stop.why.startswith('the supervisor (pid') and
+          stop.why.endswith('is gone')):
     raise RuntimeError(f'the stop names neither the gone driver nor the job: {stop}')
-  if start['step'] != stop['step'] or _after(second.out, 'thrown_away', t_again):
+  if start.step != stop.step or _after(second.out, Kind.THROWN_AWAY, t_again):
     raise RuntimeError(f'the second job did not resume from the stopped step: {stop} {start}')
   if code != STOPPED:
     raise RuntimeError(f'the second job ended with {code}, not a stop:\n{second.tail()}')
-  return {'kill_step': args.kill_at, 'stop_step': stop['step'], 'why': stop['why'],
-          'kill_to_stop_s': stop['t'] - t_kill, 'kill_to_trainers_gone_s': ended - t_kill,
-          'resumed_step': start['step'], 'relaunch_to_first_step_s': first_step - t_again}
+  return {'kill_step': args.kill_at, 'stop_step': stop.step, 'why': stop.why,
+          'kill_to_stop_s': stop.t - t_kill, 'kill_to_trainers_gone_s': ended - t_kill,
+          'resumed_step': start.step, 'relaunch_to_first_step_s': first_step - t_again}
 
 
 def _wait(condition, timeout: float, what: str):

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 
 from benchmarks import common, ray_cluster
+from mecefo_jax.records import history
+from mecefo_jax.records.history import Kind
 
 PHASES = ('detect_s', 'stop_s', 'spawn_s', 'process_start_s', 'imports_s', 'distributed_s',
           'setup_s', 'restore_s', 'programs_s', 'first_step_s', 'total_s')
@@ -127,8 +129,8 @@ def _kill_and_time(args, run: Run, cluster) -> dict:
   finally:
     run.kill()
   report = json.loads((run.out / 'report.json').read_text())
-  history = [json.loads(x) for x in (run.out / 'history.jsonl').read_text().splitlines()]
-  back = next((e['t'] for e in history if e['kind'] == 'recovered' and e['t'] > t_kill), None)
+  back = next((line.t for line in history.read(run.out)
+               if line.kind is Kind.RECOVERED and line.t > t_kill), None)
   death = next(e['t'] for e in run.events() if e['kind'] == 'death' and e['t'] > t_kill)
   cold, restart = first - run.t0, again - t_kill
   return {'cold_start_s': cold, 'kill_to_first_step_s': restart, 'ratio': restart / cold,

@@ -49,6 +49,8 @@ from pathlib import Path
 
 from benchmarks import common, soak_checks, soak_faults
 from benchmarks.soak_faults import KINDS, Injected
+from mecefo_jax.records import history
+from mecefo_jax.records.history import HistoryLine, Kind
 from mecefo_jax.run.hooks import TEST_POISON_ENV
 from mecefo_jax.watch import START_FLOOR_S
 
@@ -120,13 +122,11 @@ class Soak:
       f.write(f'==== job {self.jobs}\n' + '\n'.join(line for _, line in self.job.lines) + '\n')
 
   # --- waiting ----------------------------------------------------------------------------
-  def history(self) -> list[dict]:
-    path = self.run / 'history.jsonl'
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(x) for x in lines if x.endswith('}')]
+  def history(self) -> list[HistoryLine]:
+    return history.read(self.run, warn=False)  # (a line being written: left out)
 
-  def history_since(self, t: float, kind: str) -> list[dict]:
-    return [e for e in self.history() if e['t'] >= t and e['kind'] == kind]
+  def history_since(self, t: float, kind: Kind) -> list[HistoryLine]:
+    return [line for line in self.history() if line.t >= t and line.kind is kind]
 
   def wait_for(self, condition, what: str, watch: bool = True) -> None:
     """Polls `condition`; `watch`: a hang is counted where no step is logged for HANG_S (the
@@ -155,7 +155,7 @@ class Soak:
   def _dump_lingering(self) -> None:
     """The stacks (py-spy, where installed) of a process of the job still alive LINGER_S after
     the run's `end` line: kept with the artifacts, once per process."""
-    ends = [e['t'] for e in self.history() if e['kind'] == 'end']
+    ends = [line.t for line in self.history() if line.kind is Kind.END]
     starts = [e for e in self.job.events() if e['kind'] == 'start']
     if not ends or not starts or time.time() - ends[-1] < LINGER_S or not shutil.which('py-spy'):
       return

@@ -11,18 +11,21 @@ import sys
 from pathlib import Path
 
 from benchmarks.soak_faults import ALSO, EXPECTED, FAULT_KINDS, Injected
+from mecefo_jax import files
+from mecefo_jax.records import history
+from mecefo_jax.records.history import HISTORY, HistoryLine, Kind
+from mecefo_jax.records.job import process_state
 from mecefo_jax.run.saving import AGREED_STOP
-from mecefo_jax.run.supervised import process_state
 from mecefo_jax.snapshot.capacity import held_bytes
 
 REPLAY_LINE = re.compile(r'# replay: `python -m mecefo_jax ([^`]*)`')
 
 
-def _explains(fault: Injected, line: dict) -> bool:
+def _explains(fault: Injected, line: HistoryLine) -> bool:
   """Whether `fault` accounts for history `line` (a stop: the one it asks for)."""
-  kind = line['kind']
-  if kind == 'stop':  # the one the fault asks for, or the grow-back of a host it took out
-    why = str(line.get('why', ''))
+  kind = line.kind
+  if kind is Kind.STOP:  # the one the fault asks for, or the grow-back of a host it took out
+    why = line.why or ''
     # Process 0's record of a stop another process's watch asked for first: AGREED_STOP.
     return (fault.kind == 'stop_supervisor' and ('supervisor' in why or why == AGREED_STOP) or
             fault.kind in ('ctrl_c', 'end') and 'SIGINT' in why or
@@ -30,40 +33,44 @@ def _explains(fault: Injected, line: dict) -> bool:
   return kind in EXPECTED.get(fault.kind, ()) or kind in ALSO.get(fault.kind, set())
 
 
-def attribute(history: list[dict], faults: list[Injected]) -> list[str]:
+def attribute(lines: list[HistoryLine], faults: list[Injected]) -> list[str]:
   """Disagreements between history.jsonl and the soak's log (`faults` in order, the soak's final
   Ctrl-C last as kind 'end'): a fault whose records are missing, a record no fault explains."""
   out = []
   bounds = [f.t for f in faults[1:]] + [float('inf')]
   for fault, until in zip(faults, bounds):
-    seen = [e for e in history if fault.t <= e['t'] < until]
+    seen = [line for line in lines if fault.t <= line.t < until]
     wanted = () if fault.kind == 'full_tmpfs' and fault.note else EXPECTED.get(fault.kind, ())
     for kind in wanted:
-      if not any(e['kind'] == kind and (kind != 'stop' or _explains(fault, e)) for e in seen):
-        out.append(f'{fault.kind} at {fault.t:.1f} (step {fault.step}): no {kind} in history')
-  for e in history:
-    if e['kind'] not in FAULT_KINDS:
+      if not any(line.kind is kind and (kind is not Kind.STOP or _explains(fault, line))
+                 for line in seen):
+        out.append(f'{fault.kind} at {fault.t:.1f} (step {fault.step}): no {kind.value} in '
+                   'history')
+  for line in lines:
+    if line.kind not in FAULT_KINDS:
       continue
-    owner = next((f for f, until in zip(faults, bounds) if f.t <= e['t'] < until), None)
-    if e['kind'] == 'snapshot_skipped':  # recorded as later saves wait: the last fill's
-      owner = next((f for f in reversed(faults) if f.kind == 'full_tmpfs' and f.t <= e['t']),
+    owner = next((f for f, until in zip(faults, bounds) if f.t <= line.t < until), None)
+    if line.kind is Kind.SNAPSHOT_SKIPPED:  # recorded as later saves wait: the last fill's
+      owner = next((f for f in reversed(faults) if f.kind == 'full_tmpfs' and f.t <= line.t),
                    owner)
-    if owner is None or not _explains(owner, e):
-      out.append(f"history {e['kind']} at {e['t']:.1f} ({_fields(e)}): no injected fault "
-                 f"explains it (the soak's last before it: {owner.kind if owner else 'none'})")
+    if owner is None or not _explains(owner, line):
+      last = owner.kind if owner else 'none'
+      out.append(f'history {line.kind.value} at {line.t:.1f} ({_fields(line)}): no injected '
+                 f"fault explains it (the soak's last before it: {last})")
   return out
 
 
-def programs_per_restart(history: list[dict]) -> list[dict]:
+def programs_per_restart(lines: list[HistoryLine]) -> list[dict]:
   """How each restart after a failure got its first step's programs (the `recovered` lines:
   {'cause', 'compiled', 'loaded', 'moved'})."""
-  return [{'cause': e['cause'], **{how: e.get('programs_built', {}).get(how, 0)
-                                   for how in ('compiled', 'loaded', 'moved')}}
-          for e in history if e['kind'] == 'recovered']
+  return [{'cause': r.cause, **{how: r.programs_built.get(how, 0)
+                                for how in ('compiled', 'loaded', 'moved')}}
+          for r in (line.recovered for line in lines if line.kind is Kind.RECOVERED) if r]
 
 
-def _fields(line: dict) -> str:
-  return ', '.join(f'{k}={v}' for k, v in line.items() if k in ('step', 'host', 'why', 'code'))
+def _fields(line: HistoryLine) -> str:
+  shown = (('step', line.step), ('host', line.host), ('why', line.why), ('code', line.code))
+  return ', '.join(f'{k}={v}' for k, v in shown if v is not None)
 
 
 def records(run: Path, exit_code: int) -> list[str]:
@@ -71,7 +78,7 @@ def records(run: Path, exit_code: int) -> list[str]:
   rows, steps_lost_total and the thrown_away lines, failures.txt and the report's failure
   events, run_state.json's status and the job's exit."""
   report = json.loads((run / 'report.json').read_text())
-  history = [json.loads(x) for x in (run / 'history.jsonl').read_text().splitlines()]
+  lines = history.read(run)
   seq_len = report['config']['model']['seq_len']
   rows = {}
   for line in (run / 'metrics.jsonl').read_text().splitlines():
@@ -84,7 +91,7 @@ def records(run: Path, exit_code: int) -> list[str]:
   if from_rows != s['exact'] + s['degraded'] or len(rows) != report['steps']:
     out.append(f"report samples {s} against {from_rows} from {len(rows)} metrics rows "
                f"(report steps {report['steps']})")
-  lost = sum(e['to_step'] - e['from_step'] for e in history if e['kind'] == 'thrown_away')
+  lost = sum(line.to_step - line.from_step for line in lines if line.kind is Kind.THROWN_AWAY)
   if lost != report['steps_lost_total']:
     out.append(f"steps_lost_total {report['steps_lost_total']} against {lost} thrown away")
   events = [x for x in (run / 'failures.txt').read_text().splitlines()
@@ -152,7 +159,6 @@ def growth(pids: list[int], shm: Path, store: Path, run: Path) -> dict:
       fds += len(os.listdir(f'/proc/{pid}/fd'))
     except (OSError, AttributeError):
       continue
-  history = run / 'history.jsonl'
   return {'rss_bytes': rss, 'open_fds': fds, 'shm_bytes': held_bytes(shm),
           'program_store_bytes': held_bytes(store),
-          'history_lines': len(history.read_text().splitlines()) if history.exists() else 0}
+          'history_lines': len((files.read_text(run / HISTORY) or '').splitlines())}

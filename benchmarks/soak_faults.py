@@ -10,16 +10,19 @@ import subprocess
 import time
 from pathlib import Path
 
+from mecefo_jax.records.history import Kind
+
 KINDS = ('kill', 'stop_worker', 'stop_supervisor', 'full_tmpfs', 'ctrl_c', 'divergence')
 # The history kinds a fault leaves; any of these that no injected fault explains disagrees.
-FAULT_KINDS = {'launch-death', 'launch-stall', 'launch-peer-lost', 'launch-take-back',
-               'launch-give-up', 'launch-stuck', 'launch-actor-lost', 'diverged',
-               'snapshot_skipped', 'stop'}
-EXPECTED = {'kill': ('launch-death',), 'stop_worker': ('launch-stall',),
-            'stop_supervisor': ('stop', 'launch-take-back'), 'full_tmpfs': ('snapshot_skipped',),
-            'ctrl_c': ('stop',), 'divergence': ('diverged', 'rolled_back')}
+FAULT_KINDS = {Kind.LAUNCH_DEATH, Kind.LAUNCH_STALL, Kind.LAUNCH_PEER_LOST, Kind.LAUNCH_TAKE_BACK,
+               Kind.LAUNCH_GIVE_UP, Kind.LAUNCH_STUCK, Kind.LAUNCH_ACTOR_LOST, Kind.DIVERGED,
+               Kind.SNAPSHOT_SKIPPED, Kind.STOP}
+EXPECTED = {'kill': (Kind.LAUNCH_DEATH,), 'stop_worker': (Kind.LAUNCH_STALL,),
+            'stop_supervisor': (Kind.STOP, Kind.LAUNCH_TAKE_BACK),
+            'full_tmpfs': (Kind.SNAPSHOT_SKIPPED,), 'ctrl_c': (Kind.STOP,),
+            'divergence': (Kind.DIVERGED, Kind.ROLLED_BACK)}
 # Besides what EXPECTED names, what each fault may leave (a stop of the job it asks for).
-ALSO = {'kill': {'launch-peer-lost'}, 'stop_worker': {'launch-peer-lost'}}
+ALSO = {'kill': {Kind.LAUNCH_PEER_LOST}, 'stop_worker': {Kind.LAUNCH_PEER_LOST}}
 HOLD_S = 8.0  # how long a full tmpfs stays full
 IN_PLACE = {'full_tmpfs'}  # the faults after which the job trains on without a restart
 
@@ -51,7 +54,7 @@ def stop_worker(soak, host: int) -> Injected:
   pid = soak.job.host_pid(host)
   fault = Injected('stop_worker', time.time(), soak.job.last_step(), host)
   os.kill(pid, signal.SIGSTOP)
-  soak.wait_for(lambda: soak.history_since(fault.t, 'launch-stall'), 'the stall seen')
+  soak.wait_for(lambda: soak.history_since(fault.t, Kind.LAUNCH_STALL), 'the stall seen')
   try:
     os.kill(pid, signal.SIGCONT)  # (the supervisor has killed it by now: nothing to continue)
   except ProcessLookupError:
@@ -65,7 +68,7 @@ def stop_supervisor(soak, host: int) -> Injected:
   fault = Injected('stop_supervisor', time.time(), soak.job.last_step())
   os.kill(soak.job.proc.pid, signal.SIGSTOP)
   try:
-    soak.wait_for(lambda: soak.history_since(fault.t, 'stop'), 'the job to stop itself',
+    soak.wait_for(lambda: soak.history_since(fault.t, Kind.STOP), 'the job to stop itself',
                   watch=False)
   finally:
     os.kill(soak.job.proc.pid, signal.SIGCONT)
@@ -85,7 +88,7 @@ def full_tmpfs(soak, host: int) -> Injected:
   soak.wait_for(lambda: time.time() > until, 'the full tmpfs held')
   filler.unlink()
   # Its record: a skip shows once the next save waits for the failed one (a step later).
-  soak.wait_for(lambda: soak.history_since(fault.t, 'snapshot_skipped'), 'the skips recorded')
+  soak.wait_for(lambda: soak.history_since(fault.t, Kind.SNAPSHOT_SKIPPED), 'the skips recorded')
   return fault
 
 

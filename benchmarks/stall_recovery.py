@@ -35,7 +35,9 @@ import time
 from pathlib import Path
 
 from benchmarks import common
-from mecefo_jax.progress_marks import mark_path, read_mark
+from mecefo_jax.records import history
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.progress_marks import mark_path, read_mark
 from mecefo_jax.run.stop import TEST_BLOCK_ENV
 
 # README ("A process that really dies"): the supervisor's arguments, then train.py's.
@@ -83,6 +85,12 @@ class Job(common.JobOutput):
     self.start(cmd, env)
 
 
+def _dispatched(mark: Path) -> int:
+  """The last step the process of progress mark `mark` dispatched (-1: none yet)."""
+  seen = read_mark(mark)
+  return seen.step if seen else -1
+
+
 def run(args, tmp: Path) -> dict:
   job = Job(args, tmp)
   try:
@@ -90,7 +98,7 @@ def run(args, tmp: Path) -> dict:
     # blocked one dispatched too before it blocked.
     other = mark_path(job.out / 'logs' / 'marks', 0 if args.host else 1)
     # Else once the job has said its restarts' programs are built, as a user would see it.
-    reached = ((lambda: (read_mark(other) or {}).get('step', -1) >= args.stop_at) if args.block
+    reached = ((lambda: _dispatched(other) >= args.stop_at) if args.block
                else lambda: job.last_step() >= args.stop_at and (
                    job.said(common.BUILT) or not args.wait_builds))
     while not reached():
@@ -109,16 +117,15 @@ def run(args, tmp: Path) -> dict:
   start = next(e for e in events if e['kind'] == 'start' and e['t'] >= stall['t'])
   first, _ = job.first_after(start['t'])
   report = json.loads((job.out / 'report.json').read_text())
-  history = [json.loads(x) for x in (job.out / 'history.jsonl').read_text().splitlines()]
-  record = next(e for e in history if e['kind'] == f'launch-{kind}')
+  named = Kind.LAUNCH_DEATH if args.kill else Kind.LAUNCH_STALL
+  record = next(line for line in history.read(job.out) if line.kind is named)
   return {'processes': args.processes, 'steps': args.steps, 'how': 'block' if args.block
           else 'SIGKILL' if args.kill else 'SIGSTOP', 'host': args.host,
           'step_at_stop': step_at_stop, 'load_at_stop': load,
           'stop_to_first_step_s': first - t_stop, 'detect_s': stall['t'] - t_stop,
           'restart_s': start['t'] - stall['t'], 'first_step_s': first - start['t'],
           'deadline_s': stall.get('deadline_s'), 'deadline_from': stall.get('deadline_from'),
-          'named_host': record['host'], 'why': record.get('why'),
-          'phases': record.get('phases'),
+          'named_host': record.host, 'why': record.why, 'phases': record.phases,
           'samples': report['samples'], 'steps_lost_total': report['steps_lost_total'],
           'cold_start_s': job.first_after(job.t0)[0] - job.t0,
           'failures_txt': (job.out / 'failures.txt').read_text().splitlines()[:3]}

@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's
 from mecefo_jax.config import DEFAULT_OUT, ConfigError  # noqa: E402
 from mecefo_jax.launch import serve  # noqa: E402
 from mecefo_jax.job_rules import exit_text, megascale_env  # noqa: E402
+from mecefo_jax.records.history import Kind  # noqa: E402
+from mecefo_jax.records.job import (ALL_DOWN, BAD_INPUT, PARENT, STOP_FILE,  # noqa: E402
+                                    STOPPED_S, SUPERVISOR_ENV)
 from mecefo_jax.supervisor import Supervisor  # noqa: E402
 from mecefo_jax.run import cli  # noqa: E402
-from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT  # noqa: E402
-from mecefo_jax.run.stop import STOP_FILE  # noqa: E402
-from mecefo_jax.run.supervised import STOPPED_S  # noqa: E402
 
 # {host}: the host's address, {slot}: its logical host, {unit}: its TPU slice, {worker}: its
 # index in that slice, {cmd}: the shell command to run there (one argument).
@@ -143,7 +143,7 @@ def remote_command(args, hosts: list[int], pid: int, port: int, train_args: list
     steps.append(f'rm -f {shlex.quote(str(args.out / STOP_FILE))}')
   # The process stops the job at an agreed step once its parent (the transport's session) is
   # gone: a controller that died leaves no job training unwatched (run/supervised.py).
-  steps += [f'echo $$ > {shlex.quote(_pid_file(args, slot))}', 'export MECEFO_SUPERVISOR=parent',
+  steps += [f'echo $$ > {shlex.quote(_pid_file(args, slot))}', f'export {SUPERVISOR_ENV}={PARENT}',
             'exec ' + shlex.join(['env', *env, *train] if env else train)]
   return ' && '.join(steps)
 
@@ -253,27 +253,32 @@ class PodController(Supervisor):
     self.clock.failure('death', host, self.clock.since_last_look())
     # Whichever process was seen first (the coordination service may end the survivors before
     # a lost host's ssh notices), every host is probed: only the probe decides who goes on.
-    self.say('death', f'host {host}\'s process ended ({exit_text(code)}): stopping the others, '
-                      'asking every host whether it is usable', host=host, code=code)
+    self.say(Kind.LAUNCH_DEATH,
+             f'host {host}\'s process ended ({exit_text(code)}): stopping the others, asking '
+             'every host whether it is usable', host=host, code=code)
     self.kill_all()  # they would wait in the next collective for the dead one
     self.clock.stopped()
     lost, deadline = self._regroup(), time.monotonic() + self.args.max_wait
     while len(self.hosts) < 2:
       if time.monotonic() > deadline:
-        self.say('give-up', f'fewer than 2 usable hosts for --max-wait={self.args.max_wait:.0f}'
-                            ' s: the run stops here; start the controller again to resume it')
+        self.say(Kind.LAUNCH_GIVE_UP,
+                 f'fewer than 2 usable hosts for --max-wait={self.args.max_wait:.0f} s: the run '
+                 'stops here; start the controller again to resume it')
         return ALL_DOWN
       time.sleep(self.args.probe_every)
       lost = self._regroup()
-    self.say('probe', f'usable hosts {self.hosts}' + (f'; hosts {lost} do not answer (asked '
-             f'again every {self.args.probe_every:.0f} s)' if lost else ' (every host: the '
-             'process died, not its host)'), hosts=self.hosts, lost=lost)
+    self.say(Kind.LAUNCH_PROBE,
+             f'usable hosts {self.hosts}' + (f'; hosts {lost} do not answer (asked again every '
+                                             f'{self.args.probe_every:.0f} s)' if lost else
+                                             ' (every host: the process died, not its host)'),
+             hosts=self.hosts, lost=lost)
     return self._restart()
 
   def run(self) -> int:
     lost = self._regroup()
     if lost:
-      self.say('give-up', f'hosts {lost} do not answer the probe: nothing was started')
+      self.say(Kind.LAUNCH_GIVE_UP,
+               f'hosts {lost} do not answer the probe: nothing was started')
       return BAD_INPUT
     return super().run()
 

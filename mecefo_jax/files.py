@@ -132,9 +132,11 @@ def read_json(path, record=None, *, remedy: str,
 
 def read_jsonl(path, records=None, warn: bool = True) -> list:
   """The records of `path`, one a line, each of the first type of `records` (a record type, or
-  a tuple of them; None: any JSON object) it reads as ([] without the file). Lines that are no such record (cut by a
-  crash, or damaged) are skipped, with one warning for the file (`warn`: a second reader of a
-  file that another read warns about says nothing)."""
+  a tuple of them; None: any JSON object) it reads as ([] without the file); or, `records` a
+  function, what it returns for the line's JSON (None: no record; history lines, whose kind
+  says what they hold). Lines that are no such record (cut by a crash, or damaged) are
+  skipped, with one warning for the file (`warn`: a second reader of a file that another read
+  warns about says nothing)."""
   data = read_bytes(path)
   kinds = records if isinstance(records, tuple) else (records,)
   rows, bad = [], []
@@ -151,11 +153,15 @@ def read_jsonl(path, records=None, warn: bool = True) -> list:
       else:
         rows.append(value)
       continue
-    kind = next((k for k in kinds if problem(k, value, '') is None), None)
-    if kind is None:
+    if callable(records) and not isinstance(records, type):  # the caller's reader of a line
+      row = records(value)
+    else:
+      kind = next((k for k in kinds if problem(k, value, '') is None), None)
+      row = None if kind is None else sections.from_json(kind, value)
+    if row is None:
       bad.append(number)
       continue
-    rows.append(sections.from_json(kind, value))
+    rows.append(row)
   if bad and warn:
     log.warning('%s: skipped %d unreadable line(s) (line %s; a write cut by a crash?)', path,
                 len(bad), ', '.join(map(str, bad[:5])) + (', ...' if len(bad) > 5 else ''))

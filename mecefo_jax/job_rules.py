@@ -7,9 +7,9 @@ import signal
 from pathlib import Path
 
 from mecefo_jax.config import ConfigError
-from mecefo_jax.records import run_state
-from mecefo_jax.run import rundir
-from mecefo_jax.run.exits import BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
+from mecefo_jax.records import history, run_state
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.job import BAD_INPUT, JOB_EXITS, PEER_LOST, STOPPED
 
 SURVIVOR_EXITS = (STOPPED, PEER_LOST)  # a process's exits that are not its death
 # A death by SIGABRT may be a survivor's: gloo's checks (and jax's coordination client) abort a
@@ -69,8 +69,8 @@ def resuming(train_args: list[str], out: Path) -> bool:
 
 def starts(out: Path) -> int:
   """The starts the run's history.jsonl records (a job writes one once it trains)."""
-  history = rundir.read_history(out) if out.is_dir() else []
-  return sum(e['kind'] == 'start' for e in history)
+  lines = history.read(out) if out.is_dir() else []
+  return sum(line.kind is Kind.START for line in lines)
 
 
 def tpu_slice(host: int, slice_hosts: int) -> list[int]:

@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 
 from mecefo_jax.config import DEFAULT_OUT, ConfigError
-from mecefo_jax.run import dir_lock, hints, saved
+from mecefo_jax.records import run_dir
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.job import (BAD_INPUT, LAUNCH_COMMAND_ENV, LAUNCH_MODULE, SIGINT_REASON,
+                                    STOPPED, STOPPED_S, command)
 from mecefo_jax.run.cli import OneLineParser, at_least
-from mecefo_jax.run.exits import BAD_INPUT, STOPPED
-from mecefo_jax.run.stop import SIGINT_REASON
-from mecefo_jax.run.supervised import STOPPED_S
 from mecefo_jax.supervisor import Supervisor
 
 _OWN_FLAGS = ('--coordinator', '--num-processes', '--process-id', '--host-slot', '--host-devices')
@@ -37,9 +37,9 @@ _GPU_DEVICES = '/dev/nvidia[0-9]*'  # one device file per NVIDIA GPU the machine
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  command = hints.command(hints.LAUNCH_MODULE)  # as typed: mecefo-launch or python -m ...
-  p = OneLineParser(prog=command, description=__doc__.split('\n')[0],
-                    epilog=f'example: {command} -n 4 --rejoin-after 60 -- --out runs/job '
+  typed = command(LAUNCH_MODULE)  # as typed: mecefo-launch or python -m ...
+  p = OneLineParser(prog=typed, description=__doc__.split('\n')[0],
+                    epilog=f'example: {typed} -n 4 --rejoin-after 60 -- --out runs/job '
                            'mesh.slice=4')
   p.add_argument('-n', '--num-processes', type=int, required=True, help='processes (hosts), >= 2')
   p.add_argument('--devices-per-process', type=int, default=1,
@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.out = _train_out(args.train_args) or Path(DEFAULT_OUT)
   args.log_dir = Path(args.log_dir or args.out / 'logs')
   args.argv = list(sys.argv[1:] if argv is None else argv)
-  args.command = command
+  args.command = typed
   return args
 
 
@@ -147,8 +147,8 @@ def serve(sup: Supervisor) -> int:
     if sup.signals > 1:
       raise StopNow(name)
     sup.interrupted = name
-    sup.say('signal', f'{name}: stopping the job after its next step (a second one stops it '
-                      'at once)')
+    sup.say(Kind.LAUNCH_SIGNAL,
+            f'{name}: stopping the job after its next step (a second one stops it at once)')
     sup._ask_stop(SIGINT_REASON if signum == signal.SIGINT else name)
   signal.signal(signal.SIGTERM, on_signal)
   signal.signal(signal.SIGINT, on_signal)
@@ -156,22 +156,22 @@ def serve(sup: Supervisor) -> int:
     return sup.run()
   except StopNow as now:
     sup.kill_all()
-    sup.say('end', f'{now}: the job was killed at once, without a final snapshot; '
-                   f'{saved.describe(sup.args.out)}; resume it with the same command',
-            code=STOPPED)
+    sup.say(Kind.LAUNCH_END,
+            f'{now}: the job was killed at once, without a final snapshot; '
+            f'{run_dir.describe(sup.args.out)}; resume it with the same command', code=STOPPED)
     return STOPPED
   finally:
     sup.stop_all()
-    saved.sweep_empty_memory_dirs(sup.args.out)
+    run_dir.sweep_empty_memory_dirs(sup.args.out)
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  holder = dir_lock.holder(args.out)
+  holder = run_dir.holder(args.out)
   if holder is not None:  # refused before anything is written (train.py's own check races it)
-    print(f'error: {dir_lock.in_use_message(args.out, holder)}', file=sys.stderr)
+    print(f'error: {run_dir.in_use_message(args.out, holder)}', file=sys.stderr)
     return BAD_INPUT
-  os.environ[hints.LAUNCH_COMMAND_ENV] = args.command  # the processes' hints: rerun it as typed
+  os.environ[LAUNCH_COMMAND_ENV] = args.command  # the processes' hints: rerun it as typed
   try:
     sup = Supervisor(args) if args.backend == 'local' else _ray_driver(args)
   except ConfigError as err:  # a cluster that cannot run the job: one line

@@ -38,6 +38,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from mecefo_jax.config import ConfigError
 from mecefo_jax.job_rules import megascale_env, tpu_slice
 from mecefo_jax.ray_host import NODE_SNAPSHOT_DIR_ENV, Host
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.job import HostLook
+from mecefo_jax.records.progress_marks import ProgressMark
 from mecefo_jax.supervisor import Supervisor
 
 NAMESPACE = 'mecefo'  # detached actors live in a named namespace
@@ -124,7 +127,7 @@ class RayProcess:
   def __init__(self, actor, started):
     self.actor, self._started, self._pid = actor, started, None
     self.returncode: int | None = None
-    self.seen: dict = {}
+    self.seen = HostLook()
     self.lost: str | None = None  # why the actor is gone (Ray's words), once it is
 
   @property
@@ -155,8 +158,8 @@ class RayProcess:
     except RayError as err:
       self._gone(err)
       return
-    if self.seen['code'] is not None:
-      self.returncode = self.seen['code']
+    if self.seen.code is not None:
+      self.returncode = self.seen.code
 
   def poll(self) -> int | None:
     return self.returncode
@@ -181,18 +184,18 @@ class _Seen:
   def __init__(self, driver: RayDriver):
     self.driver = driver
 
-  def _seen(self, host: int) -> dict:
+  def _seen(self, host: int) -> HostLook:
     proc = self.driver.procs.get(host)
-    return proc.seen if proc is not None else {}
+    return proc.seen if proc is not None else HostLook()
 
-  def mark(self, host: int, pid: int) -> dict | None:
-    return self._seen(host).get('mark')
+  def mark(self, host: int, pid: int) -> ProgressMark | None:
+    return self._seen(host).mark
 
   def state(self, host: int, pid: int) -> str | None:
-    return self._seen(host).get('state')
+    return self._seen(host).state
 
   def cpu_seconds(self, host: int, pid: int) -> float | None:
-    return self._seen(host).get('cpu')
+    return self._seen(host).cpu
 
 
 class RayDriver(Supervisor):
@@ -230,8 +233,8 @@ class RayDriver(Supervisor):
           name=f'{self.args.out.name}-host{h}-{os.getpid()}-{self.restarts}', **options,
           scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_of(h), soft=False),
       ).remote(h, self.args.stopped_s)
-    self.say('place', f'hosts {self.hosts} on Ray nodes '
-                      f'{[self.node_of(h)[:8] for h in self.hosts]}',
+    self.say(Kind.LAUNCH_PLACE,
+             f'hosts {self.hosts} on Ray nodes {[self.node_of(h)[:8] for h in self.hosts]}',
              nodes={h: self.node_of(h) for h in self.hosts})
     try:
       self.coordinator, port = None, 0
@@ -273,8 +276,9 @@ class RayDriver(Supervisor):
       if ref in ready:
         live[h].answer(ref)
         if live[h].lost:
-          self.say('actor-lost', f'host {h}\'s actor is gone ({live[h].lost}): its trainer died '
-                                 'with it', host=h, why=live[h].lost)
+          self.say(Kind.LAUNCH_ACTOR_LOST,
+                   f'host {h}\'s actor is gone ({live[h].lost}): its trainer died with it',
+                   host=h, why=live[h].lost)
 
   def kill_first(self, host: int) -> None:
     self.procs[host].kill()

@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from mecefo_jax.progress_marks import MARKS_ENV, mark_path, read_mark
-from mecefo_jax.run.supervised import SUPERVISOR_ENV, cpu_seconds, handed_down, process_state
+from mecefo_jax.records.job import SUPERVISOR_ENV, Handoff, HostLook, cpu_seconds, process_state
+from mecefo_jax.records.progress_marks import MARKS_ENV, mark_path, read_mark
 from mecefo_jax.supervisor import free_port
 
 # A node's own in-memory snapshot directory, in its raylet's environment (a node without one
@@ -64,7 +64,7 @@ class Host:
     node_dir = os.environ.get(NODE_SNAPSHOT_DIR_ENV)
     args = [*args, f'snapshot.dir={node_dir}'] if node_dir else list(args)
     env = {**os.environ, **env, MARKS_ENV: str(self.marks),
-           SUPERVISOR_ENV: handed_down(self.read_fd, os.getpid(), stopped_s)}
+           SUPERVISOR_ENV: Handoff(self.read_fd, os.getpid(), stopped_s).to_env()}
     out = None
     if log:
       Path(log).parent.mkdir(parents=True, exist_ok=True)
@@ -78,13 +78,12 @@ class Host:
       out.close()  # the child holds it
     return self.child.pid
 
-  def look(self) -> dict:
-    """The trainer now: exit code (None while it runs), mark, state, CPU seconds; renews the
-    driver's lease."""
+  def look(self) -> HostLook:
+    """The trainer now; renews the driver's lease."""
     self.renewed = time.monotonic()
     pid = self.child.pid
-    return {'code': self.child.poll(), 'mark': read_mark(mark_path(self.marks, self.host)),
-            'state': process_state(pid), 'cpu': cpu_seconds(pid)}
+    return HostLook(self.child.poll(), read_mark(mark_path(self.marks, self.host)),
+                    process_state(pid), cpu_seconds(pid))
 
   def signal(self, signum: int) -> None:
     if self.child.poll() is None:

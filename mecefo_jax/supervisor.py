@@ -2,7 +2,6 @@
 a stall, grows the job back on a rejoin (the command line: launch.py)."""
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -12,15 +11,15 @@ import sys
 import time
 from pathlib import Path
 
-from mecefo_jax import files
 from mecefo_jax.job_rules import (blamed, dead, error_lines, exit_text, failed_in_start_up,
                                   resuming, starts, tpu_slice)
-from mecefo_jax.progress_marks import MARKS_ENV
-from mecefo_jax.run import recovery_time, rundir
-from mecefo_jax.run.exits import ALL_DOWN, BAD_INPUT, PEER_LOST, STOPPED
-from mecefo_jax.run.hints import LAUNCH_ENV
-from mecefo_jax.run.stop import STOP_FILE
-from mecefo_jax.run.supervised import SUPERVISOR_ENV, handed_down
+from mecefo_jax.records import history
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.job import (ALL_DOWN, BAD_INPUT, LAUNCH_ENV, PEER_LOST, STOP_FILE, STOPPED,
+                                    SUPERVISOR_ENV, Handoff)
+from mecefo_jax.records.progress_marks import MARKS_ENV
+from mecefo_jax.records.recovery import RestartClock, describe
+from mecefo_jax.records.run_state import RUN_STATE
 from mecefo_jax.watch import Stall, StallWatch, kill_group
 
 # The directory holding this package: the processes import the same one from any cwd.
@@ -60,7 +59,7 @@ class Supervisor:
     # inherited): however the supervisor ends, its processes see end-of-file and stop the job
     # at an agreed step (run/supervised.py).
     self.watched_fd, self._alive_fd = os.pipe()
-    self.clock = recovery_time.RestartClock(args.out / rundir.HISTORY)
+    self.clock = RestartClock(args.out)
     self.stalls = 0
     self.watch = (StallWatch(args.log_dir / 'marks', args.stall_s) if self.watches_stalls
                   else None)
@@ -71,15 +70,11 @@ class Supervisor:
     print(f'launch [{elapsed:7.1f}s]: {message}', file=sys.stderr, flush=True)
     return elapsed
 
-  def say(self, kind: str, message: str, **fields) -> None:
-    """Prints an event; appends it to --events and to the run's history.jsonl (run/rundir.py)."""
+  def say(self, kind: Kind, message: str, **fields) -> None:
+    """Prints an event; appends it to --events and to the run's history.jsonl (its `fields`)."""
     elapsed = self.tell(message)
-    line = json.dumps({'t': round(time.time(), 3), 'elapsed_s': round(elapsed, 3), 'kind': kind,
-                       **fields})
-    history = self.args.out / rundir.HISTORY
-    for path in [self.args.events] * bool(self.args.events) + [history] * history.parent.is_dir():
-      files.append_line(path, line.replace('"kind": "', '"kind": "launch-', 1)
-                        if path == history else line)
+    history.append(self.args.out, kind, elapsed_s=round(elapsed, 3), events=self.args.events,
+                   **fields)
 
   def _train_args(self) -> list[str]:
     if not self.resume:
@@ -92,7 +87,7 @@ class Supervisor:
 
   def _run_exists(self) -> bool:
     """Whether the run directory holds a run (its run_state.json)."""
-    return (self.args.out / rundir.RUN_STATE).exists()
+    return (self.args.out / RUN_STATE).exists()
 
   def start(self) -> None:
     self.clock.spawning()  # a transport's start of its hosts (Ray: their actors) included
@@ -109,8 +104,9 @@ class Supervisor:
     pids = {h: p.pid for h, p in self.procs.items()}
     if self.watch:
       self.watch.start(pids)
-    self.say('start', f'started hosts {self.hosts} as a {n}-process job'
-                      f'{" resuming the run" if self._resuming() else ""} (pids {pids})',
+    self.say(Kind.LAUNCH_START,
+             f'started hosts {self.hosts} as a {n}-process job'
+             f'{" resuming the run" if self._resuming() else ""} (pids {pids})',
              hosts=self.hosts, pids=pids, **self.clock.spawned())
 
   def _resuming(self) -> bool:
@@ -128,7 +124,8 @@ class Supervisor:
     cmd, env = self.command(pid, host, n, port)
     # Every process logs the same events: process 0 speaks for the job, the others to files.
     out = None if pid == 0 else open(self._log(host), 'ab')
-    env = {**env, SUPERVISOR_ENV: handed_down(self.watched_fd, os.getpid(), self.args.stopped_s)}
+    env = {**env, SUPERVISOR_ENV: Handoff(self.watched_fd, os.getpid(),
+                                          self.args.stopped_s).to_env()}
     proc = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.watched_fd,),
                             stderr=subprocess.STDOUT if out else None)
     if out:
@@ -206,7 +203,7 @@ class Supervisor:
     codes = {h: p.poll() for h, p in self.procs.items()}
     done = self.clock.recovered()
     if done:  # the restarted job's first step: where the restart's time went (its own line
-      self.tell(recovery_time.describe(done))  # in history.jsonl: `recovered`)
+      self.tell(describe(done))  # in history.jsonl: `recovered`)
     exited = {h: c for h, c in codes.items() if c is not None}
     if self.stopping:
       return self._stopped(exited, codes)
@@ -228,9 +225,9 @@ class Supervisor:
       return self._stall(stall)
     ready = self._ready()
     if ready:
-      self.say('rejoin-ready', f'replacement for host(s) {ready} ready: stopping the job after '
-                               f'its current step to grow back to {len(self.hosts) + len(ready)} '
-                               'hosts', hosts=ready)
+      self.say(Kind.LAUNCH_REJOIN_READY,
+               f'replacement for host(s) {ready} ready: stopping the job after its current step '
+               f'to grow back to {len(self.hosts) + len(ready)} hosts', hosts=ready)
       self._ask_stop(f'the grow-back of host(s) {ready}')
     return None
 
@@ -250,9 +247,10 @@ class Supervisor:
       for line in error_lines(self._log(host), self.log_sizes.get(host, 0)):
         print(line, file=sys.stderr, flush=True)
     self.kill_all()
-    self.say('end', f'host {host} failed in start-up ({exit_text(code)}; its output: '
-                    f'{self._log(host) if host != self.hosts[0] else "above"}): the job is '
-                    f'stopped', code=code, host=host)
+    self.say(Kind.LAUNCH_END,
+             f'host {host} failed in start-up ({exit_text(code)}; its output: '
+             f'{self._log(host) if host != self.hosts[0] else "above"}): the job is stopped',
+             code=code, host=host)
     return code
 
   def _ask_stop(self, reason: str | None = None) -> None:
@@ -276,9 +274,10 @@ class Supervisor:
       return None
     if self.interrupted:
       code = max(exited.values(), key=abs) or 0
-      self.say('end', f'job stopped by {self.interrupted} ({exit_text(code)}) after '
-                      f'{self.deaths} death(s){self._stalls()}, {self.rejoins} rejoin(s), '
-                      f'{self.restarts} restart(s); resume it with the same command', code=code)
+      self.say(Kind.LAUNCH_END,
+               f'job stopped by {self.interrupted} ({exit_text(code)}) after {self.deaths} '
+               f'death(s){self._stalls()}, {self.rejoins} rejoin(s), {self.restarts} restart(s); '
+               'resume it with the same command', code=code)
       return code
     if all(c == 0 for c in exited.values()):
       return self._finished(exited)
@@ -287,7 +286,7 @@ class Supervisor:
       del self.ready_at[h]
     self.hosts = sorted(self.hosts + ready)
     self.rejoins += len(ready)
-    self.say('rejoin', f'host(s) {ready} rejoin', hosts=ready)
+    self.say(Kind.LAUNCH_REJOIN, f'host(s) {ready} rejoin', hosts=ready)
     return self._restart()
 
   def _first_death(self, died: list[int], exited: dict) -> int | None:
@@ -305,8 +304,9 @@ class Supervisor:
     self.deaths += 1
     # A failure seen at this look: the restart is timed from here (a stall alike).
     self.clock.failure('death', host, self.clock.since_last_look())
-    self.say('death', f'host {host} (pid {self.procs[host].pid}) died ({exit_text(code)}): '
-                      f'stopping the survivors {self._survivors(host)}', host=host, code=code)
+    self.say(Kind.LAUNCH_DEATH,
+             f'host {host} (pid {self.procs[host].pid}) died ({exit_text(code)}): stopping the '
+             f'survivors {self._survivors(host)}', host=host, code=code)
     return self._without(host)
 
   def _stall(self, stall: Stall) -> int | None:
@@ -316,7 +316,7 @@ class Supervisor:
     self.stalls += 1
     # Timed from this look as a death is; detection took the deadline that ran out.
     self.clock.failure('stall', stall.host, stall.waited_s)
-    self.say('stall', stall.line(), **stall.record())
+    self.say(Kind.LAUNCH_STALL, stall.line(), **stall.record())
     if stall.host is None:
       self.kill_all()
       self.clock.stopped()
@@ -339,8 +339,9 @@ class Supervisor:
     self.kill_all()  # they would wait in the next collective for the dead one
     self.clock.stopped()
     if not self._run_exists():  # no snapshot holds its slices for the others: a fresh start
-      self.say('start-again', f'the run does not exist yet (no {rundir.RUN_STATE}): starting the '
-                              f'whole job again, host {host} included', host=host)
+      self.say(Kind.LAUNCH_START_AGAIN,
+               f'the run does not exist yet (no {RUN_STATE}): starting the whole job again, '
+               f'host {host} included', host=host)
       return self._restart()
     self.hosts = self._survivors(host)
     if self.args.rejoin_after is not None:
@@ -349,14 +350,15 @@ class Supervisor:
     while len(self.hosts) < 2:
       coming = self._coming()
       if not coming:
-        self.say('give-up', f'{len(self.hosts)} host left and no replacement coming '
-                            '(--rejoin-after): the run stops here; resume it with the same '
-                            'command once hosts are back')
+        self.say(Kind.LAUNCH_GIVE_UP,
+                 f'{len(self.hosts)} host left and no replacement coming (--rejoin-after): the '
+                 'run stops here; resume it with the same command once hosts are back')
         return ALL_DOWN
       host, at = min(coming.items(), key=lambda kv: kv[1])
       back = [h for h in self.unit_of(host) if h in coming]  # a TPU slice comes back whole
-      self.say('wait', f'{len(self.hosts)} host left: waiting {max(0, at - time.monotonic()):.0f}'
-                       f' s for the replacement of host(s) {back}')
+      self.say(Kind.LAUNCH_WAIT,
+               f'{len(self.hosts)} host left: waiting {max(0, at - time.monotonic()):.0f} s '
+               f'for the replacement of host(s) {back}')
       time.sleep(max(0.0, at - time.monotonic()))
       for h in back:
         del self.ready_at[h]
@@ -370,9 +372,9 @@ class Supervisor:
     if time.monotonic() - self.settle_since <= _PEER_WAIT_S:
       return None
     lost = sorted(h for h, c in exited.items() if c == PEER_LOST)
-    self.say('peer-lost', f'host(s) {lost} lost a peer and no process died within '
-                          f'{_PEER_WAIT_S:.0f} s: restarting the whole job from its last snapshot',
-             hosts=lost)
+    self.say(Kind.LAUNCH_PEER_LOST,
+             f'host(s) {lost} lost a peer and no process died within {_PEER_WAIT_S:.0f} s: '
+             'restarting the whole job from its last snapshot', hosts=lost)
     self.clock.failure('peer-lost', None, None)
     self.kill_all()
     self.clock.stopped()
@@ -381,7 +383,8 @@ class Supervisor:
   def _restart(self) -> int | None:
     self.restarts += 1
     if self.restarts > self.args.max_restarts:
-      self.say('give-up', f'more than --max-restarts={self.args.max_restarts} restarts: giving up')
+      self.say(Kind.LAUNCH_GIVE_UP,
+               f'more than --max-restarts={self.args.max_restarts} restarts: giving up')
       return 1
     self.resume = True
     self.start()
@@ -391,7 +394,8 @@ class Supervisor:
     """Some processes left on their own (finished, or a job-wide stop): the others follow."""
     self.settle_since = self.settle_since or time.monotonic()
     if time.monotonic() - self.settle_since > _GRACE_S:
-      self.say('stuck', f'hosts {sorted(exited)} left ({exited}); the others did not: killing them')
+      self.say(Kind.LAUNCH_STUCK,
+               f'hosts {sorted(exited)} left ({exited}); the others did not: killing them')
       self.kill_all()
       return self._finished({h: p.returncode for h, p in self.procs.items()})
     return None
@@ -403,25 +407,25 @@ class Supervisor:
     first, it reads 'a stop agreed by the job'); None for any other end."""
     if any(c != STOPPED for c in exited.values()) or not self._run_exists():
       return None
-    stops = [e for e in rundir.read_history(self.args.out, warn=False) if e['kind'] == 'stop']
-    named = stops and str(stops[-1].get('why', '')).startswith(f'the supervisor (pid {os.getpid()})')
-    return stops[-1]['step'] if stops and (named or self.away) else None
+    stops = [line for line in history.read(self.args.out, warn=False) if line.kind is Kind.STOP]
+    named = stops and (stops[-1].why or '').startswith(f'the supervisor (pid {os.getpid()})')
+    return stops[-1].step if stops and (named or self.away) else None
 
   def _take_back(self, step: int) -> int | None:
     """The job stopped itself after `step` while this supervisor was stopped; the supervisor
     runs again: it restarts the job from that step."""
-    self.say('take-back', f'the job stopped itself after step {step} while this supervisor was '
-                          f'stopped (longer than {self.args.stopped_s:g} s): restarting it from '
-                          'there', step=step)
+    self.say(Kind.LAUNCH_TAKE_BACK,
+             f'the job stopped itself after step {step} while this supervisor was stopped '
+             f'(longer than {self.args.stopped_s:g} s): restarting it from there', step=step)
     return self._restart()
 
   def _finished(self, exited: dict) -> int:
     code = next((c for c in exited.values() if c != 0), 0)
     what = 'stopped' if code == STOPPED else 'ended'  # a stop (--stop-after) is resumable
-    self.say('end', f'job {what} ({exit_text(code)}) after {self.deaths} death(s)'
-                    f'{self._stalls()}, {self.rejoins} rejoin(s), {self.restarts} restart(s); '
-                    f'the failure history is '
-                    f'failures.txt in the run directory' + (
-                        '; resume it with the same command' if code == STOPPED else ''),
+    self.say(Kind.LAUNCH_END,
+             f'job {what} ({exit_text(code)}) after {self.deaths} death(s){self._stalls()}, '
+             f'{self.rejoins} rejoin(s), {self.restarts} restart(s); the failure history is '
+             'failures.txt in the run directory' + (
+                 '; resume it with the same command' if code == STOPPED else ''),
              code=code)
     return code

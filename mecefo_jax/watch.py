@@ -2,7 +2,7 @@
 on the job itself has stalled; the process that stopped first is named where one can be.
 
 Read by the supervisor (supervisor.py) every poll, without JAX: the marks are files
-(progress_marks.py). A deadline is the largest allowance of the phases the processes are in:
+(records/progress_marks.py). A deadline is the largest allowance of the phases the processes are in:
 
   training    STEP_FACTOR x the longest recent step (dispatch to dispatch), at least STEP_FLOOR_S;
               the start-up allowance until STEPS_TIMED steps are timed
@@ -31,8 +31,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from mecefo_jax.progress_marks import mark_path, read_mark
-from mecefo_jax.run.supervised import cpu_seconds, process_state
+from mecefo_jax.records.job import cpu_seconds, process_state
+from mecefo_jax.records.progress_marks import ProgressMark, mark_path, read_mark
 
 STEP_FACTOR, STEP_FLOOR_S, STEPS_TIMED = 10.0, 10.0, 3
 PHASE_FACTOR, PHASE_FLOOR_S, PHASE_FIRST_S = 5.0, 10.0, 300.0
@@ -55,7 +55,7 @@ class Stall:
   one, each process's mark, how long nothing changed and the deadline that ran out."""
   host: int | None
   why: str
-  marks: dict  # {host: mark fields, or {} where it wrote none}
+  marks: dict[int, ProgressMark | None]  # {host: its mark, None where it wrote none}
   stopped: tuple[int, ...]  # hosts whose process is stopped (SIGSTOP)
   waited_s: float
   deadline_s: float
@@ -64,17 +64,17 @@ class Stall:
   @property
   def start_up(self) -> bool:
     """Every process was still starting (no step dispatched yet)."""
-    return all(m.get('step', -1) < 0 for m in self.marks.values())
+    return all(m is None or m.step < 0 for m in self.marks.values())
 
   def where(self, host: int, stopped: bool = True) -> str:
     """'training at step 41' / 'starting (jax.distributed.initialize)' / 'no mark yet';
     `stopped`: says so where its process is stopped."""
-    mark = self.marks.get(host) or {}
-    if not mark:
+    mark = self.marks.get(host)
+    if mark is None:
       return 'starting (no mark yet: importing)'
-    detail = f' ({mark["detail"]})' if mark.get('detail') else ''
-    at = f' at step {mark["step"]}' if mark['step'] >= 0 else ''
-    return f'{mark["phase"]}{detail}{at}' + (
+    detail = f' ({mark.detail})' if mark.detail else ''
+    at = f' at step {mark.step}' if mark.step >= 0 else ''
+    return f'{mark.phase}{detail}{at}' + (
         ' (stopped: SIGSTOP)' if stopped and host in self.stopped else '')
 
   def phases(self) -> str:
@@ -98,11 +98,17 @@ class Stall:
     return {'host': self.host, 'why': self.why, 'start_up': self.start_up,
             'waited_s': round(self.waited_s, 3), 'deadline_s': round(self.deadline_s, 3),
             'deadline_from': self.deadline_from, 'stopped': list(self.stopped),
-            'phases': {str(h): {k: m.get(k) for k in ('phase', 'detail', 'step', 'pid')}
-                       for h, m in sorted(self.marks.items())},
+            'phases': {str(h): _seen(m) for h, m in sorted(self.marks.items())},
             'note': (f'host {self.host} stopped first, in {self.where(self.host)}; '
                      if self.host is not None else 'none singled out, the whole job restarted; ')
                     + self.phases()}
+
+
+def _seen(mark: ProgressMark | None) -> dict:
+  """What a stall line keeps of a host's mark (each None where it wrote none)."""
+  if mark is None:
+    return dict.fromkeys(('phase', 'detail', 'step', 'pid'))
+  return {'phase': mark.phase, 'detail': mark.detail, 'step': mark.step, 'pid': mark.pid}
 
 
 def allowance(key: str, measured: dict[str, float], step_s: float | None,
@@ -133,7 +139,7 @@ class LocalMarks:
   def __init__(self, directory: Path):
     self.directory = Path(directory)
 
-  def mark(self, host: int, pid: int) -> dict | None:
+  def mark(self, host: int, pid: int) -> ProgressMark | None:
     return read_mark(mark_path(self.directory, host))
 
   def state(self, host: int, pid: int) -> str | None:
@@ -153,7 +159,7 @@ class StallWatch:
     self.reader = reader or LocalMarks(self.directory)
     self.measured: dict[str, float] = {}  # phase key -> the longest seen, over the job's starts
     self.pids: dict[int, int] = {}
-    self.marks: dict[int, dict] = {}
+    self.marks: dict[int, ProgressMark] = {}
     self.changed_at = self.marked_at = time.monotonic()
     self._cpu: dict[int, tuple[float, float]] = {}  # host -> (when, its CPU seconds then)
 
@@ -177,12 +183,12 @@ class StallWatch:
     now = time.monotonic() if now is None else now
     for host, pid in self.pids.items():
       mark = self.reader.mark(host, pid)
-      if mark is None or mark.get('pid') != pid:
+      if mark is None or mark.pid != pid:
         continue  # none yet, half-written, or an earlier process's
       if mark != self.marks.get(host):
         self.marks[host], self.changed_at = mark, now
         self.marked_at = now
-        for key, seconds in mark['longest'].items():
+        for key, seconds in mark.longest.items():
           self.measured[key] = max(self.measured.get(key, 0.0), seconds)
     if not self.enabled:
       return None
@@ -193,7 +199,7 @@ class StallWatch:
     if waited <= deadline:
       return None
     host, why, stopped = self.first_stopped()
-    return Stall(host, why, {h: self.marks.get(h, {}) for h in self.pids}, stopped, waited,
+    return Stall(host, why, {h: self.marks.get(h) for h in self.pids}, stopped, waited,
                  deadline, source)
 
   def _working(self, now: float, window_s: float) -> bool:
@@ -203,7 +209,7 @@ class StallWatch:
     busy = False
     for host, pid in self.pids.items():
       mark = self.marks.get(host)
-      if (mark['phase'] if mark else 'starting') not in WORKING:
+      if (mark.phase if mark else 'starting') not in WORKING:
         self._cpu.pop(host, None)
         continue
       used = self.reader.cpu_seconds(host, pid)
@@ -216,18 +222,18 @@ class StallWatch:
 
   def deadline(self) -> tuple[float, str]:
     """The largest allowance of the phases the processes are in now."""
-    timed = [m['step_s'] for m in self.marks.values() if m['steps_timed'] >= STEPS_TIMED]
+    timed = [m.step_s for m in self.marks.values() if m.steps_timed >= STEPS_TIMED]
     step_s = max(timed) if timed else None
     keys = [self._key(self.marks.get(h)) for h in self.pids] or ['starting']
     return max(allowance(k, self.measured, step_s, self.stall_s) for k in keys)
 
   @staticmethod
-  def _key(mark: dict | None) -> str:
-    if not mark:
+  def _key(mark: ProgressMark | None) -> str:
+    if mark is None:
       return 'starting'
-    if mark['step'] < 0 and mark['phase'] == 'compiling':
+    if mark.step < 0 and mark.phase == 'compiling':
       return 'compiling/start-up'
-    return mark['key']
+    return mark.key
 
   def first_stopped(self) -> tuple[int | None, str, tuple[int, ...]]:
     """(The host that stopped first, why that one, the hosts whose process is stopped): a
@@ -246,8 +252,8 @@ class StallWatch:
     return None, 'every process is at the same point', stopped
 
   @staticmethod
-  def _position(mark: dict | None) -> tuple[int, int]:
-    return (mark['step'], mark['in_step']) if mark else (-2, 0)
+  def _position(mark: ProgressMark | None) -> tuple[int, int]:
+    return (mark.step, mark.in_step) if mark else (-2, 0)
 
 
 def kill_group(proc: subprocess.Popen) -> None:

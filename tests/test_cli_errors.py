@@ -17,7 +17,8 @@ import pytest
 
 from mecefo_jax import install, sections
 from mecefo_jax.config import Config, ConfigError, load_config, rule_of
-from mecefo_jax.run import cli, ending, exits, plot, report_schema, rundir, stop
+from mecefo_jax.records import job
+from mecefo_jax.run import cli, ending, plot, report_schema, rundir, stop
 from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.records.run_state import RunState, read_run_state, write_run_state
@@ -360,21 +361,21 @@ def test_a_stop_comes_from_stop_after_or_the_request_file_once(tmp_path):
   assert not request.due(2) and request.due(3) and request.reason == '--stop-after 3'
   request = stop.StopRequest(out_dir=tmp_path)
   assert not request.due(5)
-  (tmp_path / stop.STOP_FILE).write_text('the grow-back of host(s) [2]\n')
+  (tmp_path / job.STOP_FILE).write_text('the grow-back of host(s) [2]\n')
   assert request.due(6) and request.reason == 'the grow-back of host(s) [2]'
-  assert not (tmp_path / stop.STOP_FILE).exists()  # honoured once: the next start trains on
+  assert not (tmp_path / job.STOP_FILE).exists()  # honoured once: the next start trains on
 
 
 def test_exit_codes_are_the_documented_numbers():
-  codes = {exits.BAD_INPUT: 2, exits.ALL_DOWN: 3, exits.DIVERGED: 4,
-           exits.CHECKPOINTS_FAILING: 5, exits.OUTPUTS_FAILING: 6,
-           exits.PEER_LOST: 7, exits.STOPPED: 143,
-           exits.INTERRUPTED: 130}
+  codes = {job.BAD_INPUT: 2, job.ALL_DOWN: 3, job.DIVERGED: 4,
+           job.CHECKPOINTS_FAILING: 5, job.OUTPUTS_FAILING: 6,
+           job.PEER_LOST: 7, job.STOPPED: 143,
+           job.INTERRUPTED: 130}
   assert all(named == number for named, number in codes.items()), codes
   table = (ROOT / 'docs' / 'errors.md').read_text()
   assert all(f'| {number} |' in table for number in codes.values())
-  assert set(exits.JOB_EXITS) == {exits.BAD_INPUT, exits.ALL_DOWN, exits.DIVERGED,
-                                  exits.CHECKPOINTS_FAILING, exits.OUTPUTS_FAILING}
+  assert set(job.JOB_EXITS) == {job.BAD_INPUT, job.ALL_DOWN, job.DIVERGED,
+                                  job.CHECKPOINTS_FAILING, job.OUTPUTS_FAILING}
 
 
 # ---- packaging -------------------------------------------------------------------------------

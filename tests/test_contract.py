@@ -223,7 +223,7 @@ def test_a_models_logical_axes_shard_its_state_and_its_bases(devices):
 
 def test_train_py_refuses_a_broken_model_in_one_error_line_and_leaves_nothing(capsys, tmp_path):
   from mecefo_jax.run import cli
-  from mecefo_jax.run.exits import BAD_INPUT
+  from mecefo_jax.records.job import BAD_INPUT
   from procs import error_lines
   out = tmp_path / 'run'
   assert cli.main(['--model', 'test_contract:_no_attention', '--out', str(out), *TINY,

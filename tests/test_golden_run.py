@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax import files
-from mecefo_jax.run import cli, plot, rundir
+from mecefo_jax.records.run_dir import run_name
+from mecefo_jax.run import cli, plot
 
 FIXTURE = Path(__file__).parent / 'fixtures' / 'run_records'
 GOLDEN = json.loads((FIXTURE / 'golden.json').read_text())
@@ -24,7 +25,7 @@ STORE_SECTIONS = {'startup', 'programs'}
 
 
 def _placeholders(work: Path, run_id: str) -> list[tuple[str, str]]:
-  shm = files.default_snapshot_dir(rundir.run_name(work / 'run'))
+  shm = files.default_snapshot_dir(run_name(work / 'run'))
   return [(str(work), '@WORK@'), (str(shm), '@SHM@'), (str(Path.home()), '@HOME@'),
           (run_id, '@ID@')]
 
@@ -105,7 +106,7 @@ def work(tmp_path):
   after."""
   (tmp_path / 'trace.txt').write_text(GOLDEN['trace'])
   yield tmp_path
-  shutil.rmtree(files.default_snapshot_dir(rundir.run_name(tmp_path / 'run')),
+  shutil.rmtree(files.default_snapshot_dir(run_name(tmp_path / 'run')),
                 ignore_errors=True)
 
 

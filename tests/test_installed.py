@@ -62,6 +62,7 @@ def test_help_and_usage_errors_name_the_command_as_typed(capsys, monkeypatch):
   """An installed command's --help and usage errors name it (`see mecefo-train --help`), and a
   supervised run's resume hint names the supervisor command that was typed."""
   from mecefo_jax import launch
+  from mecefo_jax.records import job
   from mecefo_jax.run import cli, hints
   monkeypatch.setattr(hints, '_TRAIN', list(hints._TRAIN))
   for argv0, command in [('/venv/bin/mecefo-train', 'mecefo-train'),
@@ -84,8 +85,8 @@ def test_help_and_usage_errors_name_the_command_as_typed(capsys, monkeypatch):
     assert 'train.py' not in text.replace("train.py's)", '')  # only beside mecefo-train's
     assert text.count('mecefo_jax.launch') == (command != 'mecefo-launch') * 2, text
     assert usage_error(capsys, launch.parse_args, ['-n', '1']).endswith(f'(see {command} --help)')
-    monkeypatch.setenv(hints.LAUNCH_ENV, '-n 2 -- --out R --fresh')
-    monkeypatch.setenv(hints.LAUNCH_COMMAND_ENV, launch.parse_args(['-n', '2']).command)
+    monkeypatch.setenv(job.LAUNCH_ENV, '-n 2 -- --out R --fresh')
+    monkeypatch.setenv(job.LAUNCH_COMMAND_ENV, launch.parse_args(['-n', '2']).command)
     assert hints.resume(Path('R')) == f'`{command} -n 2 -- --out R`'
   from mecefo_jax.run import plot, report_schema
   for script, main in [('mecefo-plot', plot.main), ('mecefo-report', report_schema.main)]:

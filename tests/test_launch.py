@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from mecefo_jax import launch, supervisor
-from mecefo_jax.run import plot, rundir, saved
+from mecefo_jax.records import history, run_dir
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.job import BAD_INPUT, STOPPED
+from mecefo_jax.run import plot
 from mecefo_jax.run.cli import TEST_START_ERROR_ENV
-from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.stop import TEST_DEATH_ENV
 from mecefo_jax.records.run_state import RunState, write_run_state
 from procs import ROOT, error_lines, kill, report, usage_error
@@ -69,7 +71,7 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   assert stopped['steps'] == STOP and stopped['preempted'] and 'durable checkpoint' in \
       stopped['stopped']
   # The death's restart is booked (carried through the rejoin) and on the plot's time axis.
-  death = next(e['t'] for e in rundir.read_history(run) if e['kind'] == 'launch-death')
+  death = next(line.t for line in history.read(run) if line.kind is Kind.LAUNCH_DEATH)
   assert 0 < stopped['goodput']['restart'] < time.time() - death
   alone = tmp_path / 'rows'  # the same rows without the history: no death, no gap
   alone.mkdir()
@@ -91,10 +93,10 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
       (12, 4, 'fail'), (12, 5, 'fail'), (16, 4, 'repair'), (16, 5, 'repair')]
   assert result['samples']['dropped'] == 0 and result['samples']['degraded'] > 0
   assert result['live_slices_at_end'] == list(range(6))
-  history = rundir.read_history(run)
-  assert [e['kind'] for e in history if e['kind'] in ('stop', 'launch-death')] == [
-      'launch-death', 'stop', 'stop']
-  assert [e['step'] for e in history if e['kind'] == 'stop'] == [DEATH + 1, STOP]
+  lines = history.read(run)
+  assert [line.kind for line in lines if line.kind in (Kind.STOP, Kind.LAUNCH_DEATH)] == [
+      Kind.LAUNCH_DEATH, Kind.STOP, Kind.STOP]
+  assert [line.step for line in lines if line.kind is Kind.STOP] == [DEATH + 1, STOP]
 
   # failures.txt's own replay line, run exactly as printed (from tmp_path): one process with
   # every device, the same records and parameters, in run/replay (runs/latest is not touched).
@@ -211,8 +213,8 @@ def test_a_stop_by_ctrl_c_ends_with_a_closing_line_and_a_history_row(tmp_path, c
   last = capsys.readouterr().err.splitlines()[-1]
   assert 'job stopped by SIGINT (exit 143) after 0 death(s), 0 rejoin(s), 0 restart(s); resume ' \
          'it with the same command' in last, last
-  [end] = [e for e in rundir.read_history(run) if e['kind'] == 'launch-end']
-  assert end['code'] == STOPPED
+  [end] = [line for line in history.read(run) if line.kind is Kind.LAUNCH_END]
+  assert end.code == STOPPED
   # A stop of the job's own (--stop-after): its closing line says it stopped, not ended.
   sup.interrupted = None
   assert sup._finished({0: STOPPED, 1: STOPPED}) == STOPPED
@@ -265,17 +267,17 @@ def test_a_job_that_stopped_itself_while_its_supervisor_was_stopped_is_taken_bac
   starts = []
   sup.start = lambda: starts.append(sup._train_args())
   sup.procs = {0: _Exited(STOPPED), 1: _Exited(STOPPED)}
-  rundir.append_history(run, 'stop', step=41, why=f'the supervisor (pid {os.getpid()}) has been '
-                                                  'stopped for 30 s', saved=[])
+  history.append(run, Kind.STOP, step=41, why=f'the supervisor (pid {os.getpid()}) has been '
+                                              'stopped for 30 s', saved=[])
   assert sup._watch() is None and starts == [['--out', str(run), '--resume']]
   assert 'the job stopped itself after step 41 while this supervisor was stopped' in \
       capsys.readouterr().err
   # Another supervisor's stop, or the user's (--stop-after): the job ends as it stopped.
-  rundir.append_history(run, 'stop', step=50, why='--stop-after 50', saved=[])
+  history.append(run, Kind.STOP, step=50, why='--stop-after 50', saved=[])
   assert sup._watch() == STOPPED and len(starts) == 1
   # The record is process 0's: where another process asked first it names no supervisor, and
   # the supervisor's own gap between two looks (it was stopped) says it.
-  rundir.append_history(run, 'stop', step=60, why='a stop agreed by the job', saved=[])
+  history.append(run, Kind.STOP, step=60, why='a stop agreed by the job', saved=[])
   sup.looked_at -= sup.args.stopped_s + 1
   assert sup._watch() is None and len(starts) == 2
 
@@ -286,10 +288,10 @@ def test_what_a_run_has_saved_is_read_from_its_tiers_and_empty_tmpfs_folders_go(
   manifest each), the newest durable checkpoint with its manifest; its sweep at the end."""
   run, shm = tmp_path / 'run', tmp_path / 'shm'
   run.mkdir()
-  assert saved.newest(run) == (None, None)  # no run yet
+  assert run_dir.newest(run) == (None, None)  # no run yet
   write_run_state(run, RunState('stopped', run_id='r',
                          config={'snapshot': {'dir': str(shm), 'durable_dir': ''}}))
-  assert 'no snapshot of this run is complete' in saved.describe(run)
+  assert 'no snapshot of this run is complete' in run_dir.describe(run)
   for host, steps in ((0, (4, 5)), (1, (4,))):  # host 1 never finished step 5
     for step in steps:
       (shm / 'r' / f'host{host}' / str(step)).mkdir(parents=True)
@@ -297,15 +299,15 @@ def test_what_a_run_has_saved_is_read_from_its_tiers_and_empty_tmpfs_folders_go(
   (run / 'checkpoints' / 'r' / '3').mkdir(parents=True)
   (run / 'checkpoints' / 'r' / '3' / 'mecefo_manifest.json').write_text('{}')
   (run / 'checkpoints' / 'r' / '5').mkdir()  # no manifest: an unfinished save
-  assert saved.newest(run) == (4, 3)
-  assert saved.describe(run).startswith('the newest complete in-memory snapshot is step 4, the '
-                                        'newest durable checkpoint step 3: a resume continues '
-                                        'from step 4')
+  assert run_dir.newest(run) == (4, 3)
+  assert run_dir.describe(run).startswith('the newest complete in-memory snapshot is step 4, '
+                                          'the newest durable checkpoint step 3: a resume '
+                                          'continues from step 4')
   # The sweep: the default tmpfs folder of the run directory loses its empty folders only.
-  root = tmp_path / 'tmpfs' / 'mecefo' / rundir.run_name(run)
-  monkeypatch.setattr(saved.files, 'default_snapshot_dir', lambda name: root.parent / name)
+  root = tmp_path / 'tmpfs' / 'mecefo' / run_dir.run_name(run)
+  monkeypatch.setattr(run_dir.files, 'default_snapshot_dir', lambda name: root.parent / name)
   (root / 'killed-start').mkdir(parents=True)
   (root / 'kept' / '7').mkdir(parents=True)
   (root / 'kept' / '7' / 'data').write_text('x')
-  saved.sweep_empty_memory_dirs(run)
+  run_dir.sweep_empty_memory_dirs(run)
   assert sorted(p.name for p in root.iterdir()) == ['kept']

@@ -7,7 +7,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'mecefo_jax'
 # Lowest first: a module may import its own group and the groups below it, never above.
-LAYERS = ['config overrides settings sections install files progress_marks', 'core', 'records',
+LAYERS = ['config overrides settings sections install files', 'core', 'records',
           'sharding multihost',
           'ops', 'layers', 'model', 'data', 'step', 'fault', 'snapshot', 'run',
           'launch supervisor watch job_rules ray_host ray_driver __main__']

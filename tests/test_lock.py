@@ -7,12 +7,12 @@ import threading
 from pathlib import Path
 
 from mecefo_jax.supervisor import free_port
-from mecefo_jax.run import rundir
-from mecefo_jax.run.exits import BAD_INPUT
 from mecefo_jax.snapshot import hold
 from mecefo_jax.snapshot.hold import HOLD_ENV
 from mecefo_jax.snapshot.manifest import verify_manifest
 from mecefo_jax.snapshot.manager import default_snapshot_dir
+from mecefo_jax.records import run_dir
+from mecefo_jax.records.job import BAD_INPUT
 from mecefo_jax.records.run_state import read_run_state
 from procs import ROOT, TINY, error_lines, kill, report, tree, wait_all, wait_for
 
@@ -29,7 +29,7 @@ def _in_use(code: int, err: str, pid: int) -> bool:
 
 def test_a_second_start_never_touches_a_run_held_inside_a_durable_save(launcher, tmp_path):
   out, calm, gate = tmp_path / 'run', tmp_path / 'undisturbed', tmp_path / 'gate'
-  shm = [default_snapshot_dir(rundir.run_name(d)) for d in (out, calm)]
+  shm = [default_snapshot_dir(run_dir.run_name(d)) for d in (out, calm)]
   env = launcher.env()
   first = launcher.start([sys.executable, ROOT / 'train.py', '--out', out, *ARGS],
                          env={**env, HOLD_ENV: f'{STEPS}:{gate}'}, stdout=subprocess.PIPE,

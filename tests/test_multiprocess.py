@@ -19,7 +19,7 @@ from mecefo_jax import multihost, sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.supervisor import free_port
 from mecefo_jax.run import rundir
-from mecefo_jax.run.exits import PEER_LOST
+from mecefo_jax.records.job import PEER_LOST
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 from mecefo_jax.records.run_state import read_run_state

@@ -13,8 +13,9 @@ import pytest
 
 from mecefo_jax.config import load_config
 from mecefo_jax.model import layout, train_state
+from mecefo_jax.records.job import STOPPED
+from mecefo_jax.records.run_dir import snapshot_dirs
 from mecefo_jax.run import cli, rundir
-from mecefo_jax.run.exits import STOPPED
 from mecefo_jax.snapshot.manager import SnapshotManager
 from procs import error_lines
 
@@ -27,7 +28,7 @@ def _copy_run(tmp_path, *, durable=True, memory=False) -> Path:
   """The fixture's run in tmp_path/old, its placeholders (README there) replaced by this copy's
   paths: the run directory, its tmpfs folder and its failure trace (written beside it)."""
   out, trace = tmp_path / 'old', tmp_path / 'oldT'
-  shm = rundir.snapshot_dirs(_cfg().snapshot, out, RUN_ID)[0]
+  shm = snapshot_dirs(_cfg().snapshot, out, RUN_ID)[0]
   trace.write_text('1 1 fail\n')
   shutil.copytree(FIXTURE / 'run', out)
   for name in ('run_state.json', 'report.json', 'history.jsonl', 'failures.txt'):
@@ -53,7 +54,7 @@ def _cfg():
 @pytest.fixture
 def cleanup_shm(tmp_path):
   yield
-  shutil.rmtree(rundir.snapshot_dirs(_cfg().snapshot, tmp_path / 'old', RUN_ID)[0].parent,
+  shutil.rmtree(snapshot_dirs(_cfg().snapshot, tmp_path / 'old', RUN_ID)[0].parent,
                 ignore_errors=True)
 
 
@@ -104,7 +105,7 @@ def test_old_run_resumes_from_its_durable_checkpoint_past_its_memory_snapshot(
 def test_old_memory_snapshot_alone_is_refused_in_one_line_and_kept(tmp_path, capsys,
                                                                    cleanup_shm):
   out = _copy_run(tmp_path, durable=False, memory=True)
-  shm = rundir.snapshot_dirs(_cfg().snapshot, out, RUN_ID)[0] / str(STEP)
+  shm = snapshot_dirs(_cfg().snapshot, out, RUN_ID)[0] / str(STEP)
   before = sorted(p.relative_to(shm) for p in shm.rglob('*'))
   for args in (['--resume'], []):  # explicit and automatic resume alike: never a step-0 start
     code = cli.main(['--out', str(out), *args, 'mesh.slice=2', 'train.compile_cache=', '-q'])

@@ -15,7 +15,7 @@ import pytest
 from mecefo_jax.config import load_config
 from mecefo_jax.model import bases, models
 from mecefo_jax.run import cli
-from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.records.job import BAD_INPUT
 from mecefo_jax.run.stop import TEST_DEATH_ENV
 from procs import ROOT, TINY, error_lines, report
 

@@ -15,7 +15,8 @@ from mecefo_jax.data import tokendir
 from mecefo_jax.data.documents import PIECE_BYTES, DataError, text_documents
 from mecefo_jax.data.sources import load_corpus, read_rows, token_range
 from mecefo_jax.data.tokenizer import ByteTokenizer, Cursor, token_chunks, token_dtype
-from mecefo_jax.run import cli, exits
+from mecefo_jax.records import job
+from mecefo_jax.run import cli
 from procs import ROOT, TINY, error_lines, kill, report, wait_for
 
 CHUNK = 256 << 10  # small chunks: many commits, cursors inside the big file
@@ -88,7 +89,7 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monk
   assert progress['cursor']['offset'] > 0 and not (out / tokendir.META).exists()
   with monkeypatch.context() as m:  # the command's Ctrl-C: exit 130, how to go on
     _interrupt_after(m, 0)
-    assert prep.main([str(corpus), '--out', str(out), '--chunk-mb', '1']) == exits.INTERRUPTED
+    assert prep.main([str(corpus), '--out', str(out), '--chunk-mb', '1']) == job.INTERRUPTED
   assert f'interrupted; what was committed in {out} stays: run the same command again' in \
       capsys.readouterr().err
   with open(out / tokendir.TOKENS, 'ab') as f:  # a chunk written but never committed
@@ -128,10 +129,9 @@ def test_prepare_sources_and_their_errors(corpus, tmp_path, capsys):
                          ([str(tmp_path / 'nope')], 'path not found')]:
     with pytest.raises(DataError, match=match):
       prep.prepare(sources, tmp_path / 'bad')
-  assert prep.main([str(tmp_path / 'nope'), '--out', str(tmp_path / 'bad')]) == exits.BAD_INPUT
+  assert prep.main([str(tmp_path / 'nope'), '--out', str(tmp_path / 'bad')]) == job.BAD_INPUT
   assert error_lines(capsys.readouterr().err) == [
       f'error: {tmp_path / "nope"}: path not found: {tmp_path / "nope"}']
-  assert (prep.EXIT_BAD_SOURCE, prep.EXIT_INTERRUPTED) == (exits.BAD_INPUT, exits.INTERRUPTED)
 
 
 def test_prepare_refusals_name_the_change_leave_nothing_and_usage_is_one_line(tmp_path,
@@ -158,7 +158,7 @@ def test_prepare_refusals_name_the_change_leave_nothing_and_usage_is_one_line(tm
                        (['x', '--out', 'y', '--chunk-mb', 'z'], "argument --chunk-mb: invalid")):
     with pytest.raises(SystemExit) as stop:
       prep.main(argv)
-    assert stop.value.code == exits.BAD_INPUT
+    assert stop.value.code == job.BAD_INPUT
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f'error: {needle}') and line.endswith(
         '(see python -m mecefo_jax.data.prepare --help)'), line
@@ -199,7 +199,7 @@ def test_train_py_reads_a_prepared_directory_on_fake_devices(corpus, tmp_path, c
   result = report(tmp_path / 'run')
   assert result['steps'] == 3 and np.isfinite(result['final_loss'])
   # The vocabulary is checked against the model from meta.json: one line, exit 2.
-  assert cli.main([*args, '--fresh', 'model.vocab_size=128']) == exits.BAD_INPUT
+  assert cli.main([*args, '--fresh', 'model.vocab_size=128']) == job.BAD_INPUT
   assert error_lines(capsys.readouterr().err) == [
       f'error: tokens:{tmp_path / "tok"}: prepared with a vocabulary of 256 ids (tokenizer '
       f'bytes), more than model.vocab_size=128; set model.vocab_size=256']

@@ -21,9 +21,8 @@ from benchmarks.ray_cluster import local_cluster, remove_node
 from deploy import pod_controller as pc
 from mecefo_jax import job_rules, launch, ray_driver, ray_host
 from mecefo_jax.config import ConfigError
+from mecefo_jax.records.job import BAD_INPUT, PEER_LOST, STOPPED, process_state
 from mecefo_jax.run import cli, rundir
-from mecefo_jax.run.exits import BAD_INPUT, PEER_LOST, STOPPED
-from mecefo_jax.run.supervised import process_state
 from mecefo_jax.supervisor import free_port
 from mecefo_jax.records.run_state import RUN_STATE
 from procs import ROOT, TINY, error_lines, report, wait_for
@@ -259,7 +258,7 @@ def test_a_host_runs_the_trainer_as_its_child_and_answers_for_it(tmp_path):
   host.start(['--help'], {}, str(log), stopped_s=60.0)
   assert host.wait() == 0
   seen = host.look()
-  assert seen['code'] == 0 and seen['mark'] is None
+  assert seen.code == 0 and seen.mark is None
   assert 'usage:' in log.read_text()
   host.close()
   assert not host.marks.exists()

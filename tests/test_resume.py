@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from mecefo_jax.config import ConfigError, load_config, to_dict
+from mecefo_jax.records import history
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.job import BAD_INPUT, LAUNCH_ENV, STOPPED
 from mecefo_jax.run import cli, hints, presence, rundir
 from mecefo_jax.run import report as run_report
-from mecefo_jax.run.exits import BAD_INPUT, STOPPED
 from mecefo_jax.run.resume import initial_state
 from mecefo_jax.snapshot.host import choose
 from mecefo_jax.records.run_state import RunState, write_run_state
@@ -145,10 +147,10 @@ def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
   startup = result['startup']
   assert startup['init_lower_s'] is None and startup['init_run_s'] is None
   assert startup['first_step_s'] > startup['restore_s'] + startup['first_programs_s'] > 0
-  history = rundir.read_history(tmp_path / 'run')
-  assert [e['kind'] for e in history if e['kind'] != 'failure'] == ['start', 'stop', 'end',
-                                                                    'start', 'end']
-  assert [e['event']['kind'] for e in history if e['kind'] == 'failure'] == ['fail', 'repair']
+  lines = history.read(tmp_path / 'run')
+  assert [line.kind for line in lines if line.kind is not Kind.FAILURE] == [
+      Kind.START, Kind.STOP, Kind.END, Kind.START, Kind.END]
+  assert [line.event['kind'] for line in lines if line.kind is Kind.FAILURE] == ['fail', 'repair']
   trace = (tmp_path / 'run' / 'failures.txt').read_text()
   assert cli.main(_printed('# replay:', trace)) == 0
   replay = report(tmp_path / 'run' / 'replay')  # a run directory of its own, inside the run's
@@ -186,11 +188,11 @@ def test_an_explicit_resume_with_nothing_usable_is_one_line_and_starts_nothing(t
 def test_one_process_never_resumes_a_supervised_run_from_scratch(tmp_path, capsys, monkeypatch):
   """Case 3: the hosts' snapshot parts are one job's; one process says how to resume it."""
   write_run_state(tmp_path, RunState('stopped', run_id='abc', n_slices=4, n_hosts=2))
-  monkeypatch.delenv(hints.LAUNCH_ENV, raising=False)
+  monkeypatch.delenv(LAUNCH_ENV, raising=False)
   assert cli.main(['--out', str(tmp_path), '--resume', 'train.compile_cache=']) == BAD_INPUT
   [line] = error_lines(capsys.readouterr().err)
   assert 'was trained by 2 processes' in line and 'python -m mecefo_jax.launch -n 2' in line
-  monkeypatch.setenv(hints.LAUNCH_ENV, '-n 2 -- --out run --fresh --stop-after 9 train.steps=30')
+  monkeypatch.setenv(LAUNCH_ENV, '-n 2 -- --out run --fresh --stop-after 9 train.steps=30')
   assert hints.resume(tmp_path, 2) == ('`python -m mecefo_jax.launch -n 2 -- --out run '
                                        'train.steps=30`')
 
@@ -244,8 +246,8 @@ def test_only_process_0_writes_the_run_records(tmp_path):
     records.open_reached()
     records.reached(4)
     records.events([event])
-    records.history('stop', step=4)
+    records.history(Kind.STOP, step=4)
     records.close_reached()
   assert rundir.read_reached(tmp_path) == 4
-  assert [e['kind'] for e in rundir.read_history(tmp_path)] == ['failure', 'stop']
+  assert [line.kind for line in history.read(tmp_path)] == [Kind.FAILURE, Kind.STOP]
   assert (tmp_path / 'failures.txt').read_text().splitlines()[1:] == ['3 1 fail  # trace:t']

@@ -7,8 +7,10 @@ import re
 import shlex
 
 from mecefo_jax.config import load_config
-from mecefo_jax.run import cli, ending, resume, rundir
-from mecefo_jax.run.exits import BAD_INPUT, DIVERGED
+from mecefo_jax.records import history
+from mecefo_jax.records.history import Kind, Rollback
+from mecefo_jax.records.job import BAD_INPUT, DIVERGED
+from mecefo_jax.run import cli, ending, resume
 from mecefo_jax.records.run_state import RUN_STATE
 from procs import TINY, error_lines, report
 
@@ -73,10 +75,12 @@ def test_a_diverged_run_resumed_with_a_lower_lr_goes_back_before_the_divergence(
   assert result['changed_on_resume'] == {'optimizer.lr': [300.0, 0.001]}
   assert all(loss is not None and math.isfinite(loss) for _, loss in result['losses'][step:])
   assert 'diverged' not in _run_state(out)  # a later restart resumes the new timeline
-  history = rundir.read_history(out)
-  assert [e['kind'] for e in history] == ['start', 'diverged', 'end', 'thrown_away', 'start',
-                                          'changed', 'rolled_back', 'end']
-  assert history[5]['settings'] == {'optimizer.lr': [300.0, 0.001]}
+  lines = history.read(out)
+  assert [line.kind for line in lines] == [
+      Kind.START, Kind.DIVERGED, Kind.END, Kind.THROWN_AWAY, Kind.START, Kind.CHANGED,
+      Kind.ROLLED_BACK, Kind.END]
+  assert lines[5].settings == {'optimizer.lr': [300.0, 0.001]}
+  assert lines[6].rolled_back == Rollback(step, step - 1, step - 1, discarded)
   assert any(m.startswith(f'the run diverged at step {step}: went back to the in-memory '
                           f'snapshot') for m in caplog.messages)
 
@@ -131,7 +135,7 @@ def test_no_failure_note_where_a_failure_was_applied_or_none_was_asked_for():
 
 
 def test_going_back_with_the_optimizer_it_diverged_with_is_a_warning(caplog):
-  back = resume.Rollback(diverged_at_step=9, last_finite_step=8, to_step=5, discarded=[])
+  back = Rollback(diverged_at_step=9, last_finite_step=8, to_step=5, discarded=[])
   resume.same_optimizer(back, {'optimizer.warmup_steps': [20, 100]})
   assert not caplog.messages
   resume.same_optimizer(back, {'train.log_every': [10, 1]})

@@ -299,14 +299,15 @@ def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tm
   import types
 
   from mecefo_jax.core.goodput import Goodput
+  from mecefo_jax.records.history import HistoryLine, Kind
   from mecefo_jax.run import restart
   now = time.time()
-  history = [{'t': now - 60, 'kind': 'start'}, {'t': now - 20, 'kind': 'launch-death'},
-             {'t': now - 19, 'kind': 'launch-death'}, {'t': now - 18, 'kind': 'launch-start'}]
-  assert restart.death_before_start(history) == now - 20  # the first death since the start
-  assert restart.death_before_start(history + [{'t': now, 'kind': 'start'}]) is None
-  assert restart.death_before_start([{'t': now, 'kind': 'launch-death'}]) == now
-  _history(tmp_path, *history)
+  lines = [HistoryLine(now - 60, Kind.START), HistoryLine(now - 20, Kind.LAUNCH_DEATH),
+           HistoryLine(now - 19, Kind.LAUNCH_DEATH), HistoryLine(now - 18, Kind.LAUNCH_START)]
+  assert restart.death_before_start(lines) == now - 20  # the first death since the start
+  assert restart.death_before_start(lines + [HistoryLine(now, Kind.START)]) is None
+  assert restart.death_before_start([HistoryLine(now, Kind.LAUNCH_DEATH)]) == now
+  _history(tmp_path, *(sections.to_json(line) for line in lines))
   saved = {'compile': 3.0, 'normal_productive': 9.0}  # the snapshot's ledger (no 'restart')
   ledger = Goodput(saved)
   ledger.book('compile', 5.0)  # this start's compiles

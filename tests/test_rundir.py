@@ -17,7 +17,10 @@ import pytest
 from mecefo_jax.config import ConfigError, load_config, to_dict
 from mecefo_jax import files
 from mecefo_jax.run import cli, dir_lock, hints, rundir, storage
-from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.records import history
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.job import BAD_INPUT
+from mecefo_jax.records.run_dir import LOCK
 from mecefo_jax.records.run_state import RUN_STATE, RunState, read_run_state, write_run_state
 
 from procs import ROOT, TINY, error_lines, report
@@ -111,8 +114,8 @@ def test_a_start_after_a_clean_exit_reports_no_stale_lock(tmp_path, capsys, capl
   out = tmp_path / 'run'
   assert cli.main(['--out', str(out), '--no-snapshots', 'train.steps=1', 'train.compile_cache=',
                    *RUN]) == 0, capsys.readouterr().err
-  assert (out / dir_lock.LOCK).read_text() == ''  # no holder: nothing for the next start to report
-  (out / dir_lock.LOCK).write_text('999999999')  # what a killed process leaves: its pid
+  assert (out / LOCK).read_text() == ''  # no holder: nothing for the next start to report
+  (out / LOCK).write_text('999999999')  # what a killed process leaves: its pid
   caplog.clear()
   with caplog.at_level(logging.INFO, logger='mecefo'):
     dir_lock.unlock(dir_lock.lock(out))
@@ -138,8 +141,8 @@ def test_in_memory_snapshot_errors_skip_the_snapshot_and_training_goes_on(launch
   snapshots = report(out)['snapshots']
   assert snapshots['skipped'] >= 4 and snapshots['retained_steps'] == [], snapshots
   assert log.count('in-memory snapshot skipped') == snapshots['skipped']
-  skips = [e for e in rundir.read_history(out) if e['kind'] == 'snapshot_skipped']
-  assert sum(e['skipped'] for e in skips) == snapshots['skipped'], skips  # where, in the record
+  skips = [line for line in history.read(out) if line.kind is Kind.SNAPSHOT_SKIPPED]
+  assert sum(line.skipped for line in skips) == snapshots['skipped'], skips  # where, in the record
   assert 'Traceback' not in log and report(out)['steps'] == 4
 
 

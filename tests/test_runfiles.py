@@ -13,9 +13,10 @@ from mecefo_jax import files
 from mecefo_jax.config import ConfigError, load_config, to_dict
 from mecefo_jax.data import prepare as prep
 from mecefo_jax.data import tokendir
-from mecefo_jax.run import cli, rundir
-from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.run import cli
 from mecefo_jax.run.records import RunRecords
+from mecefo_jax.records.history import HISTORY, Kind
+from mecefo_jax.records.job import BAD_INPUT
 from mecefo_jax.records.run_state import RUN_STATE, RunState, write_run_state
 from procs import TINY, error_lines, tree
 
@@ -60,15 +61,15 @@ def test_a_torn_history_line_is_skipped_and_the_records_count_on(tmp_path, caplo
   """Defect 4: a torn last line in history.jsonl (a crash mid-append) made every resumed run
   die in report.build -> steps_lost_total with a JSONDecodeError."""
   records = RunRecords(tmp_path, True)
-  records.history('thrown_away', from_step=3, to_step=5)
-  with open(tmp_path / rundir.HISTORY, 'a') as f:
+  records.history(Kind.THROWN_AWAY, from_step=3, to_step=5)
+  with open(tmp_path / HISTORY, 'a') as f:
     f.write('{"t": 1.0, "kind": "thrown_aw')  # what a crash mid-write leaves
   with caplog.at_level(logging.WARNING, 'mecefo'):
     assert records.steps_lost_total() == 2
-  records.history('thrown_away', from_step=7, to_step=8)  # on a line of its own
+  records.history(Kind.THROWN_AWAY, from_step=7, to_step=8)  # on a line of its own
   assert records.steps_lost_total() == 3
   assert [m for m in caplog.messages if 'unreadable line' in m] == 2 * [  # one a read
-      f'{tmp_path / rundir.HISTORY}: skipped 1 unreadable line(s) (line 2; a write cut by a '
+      f'{tmp_path / HISTORY}: skipped 1 unreadable line(s) (line 2; a write cut by a '
       'crash?)']
 
 

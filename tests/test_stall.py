@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax import progress_marks, watch
-from mecefo_jax.progress_marks import MARK_BYTES, Marks, mark_path, read_mark
+from mecefo_jax import watch
+from mecefo_jax.records import history, progress_marks
+from mecefo_jax.records.history import HistoryLine, Kind
+from mecefo_jax.records.progress_marks import MARK_BYTES, Marks, mark_path, read_mark
 from mecefo_jax.run import rundir
 from mecefo_jax.run.stop import TEST_BLOCK_ENV
 from procs import TINY, kill, report, wait_for
@@ -22,7 +24,7 @@ from procs import TINY, kill, report, wait_for
 
 def test_a_mark_is_one_checked_write_and_a_torn_one_is_not_read(tmp_path):
   marks = Marks(mark_path(tmp_path, 2))
-  assert read_mark(tmp_path / 'host2.mark')['phase'] == 'starting'
+  assert read_mark(tmp_path / 'host2.mark').phase == 'starting'
   marks.enter('compiling', 'the fused program')
   marks.dispatched(0)
   marks.dispatched(1)
@@ -30,9 +32,8 @@ def test_a_mark_is_one_checked_write_and_a_torn_one_is_not_read(tmp_path):
   assert with_save == ('training', '', '')
   marks.enter(*with_save)
   mark = read_mark(tmp_path / 'host2.mark')
-  assert (mark['pid'], mark['step'], mark['in_step'], mark['phase']) == (os.getpid(), 1, 2,
-                                                                         'training')
-  assert mark['steps_timed'] == 1 and set(mark['longest']) == {
+  assert (mark.pid, mark.step, mark.in_step, mark.phase) == (os.getpid(), 1, 2, 'training')
+  assert mark.steps_timed == 1 and set(mark.longest) == {
       'starting', 'compiling', 'start-up', 'saving/durable'}
   assert (tmp_path / 'host2.mark').stat().st_size == MARK_BYTES
   data = bytearray((tmp_path / 'host2.mark').read_bytes())
@@ -130,9 +131,9 @@ def test_a_start_up_is_booked_once_whole_never_in_parts(tmp_path):
   marks = Marks(mark_path(tmp_path, 0))
   marks.enter('starting', 'jax.distributed.initialize')
   marks.enter('compiling', 'the fused program')
-  assert 'start-up' not in read_mark(mark_path(tmp_path, 0))['longest']
+  assert 'start-up' not in read_mark(mark_path(tmp_path, 0)).longest
   marks.dispatched(0)
-  assert 'start-up' in read_mark(mark_path(tmp_path, 0))['longest']
+  assert 'start-up' in read_mark(mark_path(tmp_path, 0)).longest
   marks.close()
 
 
@@ -200,21 +201,21 @@ def _stalled_job(launcher, tmp_path, stop_host: int | None, env=None) -> tuple[d
   assert proc.returncode == 0, out[-4000:]
   result = report(run)
   assert result['steps'] == STEPS and result['samples']['dropped'] == 0, result['samples']
-  [stall] = [e for e in rundir.read_history(run) if e['kind'] == 'launch-stall']
+  [stall] = [line for line in history.read(run) if line.kind is Kind.LAUNCH_STALL]
   assert [e['kind'] for e in _events(events)] == ['start', 'stall', 'start', 'end'], out[-3000:]
   failures = (run / 'failures.txt').read_text()
-  assert f"# stall: {stall['note']}\n" in failures
+  assert f'# stall: {stall.note}\n' in failures
   return stall, out
 
 
 def test_a_sigstopped_worker_is_a_stall_and_the_job_retrains_without_it(launcher, tmp_path):
   stall, out = _stalled_job(launcher, tmp_path, stop_host=2)
-  assert stall['host'] == 2 and stall['stopped'] == [2], stall
-  assert stall['why'] == 'its process is stopped (SIGSTOP)'
-  assert stall['deadline_from'] == 'measured', stall  # on the steps timed: 10x, >= 10 s
-  assert stall['waited_s'] >= stall['deadline_s'], stall  # named once the deadline ran out
-  assert set(stall['phases']) == {'0', '1', '2'}
-  assert all(p['phase'] in progress_marks.PHASES for p in stall['phases'].values()), stall
+  assert stall.host == 2 and stall.stopped == [2], stall
+  assert stall.why == 'its process is stopped (SIGSTOP)'
+  assert stall.deadline_from == 'measured', stall  # on the steps timed: 10x, >= 10 s
+  assert stall.waited_s >= stall.deadline_s, stall  # named once the deadline ran out
+  assert set(stall.phases) == {'0', '1', '2'}
+  assert all(p['phase'] in progress_marks.PHASES for p in stall.phases.values()), stall
   assert 'host 2 stopped first, in ' in out and '(its process is stopped (SIGSTOP))' in out
   assert 'after 0 death(s), 1 stall(s), 0 rejoin(s), 1 restart(s)' in out
 
@@ -223,10 +224,10 @@ def test_a_worker_blocked_inside_a_step_is_named_with_its_step(launcher, tmp_pat
   """Host 1 blocks between the dispatch of step 6 and its mark, its heartbeat thread alive
   (the coordination service never sees it go silent): the others wait for it in step 6."""
   stall, out = _stalled_job(launcher, tmp_path, stop_host=None, env={TEST_BLOCK_ENV: '1:6'})
-  assert stall['host'] == 1 and stall['stopped'] == [], stall
-  assert stall['why'] == 'it never reached the point the others wait in'
-  assert stall['phases']['1']['step'] == 5 and stall['phases']['0']['step'] == 6, stall
-  assert stall['phases']['1']['phase'] == 'training', stall
+  assert stall.host == 1 and stall.stopped == [], stall
+  assert stall.why == 'it never reached the point the others wait in'
+  assert stall.phases['1']['step'] == 5 and stall.phases['0']['step'] == 6, stall
+  assert stall.phases['1']['phase'] == 'training', stall
 
 
 def test_evals_snapshots_and_a_cold_compile_never_stall(launcher, tmp_path):
@@ -243,25 +244,25 @@ def test_evals_snapshots_and_a_cold_compile_never_stall(launcher, tmp_path):
   assert [e['kind'] for e in _events(events)] == ['start', 'end']
   for host in (0, 1):
     mark = read_mark(mark_path(run / 'logs' / 'marks', host))
-    assert mark['phase'] == 'ending' and mark['step'] == 11, mark
+    assert mark.phase == 'ending' and mark.step == 11, mark
     assert {'start-up', 'compiling', 'evaluating', 'saving/in-memory', 'saving/durable'} <= \
-        set(mark['longest']), mark
+        set(mark.longest), mark
 
 
 def test_a_stalls_restart_is_booked_as_a_deaths():
   """goodput.restart and the plot's time axis count from the stall line, as from a death's."""
   from mecefo_jax.run import restart
-  history = [{'t': 100.0, 'kind': 'start'}, {'t': 130.0, 'kind': 'launch-stall', 'host': 1},
-             {'t': 130.2, 'kind': 'launch-start'}]
-  assert restart.deaths(history) == [130.0]
-  assert restart.death_before_start(history) == 130.0
+  lines = [HistoryLine(100.0, Kind.START), HistoryLine(130.0, Kind.LAUNCH_STALL, host=1),
+           HistoryLine(130.2, Kind.LAUNCH_START)]
+  assert restart.deaths(lines) == [130.0]
+  assert restart.death_before_start(lines) == 130.0
 
 
 def test_failures_txt_says_which_process_stalled_and_still_replays(tmp_path):
   from mecefo_jax.core.failures import FailureSchedule
-  rundir.append_history(tmp_path, 'launch-stall', host=2,
-                        note='host 2 stopped first, in training at step 41; host 0 training at '
-                             'step 42, host 1 training at step 42, host 2 training at step 41')
+  history.append(tmp_path, Kind.LAUNCH_STALL, host=2,
+                 note='host 2 stopped first, in training at step 41; host 0 training at step '
+                      '42, host 1 training at step 42, host 2 training at step 41')
   events = [{'step': 42, 'slice': 2, 'kind': 'fail', 'source': 'absent'}]
   rundir.write_failures(tmp_path, events, '`python -m mecefo_jax ...`')
   lines = (tmp_path / 'failures.txt').read_text().splitlines()

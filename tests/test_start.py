@@ -8,7 +8,7 @@ import pytest
 
 from mecefo_jax.fault.controller import Controller
 from mecefo_jax.run import cli, rundir
-from mecefo_jax.run.exits import CHECKPOINTS_FAILING, STOPPED
+from mecefo_jax.records.job import CHECKPOINTS_FAILING, STOPPED
 from mecefo_jax.snapshot import durable, manager, tier
 from mecefo_jax.snapshot.capacity import SnapshotError
 from mecefo_jax.records.run_state import read_run_state

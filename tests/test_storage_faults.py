@@ -17,10 +17,12 @@ import pytest
 from mecefo_jax.config import load_config
 from mecefo_jax.model import train_state
 from mecefo_jax.run import cli, metrics, rundir
-from mecefo_jax.run.exits import BAD_INPUT, CHECKPOINTS_FAILING, OUTPUTS_FAILING
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
 from mecefo_jax.snapshot.manager import state_nbytes
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
+from mecefo_jax.records import history
+from mecefo_jax.records.history import HISTORY, Kind
+from mecefo_jax.records.job import BAD_INPUT, CHECKPOINTS_FAILING, OUTPUTS_FAILING
 from mecefo_jax.records.run_state import RUN_STATE, read_run_state
 from procs import TINY, error_lines, report, tree
 
@@ -241,8 +243,9 @@ def test_a_full_disk_under_out_ends_in_its_lines_and_every_record_is_true(
   assert not _leftovers(run, shm), _leftovers(run, shm)
   # What the stop line and history.jsonl say was saved is on disk, a checkpoint whole.
   places = re.findall(r'(?:in-memory snapshot|durable checkpoint) (\S+?)(?: and the |;)', stop)
-  [record] = [e for e in _jsonl_lines(run / rundir.HISTORY) if e['kind'] == 'stop']
-  assert [w.split(' ')[-1] for w in record['saved']] == places, (record, stop)
+  _jsonl_lines(run / HISTORY)
+  [record] = [line for line in history.read(run) if line.kind is Kind.STOP]
+  assert [w.split(' ')[-1] for w in record.saved] == places, (record, stop)
   assert all((Path(p) / MANIFEST_NAME).exists() for p in places), places
   _jsonl_lines(run / rundir.METRICS_FILE)
   assert not [fd for fd in os.listdir('/proc/self/fd')
@@ -251,7 +254,8 @@ def test_a_full_disk_under_out_ends_in_its_lines_and_every_record_is_true(
   (small_disk / 'fill').unlink()  # room again
   assert cli.main(['--out', str(run), '--resume', '-q']) == 0
   assert report(run)['resumed_from_step'] == steps
-  assert [e['kind'] for e in _jsonl_lines(run / rundir.HISTORY)][-2:] == ['start', 'end']
+  _jsonl_lines(run / HISTORY)
+  assert [line.kind for line in history.read(run)][-2:] == [Kind.START, Kind.END]
   assert _jsonl_lines(run / rundir.METRICS_FILE)[-1]['step'] == int(more[0].split('=')[1]) - 1
 
 

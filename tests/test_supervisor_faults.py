@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 
 from mecefo_jax.supervisor import free_port as launch_port
-from mecefo_jax.run import dir_lock, ending, recovery_time, rundir
-from mecefo_jax.run.exits import PEER_LOST
-from mecefo_jax.run.supervised import Watch, process_state
+from mecefo_jax.records import history, recovery
+from mecefo_jax.records.history import HistoryLine, Kind, SupervisorPart
+from mecefo_jax.records.job import PEER_LOST, Handoff, process_state
+from mecefo_jax.records.run_dir import LOCK
+from mecefo_jax.run import ending, recovery_time
+from mecefo_jax.run.supervised import Watch
 from mecefo_jax.records.run_state import read_run_state
 from procs import TINY, busy_core, error_lines, wait_for
 
@@ -49,24 +52,24 @@ def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_
     sup.wait()
     wait_for(lambda: all(_gone(p) for p in pids.values()), 120, 'the workers to stop')
   assert read_run_state(run).status == 'stopped'
-  [stop] = [e for e in rundir.read_history(run) if e['kind'] == 'stop']
+  [stop] = [line for line in history.read(run) if line.kind is Kind.STOP]
   why = f'the supervisor (pid {sup.pid}) is gone'
-  assert stop['why'] == why, stop
-  said = f'stopped by {why} after {stop["step"]} steps'
+  assert stop.why == why, stop
+  said = f'stopped by {why} after {stop.step} steps'
   logs = [(tmp_path / 'supervisor.log').read_text()] + [
       (run / 'logs' / f'host{h}.log').read_text() for h in (1, 2)]
   assert all(said in log for log in logs), [log[-2000:] for log in logs]
   # Every host's part of that step's in-memory snapshot, and the report of a stopped run.
   [memory] = shm.iterdir()
-  assert all((memory / f'host{h}' / str(stop['step'])).is_dir() for h in range(3))
+  assert all((memory / f'host{h}' / str(stop.step)).is_dir() for h in range(3))
   report = json.loads((run / 'report.json').read_text())
-  assert report['preempted'] and report['steps'] == stop['step']
+  assert report['preempted'] and report['steps'] == stop.step
 
 
 def test_the_watch_sees_a_closed_pipe_and_a_stopped_supervisor(launcher):
   seen = []
   read_fd, write_fd = os.pipe()
-  Watch(f'fd:{read_fd}:{os.getpid()}', seen.append)
+  Watch(Handoff.from_env(f'fd:{read_fd}:{os.getpid()}'), seen.append)
   time.sleep(1.5)
   assert seen == []  # an open pipe and a running supervisor: nothing
   os.close(write_fd)
@@ -77,7 +80,7 @@ def test_the_watch_sees_a_closed_pipe_and_a_stopped_supervisor(launcher):
   stand_in = launcher.start(['sleep', '60'])
   read_fd, write_fd = os.pipe()
   stopped = []
-  Watch(f'fd:{read_fd}:{stand_in.pid}', stopped.append, stopped_s=2.0)
+  Watch(Handoff(read_fd, stand_in.pid, stopped_s=2.0), stopped.append)
   os.kill(stand_in.pid, signal.SIGSTOP)
   time.sleep(1.0)
   assert stopped == []
@@ -94,7 +97,7 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(launcher, tmp_pa
   proc = launcher.start([sys.executable, 'train.py', '--out', run, f'snapshot.dir={shm}',
                          'train.steps=5', *TINY], env=launcher.env(compile_cache=False),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  wait_for(lambda: (run / dir_lock.LOCK).exists(), 120, 'the run locked', proc)
+  wait_for(lambda: (run / LOCK).exists(), 120, 'the run locked', proc)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
   lines = [line for line in err.splitlines() if 'error' in line.lower() or 'Traceback' in line]
@@ -148,10 +151,10 @@ def test_a_death_is_timed_phase_by_phase_and_its_tmpfs_part_freed(launcher, tmp_
   assert all(recovery[p] >= 0 for p in phases) and recovery['detect_s'] >= 0, recovery
   assert abs(sum(recovery[p] for p in phases) - recovery['total_s']) < 0.01, recovery
   assert recovery['imports_s'] > 0 and recovery['programs_s'] > 0, recovery
-  history = rundir.read_history(run)
-  death = next(e['t'] for e in history if e['kind'] == 'launch-death')
-  recovered = next(e for e in history if e['kind'] == 'recovered')
-  assert recovered['total_s'] == recovery['total_s'] <= recovered['t'] - death + 0.01
+  lines = history.read(run)
+  death = next(line.t for line in lines if line.kind is Kind.LAUNCH_DEATH)
+  recovered = next(line for line in lines if line.kind is Kind.RECOVERED)
+  assert recovered.recovered.total_s == recovery['total_s'] <= recovered.t - death + 0.01
   assert 'trained again' in first.stderr and 'after the death of host 1 was seen' in \
       first.stderr, first.stderr[-3000:]
   [memory] = shm.iterdir()
@@ -265,8 +268,7 @@ def test_the_coordination_services_host_lingers_after_its_lost_peer_line(monkeyp
 
 
 def test_a_restarts_phases_add_up_to_its_whole_and_the_last_launch_start_is_its_own():
-  part = recovery_time.SupervisorPart('death', 1, 0.1, detected_t=100.0, stopped_t=100.5,
-                                      spawned_t=101.0)
+  part = SupervisorPart('death', 1, 0.1, detected_t=100.0, stopped_t=100.5, spawned_t=101.0)
   marks = {'jax_imported': 103.0, 'distributed': 103.5, 'imported': 104.5}
   seconds = {'restore_s': 0.5, 'first_programs_s': 2.0, 'first_step_run_s': 1.0}
   r = recovery_time.measure(part, origin=101.25, marks=marks, seconds=seconds,
@@ -275,12 +277,12 @@ def test_a_restarts_phases_add_up_to_its_whole_and_the_last_launch_start_is_its_
       0.5, 0.5, 0.25, 2.75, 0.5)
   assert r.total_s == 10.0 and r.setup_s == 10.0 - (0.5 + 0.5 + 0.25 + 2.75 + 0.5 + 0.5 + 2.0 +
                                                    1.0)
-  line = recovery_time.describe(dataclasses.asdict(r))
+  line = recovery.describe(r)
   assert line.startswith('trained again 10.0 s after the death of host 1 was seen: detect <= '
                          '0.10 s, stop 0.5 s')
   assert 'programs 2.0 s (1 compiled, 2 loaded), first step 1.0 s' in line
-  fields = dataclasses.asdict(part)
-  history = [{'kind': 'launch-start', 'recovery': {**fields, 'host': 0}}, {'kind': 'start'},
-             {'kind': 'launch-death'}, {'kind': 'launch-start', 'recovery': fields}]
-  assert recovery_time.restarted_by(history) == part
-  assert recovery_time.restarted_by(history[:2]) is None  # a first start: no restart
+  lines = [HistoryLine(1.0, Kind.LAUNCH_START, recovery=dataclasses.replace(part, host=0)),
+           HistoryLine(2.0, Kind.START), HistoryLine(3.0, Kind.LAUNCH_DEATH),
+           HistoryLine(4.0, Kind.LAUNCH_START, recovery=part)]
+  assert recovery_time.restarted_by(lines) == part
+  assert recovery_time.restarted_by(lines[:2]) is None  # a first start: no restart

@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 
 from mecefo_jax.files import default_snapshot_dir
-from mecefo_jax.run import rundir
+from mecefo_jax.records import history
+from mecefo_jax.records.history import Kind
+from mecefo_jax.records.run_dir import run_name
 from mecefo_jax.records.run_state import read_run_state
+from mecefo_jax.run import rundir
 from procs import TINY, busy_core, kill, report, wait_for
 
 BASE = [*TINY, 'mesh.slice=2', 'train.log_every=1', 'train.eval_every=0', 'train.plot=false']
@@ -47,13 +50,13 @@ def _clean_stop(run: Path, proc: subprocess.Popen, out: str) -> int:
   run_state.json `stopped`, a stop record, no temporary checkpoint, no dump. Its step."""
   assert proc.returncode == 143, out[-3000:]
   assert read_run_state(run).status == 'stopped'
-  stop = [e for e in rundir.read_history(run) if e['kind'] == 'stop'][-1]
-  assert stop['why'] == 'SIGINT (Ctrl-C)' and len(stop['saved']) == 2, stop
+  stop = [line for line in history.read(run) if line.kind is Kind.STOP][-1]
+  assert stop.why == 'SIGINT (Ctrl-C)' and len(stop.saved) == 2, stop
   assert not list(run.glob('checkpoints/**/*.orbax-checkpoint-tmp*'))
   logs = out + ''.join(p.read_text() for p in (run / 'logs').glob('host*.log'))
   for bad in ('Traceback', 'Fatal', 'without a final snapshot', 'F0000', 'Check failed'):
     assert bad not in logs, logs[-3000:]
-  return stop['step']
+  return stop.step
 
 
 def test_ctrl_c_stops_the_job_at_one_step_and_a_stopped_supervisor_takes_it_back(launcher,
@@ -61,7 +64,7 @@ def test_ctrl_c_stops_the_job_at_one_step_and_a_stopped_supervisor_takes_it_back
   run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
   cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '2', '--stopped-s', '2', '--events',
          events, '--', '--out', run, 'train.steps=100000', *BASE]
-  shm = default_snapshot_dir(rundir.run_name(run))
+  shm = default_snapshot_dir(run_name(run))
   try:
     with busy_core():
       # 1. The supervisor SIGSTOPped past --stopped-s: the job stops itself at an agreed step;
@@ -69,9 +72,9 @@ def test_ctrl_c_stops_the_job_at_one_step_and_a_stopped_supervisor_takes_it_back
       proc = _start(launcher, cmd, tmp_path / 'first.log')
       wait_for(lambda: _reached(run) >= 5, 300, 'step 5', proc)
       os.kill(proc.pid, signal.SIGSTOP)
-      wait_for(lambda: any(e['kind'] == 'stop' for e in rundir.read_history(run, warn=False)),
+      wait_for(lambda: any(line.kind is Kind.STOP for line in history.read(run, warn=False)),
                120, 'the job to stop itself')
-      stopped_at = [e for e in rundir.read_history(run) if e['kind'] == 'stop'][-1]['step']
+      stopped_at = [line for line in history.read(run) if line.kind is Kind.STOP][-1].step
       os.kill(proc.pid, signal.SIGCONT)
       wait_for(lambda: _reached(run) >= stopped_at + 3, 300, 'the job taken back', proc)
       os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the group
@@ -106,7 +109,7 @@ def test_a_start_up_stall_before_the_run_exists_starts_it_anew(launcher, tmp_pat
   same run (no run_state.json yet: a --resume would be refused, and no snapshot holds host 2's
   slices for the others). The finished run leaves nothing in tmpfs."""
   run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
-  shm = default_snapshot_dir(rundir.run_name(run))
+  shm = default_snapshot_dir(run_name(run))
   log = tmp_path / 'launch.log'
   proc = _start(launcher, [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--stall-s', '5',
                            '--events', events, '--', '--out', run, 'train.steps=6', *TINY,

@@ -14,9 +14,10 @@ from mecefo_jax.data import prepare as prep
 from mecefo_jax.data import tokendir
 from mecefo_jax.data.tokenizer import token_chunks
 from mecefo_jax.run import cli, plot, rundir
-from mecefo_jax.run.exits import BAD_INPUT, STOPPED
-from mecefo_jax.run.stop import STOP_FILE
 from mecefo_jax.snapshot.manifest import MANIFEST_NAME
+from mecefo_jax.records import history
+from mecefo_jax.records.history import HISTORY, Kind
+from mecefo_jax.records.job import BAD_INPUT, STOP_FILE, STOPPED
 from mecefo_jax.records.run_state import RUN_STATE, read_run_state
 from procs import TINY, error_lines, report, tree
 
@@ -31,7 +32,7 @@ RUN = [*TINY, 'mesh.slice=2', 'train.steps=4', 'train.log_every=1', 'train.plot=
 # The key each JSON file's 'a required key missing' drops ('' for a list: its first item).
 KEYS = {RUN_STATE: 'run_id', 'report.json': 'failure_events', tokendir.META: 'vocab_size',
         tokendir.PROGRESS: 'tokens', MANIFEST_NAME: 'files', 'meta': 'controller', 'layout': ''}
-LINES = {rundir.HISTORY: b'{"t": 1.0}\n', rundir.METRICS_FILE: b'{"kind": "train"}\n'}
+LINES = {HISTORY: b'{"t": 1.0}\n', rundir.METRICS_FILE: b'{"kind": "train"}\n'}
 
 
 def damage(path: Path, kind: str) -> None:
@@ -150,7 +151,7 @@ def _resume(made, kind, target, flags, caplog, capsys) -> None:
   assert len(list(made.shm.glob('set_aside/*/3-*/3'))) == text, (kind, target)
   err = capsys.readouterr().err
   assert code == (STOPPED if text else 0) and 'Traceback' not in err, (kind, flags, err)
-  for name, key in ((rundir.HISTORY, 'kind'), (rundir.METRICS_FILE, 'step')):
+  for name, key in ((HISTORY, 'kind'), (rundir.METRICS_FILE, 'step')):
     # Lines that are no JSON are cut once the start is checked (a line; a read before may have
     # skipped them, a line too); valid JSON of another shape stays, skipped where it is read.
     torn, unparsed = torn_lines(damaged[name], key), torn_lines(damaged[name], None)
@@ -160,8 +161,9 @@ def _resume(made, kind, target, flags, caplog, capsys) -> None:
     assert (torn > unparsed) <= (len(said) > len(cut)), (name, kind, said)
     assert torn_lines((made.run / name).read_bytes(), None) == 0  # every line of it parses
   caplog.clear()
-  kinds = [e['kind'] for e in rundir.read_history(made.run)]
-  assert kinds[-3:] == ['start', 'stop', 'end'] if text else kinds[-2:] == ['start', 'end']
+  kinds = [line.kind for line in history.read(made.run)]
+  assert (kinds[-3:] == [Kind.START, Kind.STOP, Kind.END] if text else
+          kinds[-2:] == [Kind.START, Kind.END])
   result = report(made.run)
   assert (result['resumed_from_step'], result['steps']) == (2, 3 if text else 4), result
   assert not (made.run / STOP_FILE).exists()

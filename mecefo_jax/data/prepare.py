@@ -25,11 +25,9 @@ from mecefo_jax.data.documents import (PIECE_BYTES, DataError, Documents, open_d
                                        text_documents)
 from mecefo_jax.data.sources import parse_spec
 from mecefo_jax.data.tokenizer import Cursor, open_tokenizer, token_chunks
+from mecefo_jax.records.job import BAD_INPUT, INTERRUPTED
 
 CHUNK_MB = 64  # text per committed chunk: what an interruption loses at most
-# train.py's codes for bad input and a Ctrl-C (run/exits.py, above this layer; a test keeps
-# them equal)
-EXIT_BAD_SOURCE, EXIT_INTERRUPTED = 2, 130
 _OURS = {tokendir.TOKENS, tokendir.META, tokendir.PROGRESS, tokendir.META + '.tmp',
          tokendir.PROGRESS + '.tmp'}
 
@@ -198,7 +196,7 @@ class _Parser(argparse.ArgumentParser):
 
   def error(self, message):
     print(f'error: {message} (see {self.prog} --help)', file=sys.stderr)
-    sys.exit(EXIT_BAD_SOURCE)
+    sys.exit(BAD_INPUT)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -231,11 +229,11 @@ def main(argv=None) -> int:
                           chunk_bytes=max(args.chunk_mb, 1) << 20, quiet=args.quiet)
   except DataError as e:
     print(f'error: {e}', file=sys.stderr)
-    return EXIT_BAD_SOURCE
+    return BAD_INPUT
   except KeyboardInterrupt:
     print(f'\ninterrupted; what was committed in {args.out} stays: run the same command again '
           f'to continue', file=sys.stderr)
-    return EXIT_INTERRUPTED
+    return INTERRUPTED
   done = (f'prepared in {time.perf_counter() - t0:.1f} s' if wrote else
           'prepared already, nothing to do (--force prepares it again)')
   print(f'{args.out}: {meta.token_count:,} tokens ({meta.dtype}) of {meta.doc_count:,} '

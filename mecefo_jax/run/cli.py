@@ -16,8 +16,8 @@ from pathlib import Path
 from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, MODELS, POLICIES, Config, ConfigError, FaultConfig,
                                builtin_configs, config_file, load_config, rule_of, to_dict)
 from mecefo_jax.records import run_state
+from mecefo_jax.records.job import BAD_INPUT, INTERRUPTED
 from mecefo_jax.run import ending, hints, startup, storage, supervised
-from mecefo_jax.run.exits import BAD_INPUT, INTERRUPTED
 
 
 DEFAULT_CONFIG = CONFIGS / 'tiny.yaml'  # in the package: the default does not depend on the cwd
@@ -285,7 +285,8 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   try:
     _no_jax_cache()
     startup.mark('jax_imported')
-    from mecefo_jax import multihost, progress_marks
+    from mecefo_jax import multihost
+    from mecefo_jax.records import progress_marks
     progress_marks.open_marks(_host(args))  # where a supervisor asks for them: it watches
     progress_marks.enter('starting', 'jax.distributed.initialize')
     job = multihost.initialize(args.coordinator, args.num_processes, args.process_id,

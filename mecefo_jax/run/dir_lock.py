@@ -1,4 +1,5 @@
-"""The run directory's lock: one training process (or job) per `--out`; a dead one's taken over."""
+"""The run directory's lock: one training process (or job) per `--out`; a dead one's taken over
+(its holder, as a supervisor looks at it: records/run_dir.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,9 +9,9 @@ import os
 from pathlib import Path
 
 from mecefo_jax.config import ConfigError
+from mecefo_jax.records.run_dir import LOCK, in_use_message
 
 log = logging.getLogger('mecefo')
-LOCK = '.lock'
 
 
 def lock(out_dir: Path):
@@ -52,27 +53,6 @@ def lock_job(out_dir: Path):
     held.append(lock(out_dir))
   multihost.on_chief(take)
   return held[0] if held else None
-
-
-def in_use_message(out_dir: Path, holder: str) -> str:
-  return (f'run directory {str(out_dir)!r} is in use by another training process (pid '
-          f'{holder or "?"}); wait for it to end or pass another --out')
-
-
-def holder(out_dir: Path) -> str | None:
-  """The pid that holds `out_dir`'s lock ('' if unknown), None if none does: a look (the
-  supervisor's, before it writes anything) that takes nothing and creates nothing."""
-  try:
-    fd = os.open(Path(out_dir) / LOCK, os.O_RDONLY)
-  except (FileNotFoundError, NotADirectoryError):
-    return None
-  try:
-    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a start holds it
-    return None
-  except BlockingIOError:
-    return os.read(fd, 32).decode(errors='replace').strip()
-  finally:
-    os.close(fd)
 
 
 def unlock(held, refused: Path | None = None) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mecefo_jax.config import PRESETS, Config
 from mecefo_jax.core.failures import rate_scale
-from mecefo_jax.run.exits import (ALL_DOWN, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
-                                  OUTPUTS_FAILING, PEER_LOST, STOPPED)
+from mecefo_jax.records.job import (ALL_DOWN, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
+                                    OUTPUTS_FAILING, PEER_LOST, SIGINT_REASON, STOPPED)
 
 # What a collective's failure says when a peer process of the job is gone (gloo on CPU, NCCL
 # on GPU, the coordination service anywhere); jax raises it as a JaxRuntimeError.
@@ -139,8 +139,7 @@ def startup_stopped(stop: StartupStopped) -> int:
 
 
 def exit_code(report: dict, run) -> int:
-  """The documented exit code of a run that ended its loop (run/exits.py)."""
-  from mecefo_jax.run.stop import SIGINT_REASON
+  """The documented exit code of a run that ended its loop (records/job.py)."""
   if run.checkpoints_failing:  # its stop line ended the loop; a failed write after it too
     return CHECKPOINTS_FAILING
   if run.outputs.error is not None:  # a full disk: stopped after the step, resumable

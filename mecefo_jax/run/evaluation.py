@@ -6,7 +6,7 @@ from typing import Callable
 
 import numpy as np
 
-from mecefo_jax import progress_marks
+from mecefo_jax.records import progress_marks
 from mecefo_jax.records.metrics import Eval, EvalRow
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.sections import Draft

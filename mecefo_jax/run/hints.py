@@ -4,15 +4,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import sys
 from pathlib import Path
 
-# The supervisor's own command line, which it hands to the processes it starts: a run it made
-# is resumed by rerunning it (the restarts are its job, --host-slot and all). Its arguments,
-# and the command they were given to (`mecefo-launch` or `python -m mecefo_jax.launch`).
-LAUNCH_ENV = 'MECEFO_LAUNCH_ARGS'
-LAUNCH_COMMAND_ENV = 'MECEFO_LAUNCH_COMMAND'
-LAUNCH_MODULE = 'mecefo_jax.launch'
+from mecefo_jax.records.job import LAUNCH_COMMAND_ENV, LAUNCH_ENV, LAUNCH_MODULE
+
 # A refusal names train.py's flags while its command line runs (cli.main), else the Trainer's
 # own arguments (a notebook has no --resume to pass).
 _ARGUMENTS = {'--resume': 'resume=True', '--fresh': 'replace=True', '--out': 'out_dir'}
@@ -34,13 +29,6 @@ def entered(argv0: str) -> None:
 def train_command() -> str:
   """The training command as the user typed it (entered): its help and errors name it."""
   return shlex.join(_TRAIN)
-
-
-def command(module: str, argv0: str | None = None) -> str:
-  """How the user started the command of `module`: an installed script by its name
-  (pyproject.toml's [project.scripts]: `mecefo-launch`), else `python -m MODULE`."""
-  name = Path(sys.argv[0] if argv0 is None else argv0).name
-  return name if name.startswith('mecefo-') else f'python -m {module}'
 
 
 @contextlib.contextmanager

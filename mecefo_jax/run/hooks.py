@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from mecefo_jax import progress_marks
 from mecefo_jax.core.decider import StepPlan
+from mecefo_jax.records import progress_marks
 from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.sections import Draft
 
@@ -113,7 +113,7 @@ class Every(Hook):
 
 class ProgressMark(Hook):
   """Marks each step once dispatched, before the loop waits for it, where the supervisor reads
-  it (progress_marks.py): a process stuck before that point is the one the others wait for."""
+  it (records/progress_marks.py): a process stuck before that point is the one the others wait for."""
 
   def dispatched(self, step: int) -> None:
     progress_marks.dispatched(step)

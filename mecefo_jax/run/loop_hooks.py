@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from mecefo_jax import sections
+from mecefo_jax.records.history import Kind
 from mecefo_jax.records.metrics import Eval
 from mecefo_jax.run import hints
 from mecefo_jax.run.evaluation import Evals
@@ -38,6 +39,6 @@ def ordered(run, progress: str, on_log: Callable[[dict], None] | None,
       run.origin.step, lambda bound: saver.newest(bound, run.origin.resumed_from),
       lambda lr: (hints.rollback(run.out_dir, lr, run.presence.n_hosts), hints.fresh(run.out_dir)),
       cfg.optimizer.lr, lambda diverged: (run.files.diverged(diverged),
-                                          run.records.history('diverged', **diverged)))
+                                          run.records.history(Kind.DIVERGED, diverged=diverged)))
   hooks = [ProgressMark(), divergence, evals, saver, rows, *extra, stop]
   return Hooks(hooks), saver

@@ -11,12 +11,13 @@ import numpy as np
 
 from mecefo_jax import files, sections
 from mecefo_jax.core.failures import AppliedEvent, apply_event
+from mecefo_jax.records import history
+from mecefo_jax.records.job import BAD_INPUT, command
 from mecefo_jax.records.metrics import EvalRow, TrainRow
-from mecefo_jax.run import hints, restart
-from mecefo_jax.run.exits import BAD_INPUT
+from mecefo_jax.run import restart
 from mecefo_jax.run.metrics import read_metrics
 from mecefo_jax.run.report_schema import Report
-from mecefo_jax.run.rundir import METRICS_FILE, read_history
+from mecefo_jax.run.rundir import METRICS_FILE
 
 log = logging.getLogger('mecefo')
 PLOT_FILE = 'training.png'
@@ -38,7 +39,7 @@ def read_rows(run_dir: str | Path) -> list[Timed]:
   after a death the supervisor recorded, the time to the restarted loop counts too, where the
   rows hold their Unix `time`); a step trained again after a resume keeps its last row."""
   rows, offset, last = {}, 0.0, None
-  died = restart.deaths(read_history(run_dir, warn=False))  # only its deaths count here
+  died = restart.deaths(history.read(run_dir, warn=False))  # only its deaths count here
   for row in read_metrics(run_dir):
     if last is not None and row.wall_s < last.wall_s:  # a new process (resume): a new clock
       offset += last.wall_s + _restart_gap(last, row, died)
@@ -293,7 +294,7 @@ def plot_compare(run_dirs, out: str | Path) -> Path:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
-      prog=hints.command('mecefo_jax.run.plot'),  # as typed: mecefo-plot or python -m ...
+      prog=command('mecefo_jax.run.plot'),  # as typed: mecefo-plot or python -m ...
       description='Plot loss, throughput, failures and goodput of a run, or compare the loss '
                   'of several runs on one figure.')
   p.add_argument('run_dirs', nargs='+', metavar='RUN_DIR',

@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mecefo_jax import files, multihost
+from mecefo_jax.records import history
+from mecefo_jax.records.history import HISTORY, Kind
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.storage import OutputGuard
 
@@ -26,11 +28,10 @@ class RunRecords:
     if not self.enabled:
       return
     # A line that a crash or a full disk cut goes first, so that every line parses.
-    self.guard.attempt(self.out_dir / rundir.HISTORY, files.cut_torn_lines,
-                       self.out_dir / rundir.HISTORY)
+    self.guard.attempt(self.out_dir / HISTORY, files.cut_torn_lines, self.out_dir / HISTORY)
     if start.steps_lost:
-      self.history('thrown_away', from_step=start.step, to_step=start.reached)
-    self.history('start', step=start.step, restored=start.where, hosts=sorted(hosts),
+      self.history(Kind.THROWN_AWAY, from_step=start.step, to_step=start.reached)
+    self.history(Kind.START, step=start.step, restored=start.where, hosts=sorted(hosts),
                  live=list(live))
     self.events(events, cut_back=True)
 
@@ -39,7 +40,7 @@ class RunRecords:
     if not self.enabled or (len(events) == self._events_written and not cut_back):
       return
     for event in events[self._events_written:]:
-      self.history('failure', event=event)
+      self.history(Kind.FAILURE, event=event)
     self.guard.attempt(self.out_dir / rundir.FAILURES, rundir.write_failures, self.out_dir,
                        events, hints.replay(self.out_dir))
     self._events_written = len(events)
@@ -57,13 +58,13 @@ class RunRecords:
       self._reached.close()
       self._reached = None
 
-  def history(self, kind: str, **fields) -> None:
+  def history(self, kind: Kind, **fields) -> None:
+    """A line of history.jsonl: `kind` and its keys `fields` (records/history.py)."""
     if self.enabled:
-      self.guard.attempt(self.out_dir / rundir.HISTORY, rundir.append_history, self.out_dir,
-                         kind, **fields)
+      self.guard.attempt(self.out_dir / HISTORY, history.append, self.out_dir, kind, **fields)
 
   def steps_lost_total(self) -> int:
     """Steps trained again over the run's life (history.jsonl, process 0's; all call it)."""
     return multihost.on_chief(lambda: sum(
-        e['to_step'] - e['from_step'] for e in rundir.read_history(self.out_dir)
-        if e['kind'] == 'thrown_away'))
+        line.to_step - line.from_step for line in history.read(self.out_dir)
+        if line.kind is Kind.THROWN_AWAY))

@@ -13,11 +13,9 @@ from mecefo_jax.config import COMPUTE_DTYPES
 from mecefo_jax.core.decider import Plans
 from mecefo_jax.core.failures import AppliedEvent, FailureEvent
 from mecefo_jax.core.goodput import Seconds
+from mecefo_jax.records.history import Recovery, Rollback
+from mecefo_jax.records.job import BAD_INPUT, command
 from mecefo_jax.records.metrics import Eval, EvalRow, TrainRow
-from mecefo_jax.run import hints
-from mecefo_jax.run.exits import BAD_INPUT
-from mecefo_jax.run.recovery_time import Recovery
-from mecefo_jax.run.resume import Rollback
 from mecefo_jax.run.startup import Startup
 from mecefo_jax.sections import entry
 from mecefo_jax.snapshot.interval import SnapshotInterval
@@ -191,7 +189,7 @@ def load(path: Path) -> Any:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog=hints.command('mecefo_jax.run.report_schema'),
+  p = argparse.ArgumentParser(prog=command('mecefo_jax.run.report_schema'),
                               description='Check a report.json against the schema.')
   p.add_argument('report', nargs='?', help='report.json or a run directory')
   p.add_argument('--markdown', action='store_true', help='print the key table of docs/report.md')

@@ -3,21 +3,21 @@ from __future__ import annotations
 
 import time
 
-from mecefo_jax import files
+from mecefo_jax.records import history
+from mecefo_jax.records.history import HistoryLine, Kind
 
 
-def deaths(history: list[dict]) -> list[float]:
+def deaths(lines: list[HistoryLine]) -> list[float]:
   """The times of the deaths and stalls the supervisor recorded in history.jsonl (launch-death
   and launch-stall lines: a stall's restart is a death's)."""
-  return [e['t'] for e in history if e['kind'] in ('launch-death', 'launch-stall') and
-          files.has_type(e.get('t'), files.NUMBER)]
+  return [line.t for line in lines if line.kind in (Kind.LAUNCH_DEATH, Kind.LAUNCH_STALL)]
 
 
-def death_before_start(history: list[dict]) -> float | None:
+def death_before_start(lines: list[HistoryLine]) -> float | None:
   """When the death that this start restarts after happened: the first launch-death line since
   the run's last start line; None where none is (a first start, a stop, a resume by hand)."""
-  starts = [i for i, e in enumerate(history) if e['kind'] == 'start']
-  return next(iter(deaths(history[starts[-1] + 1:] if starts else history)), None)
+  starts = [i for i, line in enumerate(lines) if line.kind is Kind.START]
+  return next(iter(deaths(lines[starts[-1] + 1:] if starts else lines)), None)
 
 
 def book(out_dir, controller, meta: dict | None) -> None:
@@ -25,10 +25,8 @@ def book(out_dir, controller, meta: dict | None) -> None:
   ends, its loop about to start, restored with snapshot `meta` (None: a start from step 0):
   from the death to now, less the compiles the start booked already (in `compile`)."""
   from mecefo_jax import multihost
-  from mecefo_jax.run import rundir
   # Read quietly: the report's read of the file (steps_lost_total) warns of a damaged line.
-  death = multihost.on_chief(lambda: death_before_start(rundir.read_history(out_dir,
-                                                                            warn=False)))
+  death = multihost.on_chief(lambda: death_before_start(history.read(out_dir, warn=False)))
   if death is None or meta is None:
     return
   compiled = controller.goodput['compile'] - meta['controller']['goodput'].get('compile', 0.0)

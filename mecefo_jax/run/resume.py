@@ -16,26 +16,14 @@ import jax
 from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError, to_dict
 from mecefo_jax.model import contract, models
+from mecefo_jax.records.history import Rollback
 from mecefo_jax.records.run_state import Diverged, ModelId, RunState
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.metrics import last_logged_step
-from mecefo_jax.sections import entry
 from mecefo_jax.snapshot import recovery
 from mecefo_jax.step import initializer
 
 log = logging.getLogger('mecefo')
-
-
-@dataclasses.dataclass
-class Rollback:
-  """A resume of a diverged run: where it diverged, and the snapshot it went back to."""
-  diverged_at_step: int = entry('step', 'the step whose training loss or gradient norm was not '
-                                'finite (the previous start\'s diverged_at_step)')
-  last_finite_step: int = entry('step', 'the last step seen with a finite loss and gradient '
-                                'norm: the snapshot gone back to is of a step <= it')
-  to_step: int = entry('step', 'step of the snapshot gone back to (= resumed_from_step)')
-  discarded: list[str] = entry('', 'the snapshots newer than it, taken out of the run: '
-                               'in-memory ones deleted, durable ones set aside (kept on disk)')
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ from mecefo_jax import multihost, sections
 from mecefo_jax.config import Config
 from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.core.fault_log import LogMapping
+from mecefo_jax.records.run_dir import snapshot_dirs
 from mecefo_jax.records.run_state import Diverged, RunState, write_run_state
 from mecefo_jax.run import dir_lock, rundir
 from mecefo_jax.run.resume import carried_state
@@ -91,7 +92,7 @@ class RunFiles:
       write_run_state(self.out_dir, dataclasses.replace(self.state, status=status))
 
   def snapshot_dirs(self) -> tuple[Path, str]:
-    return rundir.snapshot_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
+    return snapshot_dirs(self.cfg.snapshot, self.out_dir, self.run_id)
 
   def close(self, snapshots, host: int | None = None, *, finished: bool = False,
             refused: bool = False) -> None:

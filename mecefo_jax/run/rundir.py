@@ -2,15 +2,17 @@
 
 Files of a run directory (all written by process 0):
   run_state.json  status, run id, config, slice/host counts, a divergence (what a resume
-                  reads first)
+                  reads first; records/run_state.py)
   failures.txt    the failure history of the state the run holds now, as a replayable trace
                   (cut back to the restored step when steps are trained again)
   failure_trace.txt  the run's own copy of the trace it was started with (--failures
                   trace:PATH), read at a resume: PATH may have moved since
   history.jsonl   append-only: every start, stop, end, failure event and steps thrown away,
-                  a divergence, the settings a resume changed and the rollback it made
+                  a divergence, the settings a resume changed and the rollback it made, the
+                  supervisor's events (records/history.py)
   .reached        the number of steps trained so far (rewritten each step: steps lost in a crash)
-  stop_request    asks the job to stop after its current step (run/stop.py; the supervisor's)
+  stop_request    asks the job to stop after its current step (run/stop.py; the supervisor's:
+                  records/job.py)
   metrics.jsonl, report.json, training.png, tb/  the run's outputs (run/metrics.py, run/plot.py)
   replay/         the run directory of failures.txt's replay command, once it is run
 """
@@ -18,58 +20,42 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import shutil
-import time
 import uuid
 from pathlib import Path
 
 from mecefo_jax import files
 from mecefo_jax.config import Config, ConfigError, SnapshotConfig, resume_may_change, to_dict
+from mecefo_jax.records import history
+from mecefo_jax.records.history import HISTORY, Kind
+from mecefo_jax.records.job import STOP_FILE
+from mecefo_jax.records.run_dir import recorded_snapshot_config, remove_empty_folders, snapshot_dirs
 from mecefo_jax.records.run_state import RUN_STATE, RunState, read_run_state
 from mecefo_jax.run import hints
-from mecefo_jax.run.stop import STOP_FILE
 
 log = logging.getLogger('mecefo')
-FAILURES, HISTORY, REACHED, TRACE = (
-    'failures.txt', 'history.jsonl', '.reached', 'failure_trace.txt')
+FAILURES, REACHED, TRACE = 'failures.txt', '.reached', 'failure_trace.txt'
 METRICS_FILE, REPORT, PLOT, TB_DIR = 'metrics.jsonl', 'report.json', 'training.png', 'tb'
 OUTPUTS = (METRICS_FILE, REPORT, PLOT, TB_DIR, RUN_STATE, FAILURES, HISTORY, REACHED, STOP_FILE,
            TRACE)
-SNAPSHOT_KEYS = {f.name for f in dataclasses.fields(SnapshotConfig)}
 # The keys a resumed run may change are declared on their settings (config.py, `on_resume`):
 # none changes the state's shapes, so the snapshot carries over; config.resume_may_change.
 
 
 # ---- run files ------------------------------------------------------------------------------
 
-HISTORY_KEYS = {'kind': str}
-
-
 def write_failures(out_dir: Path, events: list[dict], replay_flags: str) -> None:
   """failures.txt: `events` (FailureEvent.to_dict() rows) as a trace FailureSchedule.from_trace
   reads back, headed by the flags its one-process replay needs and a comment per stall the
   supervisor recorded (which process stopped first, each one's phase)."""
-  stalls = [f"# stall: {e['note']}\n" for e in read_history(out_dir, warn=False)
-            if e['kind'] == 'launch-stall' and isinstance(e.get('note'), str)]
+  stalls = [f'# stall: {line.note}\n' for line in history.read(out_dir, warn=False)
+            if line.kind is Kind.LAUNCH_STALL and line.note is not None]
   lines = [f"{e['step']} {e['slice']} {e['kind']}  # {e['source']}\n" for e in events]
   files.replace_text(Path(out_dir) / FAILURES,
                      f'# replay: {replay_flags}\n' + ''.join(stalls + lines))
-
-
-def append_history(out_dir: Path, kind: str, **fields) -> None:
-  """One line of history.jsonl (fsynced; rewritten only to cut a torn line at a start:
-  files.cut_torn_lines): what happened, when."""
-  files.append_line(Path(out_dir) / HISTORY,
-                    json.dumps({'t': round(time.time(), 3), 'kind': kind, **fields}))
-
-
-def read_history(out_dir: Path, warn: bool = True) -> list[dict]:
-  """history.jsonl's records; a line cut by a crash is skipped with a warning (`warn`)."""
-  return files.read_jsonl(Path(out_dir) / HISTORY, HISTORY_KEYS, warn)
 
 
 class Reached:
@@ -149,21 +135,7 @@ def replay_base(failures: str) -> tuple[dict, int] | None:
   return config, recorded.n_slices * mesh['fsdp'] * mesh['tensor']
 
 
-# ---- where a run's snapshots live -------------------------------------------------------------
-
-def run_name(out_dir: Path) -> str:
-  """Stable per run directory, so a resumed trainer finds its tmpfs snapshots."""
-  resolved = str(Path(out_dir).resolve())
-  return f'{Path(resolved).name}-{hashlib.sha1(resolved.encode()).hexdigest()[:8]}'
-
-
-def snapshot_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> tuple[Path, str]:
-  """(in-memory tier, durable tier) directories of run `run_id`: one run's snapshots never
-  share a directory with another's, whatever --out they were written for."""
-  memory = (Path(sn.dir) if sn.dir else files.default_snapshot_dir(run_name(out_dir))) / run_id
-  durable = sn.durable_dir or str(Path(out_dir).resolve() / 'checkpoints')
-  return memory, f'{durable.rstrip("/")}/{run_id}'
-
+# ---- a run's snapshots (where they live: records/run_dir.py) ----------------------------------
 
 def remove_snapshots(sn: SnapshotConfig, out_dir: Path, run_id: str, *, durable: bool,
                      host: int | None = None) -> None:
@@ -193,15 +165,6 @@ def remove_empty_dirs(sn: SnapshotConfig, out_dir: Path, run_id: str) -> None:
     remove_empty_folders(directory)
   with contextlib.suppress(OSError):
     memory.parent.rmdir()
-
-
-def remove_empty_folders(directory: Path) -> None:
-  """Removes the empty folders under `directory` and itself if empty, deepest first; a folder
-  with a file in it stays, and so do set-aside ones (kept as they were)."""
-  for empty in sorted(Path(directory).glob('**/'), key=lambda p: -len(p.parts)):
-    if 'set_aside' not in empty.relative_to(directory).parts:
-      with contextlib.suppress(OSError):
-        empty.rmdir()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,11 +243,6 @@ def _set_aside_kept(sn: SnapshotConfig, out_dir: Path, run_id: str) -> str:
   if place is None or not place.is_dir():
     return ''
   return f'; kept: the checkpoints it set aside in {place} (remove them by hand)'
-
-
-def recorded_snapshot_config(state: RunState) -> SnapshotConfig:
-  recorded = (state.config or {}).get('snapshot', {})
-  return SnapshotConfig(**{k: v for k, v in recorded.items() if k in SNAPSHOT_KEYS})
 
 
 def flat(tree: dict, prefix: str = '') -> dict:

@@ -7,7 +7,9 @@ import logging
 import time
 from typing import Callable
 
-from mecefo_jax import multihost, progress_marks
+from mecefo_jax import multihost
+from mecefo_jax.records import progress_marks
+from mecefo_jax.records.history import Kind
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord, StopRun
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.stop import StopRequest
@@ -64,7 +66,7 @@ class SnapshotSaver(Hook):
     where = self.save_now(steps)  # in the in-memory tier
     message = durable.stop_message(guard, steps, where, self.resume_hint)
     log.error('%s', message)
-    self.records.history('stop', step=steps, why='durable checkpoints failing', saved=where)
+    self.records.history(Kind.STOP, step=steps, why='durable checkpoints failing', saved=where)
     return StopRun(message, steps)
 
   def _record_skips(self, steps: int) -> None:
@@ -72,7 +74,7 @@ class SnapshotSaver(Hook):
     error: a full tmpfs), so that the run's record says where it had no snapshot."""
     skipped = self.snapshots.skipped if self.snapshots else 0
     if skipped > self._skipped:
-      self.records.history('snapshot_skipped', step=steps, skipped=skipped - self._skipped)
+      self.records.history(Kind.SNAPSHOT_SKIPPED, step=steps, skipped=skipped - self._skipped)
       self._skipped = skipped
 
   def save(self, steps_done: int, stop: bool = False) -> None:
@@ -167,7 +169,7 @@ class Stop(Hook):
     if self.saver.snapshots:
       message += f'; resume with {self.resume_hint}'
     log.warning('%s', message)
-    self.records.history('stop', step=steps, why=self.reason, saved=where)
+    self.records.history(Kind.STOP, step=steps, why=self.reason, saved=where)
     return StopRun(message, steps)
 
   def report(self, end: RunEnd, report: Draft) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from mecefo_jax import files
+from mecefo_jax.records.job import SIGINT_REASON, STOP_FILE
 
 log = logging.getLogger('mecefo')
 # Tests place a real death at an exact step: `HOST:STEPS` makes the process of logical host HOST
@@ -21,11 +22,6 @@ TEST_DEATH_ENV = 'MECEFO_TEST_SIGKILL'
 # `HOST:STEP` blocks the process of logical host HOST for ever inside step STEP, between its
 # dispatch and its progress mark (a host thread stuck there), its heartbeat thread running.
 TEST_BLOCK_ENV = 'MECEFO_TEST_BLOCK'
-# A file in the run directory asking the job to stop after its current step (its text: why).
-# The supervisor writes it to grow the job back: unlike a signal it cannot arrive before a
-# process can honour it, so where the job stops does not depend on timing.
-STOP_FILE = 'stop_request'
-SIGINT_REASON = 'SIGINT (Ctrl-C)'
 
 
 class StopRequest:
@@ -92,7 +88,8 @@ def test_death(host: int, steps_done: int, *ready) -> None:
   spec = os.environ.get(TEST_DEATH_ENV)
   if not spec or spec.split(':')[1] != str(steps_done):
     return
-  from mecefo_jax import multihost, progress_marks  # jax: only where a test asks for a death
+  from mecefo_jax import multihost  # jax: only where a test asks for a death
+  from mecefo_jax.records import progress_marks
   # A wait no earlier one bounds (background compiles): not a stall (watch.NOT_MEASURED).
   with progress_marks.during('compiling', 'the builds and saves in flight (a test death)', 'wait'):
     for wait in ready:

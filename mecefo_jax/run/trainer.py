@@ -9,12 +9,14 @@ from typing import Callable, Sequence
 
 import jax
 
-from mecefo_jax import files, multihost, progress_marks
+from mecefo_jax import files, multihost
 from mecefo_jax.config import Config
 from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.data.sources import load_corpus
 from mecefo_jax.fault.controller import AllSlicesDown, Controller
 from mecefo_jax.model import models, train_state
+from mecefo_jax.records import history, progress_marks
+from mecefo_jax.records.history import Kind, Recovery
 from mecefo_jax.run import (ending, hints, loop_hooks, plot, presence, recovery_time, report,
                             restart, rundir)
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
@@ -74,7 +76,7 @@ class Trainer:
     self.cfg, self.out_dir = cfg, Path(out_dir)
     self.stop = (stop if stop is not None else StopRequest()).watch(self.out_dir)
     self.files, self.snapshots = RunFiles(cfg, self.out_dir), None
-    self.recovery: recovery_time.Recovery | None = None  # a restart's breakdown (process 0)
+    self.recovery: Recovery | None = None  # a restart's breakdown (process 0)
     self._restarted_by: dict | None = None
     try:
       self._build(schedule, resume, explicit_resume, dict(replace=replace,
@@ -154,14 +156,13 @@ class Trainer:
     self.files.start()  # the run's files change from here on only
     restart.book(self.out_dir, self.controller, self.origin.meta)  # before its line
     if self.files.is_chief:  # the supervisor's part of the restart this start is, if one
-      self._restarted_by = recovery_time.restarted_by(rundir.read_history(self.out_dir,
-                                                                          warn=False))
+      self._restarted_by = recovery_time.restarted_by(history.read(self.out_dir, warn=False))
     self.records.start(self.origin, self.controller.events, self.presence.slots,
                        self.controller.live())
     if self.files.changed:  # what this resume changed: keys whose setting allows it
-      self.records.history('changed', step=self.origin.step, settings=self.files.changed)
+      self.records.history(Kind.CHANGED, step=self.origin.step, settings=self.files.changed)
     if self.origin.rollback:
-      self.records.history('rolled_back', **dataclasses.asdict(self.origin.rollback))
+      self.records.history(Kind.ROLLED_BACK, rolled_back=self.origin.rollback)
     self.outputs.attempt(self.out_dir / rundir.RUN_STATE, self.files.write_state, 'running')
     loop_start = time.perf_counter()
     self.records.open_reached()
@@ -180,7 +181,7 @@ class Trainer:
     if self.files.is_chief:
       self.outputs.attempt(self.out_dir / rundir.REPORT, files.replace_text,
                            self.out_dir / rundir.REPORT, to_json(result, indent=2))
-    self.records.history('end', status=status, step=steps_done,
+    self.records.history(Kind.END, status=status, step=steps_done,
                          why=stopped or 'trained train.steps')
     # run_state.json tells the truth on a full disk too: written in place if need be.
     self.outputs.attempt(self.out_dir / rundir.RUN_STATE, self.files.write_state, status)
@@ -240,7 +241,7 @@ class Trainer:
     self.recovery = recovery_time.measure(self._restarted_by, s.origin, startup_marks(),
                                           s.seconds, s.first_step_end,
                                           self.controller.first_programs)
-    self.records.history(recovery_time.RECOVERED, **dataclasses.asdict(self.recovery))
+    self.records.history(Kind.RECOVERED, recovered=self.recovery)
 
   def __enter__(self) -> Trainer:
     return self

@@ -10,9 +10,9 @@ import xxhash
 from etils import epath
 
 from mecefo_jax import files, sections
+from mecefo_jax.records.run_dir import MANIFEST_NAME  # (a supervisor reads it too)
 from mecefo_jax.sections import entry
 
-MANIFEST_NAME = 'mecefo_manifest.json'
 _HASH_BLOCK = 1 << 22
 # Every-step snapshots hash the whole state each step: XXH3 of a mapped 326 MB tmpfs file costs
 # ~0.045 s here (CRC-32 ~0.12 s, reading + sha256 ~0.24 s). It detects truncation and corruption;

@@ -10,10 +10,11 @@ import threading
 import time
 from typing import Callable
 
-from mecefo_jax import multihost, progress_marks
+from mecefo_jax import multihost
 from mecefo_jax.config import Config
 from mecefo_jax.core import programs
 from mecefo_jax.core.programs import ProgramKey
+from mecefo_jax.records import progress_marks
 from mecefo_jax.sections import entry
 from mecefo_jax.step import lowering, retarget
 from mecefo_jax.step.program_store import booking, cache_hits, compiler_options, fingerprint, ProgramStore

@@ -1,5 +1,6 @@
-"""Progress marks: each training process's step in flight and phase, in a small file per host
-that its supervisor reads without JAX (mecefo_jax/watch.py decides from them what a stall is).
+"""Progress marks: each training process's step in flight and phase (ProgressMark), in a small
+file per host that its supervisor reads without JAX (mecefo_jax/watch.py decides from them what
+a stall is).
 
 The supervisor names a directory in MARKS_ENV; process of logical host h then keeps
 `<dir>/host<h>.mark` up to date: one pwrite of MARK_BYTES (a CRC, then JSON, padded), in place,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -18,10 +20,35 @@ import time
 import zlib
 from pathlib import Path
 
-MARKS_ENV = 'MECEFO_PROGRESS_DIR'
+from mecefo_jax import files, sections
+from mecefo_jax.sections import entry
+
+MARKS_ENV = 'MECEFO_PROGRESS_DIR'  # the directory a supervisor reads its job's marks in
 PHASES = ('starting', 'compiling', 'training', 'evaluating', 'saving')
 MARK_BYTES = 1024
 _RECENT_STEPS = 32  # the step times a mark carries the longest of
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressMark:
+  """One process's mark, as its file holds it."""
+  pid: int = entry('', 'the process that wrote it')
+  step: int = entry('step', 'the last step dispatched (-1 before the first)')
+  in_step: int = entry('marks', 'marks written since that dispatch: the phases the step went '
+                       'through after it (every process of a job goes through the same ones, '
+                       'so (step, in_step) orders them)')
+  phase: str = entry('', 'what it does: starting, compiling, training, evaluating, saving, '
+                     'ending')
+  key: str = entry('', 'the phase, or `phase/kind`, it is timed as')
+  detail: str = entry('', "what it waits for ('jax.distributed.initialize', a program); may "
+                      'be empty')
+  since: float = entry('s', 'when the phase began (time.time())')
+  step_s: float = entry('s', 'the longest of the recent step times (dispatch to dispatch, other '
+                        'phases left out)')
+  steps_timed: int = entry('steps', 'the recent step times it took the longest of')
+  longest: dict[str, float] = entry('s', 'the longest this process spent in each phase key '
+                                    "other than training ('start-up': from its first mark to "
+                                    'its first step)')
 
 
 def mark_path(directory: Path, host: int) -> Path:
@@ -29,15 +56,7 @@ def mark_path(directory: Path, host: int) -> Path:
 
 
 class Marks:
-  """One process's mark: written in place after every change.
-
-  step: the last step dispatched (-1 before the first), in_step: marks written since (the
-  phases a step went through after its dispatch: every process of a job goes through the same
-  ones, so (step, in_step) orders them), phase and detail (what it waits for: 'jax.distributed.
-  initialize', a program), key: the phase or `phase/kind` it is timed as, since: time.time()
-  the phase began, step_s: the longest of the recent step times (dispatch to dispatch, other
-  phases left out), longest: {key: seconds} the longest this process spent in each phase other
-  than training ('start-up': from its first mark to its first step)."""
+  """One process's mark (ProgressMark): written in place after every change."""
 
   def __init__(self, path: Path):
     self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -80,14 +99,15 @@ class Marks:
       self.longest[self.key] = max(self.longest.get(self.key, 0.0), spent)
       self._other_s += spent
 
-  def fields(self) -> dict:
-    return {'pid': os.getpid(), 'step': self.step, 'in_step': self.in_step, 'phase': self.phase,
-            'key': self.key, 'detail': self.detail[:200], 'since': round(self.since, 3),
-            'step_s': round(max(self._recent, default=0.0), 4), 'steps_timed': len(self._recent),
-            'longest': {k: round(v, 3) for k, v in self.longest.items()}}
+  def mark(self) -> ProgressMark:
+    return ProgressMark(pid=os.getpid(), step=self.step, in_step=self.in_step, phase=self.phase,
+                        key=self.key, detail=self.detail[:200], since=round(self.since, 3),
+                        step_s=round(max(self._recent, default=0.0), 4),
+                        steps_timed=len(self._recent),
+                        longest={k: round(v, 3) for k, v in self.longest.items()})
 
   def _write(self) -> None:
-    text = json.dumps(self.fields(), separators=(',', ':'))
+    text = json.dumps(sections.to_json(self.mark()), separators=(',', ':'))
     data = f'{zlib.crc32(text.encode()):08x} {text}'.encode()[:MARK_BYTES]
     os.pwrite(self._fd, data.ljust(MARK_BYTES), 0)
 
@@ -95,18 +115,21 @@ class Marks:
     os.close(self._fd)
 
 
-def read_mark(path: Path) -> dict | None:
-  """A mark's fields; None where there is none or it was read half-written (its CRC fails)."""
+def read_mark(path: Path) -> ProgressMark | None:
+  """The mark in `path`; None where there is none or it was read half-written (its CRC fails)."""
   try:
     with open(path, 'rb') as f:
       data = f.read(MARK_BYTES).decode(errors='replace').strip()
   except OSError:
     return None
   crc, _, text = data.partition(' ')
+  if f'{zlib.crc32(text.encode()):08x}' != crc:
+    return None
   try:
-    return json.loads(text) if f'{zlib.crc32(text.encode()):08x}' == crc else None
+    value = json.loads(text)
   except ValueError:
     return None
+  return None if files.problem(ProgressMark, value, '') else sections.from_json(ProgressMark, value)
 
 
 _marks: Marks | None = None
