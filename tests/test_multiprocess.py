@@ -20,8 +20,8 @@ from mecefo_jax.config import load_config
 from mecefo_jax.supervisor import free_port
 from mecefo_jax.run import rundir
 from mecefo_jax.records.job import PEER_LOST
+from mecefo_jax.records.run_dir import MANIFEST_NAME
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
-from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 from mecefo_jax.records.run_state import read_run_state
 from procs import report, wait_all
 

@@ -16,6 +16,7 @@ import pytest
 from mecefo_jax.run import cli, metrics
 from mecefo_jax.run import rundir
 from mecefo_jax.snapshot import manifest
+from mecefo_jax.records.run_dir import MANIFEST_NAME
 from mecefo_jax.records.run_state import read_run_state
 from procs import TINY, error_lines, kill, report, wait_for
 
@@ -64,7 +65,7 @@ def kill_after(launcher, out: Path, step: int, *args: str, sig=signal.SIGKILL) -
 def complete_steps(directory: Path) -> list[int]:
   """Step dirs that have a manifest, oldest first."""
   return sorted(int(p.name) for p in directory.iterdir()
-                if p.name.isdigit() and (p / manifest.MANIFEST_NAME).exists())
+                if p.name.isdigit() and (p / MANIFEST_NAME).exists())
 
 
 def steps_lost(log: str) -> int:

@@ -18,7 +18,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mecefo_jax.model.train_state import TrainState
-from mecefo_jax.snapshot import aside, capacity, manifest, parity, manager
+from mecefo_jax.records.run_dir import MANIFEST_NAME
+from mecefo_jax.snapshot import aside, capacity, parity, manager
 from mecefo_jax.snapshot.manager import SnapshotError, SnapshotManager
 from procs import tree
 
@@ -135,7 +136,7 @@ def test_save_is_a_copy_that_survives_donation(tmp_path, mesh, slow_orbax_writes
   with SnapshotManager(tmp_path / 'mem') as manager:
     manager.maybe_save(0, state, META)
     new_state = jax.block_until_ready(train_step(state))
-    assert not (tmp_path / 'mem' / '0' / manifest.MANIFEST_NAME).exists(), 'save not in flight'
+    assert not (tmp_path / 'mem' / '0' / MANIFEST_NAME).exists(), 'save not in flight'
     # Donation really happened: the old arrays are gone and their buffers hold step t+1 (but
     # for bfloat16 ones: jax 0.11 on CPU copies a bfloat16 buffer that a host read touched).
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
@@ -162,7 +163,7 @@ def test_snapshot_without_manifest_is_ignored(tmp_path, mesh, caplog):
   with SnapshotManager(tmp_path / 'mem') as manager:
     manager.maybe_save(1, old, META)
     manager.maybe_save(2, new, META)
-  (tmp_path / 'mem' / '2' / manifest.MANIFEST_NAME).unlink()  # as if killed before finishing
+  (tmp_path / 'mem' / '2' / MANIFEST_NAME).unlink()  # as if killed before finishing
   with SnapshotManager(tmp_path / 'mem') as manager, caplog.at_level(logging.WARNING):
     step, restored, *_ = manager.restore_latest(abstract(old))
   assert step == 1 and digests(restored) == digests(old)
@@ -294,7 +295,7 @@ def test_newest_usable_snapshot_follows_each_snapshots_own_hosts():
 
 
 def test_manifest_checksums_detect_corruption_and_other_formats_are_unreadable(tmp_path):
-  from mecefo_jax.snapshot.manifest import MANIFEST_NAME, verify_manifest, write_manifest
+  from mecefo_jax.snapshot.manifest import verify_manifest, write_manifest
   (tmp_path / 'd').mkdir()
   (tmp_path / 'd' / 'a').write_bytes(bytes(range(256)) * 1000)
   (tmp_path / 'empty').write_bytes(b'')  # mmap refuses empty files: the streamed path

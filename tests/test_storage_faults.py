@@ -19,10 +19,10 @@ from mecefo_jax.model import train_state
 from mecefo_jax.run import cli, metrics, rundir
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
 from mecefo_jax.snapshot.manager import state_nbytes
-from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 from mecefo_jax.records import history
 from mecefo_jax.records.history import HISTORY, Kind
 from mecefo_jax.records.job import BAD_INPUT, CHECKPOINTS_FAILING, OUTPUTS_FAILING
+from mecefo_jax.records.run_dir import MANIFEST_NAME
 from mecefo_jax.records.run_state import RUN_STATE, read_run_state
 from procs import TINY, error_lines, report, tree
 

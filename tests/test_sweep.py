@@ -14,10 +14,10 @@ from mecefo_jax.data import prepare as prep
 from mecefo_jax.data import tokendir
 from mecefo_jax.data.tokenizer import token_chunks
 from mecefo_jax.run import cli, plot, rundir
-from mecefo_jax.snapshot.manifest import MANIFEST_NAME
 from mecefo_jax.records import history
 from mecefo_jax.records.history import HISTORY, Kind
 from mecefo_jax.records.job import BAD_INPUT, STOP_FILE, STOPPED
+from mecefo_jax.records.run_dir import MANIFEST_NAME
 from mecefo_jax.records.run_state import RUN_STATE, read_run_state
 from procs import TINY, error_lines, report, tree
 
