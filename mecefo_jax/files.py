@@ -16,7 +16,6 @@ import yaml
 from mecefo_jax import sections
 
 log = logging.getLogger('mecefo')
-NUMBER = (int, float)  # a float field accepts a JSON integer; bool is refused for both
 
 
 def default_snapshot_dir(run_name: str) -> Path:
@@ -32,30 +31,6 @@ class FileError(ValueError):
 def _type_name(value) -> str:
   return {dict: 'an object', list: 'a list', str: 'a string', bool: 'a boolean',
           type(None): 'null'}.get(type(value), 'a number')
-
-
-def has_type(value, types) -> bool:
-  types = types if isinstance(types, tuple) else (types,)
-  if isinstance(value, bool) and bool not in types:
-    return False  # JSON true is no number here
-  return isinstance(value, types)
-
-
-def check_keys(record: Any, keys: dict, where: str, optional: dict | None = None) -> str | None:
-  """What is wrong with `record`, a JSON object with `keys` and maybe `optional` ones (each
-  {name: type or types}), or None."""
-  if not isinstance(record, dict):
-    return f'{where} holds {_type_name(record)}, not a JSON object'
-  for key, types in {**keys, **(optional or {})}.items():
-    if key not in record:
-      if key in keys:
-        return f'{where} lacks the key {key!r}'
-      continue
-    if not has_type(record[key], types):
-      names = ' or '.join(_type_name(t()) if t is not type(None) else 'null'
-                          for t in (types if isinstance(types, tuple) else (types,)))
-      return f'{where}: key {key!r} is {_type_name(record[key])}, not {names}'
-  return None
 
 
 def _json_name(tp) -> str:
@@ -102,7 +77,7 @@ def read_bytes(path) -> bytes | None:
 
 
 def read_json(path, record=None, *, remedy: str,
-              error: Callable[[str], Exception] = FileError, optional: dict | None = None):
+              error: Callable[[str], Exception] = FileError):
   """The record of type `record` (a dataclass of sections.entry fields; None: any JSON object)
   that `path` holds, None if there is no file. Anything else (unreadable, cut, not an object, a
   key missing or of another type) raises `error` in one line naming the file, what is wrong and
@@ -119,15 +94,12 @@ def read_json(path, record=None, *, remedy: str,
   except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
     what = 'is empty' if not data.strip() else f'is not valid JSON ({err})'
     raise error(f'{path} {what}{tail}') from None
-  if record is None or isinstance(record, dict):  # TRANSITIONAL: a dict of keys, until all are records
-    wrong = check_keys(value, record or {}, str(path), optional)
-    if wrong:
-      raise error(wrong + tail)
-    return value
-  wrong = problem(record, value, str(path))
+  wrong = (problem(record, value, str(path)) if record is not None else
+           None if isinstance(value, dict) else
+           f'{path} holds {_type_name(value)}, not a JSON object')
   if wrong:
     raise error(wrong + tail)
-  return sections.from_json(record, value)
+  return sections.from_json(record, value) if record is not None else value
 
 
 def read_jsonl(path, records=None, warn: bool = True) -> list:
@@ -147,13 +119,9 @@ def read_jsonl(path, records=None, warn: bool = True) -> list:
       value = json.loads(line)
     except ValueError:
       value = None
-    if records is None or isinstance(records, dict):  # TRANSITIONAL: until all are records
-      if value is None or check_keys(value, records or {}, '') is not None:
-        bad.append(number)
-      else:
-        rows.append(value)
-      continue
-    if callable(records) and not isinstance(records, type):  # the caller's reader of a line
+    if records is None:
+      row = value if isinstance(value, dict) else None
+    elif callable(records) and not isinstance(records, type):  # the caller's reader of a line
       row = records(value)
     else:
       kind = next((k for k in kinds if problem(k, value, '') is None), None)

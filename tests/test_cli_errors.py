@@ -18,10 +18,11 @@ import pytest
 from mecefo_jax import install, sections
 from mecefo_jax.config import Config, ConfigError, load_config, rule_of
 from mecefo_jax.records import job
-from mecefo_jax.run import cli, ending, plot, report_schema, rundir, stop
+from mecefo_jax.run import cli, ending, plot, report_schema, stop
 from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run.metrics import MetricsWriter, to_json
 from mecefo_jax.records.run_state import RunState, read_run_state, write_run_state
+from mecefo_jax.run.parts import StartMode
 from procs import ROOT, TINY, error_lines, wait_for
 
 RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=')
@@ -123,11 +124,12 @@ def test_refused_starts_leave_no_directory_they_made(tmp_path, capsys):
   run.mkdir()
   write_run_state(run, RunState('stopped', run_id='abc', config=to_dict(cfg)))
   with pytest.raises(ConfigError, match='^resume=True: no usable snapshot or checkpoint'):
-    Trainer(cfg, run, resume=True, explicit_resume=True, progress='quiet')
+    Trainer(cfg, run, progress='quiet', start=StartMode(resume=True, explicit_resume=True))
   assert sorted(p.name for p in run.iterdir()) == ['.lock', 'run_state.json']  # no checkpoints/
   assert not (tmp_path / 'shm').exists()
   with pytest.raises(ConfigError, match='^resume=True: there is no run in'):
-    Trainer(cfg, tmp_path / 'new', resume=True, explicit_resume=True, progress='quiet')
+    Trainer(cfg, tmp_path / 'new', progress='quiet',
+            start=StartMode(resume=True, explicit_resume=True))
   assert not (tmp_path / 'new').exists()
 
 
@@ -193,12 +195,14 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
 
 
 def test_the_closing_line_says_whether_the_run_finished_or_stopped(tmp_path):
-  report = {'steps': 40, 'first_loss': 5.0, 'final_loss': 3.0, 'eval_loss': None,
-            'eval_perplexity': None, 'entropy_floor': None, 'wall_s': 2.0, 'tokens_per_s': 10.0,
-            'stopped': None, 'config': {'train': {'steps': 40}}}
+  # The keys of report.json (report_schema.Report) that the line reads.
+  report = types.SimpleNamespace(
+      steps=40, first_loss=5.0, final_loss=3.0, eval_loss=None, eval_perplexity=None,
+      entropy_floor=None, wall_s=2.0, tokens_per_s=10.0, stopped=None, diverged_at_step=None,
+      config={'train': {'steps': 40}})
   assert ending.summary(report, tmp_path).startswith('done: 40 steps, loss 5.0000 -> 3.0000, ')
-  report.update(stopped='stopped by SIGINT (Ctrl-C) after 40 steps, ...',
-                config={'train': {'steps': 60}})
+  report.stopped = 'stopped by SIGINT (Ctrl-C) after 40 steps, ...'
+  report.config = {'train': {'steps': 60}}
   assert ending.summary(report, tmp_path).startswith('stopped: 40 of 60 steps, loss 5.0000 -> ')
 
 

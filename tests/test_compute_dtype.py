@@ -15,6 +15,7 @@ from mecefo_jax.model import llama
 from mecefo_jax.run import rundir
 from mecefo_jax.run.trainer import Trainer
 from mecefo_jax.records.run_state import RunState, read_run_state, write_run_state
+from mecefo_jax.run.parts import StartMode
 from procs import TINY, suite_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +48,8 @@ def _train(out: Path, steps: int, resume: bool = False) -> Trainer:
   cfg = load_config(None, [*TINY, 'mesh.slice=1', f'train.steps={steps}', 'train.plot=false',
                            'train.eval_every=0', 'train.eval_batches=1',
                            f'snapshot.dir={out.parent}/shm'])
-  run = Trainer(cfg, out, resume=resume, explicit_resume=resume, progress='quiet',
-                program_store=suite_store())
+  run = Trainer(cfg, out, progress='quiet', start=StartMode(
+      resume=resume, explicit_resume=resume, program_store=suite_store()))
   try:
     run.run()
   finally:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from mecefo_jax import sections
 from mecefo_jax.core import programs
-from mecefo_jax.core.decider import Decider, DeciderState
+from mecefo_jax.core.decider import Decider, DeciderMeta, DeciderState
 from mecefo_jax.core.failures import FailureEvent, FailureSchedule
 from mecefo_jax.core.programs import (EVAL, FUSED, GROUP, REFRESH_COLD, REFRESH_WARM, UPDATE,
                                       Kind, Need, ProgramKey, RunPrograms, programs_for)
@@ -181,7 +182,7 @@ def test_the_state_is_the_snapshot_meta_written_before_the_decider_key_for_key()
   bucket (added since, read as 0)."""
   path = ROOT / 'tests/fixtures/old_layout/run/checkpoints/e872a0074c09/3/meta/metadata'
   old = json.loads(path.read_text())['controller']
-  again = DeciderState.from_meta(old).to_meta()
+  again = sections.to_json(DeciderState.from_meta(sections.from_json(DeciderMeta, old)).to_meta())
   assert again == {**old, 'goodput': {**old['goodput'], 'restart': 0.0}}
   assert list(again) == ['failed', 'events', 'goodput', 'samples']
   assert json.loads(json.dumps(again)) == again

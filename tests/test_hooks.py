@@ -1,13 +1,18 @@
 """The loop's hooks one by one, without a run: their cadence, their stops, their report keys."""
+import dataclasses
 import json
 import math
 import types
+from pathlib import Path
 
 import pytest
 
 from mecefo_jax.config import load_config
+from mecefo_jax.core.decider import DeciderState
+from mecefo_jax.records.history import Kind
 from mecefo_jax.records.metrics import Eval, EvalRow
-from mecefo_jax.run import loop_hooks  # noqa: F401  (the order: tests/test_resume.py)
+from mecefo_jax.records.run_state import Diverged
+from mecefo_jax.run import hints, loop_hooks  # noqa: F401  (loop_hooks: the order, tests/test_resume.py)
 from mecefo_jax.run.evaluation import Evals
 from mecefo_jax.run.hooks import Divergence, Every, Hook, Hooks, RunEnd, StepRecord, StopRun
 from mecefo_jax.run.metric_rows import MetricRows
@@ -49,12 +54,29 @@ def test_a_hook_that_is_no_hook_is_refused_before_anything_is_built(tmp_path):
   assert not (tmp_path / 'run').exists()
 
 
+OUT = Path('runs/diverging')
+
+
+class _Recorded(list):
+  """What a Divergence records: run_state.json's record (RunFiles.diverged), each the same as
+  its history.jsonl line (RunRecords.history)."""
+  out_dir = OUT
+
+  def diverged(self, diverged: Diverged) -> None:
+    self.append(dataclasses.asdict(diverged))
+
+  def history(self, kind: Kind, **fields) -> None:
+    assert kind is Kind.DIVERGED and fields == {'diverged': Diverged(**self[-1])}
+
+
 def _divergence(start_step: int = 0, saved=(10,)):
-  """A Divergence hook whose tiers hold snapshots of steps `saved`; what it records."""
-  recorded = []
-  hook = Divergence(start_step, lambda bound: max((s for s in saved if s <= bound), default=None),
-                    lambda lr: (f'`resume lr={lr / 10:g}`', '`fresh`'), 0.5, recorded.append)
-  return hook, recorded
+  """A Divergence hook of a start at `start_step` whose tiers hold snapshots of steps `saved`;
+  what it records."""
+  origin = types.SimpleNamespace(step=start_step, resumed_from=start_step or None)
+  saver = types.SimpleNamespace(newest=lambda bound, restored: max(
+      (s for s in saved if s <= bound), default=None))
+  recorded = _Recorded()
+  return Divergence(origin, saver, recorded, recorded, lr=0.5), recorded
 
 
 def test_divergence_ends_the_run_at_a_non_finite_loss_without_counting_that_step():
@@ -66,7 +88,7 @@ def test_divergence_ends_the_run_at_a_non_finite_loss_without_counting_that_step
   # Step 3 was the last seen finite: no snapshot of a step <= 3 (only 10): nothing to go back to.
   assert recorded == [{'diverged_at_step': 4, 'last_finite_step': 3, 'rollback_to': None}]
   assert 'before any snapshot of a step seen finite' in stop.message
-  assert stop.message.endswith('(`fresh`)') and 'resume' not in stop.message
+  assert stop.message.endswith(f'({hints.fresh(OUT)})') and '--resume' not in stop.message
   report = Draft(Report)
   hook.report(RunEnd(4, 1.0, stop.message), report)
   assert report.diverged_at_step == 4
@@ -81,7 +103,7 @@ def test_divergence_is_a_non_finite_gradient_norm_too_and_names_the_snapshot_to_
   assert 'the training gradient norm is not finite (inf) at step 13' in stop.message
   assert recorded == [{'diverged_at_step': 13, 'last_finite_step': 12, 'rollback_to': 10}]
   assert ('the newest snapshot before it is of step 10 (the last step seen finite: 12): go back '
-          'to it with a lower learning rate, `resume lr=0.05`') in stop.message
+          f'to it with a lower learning rate, {hints.rollback(OUT, 0.5, 1)}') in stop.message
   # A resumed start's first step diverging: its restored snapshot (5) is not gone back to.
   hook, recorded = _divergence(start_step=5, saved=(3, 5))
   stop = hook.after_step(StepRecord(5, PLAN, {'loss': math.nan, 'grad_norm': math.nan}, 0.0))
@@ -151,8 +173,8 @@ def test_the_interval_is_snapshot_every_or_the_tuners_from_auto():
 
 def test_a_stop_request_ends_the_run_after_its_step_saved_where_snapshots_are():
   records = RunRecords('.', enabled=False)
-  saver = SnapshotSaver(None, state=lambda: None, meta=lambda n: {}, records=records,
-                    resume_hint='`python train.py --resume`')
+  saver = SnapshotSaver(None, None, None, None, records=records,
+                        resume_hint='`python train.py --resume`')
   stop = Stop(StopRequest(after_step=2), saver, records, '`python train.py --resume`')
   assert stop.after_step(_record(0)) is None
   end = stop.after_step(_record(1))
@@ -169,7 +191,7 @@ def test_a_stop_request_ends_the_run_after_its_step_saved_where_snapshots_are():
 def test_metric_rows_write_a_train_row_every_log_every_steps_then_the_steps_other_rows(tmp_path):
   cfg = load_config(None, ['train.steps=5', 'train.log_every=2'])
   rows, tokens = [], iter(range(0, 10_000, 100))
-  hook = MetricRows(cfg, tmp_path, 0, 2, tokens=lambda: next(tokens), eval_s=lambda: 0.0,
+  hook = MetricRows(cfg, tmp_path, 0, 2, tokens=lambda: next(tokens),
                     losses=[], mode='quiet', on_log=rows.append)
   with hook.opened():
     for step in range(5):
@@ -184,7 +206,9 @@ def test_metric_rows_write_a_train_row_every_log_every_steps_then_the_steps_othe
   report = Draft(Report)
   hook.report(RunEnd(5, 2.0, None), report)
   assert report.losses == [(0, 5.0), (2, 3.0), (4, 1.0)] and report.final_loss == 1.0
-  assert report.throughput.steps_per_s == 2.5 and report.first_loss == 5.0
+  # The eval's 0.1 s (its row's) is left out of the rates: 5 steps in 2.0 - 0.1 s.
+  assert report.throughput.eval_s == 0.1 and report.throughput.steps_per_s == 5 / 1.9
+  assert report.first_loss == 5.0
 
 
 def test_run_files_lock_the_run_and_write_nothing_before_its_start(tmp_path):
@@ -193,7 +217,7 @@ def test_run_files_lock_the_run_and_write_nothing_before_its_start(tmp_path):
   files = RunFiles(cfg, out)
   try:
     assert [p.name for p in out.iterdir()] == ['.lock']
-    assert files.check(resume=False, replace=False, replace_finished=False) == {}
+    assert files.check(resume=False, replace=False, replace_finished=False) is None
     assert len(files.run_id) == 12 and files.schedule(2, resume=False).all_events() == []
     assert [p.name for p in out.iterdir()] == ['.lock']
   finally:
@@ -241,9 +265,11 @@ def test_the_snapshot_to_go_back_to_is_listed_or_in_flight_never_a_step_not_save
     def where(self, steps, started):
       return [f'{t} {steps}' for t in started]
 
-  saver = SnapshotSaver(Tiers(), state=lambda: None, meta=lambda n: {},
-                        records=RunRecords(tmp_path, enabled=False), resume_hint='')
+  parts = types.SimpleNamespace(state=None, dump_meta=lambda: DeciderState().to_meta(),
+                                losses=[], evals=[])
+  saver = SnapshotSaver(Tiers(), parts, parts, parts, records=RunRecords(tmp_path, enabled=False),
+                        resume_hint='')
   saver.save(6)  # started, in flight: not listed yet
   saver.save(7)  # not due: nothing saved
   assert [saver.newest(b) for b in (1, 3, 5, 7)] == [None, 2, 4, 6]
-  assert SnapshotSaver(None, lambda: None, lambda n: {}, None, '').newest(9) is None
+  assert SnapshotSaver(None, None, None, None, None, '').newest(9) is None

@@ -3,6 +3,7 @@
 import pytest
 
 from mecefo_jax.snapshot.interval import IntervalTuner, smallest_interval
+from mecefo_jax.run.parts import StartMode
 
 @pytest.mark.parametrize('cost, step, budget, cap, expected', [
     (0.05, 1.0, 0.01, 100, 5), (0.3, 1.0, 0.01, 100, 30), (0.3, 0.1, 0.01, 100, 100),
@@ -79,7 +80,8 @@ def test_a_run_with_auto_measures_sets_and_reports_its_interval(tmp_path):
   cfg = load_config(None, [*TINY, 'mesh.slice=2', 'train.steps=60', 'train.eval_every=0',
                            'train.plot=false', 'snapshot.every=auto', 'snapshot.max_every=20',
                            f'snapshot.dir={tmp_path}/shm', 'snapshot.durable_every=0'])
-  trainer = Trainer(cfg, tmp_path / 'run', progress='quiet', program_store=suite_store())
+  trainer = Trainer(cfg, tmp_path / 'run', progress='quiet',
+                    start=StartMode(program_store=suite_store()))
   try:
     result = trainer.run()
   finally:

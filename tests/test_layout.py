@@ -87,7 +87,8 @@ CONTROLLER_INTERFACE = {'start', 'step', 'last_plan', 'last_built', 'fetch', 'ev
                         'live', 'events', 'samples', 'goodput', 'tokens_trained', 'step_memory',
                         'first_programs_s', 'first_programs', 'programs_report', 'dump_meta', 'book',
                         'exclude_from_steps', 'settle', 'close'}
-CONTROLLER = {'self.controller', 'run.controller', 'controller', 'c'}  # how run/ names it
+CONTROLLER = {'self.controller', 'run.controller', 'controller', 'c', 'p.controller',
+              'parts.controller', 'self.parts.controller'}  # how run/ names it
 
 
 def _controller_reads(source: str) -> list[str]:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ONE_HOME = ['Role', 'split_passes', 'Planner', 'balanced', 'part_len', 'rate_scale',
             'apply_event', 'free_port', 'OneLineParser', 'JOB_EXITS', 'BAD_INPUT', 'STOPPED',
             'METRICS_FILE', 'read_metrics', 'last_logged_step', 'check_text', 'read_json',
-            'read_jsonl', 'append_line', 'replace_text', 'check_keys']
+            'read_jsonl', 'append_line', 'replace_text', 'problem']
 
 
 def _targets(target: ast.expr) -> Iterator[str]:

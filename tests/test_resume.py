@@ -19,6 +19,10 @@ from mecefo_jax.run import report as run_report
 from mecefo_jax.run.resume import initial_state
 from mecefo_jax.snapshot.host import choose
 from mecefo_jax.records.run_state import RunState, write_run_state
+from mecefo_jax.run.parts import StartMode
+from mecefo_jax import sections
+from mecefo_jax.core.decider import DeciderMeta
+from mecefo_jax.records.snapshot_meta import SnapshotMeta
 from procs import TINY, error_lines, report, suite_store
 
 L3, L2, L4 = (0, 1, 2), (0, 1), (0, 1, 2, 3)
@@ -75,7 +79,8 @@ class Inventory:
     step, layout = choice
     state = jax.tree.map(lambda t: jax.device_put(np.full(t.shape, step, t.dtype), t.sharding),
                          target)
-    meta = {'controller': {'events': [{'step': step, 'layout': layout}]}, 'losses': []}
+    events = [{'step': step, 'layout': layout}]
+    meta = sections.to_json(SnapshotMeta(DeciderMeta([], events, {}, {}), [], step, []))
     return step, state, meta, f'snapshot {step} of {layout or "the durable tier"}'
 
 
@@ -103,7 +108,7 @@ def test_initial_state_resumes_the_chosen_snapshot_and_counts_the_steps_lost(
   start = initial_state(cfg, present, inventory, tmp_path, resume=True, explicit=True)
   step = expected[0]
   assert (start.step, start.reached, start.steps_lost) == (step, reached, reached - step)
-  assert start.meta['controller']['events'] == [{'step': step, 'layout': expected[1]}]
+  assert start.meta.controller.events == sections.to_json([{'step': step, 'layout': expected[1]}])
   assert int(np.asarray(jax.tree.leaves(start.state)[0]).ravel()[0]) == step
 
 
@@ -218,7 +223,8 @@ def test_the_loop_runs_its_hooks_in_their_declared_order_a_users_hook_before_the
                                        for _, how in record.built)
 
   dummy, every = Dummy(), []
-  run = trainer_mod.Trainer(cfg, tmp_path / 'run', progress='quiet', program_store=suite_store(),
+  run = trainer_mod.Trainer(cfg, tmp_path / 'run', progress='quiet',
+                            start=StartMode(program_store=suite_store()),
                             hooks=[dummy, Every(2, lambda r: every.append(r.steps_done))])
   calls = []
   for hook in run.hooks:

@@ -12,6 +12,7 @@ from mecefo_jax.records.history import Kind, Rollback
 from mecefo_jax.records.job import BAD_INPUT, DIVERGED
 from mecefo_jax.run import cli, ending, resume
 from mecefo_jax.records.run_state import RUN_STATE
+from mecefo_jax.records.run_state import Diverged
 from procs import TINY, error_lines, report
 
 # Every step fetched and snapshotted: the last step seen finite is the one before the divergence.
@@ -145,6 +146,6 @@ def test_going_back_with_the_optimizer_it_diverged_with_is_a_warning(caplog):
 
 
 def test_a_run_diverged_at_its_first_step_without_snapshots_says_both(tmp_path):
-  line = resume._nothing_before({'diverged_at_step': 0, 'last_finite_step': -1}, tmp_path, None)
+  line = resume._nothing_before(Diverged(0, -1, None), tmp_path, None)
   assert (f'the run in {tmp_path} diverged at step 0, its first step (snapshots are off), so '
           'there is no snapshot to go back to; nothing was started') in line

@@ -13,6 +13,7 @@ from mecefo_jax.config import load_config
 from mecefo_jax.core.failures import AppliedEvent
 from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run import plot, report_schema
+from mecefo_jax.run.parts import StartMode
 from procs import suite_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ def run(tmp_path_factory):
       'snapshot.durable_every=10'])
   rows = []
   with Trainer(cfg, out, progress='plain', on_log=rows.append,
-               program_store=suite_store()) as trainer:
+               start=StartMode(program_store=suite_store())) as trainer:
     report = trainer.run()
   # Closed on the way out: the finished run's in-memory snapshots are gone, the run unlocked.
   assert not list((out / 'shm').glob('*/*/*')) and (out / '.lock').read_text() == ''
@@ -76,7 +77,7 @@ def test_eval_rows_do_not_depend_on_the_live_slices(tmp_path):
   from mecefo_jax.run.trainer import Trainer
   cfg = load_config(ROOT / 'configs' / 'tiny.yaml', [
       'mesh.slice=4', 'train.micro_batch=2', 'snapshot.enabled=false', 'train.plot=false'])
-  trainer = Trainer(cfg, tmp_path, progress='quiet', program_store=suite_store())
+  trainer = Trainer(cfg, tmp_path, progress='quiet', start=StartMode(program_store=suite_store()))
   try:
     all_live = trainer.evaluate(3)
     c = trainer.controller
@@ -298,7 +299,9 @@ def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tm
   import time
   import types
 
+  from mecefo_jax.core.decider import DeciderMeta
   from mecefo_jax.core.goodput import Goodput
+  from mecefo_jax.records.snapshot_meta import SnapshotMeta
   from mecefo_jax.records.history import HistoryLine, Kind
   from mecefo_jax.run import restart
   now = time.time()
@@ -312,7 +315,7 @@ def test_the_restart_after_a_death_is_booked_from_the_death_less_its_compiles(tm
   ledger = Goodput(saved)
   ledger.book('compile', 5.0)  # this start's compiles
   controller = types.SimpleNamespace(goodput=ledger.seconds, book=ledger.book)
-  restart.book(tmp_path, controller, {'controller': {'goodput': saved}})
+  restart.book(tmp_path, controller, SnapshotMeta(DeciderMeta([], [], saved, {}), [], 0, []))
   assert ledger.seconds['restart'] == pytest.approx(15.0, abs=1.0)
   assert ledger.seconds['compile'] == 8.0
   restart.book(tmp_path, controller, None)  # a start from step 0 restarts nothing

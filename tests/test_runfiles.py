@@ -1,6 +1,7 @@
 """Run files that survive being torn: the checked reader (mecefo_jax/files.py), and the defects
 it fixed (a torn history.jsonl, a truncated run_state.json, a meta.json without a key); the
 sweep of every file is tests/test_sweep.py."""
+import dataclasses
 import errno
 import json
 import logging
@@ -18,6 +19,7 @@ from mecefo_jax.run.records import RunRecords
 from mecefo_jax.records.history import HISTORY, Kind
 from mecefo_jax.records.job import BAD_INPUT
 from mecefo_jax.records.run_state import RUN_STATE, RunState, write_run_state
+from mecefo_jax.sections import entry
 from procs import TINY, error_lines, tree
 
 MISSING = object()
@@ -25,9 +27,21 @@ MISSING = object()
 
 # ---- the checked reader ------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class _Counted:
+  """A record as the reader takes it: its JSON types from its fields' annotations."""
+  n: int = entry('', 'a count')
+  note: str | None = entry('', 'may be absent', optional=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kinded:
+  kind: str = entry('', 'what the line says')
+
+
 def test_read_json_names_the_file_what_is_wrong_and_the_remedy(tmp_path):
   path = tmp_path / 'r.json'
-  read = lambda: files.read_json(path, {'n': int}, remedy='do X', error=ConfigError)
+  read = lambda: files.read_json(path, _Counted, remedy='do X', error=ConfigError)
   assert read() is None
   for text, wrong in [('', 'is empty'), ('{"n": 1', 'is not valid JSON'),
                       ('[1]', 'holds a list, not a JSON object'), ('{}', "lacks the key 'n'"),
@@ -40,7 +54,9 @@ def test_read_json_names_the_file_what_is_wrong_and_the_remedy(tmp_path):
   with pytest.raises(ConfigError, match='is not valid JSON'):
     read()
   path.write_text('{"n": 3}')
-  assert read() == {'n': 3}
+  assert read() == _Counted(3)
+  path.write_text('{"n": 3, "note": "x", "later": 1}')  # a key of a later version: passed over
+  assert read() == _Counted(3, 'x')
 
 
 def test_read_jsonl_skips_torn_lines_with_one_warning_and_appends_on_a_new_line(tmp_path,
@@ -48,12 +64,12 @@ def test_read_jsonl_skips_torn_lines_with_one_warning_and_appends_on_a_new_line(
   path = tmp_path / 'h.jsonl'
   path.write_bytes(b'{"kind": "a"}\n[1]\n{"t": 1}\n\xff\n{"kind": "b"}\n{"kind": "sta')
   with caplog.at_level(logging.WARNING, 'mecefo'):
-    assert files.read_jsonl(path, {'kind': str}) == [{'kind': 'a'}, {'kind': 'b'}]
+    assert files.read_jsonl(path, _Kinded) == [_Kinded('a'), _Kinded('b')]
   assert caplog.messages == [f'{path}: skipped 4 unreadable line(s) (line 2, 3, 4, 6; a write '
                              'cut by a crash?)']
   files.append_line(path, '{"kind": "c"}')
   caplog.clear()
-  assert files.read_jsonl(path, {'kind': str})[-1] == {'kind': 'c'}
+  assert files.read_jsonl(path, _Kinded)[-1] == _Kinded('c')
   assert path.read_bytes().endswith(b'"sta\n{"kind": "c"}\n')
 
 

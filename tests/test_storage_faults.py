@@ -24,6 +24,7 @@ from mecefo_jax.records.history import HISTORY, Kind
 from mecefo_jax.records.job import BAD_INPUT, CHECKPOINTS_FAILING, OUTPUTS_FAILING
 from mecefo_jax.records.run_dir import MANIFEST_NAME
 from mecefo_jax.records.run_state import RUN_STATE, read_run_state
+from mecefo_jax.records.metrics import TrainRow
 from procs import TINY, error_lines, report, tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,7 +290,7 @@ def _fill_at_row(monkeypatch, step: int, path_part: str) -> None:
   write = metrics.MetricsWriter.write
 
   def writing(self, row):
-    if row.get('step') == step and row.get('kind') == 'train':
+    if isinstance(row, TrainRow) and row.step == step:
       _dev_full_over(path_part)
     return write(self, row)
   monkeypatch.setattr(metrics.MetricsWriter, 'write', writing)

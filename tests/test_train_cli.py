@@ -8,8 +8,8 @@ from mecefo_jax.data.sources import _OPTIONS, _PATHLESS
 from mecefo_jax import config
 from mecefo_jax.model import bases
 from mecefo_jax.run import cli
-from mecefo_jax.run.rundir import run_name
-from mecefo_jax.snapshot.manager import default_snapshot_dir
+from mecefo_jax.files import default_snapshot_dir
+from mecefo_jax.records.run_dir import run_name
 from procs import error_lines, report
 
 

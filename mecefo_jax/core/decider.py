@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from mecefo_jax.core import programs
 from mecefo_jax.core.failures import AppliedEvent, FailureEvent, FailureSchedule, apply_event
@@ -24,23 +24,32 @@ from mecefo_jax.sections import entry
 log = logging.getLogger('mecefo')
 
 
+@dataclasses.dataclass(frozen=True)
+class DeciderMeta:
+  """DeciderState as a snapshot's meta carries it (its `controller` entry)."""
+  failed: list[int] = entry('slices', 'the slices down after the snapshot\'s step')
+  events: list[dict[str, Any]] = entry('', 'the failure events applied so far (report.json\'s '
+                                       'failure_events rows)')
+  goodput: dict[str, float] = entry('s', 'goodput seconds by kind so far')
+  samples: dict[str, int] = entry('samples', 'exact, degraded and dropped samples so far')
+
+
 @dataclasses.dataclass
 class DeciderState:
-  """What the decider carries across steps, saved with every snapshot (`to_meta`: the
-  snapshot meta's 'controller' entry, key for key as before the decider existed)."""
+  """What the decider carries across steps, saved with every snapshot (`to_meta`)."""
   failed: set[int] = dataclasses.field(default_factory=set)
   events: list[dict] = dataclasses.field(default_factory=list)
   goodput: Goodput = dataclasses.field(default_factory=Goodput)
   samples: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
-  def to_meta(self) -> dict:
-    return {'failed': sorted(self.failed), 'events': self.events, 'goodput': self.goodput.seconds,
-            'samples': dict(self.samples)}
+  def to_meta(self) -> DeciderMeta:
+    return DeciderMeta(sorted(self.failed), list(self.events), self.goodput.seconds,
+                       dict(self.samples))
 
   @classmethod
-  def from_meta(cls, meta: Mapping) -> 'DeciderState':
-    return cls(set(meta['failed']), list(meta['events']), Goodput(meta['goodput']),
-               collections.Counter(meta['samples']))
+  def from_meta(cls, meta: DeciderMeta) -> 'DeciderState':
+    return cls(set(meta.failed), list(meta.events), Goodput(meta.goodput),
+               collections.Counter(meta.samples))
 
 
 @dataclasses.dataclass

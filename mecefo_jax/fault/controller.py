@@ -13,7 +13,7 @@ import numpy as np
 
 from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config
-from mecefo_jax.core.decider import Decider, DeciderState, Plans, StepPlan
+from mecefo_jax.core.decider import Decider, DeciderMeta, DeciderState, Plans, StepPlan
 from mecefo_jax.core.failures import FailureEvent, FailureSchedule
 from mecefo_jax.core.goodput import Goodput
 from mecefo_jax.core.programs import EVAL, FUSED, ProgramKey, RunPrograms
@@ -87,7 +87,7 @@ class Controller:
 
   @classmethod
   def start(cls, cfg: Config, presence, graphdef, corpus, schedule: FailureSchedule, state, *,
-            meta: dict | None = None, step: int = 0, all_down_at: int | None = None,
+            meta: DeciderMeta | None = None, step: int = 0, all_down_at: int | None = None,
             program_store: ProgramStore | None = None) -> 'Controller':
     """The controller of a start at `step` (`meta`: the restored snapshot's decider state;
     `all_down_at`: every slice was down at that step), its first step's programs built: the
@@ -326,11 +326,11 @@ class Controller:
     return precompile, programs, self.plans.summary()
 
   # --- snapshot / resume ---------------------------------------------------------------------
-  def dump_meta(self) -> dict:
-    """The decider's state as JSON-able data (saved with every snapshot)."""
+  def dump_meta(self) -> DeciderMeta:
+    """The decider's state as a snapshot's meta carries it."""
     return self.decider.state.to_meta()
 
-  def load_meta(self, meta: dict) -> None:
+  def load_meta(self, meta: DeciderMeta) -> None:
     """Restores dump_meta() output; the state was just restored onto every slice."""
     self.decider.state = DeciderState.from_meta(meta)
     self.decider.held = self.executor.state_slices = self.decider.present

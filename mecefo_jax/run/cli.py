@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -294,19 +295,20 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
     startup.mark('distributed')
     progress_marks.enter('starting', 'the run: data, snapshots, state')
     _test_start_error(args)
-    from mecefo_jax.run import trainer
+    from mecefo_jax.run import parts, trainer
     from mecefo_jax.step import program_store
     startup.mark('imported')
     resume = scratch is None and (args.resume or (not args.fresh and
                                                    run_state.unfinished(out_dir)))
-    run = trainer.Trainer(cfg, scratch or out_dir, resume=resume, explicit_resume=args.resume,
-                          stop=stop_request,
-                          progress='quiet' if args.quiet else 'auto', replace=args.fresh,
-                          # runs/latest, not chosen by the user: a new run replaces a finished one
-                          replace_finished=args.out is None and cfg.train.out_dir == DEFAULT_OUT,
-                          host_slot=args.host_slot,
-                          program_store=program_store.open_store(cfg.train.compile_cache,
-                                                                 cfg.train.program_store_mb))
+    mode = parts.StartMode(
+        resume=resume, explicit_resume=args.resume, replace=args.fresh,
+        # runs/latest, not chosen by the user: a new run replaces a finished one
+        replace_finished=args.out is None and cfg.train.out_dir == DEFAULT_OUT,
+        host_slot=args.host_slot, stop=stop_request,
+        program_store=program_store.open_store(cfg.train.compile_cache,
+                                               cfg.train.program_store_mb))
+    run = trainer.Trainer(cfg, scratch or out_dir, progress='quiet' if args.quiet else 'auto',
+                          start=mode)
   except (ConfigError, DataError, SnapshotError) as e:
     return _leave(job, _error(e))
   except ending.StartupStopped as stopped:
@@ -374,7 +376,7 @@ def _train(args, run, out_dir: Path) -> int:
   log.info('data: %s', run.corpus.describe())
   if args.dry_run:
     from mecefo_jax.run import report
-    print(json.dumps(report.dry_run_info(run), indent=2))
+    print(json.dumps(report.dry_run_info(run.parts), indent=2))
     run.close()
     return 0
   if run.finished:  # a finished run resumed: its report stands
@@ -383,9 +385,10 @@ def _train(args, run, out_dir: Path) -> int:
           f'{run.cfg.train.steps} steps; pass a larger train.steps to train on', file=sys.stderr)
     return 0
   try:
-    report = run.run()
+    run.run()
   finally:
     run.close()
+  report = run.report
   summary = ending.summary(report, out_dir)
   if args.quiet:
     print(summary, file=sys.stderr)
@@ -394,10 +397,12 @@ def _train(args, run, out_dir: Path) -> int:
     # Its compile is every program build a step or an eval waited for (the first programs
     # among them), not the initializer's: not the start line's state + first programs.
     log.info('goodput (s; compile: the program builds steps and evals waited for): %s; samples %s',
-             {k: round(v, 2) for k, v in report['goodput'].items()}, report['samples'])
-    log.info('plans: %d steps, digest %s', report['plans']['steps'], report['plans']['digest'])
-    log.info('%s', ending.first_step(report['startup'], report['compile_s']))
-  if report['failures_note']:
-    log.warning('%s', report['failures_note'])  # the last line, under --quiet too
-  code = ending.exit_code(report, run)
+             {k: round(v, 2) for k, v in dataclasses.asdict(report.goodput).items()},
+             report.samples)
+    log.info('plans: %d steps, digest %s', report.plans.steps, report.plans.digest)
+    log.info('%s', ending.first_step(report.startup, report.compile_s))
+  if report.failures_note:
+    log.warning('%s', report.failures_note)  # the last line, under --quiet too
+  code = ending.exit_code(report, run.checkpoints_failing, run.outputs.error is not None,
+                          run.interrupted_unsaved)
   return _interrupted() if code == INTERRUPTED else code

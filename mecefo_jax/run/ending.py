@@ -9,11 +9,16 @@ import threading
 import time
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mecefo_jax.config import PRESETS, Config
 from mecefo_jax.core.failures import rate_scale
 from mecefo_jax.records.job import (ALL_DOWN, CHECKPOINTS_FAILING, DIVERGED, INTERRUPTED,
-                                    OUTPUTS_FAILING, PEER_LOST, SIGINT_REASON, STOPPED)
+                                    OUTPUTS_FAILING, PEER_LOST, STOPPED)
+
+if TYPE_CHECKING:  # (no jax here: train.py imports this module before jax)
+  from mecefo_jax.run.report_schema import Report
+  from mecefo_jax.run.startup import Startup
 
 # What a collective's failure says when a peer process of the job is gone (gloo on CPU, NCCL
 # on GPU, the coordination service anywhere); jax raises it as a JaxRuntimeError.
@@ -138,29 +143,32 @@ def startup_stopped(stop: StartupStopped) -> int:
   return STOPPED
 
 
-def exit_code(report: dict, run) -> int:
-  """The documented exit code of a run that ended its loop (records/job.py)."""
-  if run.checkpoints_failing:  # its stop line ended the loop; a failed write after it too
+def exit_code(report: Report, checkpoints_failing: bool, outputs_failed: bool,
+              interrupted_unsaved: bool) -> int:
+  """The documented exit code of a run that ended its loop (records/job.py): `report`'s, where
+  durable checkpoints kept failing, a write of the run directory failed, or a Ctrl-C stopped
+  a run without snapshots."""
+  if checkpoints_failing:  # its stop line ended the loop; a failed write after it too
     return CHECKPOINTS_FAILING
-  if run.outputs.error is not None:  # a full disk: stopped after the step, resumable
+  if outputs_failed:  # a full disk: stopped after the step, resumable
     return OUTPUTS_FAILING
-  if report['preempted'] and not run.snapshots and run.stop.reason == SIGINT_REASON:
+  if report.preempted and interrupted_unsaved:
     return INTERRUPTED  # nothing saved: not a resumable stop
-  if report['preempted']:  # SIGTERM, Ctrl-C or --stop-after: snapshotted, resumable
+  if report.preempted:  # SIGTERM, Ctrl-C or --stop-after: snapshotted, resumable
     return STOPPED
-  if report['diverged_at_step'] is not None:
+  if report.diverged_at_step is not None:
     return DIVERGED
-  return ALL_DOWN if report['stopped'] else 0
+  return ALL_DOWN if report.stopped else 0
 
 
-def first_step(startup: dict, compile_s: float) -> str:
+def first_step(startup: Startup, compile_s: float) -> str:
   """The start-up clock's end (report.json `startup`), in one line: what it holds besides the
   state and first programs of the start line (`compile_s`)."""
-  if startup['first_step_s'] is None:
+  if startup.first_step_s is None:
     return 'start-up: no step trained in this process'
-  return (f"start-up: first step done {startup['first_step_s']:.1f}s after the "
-          f"{startup['first_step_from']} start: the state + first programs {compile_s:.1f}s, "
-          f"the step itself {startup['first_step_run_s']:.1f}s, the rest imports, data and "
+  return (f"start-up: first step done {startup.first_step_s:.1f}s after the "
+          f"{startup.first_step_from} start: the state + first programs {compile_s:.1f}s, "
+          f"the step itself {startup.first_step_run_s:.1f}s, the rest imports, data and "
           'snapshot tiers (report.json: startup)')
 
 
@@ -183,13 +191,13 @@ def no_failure_note(cfg: Config, n_slices: int, steps_done: int, applied: list) 
           f'raise faults.cluster_step_s to see failures')
 
 
-def summary(report: dict, out_dir: Path) -> str:
+def summary(report: Report, out_dir: Path) -> str:
   """The one line a run ends with (also under --quiet)."""
-  ppl, diverged = report['eval_perplexity'], report.get('diverged_at_step')
-  head = (f"done: {report['steps']} steps" if report['stopped'] is None else  # trained them all
-          f"stopped: {report['steps']} of {report['config']['train']['steps']} steps")
-  final = _num(report['final_loss']) if diverged is None else f'not finite at step {diverged}'
-  return (f"{head}, loss {_num(report['first_loss'])} -> {final}, eval "
-          f"{_num(report['eval_loss'])} (perplexity {'n/a' if ppl is None else f'{ppl:.3f}'}; "
-          f"entropy floor {_num(report['entropy_floor'])})"
-          f" in {report['wall_s']:.1f}s, {report['tokens_per_s']:.0f} tok/s; outputs in {out_dir}")
+  r, ppl, diverged = report, report.eval_perplexity, report.diverged_at_step
+  head = (f"done: {r.steps} steps" if r.stopped is None else  # trained them all
+          f"stopped: {r.steps} of {r.config['train']['steps']} steps")
+  final = _num(r.final_loss) if diverged is None else f'not finite at step {diverged}'
+  return (f"{head}, loss {_num(r.first_loss)} -> {final}, eval {_num(r.eval_loss)} "
+          f"(perplexity {'n/a' if ppl is None else f'{ppl:.3f}'}; entropy floor "
+          f"{_num(r.entropy_floor)}) in {r.wall_s:.1f}s, {r.tokens_per_s:.0f} tok/s; outputs in "
+          f"{out_dir}")

@@ -27,7 +27,6 @@ class Evals(Hook):
     self.controller, self.n_batches, self.last_step = controller, n_batches, last_step
     self.has_eval, self.stopping, self.emit = has_eval, stopping, emit
     self.evals = evals  # oldest first
-    self.seconds = 0.0  # spent in this start's evals
 
   def after_step(self, record: StepRecord) -> None:
     if self.has_eval and record.plan.eval is not None and not self.stopping(record):
@@ -43,7 +42,6 @@ class Evals(Hook):
     with progress_marks.during('evaluating', f'after step {step}'):
       loss = self.controller.evaluate(self.n_batches)
     spent = time.perf_counter() - t0
-    self.seconds += spent
     # An eval is not step time; its compile, if any, is booked as compile by the program cache.
     self.controller.exclude_from_steps(spent)
     row = EvalRow(step, loss, perplexity(loss), eval_s=spent,

@@ -11,7 +11,10 @@ from typing import Callable, Iterator, Sequence
 
 from mecefo_jax.core.decider import StepPlan
 from mecefo_jax.records import progress_marks
+from mecefo_jax.records.history import Kind
 from mecefo_jax.records.metrics import EvalRow, TrainRow
+from mecefo_jax.records.run_state import Diverged
+from mecefo_jax.run import hints
 from mecefo_jax.sections import Draft
 
 log = logging.getLogger('mecefo')
@@ -132,20 +135,20 @@ class Divergence(Hook):
   """Ends the run at a non-finite training loss or gradient norm, before that step is saved
   anywhere; `diverged` then says where, and the last step seen finite (the rollback's bound).
 
-  `start_step`: the first step of this start; `saved(bound)`: the newest step <= bound whose
-  snapshot this start saved or restored, or None; `hints`: (rollback, fresh) commands of
-  `lr`; `on_diverged(diverged)`: records it (run_state.json, history.jsonl)."""
+  `origin`: this start (run/resume.Start: its first step, the snapshot it restored); `saver`:
+  the snapshots this start saved (the rollback's target, `saver.newest`); `files`: the run's
+  files (run_state.json records the divergence, run/run_files.RunFiles); `records`:
+  history.jsonl; `lr` and `n_hosts`: the commands its line gives."""
 
-  def __init__(self, start_step: int, saved: Callable[[int], int | None],
-               hints: Callable[[float], tuple[str, str]], lr: float,
-               on_diverged: Callable[[dict], None] = lambda diverged: None):
-    self.saved, self.hints, self.lr, self.on_diverged = saved, hints, lr, on_diverged
-    self.last_finite = start_step - 1  # the restored snapshot's step was seen finite before
-    self.diverged: dict | None = None
+  def __init__(self, origin, saver, files, records, lr: float, n_hosts: int = 1):
+    self.origin, self.saver, self.files, self.records = origin, saver, files, records
+    self.lr, self.n_hosts = lr, n_hosts
+    self.last_finite = origin.step - 1  # the restored snapshot's step was seen finite before
+    self.diverged: Diverged | None = None
 
   @property
   def diverged_at(self) -> int | None:
-    return self.diverged and self.diverged['diverged_at_step']
+    return self.diverged and self.diverged.diverged_at_step
 
   def after_step(self, record: StepRecord) -> StopRun | None:
     values = record.values or {}
@@ -158,11 +161,13 @@ class Divergence(Hook):
       return None
     # The state after the last step seen finite is finite (its gradients were), but the loss
     # of its own next step was not seen: a rollback goes to a snapshot of a step <= it.
-    target = self.saved(self.last_finite) if self.last_finite >= 0 else None
-    self.diverged = {'diverged_at_step': record.step, 'last_finite_step': self.last_finite,
-                     'rollback_to': target}
-    self.on_diverged(self.diverged)
-    rollback, fresh = self.hints(self.lr)
+    target = (self.saver.newest(self.last_finite, self.origin.resumed_from)
+              if self.last_finite >= 0 else None)
+    self.diverged = Diverged(record.step, self.last_finite, target)
+    self.files.diverged(self.diverged)
+    self.records.history(Kind.DIVERGED, diverged=self.diverged)
+    out_dir = self.files.out_dir
+    rollback, fresh = hints.rollback(out_dir, self.lr, self.n_hosts), hints.fresh(out_dir)
     names = ' and '.join('gradient norm' if k == 'grad_norm' else k for k, _ in bad)
     head = (f'the training {names} {"is" if len(bad) == 1 else "are"} not finite '
             f'({", ".join(str(v) for _, v in bad)}) at step {record.step}: the run stopped '

@@ -22,15 +22,16 @@ class MetricRows(Hook):
   """A train row every train.log_every steps and after the last; each row of a step (its evals
   after its train row) to the terminal, metrics.jsonl and `on_log(row)`.
 
-  `tokens()`: tokens trained so far; `eval_s()`: seconds spent in evals so far (left out of
-  tokens/s); `losses`: [step, loss] of the rows written before this start (a resume)."""
+  `tokens()`: tokens trained so far; `losses`: [step, loss] of the rows written before this
+  start (a resume). The evals' seconds, left out of tokens/s, are their rows' (`eval_s`)."""
 
   def __init__(self, cfg: Config, out_dir: Path, start_step: int, n_slices: int, *,
-               tokens: Callable[[], int], eval_s: Callable[[], float], losses: list,
+               tokens: Callable[[], int], losses: list,
                mode: str = 'auto', on_log: Callable[[dict], None] | None = None,
                enabled: bool = True, guard: OutputGuard | None = None):
     self.cfg, self.out_dir, self.start_step, self.n_slices = cfg, out_dir, start_step, n_slices
-    self.tokens, self.eval_s, self.losses = tokens, eval_s, losses
+    self.tokens, self.losses = tokens, losses
+    self.eval_s = 0.0  # seconds this start spent in evals (its eval rows')
     self.mode, self.on_log, self.enabled, self.guard = mode, on_log, enabled, guard
     self.tensorboard = False  # event files written
     self.tokens_at_start = 0
@@ -46,7 +47,7 @@ class MetricRows(Hook):
     writer = MetricsWriter(self.out_dir, fresh=self.start_step == 0, enabled=self.enabled,
                            guard=self.guard)
     self.tokens_at_start = self.tokens()
-    self._window = (time.perf_counter(), self.tokens_at_start, self.eval_s())
+    self._window = (time.perf_counter(), self.tokens_at_start, self.eval_s)
     with writer, progress:
       self._writer, self._progress = writer, progress
       try:
@@ -59,15 +60,22 @@ class MetricRows(Hook):
     return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps - 1
 
   def after_step(self, record: StepRecord) -> None:
+    if record.eval_row is not None:  # made before the step's train row: left out of its rate
+      self.eval_s += record.eval_row.eval_s
     loss = record.values['loss'] if record.values else (record.metrics or {}).get('loss')
     self._progress.step(len(record.live), loss)
     if self.wants_values(record.step) or record.stop_voted:  # a stopped run's last step too
       record.train_row = self._train_row(record)
       self.losses.append((record.step, record.train_row.loss))
     for row in record.rows:
-      self.emit(row)
+      self._show(row)
 
-  def emit(self, row: TrainRow | EvalRow) -> None:
+  def emit(self, row: EvalRow) -> None:
+    """An eval row made after the loop (the final eval), its seconds counted."""
+    self.eval_s += row.eval_s
+    self._show(row)
+
+  def _show(self, row: TrainRow | EvalRow) -> None:
     """A metrics row to the terminal, metrics.jsonl (+ TensorBoard) and the on_log callback (as
     the dict written)."""
     if isinstance(row, TrainRow):
@@ -82,15 +90,15 @@ class MetricRows(Hook):
     now, tokens = time.perf_counter(), self.tokens()
     # tokens/s since the previous train row, eval time left out: dips show failures and rejoins.
     t0, tokens0, eval0 = self._window
-    seconds = max(now - t0 - (self.eval_s() - eval0), 1e-9)
-    self._window = (now, tokens, self.eval_s())
+    seconds = max(now - t0 - (self.eval_s - eval0), 1e-9)
+    self._window = (now, tokens, self.eval_s)
     return TrainRow(step=record.step, **record.values, wall_s=now - record.loop_start,
                     live_slices=len(record.live), tokens_per_s=(tokens - tokens0) / seconds)
 
   def report(self, end: RunEnd, report: Draft) -> None:
     """report.json's losses, tokens and rates (of this process: a resumed run counts from its
     resume; eval time left out), and where the TensorBoard files are."""
-    losses, train_s = self.losses, max(end.wall_s - self.eval_s(), 1e-9)
+    losses, train_s = self.losses, max(end.wall_s - self.eval_s, 1e-9)
     report.losses, report.tokens = losses, self.tokens()
     report.first_loss = losses[0][1] if losses else None
     report.final_loss = losses[-1][1] if losses else None
@@ -98,6 +106,6 @@ class MetricRows(Hook):
         tokens_per_s=(self.tokens() - self.tokens_at_start) / train_s,
         steps_per_s=(end.steps_done - self.start_step) / train_s,
         tokens_per_step=self.n_slices * self.cfg.train.micro_batch * self.cfg.model.seq_len,
-        train_s=train_s, eval_s=self.eval_s())
+        train_s=train_s, eval_s=self.eval_s)
     report.throughput, report.tokens_per_s = throughput, throughput.tokens_per_s
     report.tensorboard_dir = str(self.out_dir / TB_DIR) if self.tensorboard else None

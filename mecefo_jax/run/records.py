@@ -24,7 +24,7 @@ class RunRecords:
   def start(self, start, events: list[dict], hosts, live) -> None:
     """A start from `start` (run/resume.Start) whose controller holds `events`: history.jsonl
     has the restored ones already; failures.txt is cut back to them."""
-    self._events_written = len(start.meta['controller']['events']) if start.meta else 0
+    self._events_written = len(start.meta.controller.events) if start.meta else 0
     if not self.enabled:
       return
     # A line that a crash or a full disk cut goes first, so that every line parses.

@@ -5,6 +5,7 @@ import time
 
 from mecefo_jax.records import history
 from mecefo_jax.records.history import HistoryLine, Kind
+from mecefo_jax.records.snapshot_meta import SnapshotMeta
 
 
 def deaths(lines: list[HistoryLine]) -> list[float]:
@@ -20,7 +21,7 @@ def death_before_start(lines: list[HistoryLine]) -> float | None:
   return next(iter(deaths(lines[starts[-1] + 1:] if starts else lines)), None)
 
 
-def book(out_dir, controller, meta: dict | None) -> None:
+def book(out_dir, controller, meta: SnapshotMeta | None) -> None:
   """Books in the `controller`'s goodput ledger (core/goodput.py) the restart that this start of the run in `out_dir`
   ends, its loop about to start, restored with snapshot `meta` (None: a start from step 0):
   from the death to now, less the compiles the start booked already (in `compile`)."""
@@ -29,5 +30,5 @@ def book(out_dir, controller, meta: dict | None) -> None:
   death = multihost.on_chief(lambda: death_before_start(history.read(out_dir, warn=False)))
   if death is None or meta is None:
     return
-  compiled = controller.goodput['compile'] - meta['controller']['goodput'].get('compile', 0.0)
+  compiled = controller.goodput['compile'] - meta.controller.goodput.get('compile', 0.0)
   controller.book('restart', max(0.0, time.time() - death - compiled))

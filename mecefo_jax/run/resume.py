@@ -16,8 +16,10 @@ import jax
 from mecefo_jax import multihost
 from mecefo_jax.config import Config, ConfigError, to_dict
 from mecefo_jax.model import contract, models
+from mecefo_jax.records import snapshot_meta
 from mecefo_jax.records.history import Rollback
 from mecefo_jax.records.run_state import Diverged, ModelId, RunState
+from mecefo_jax.records.snapshot_meta import SnapshotMeta
 from mecefo_jax.run import hints, rundir
 from mecefo_jax.run.metrics import last_logged_step
 from mecefo_jax.snapshot import recovery
@@ -30,7 +32,7 @@ log = logging.getLogger('mecefo')
 class Start:
   step: int  # steps already trained
   state: Any
-  meta: dict | None = None  # the restored snapshot's meta (controller, losses, evals)
+  meta: SnapshotMeta | None = None  # the restored snapshot's
   where: str | None = None  # the snapshot restored, in words
   reached: int | None = None  # steps the previous processes had trained (>= step)
   rollback: Rollback | None = None  # a diverged run gone back to a snapshot before it
@@ -86,8 +88,8 @@ def initial_state(cfg: Config, presence, snapshots, out_dir: Path, *, resume: bo
 def _resumed(restored: tuple, out_dir: Path, rollback: Rollback | None) -> Start:
   step, state, meta, where = restored
   reached = multihost.on_chief(lambda: _reached(out_dir))
-  start = Start(step, state, meta, where, None if reached is None else max(reached, step),
-                rollback)
+  start = Start(step, state, snapshot_meta.from_saved(meta), where,
+                None if reached is None else max(reached, step), rollback)
   log.warning('resumed from the %s of %d step(s); the previous processes had trained %s '
               'step(s), so %s step(s) are trained again', where, step, start.reached,
               start.steps_lost)

@@ -5,11 +5,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Callable
 
-from mecefo_jax import multihost
+from mecefo_jax import multihost, sections
 from mecefo_jax.records import progress_marks
 from mecefo_jax.records.history import Kind
+from mecefo_jax.records.snapshot_meta import SnapshotMeta
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord, StopRun
 from mecefo_jax.run.records import RunRecords
 from mecefo_jax.run.stop import StopRequest
@@ -27,12 +27,12 @@ log = logging.getLogger('mecefo')
 
 class SnapshotSaver(Hook):
   """Saves the state after the steps the tiers have due (async, one replica); stops the run when
-  durable checkpoints keep failing. `meta(steps_done)`: what a snapshot carries besides the
-  state (the decider's state, losses, evals)."""
+  durable checkpoints keep failing. Each snapshot carries its SnapshotMeta: the `controller`'s
+  decider state, the losses `rows` logged and the evals `evals` made so far (hooks before it)."""
 
-  def __init__(self, snapshots, state: Callable, meta: Callable[[int], dict],
-               records: RunRecords, resume_hint: str, keep_when_finished: bool = False):
-    self.snapshots, self.state, self.meta = snapshots, state, meta
+  def __init__(self, snapshots, controller, rows, evals, records: RunRecords, resume_hint: str,
+               keep_when_finished: bool = False):
+    self.snapshots, self.controller, self.rows, self.evals = snapshots, controller, rows, evals
     self.keep_when_finished = keep_when_finished  # snapshot.keep_when_finished
     self.records, self.resume_hint = records, resume_hint
     self.checkpoints_failing = False  # stopped by durable saves that kept failing
@@ -89,10 +89,16 @@ class SnapshotSaver(Hook):
     durable_due = sn.durable is not None and (stop or steps_done % sn.durable_every == 0)
     with (progress_marks.during('saving', f'step {steps_done}', 'durable' if durable_due else
                                 'in-memory') if saving else contextlib.nullcontext()):
-      started = sn.maybe_save(steps_done, self.state(), self.meta(steps_done), stop=stop)
+      started = sn.maybe_save(steps_done, self.controller.state, self.meta(steps_done), stop=stop)
     earlier = self._saved[1] if self._saved[0] == steps_done else ()
     self._saved = (steps_done, earlier + started)
     self._saved_steps.update([steps_done] if started else [])
+
+  def meta(self, steps_done: int) -> dict:
+    """The snapshot's meta, as the tiers save it (JSON)."""
+    meta = SnapshotMeta(self.controller.dump_meta(), list(self.rows.losses), steps_done,
+                        list(self.evals.evals))
+    return sections.to_json(meta)
 
   def newest(self, bound: int, restored: int | None = None) -> int | None:
     """The newest step <= `bound` of a snapshot in the tiers (of one process: those listed,
@@ -137,6 +143,13 @@ class SnapshotSaver(Hook):
     report.snapshot_interval = sn.interval.report() if sn else SnapshotInterval()
 
 
+def stopping(request: StopRequest, record: StepRecord) -> bool:
+  """Whether the run stops after `record`'s step (the same step on every process)."""
+  if multihost.is_multiprocess() or record.stop_voted:
+    return record.stop_voted
+  return request.due(record.steps_done)  # a request that came after the step's record
+
+
 class Stop(Hook):
   """Ends the run after a step when a stop was requested (a signal, --stop-after, the stop file;
   several processes: as the job voted with the step's metrics), the step saved first."""
@@ -150,14 +163,8 @@ class Stop(Hook):
   def wants_values(self, step: int) -> bool:
     return multihost.is_multiprocess()  # the fetch carries the job's stop vote
 
-  def stopping(self, record: StepRecord) -> bool:
-    """Whether the run stops after `record`'s step (the same step on every process)."""
-    if multihost.is_multiprocess() or record.stop_voted:
-      return record.stop_voted
-    return self.request.due(record.steps_done)  # a request that came after the step's record
-
   def after_step(self, record: StepRecord) -> StopRun | None:
-    if not self.stopping(record):
+    if not stopping(self.request, record):
       return None
     steps = record.steps_done
     self.reason = self.request.reason or AGREED_STOP
