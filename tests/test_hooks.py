@@ -273,3 +273,29 @@ def test_the_snapshot_to_go_back_to_is_listed_or_in_flight_never_a_step_not_save
   saver.save(7)  # not due: nothing saved
   assert [saver.newest(b) for b in (1, 3, 5, 7)] == [None, 2, 4, 6]
   assert SnapshotSaver(None, None, None, None, None, '').newest(9) is None
+
+
+def test_the_step_loop_ends_where_every_slice_went_down_and_records_that_step(tmp_path):
+  """run/loop.StepLoop: the first step of a start is fetched (the start-up clock's end); a step
+  whose slices are all down ends the loop there, its step recorded for a resume."""
+  from mecefo_jax.fault.controller import AllSlicesDown
+  from mecefo_jax.run.loop import StepLoop
+  down_at, fetched, reached = [], [], []
+
+  def step(step, elapsed):
+    if step == 2:
+      raise AllSlicesDown('all 2 slices are down')
+    return {'loss': 1.0}
+
+  controller = types.SimpleNamespace(
+      step=step, settle=lambda: None, events=[], last_plan=PLAN, last_built=(),
+      fetch=lambda metrics, vote: (fetched.append(metrics) or metrics, None))
+  parts = types.SimpleNamespace(
+      cfg=load_config(None, ['train.steps=5']), out_dir=tmp_path, controller=controller,
+      presence=types.SimpleNamespace(slots=(0,)), snapshots=None,
+      origin=types.SimpleNamespace(step=1), files=types.SimpleNamespace(all_down_at=down_at.append),
+      records=types.SimpleNamespace(events=lambda events: None, reached=reached.append),
+      stop=StopRequest(), startup=types.SimpleNamespace(step_done=lambda: None))
+  steps_done, why = StepLoop(parts, Hooks([]), restarted_by=None).run(0.0)
+  assert (steps_done, down_at, fetched, reached) == (2, [2], [{'loss': 1.0}], [2])
+  assert why.startswith('all 2 slices are down. When devices return, ') and 'step 2' in why

@@ -72,16 +72,14 @@ class RunParts:
 
 def build(cfg: Config, out_dir: Path, schedule: FailureSchedule | None, mode: StartMode,
           run_files: RunFiles, startup: StartupClock) -> RunParts:
-  """All but the lock (`run_files` holds it), the first programs built last; no file of the run
-  is written here. Everything that can refuse the run is checked before any of its files is
-  touched; a refusal after the snapshot tiers opened closes them."""
+  """All but the lock (`run_files`'), the first programs last; no file of the run is written
+  here, and whatever can refuse the run does so before its files are touched."""
   models.spec(cfg.model)  # a model that breaks the contract: refused here
   found = presence.find(cfg, out_dir, mode.resume, mode.host_slot)
   if multihost.is_multiprocess():
     multihost.check_slices_within_processes(found.mesh)
   stop = (mode.stop if mode.stop is not None else StopRequest()).watch(out_dir)
-  # A failed write of the run directory (a full disk) stops the run after its step (exit 6).
-  outputs = OutputGuard(stop.request)
+  outputs = OutputGuard(stop.request)  # a failed write (a full disk): stops after the step
   corpus = load_corpus(cfg.train.data, seq_len=cfg.model.seq_len, seed=cfg.train.seed,
                        vocab_size=cfg.model.vocab_size)
   if not corpus.has_eval:
