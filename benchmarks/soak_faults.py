@@ -24,6 +24,7 @@ EXPECTED = {'kill': (Kind.LAUNCH_DEATH,), 'stop_worker': (Kind.LAUNCH_STALL,),
 # Besides what EXPECTED names, what each fault may leave (a stop of the job it asks for).
 ALSO = {'kill': {Kind.LAUNCH_PEER_LOST}, 'stop_worker': {Kind.LAUNCH_PEER_LOST}}
 HOLD_S = 8.0  # how long a full tmpfs stays full
+FREE_LEFT = 16 * 4096  # what a full tmpfs has left: less than any snapshot's part
 IN_PLACE = {'full_tmpfs'}  # the faults after which the job trains on without a restart
 
 
@@ -85,7 +86,9 @@ def full_tmpfs(soak, host: int) -> Injected:
   filler = soak.shm / 'filler'
   fault.note = f'{_fill(filler) >> 20} MiB filled, {shutil.disk_usage(soak.shm).free} bytes left'
   until = time.time() + HOLD_S
-  soak.wait_for(lambda: time.time() > until, 'the full tmpfs held')
+  # Kept full while held: a save that replaces an older snapshot frees the older one's pages
+  # (a tiny model's snapshot fits in what one such free leaves: seen under load, no skip).
+  soak.wait_for(lambda: _fill(filler) < 0 or time.time() > until, 'the full tmpfs held')
   filler.unlink()
   # Its record: a skip shows once the next save waits for the failed one (a step later).
   soak.wait_for(lambda: soak.history_since(fault.t, Kind.SNAPSHOT_SKIPPED), 'the skips recorded')
@@ -94,17 +97,17 @@ def full_tmpfs(soak, host: int) -> Injected:
 
 def _fill(path: Path) -> int:
   """Fills the filesystem of `path` but for a few pages (the next save fails: ENOSPC) with
-  one file; its size. The job's saves come and go meanwhile: a fill that no longer fits is
-  tried again smaller."""
-  with open(path, 'wb') as f:
+  one file, grown where it is there already; its size. The job's saves come and go meanwhile:
+  a fill that no longer fits is tried again smaller."""
+  with open(path, 'ab') as f:
     for _ in range(100):
-      size = max(0, shutil.disk_usage(path.parent).free - 16 * 4096)
+      size = shutil.disk_usage(path.parent).free - FREE_LEFT
+      if size <= 0:
+        break
       try:
         os.posix_fallocate(f.fileno(), os.fstat(f.fileno()).st_size, size)
       except OSError:
         continue  # a save took some of it meanwhile
-      if shutil.disk_usage(path.parent).free < 1 << 20:
-        break
     return os.fstat(f.fileno()).st_size
 
 
