@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from mecefo_jax import files
 from mecefo_jax.data import prepare as prep
 from mecefo_jax.data import tokendir
 from mecefo_jax.data.documents import PIECE_BYTES, DataError, text_documents
@@ -217,7 +218,8 @@ def test_opening_a_token_directory_reads_none_of_the_stream(corpus, tmp_path):
   n = 512 << 20
   with open(tmp_path / 'tok' / tokendir.TOKENS, 'r+b') as f:
     f.truncate(n)
-  tokendir.write_json(tmp_path / 'tok' / tokendir.META, dataclasses.replace(meta, token_count=n))
+  files.write_json(tmp_path / 'tok' / tokendir.META, dataclasses.replace(meta, token_count=n),
+                   indent=1)
   before = _faults()
   corpus = load_corpus(f'tokens:{tmp_path / "tok"}', seq_len=256, seed=0, vocab_size=256)
   rows = corpus.sequences(np.arange(64))

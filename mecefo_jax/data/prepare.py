@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mecefo_jax import files
 from mecefo_jax.data import tokendir
 from mecefo_jax.data.documents import (PIECE_BYTES, DataError, Documents, open_documents,
                                        text_documents)
@@ -160,7 +161,7 @@ def _write(out: Path, documents: Documents, tok, progress: tokendir.Progress, ch
       f.flush()
       os.fsync(f.fileno())
       progress = _advanced(progress, ids, cursor)
-      tokendir.write_json(out / tokendir.PROGRESS, progress)
+      files.write_json(out / tokendir.PROGRESS, progress, indent=1)
       bar.update(cursor.bytes_in - bar.n)
       bar.set_postfix_str(f'{progress.tokens:,} tokens', refresh=False)
   return progress
@@ -186,7 +187,7 @@ def _finish(out: Path, progress: tokendir.Progress, tok,
       token_min=progress.token_min, token_max=progress.token_max,
       doc_count=progress.cursor.docs, text_bytes=progress.cursor.bytes_in,
       tokenizer=tok.fingerprint, tokenizer_path=tokenizer, separator_ids=tok.sep_ids.tolist())
-  tokendir.write_json(out / tokendir.META, meta)
+  files.write_json(out / tokendir.META, meta, indent=1)
   (out / tokendir.PROGRESS).unlink()
   return meta
 

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mecefo_jax import files, sections
+from mecefo_jax import files
 from mecefo_jax.data.documents import DataError
 from mecefo_jax.data.tokenizer import Cursor
 from mecefo_jax.sections import entry
@@ -57,11 +56,6 @@ class Meta(Made):
   tokenizer: str = entry('', "the tokenizer's fingerprint ('bytes' for UTF-8 bytes)")
   tokenizer_path: str | None = entry('', '--tokenizer as given; null for UTF-8 bytes')
   separator_ids: list[int] = entry('', 'the ids that join two documents')
-
-
-def write_json(path: Path, record: Made) -> None:
-  """Replaces `path` atomically and durably: a crash leaves the old record or the new one."""
-  files.replace_text(path, json.dumps(sections.to_json(record), indent=1))
 
 
 def read_record(path: Path, spec: str) -> Meta | Progress | None:

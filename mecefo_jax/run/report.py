@@ -59,14 +59,13 @@ def write_ending(parts: RunParts, report: Report) -> None:
   """The run's files at the end of its loop: report.json, the end line of history.jsonl,
   run_state.json, the plot."""
   p, stopped = parts, report.stopped
+  status = 'stopped' if stopped else 'finished'
   if p.files.is_chief:
     p.outputs.attempt(p.out_dir / rundir.REPORT, files.replace_text, p.out_dir / rundir.REPORT,
                       to_json(dataclasses.asdict(report), indent=2))
-  p.records.history(Kind.END, status='stopped' if stopped else 'finished', step=report.steps,
-                    why=stopped or 'trained train.steps')
+  p.records.history(Kind.END, status=status, step=report.steps, why=stopped or 'trained train.steps')
   # run_state.json tells the truth on a full disk too: written in place if need be.
-  p.outputs.attempt(p.out_dir / RUN_STATE, p.files.write_state,
-                    'stopped' if stopped else 'finished')
+  p.outputs.attempt(p.out_dir / RUN_STATE, p.files.write_state, status)
   if p.cfg.train.plot and p.files.is_chief and p.outputs.error is None:
     plot.plot_or_warn(p.out_dir)
 
