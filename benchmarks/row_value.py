@@ -3,7 +3,7 @@
 Run: python -m benchmarks.row_value [--config configs/tiny.yaml] [--rows 64] [--degraded 8,16,32]
      [--steps 300] [--extra 1.0] [--seeds 0,1,2,3,4] [--modes full,skip_attention,rank:4,gaussian]
      [--data 'pydoc?eval_fraction=0.05'] [--eval-every 25] [--eval-rows 2048] [--json OUT]
-     [--figure PNG] [overrides...]
+     [--figure PNG] [--reuse EARLIER.json] [overrides...]
 One device, the product's own step program with Role(exact=B-k, degraded=k) (as
 benchmarks/ablation.py lowers its variants): per seed one init and one data order for every arm,
 the last k rows of each step's batch degraded (arm `degraded`), left out (`dropped`, the mean
@@ -14,6 +14,9 @@ a_degraded / a_dropped, a the slope of m over p = k/B through the origin, fitted
 and p, with a bootstrap interval over seeds (benchmarks/row_value_fit.py). A takeover beats
 dropping the row iff v > d (`budget`, the step time kept) or v > d(1 + r)/r (`spread`,
 r = B_noise/B), d the degraded row's cost against an exact row's (FLOPs, time).
+--reuse takes each seed's fault-free and dropped arms from an earlier run of the same settings:
+they do not depend on the mode (no row is degraded), and the first seed's fault-free arm is run
+again and must equal the stored one to the last bit, else the run stops.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
 
 import argparse
 import dataclasses
+import json
 import math
 import time
 
@@ -69,6 +73,8 @@ def _args(argv):
   p.add_argument('--time-repeats', type=int, default=5, help='interleaved timings for d_time')
   p.add_argument('--json', default=None)
   p.add_argument('--figure', default=None)
+  p.add_argument('--reuse', default=None, help="an earlier run's JSON: its fault-free and dropped "
+                 'arms, per seed')
   p.add_argument('overrides', nargs='*', help='dotted config overrides')
   return p.parse_args(argv)
 
@@ -153,13 +159,38 @@ def eval_set(cfg, a, seed: int):
   return corpus, [global_batch(corpus, j, 1, min(256, a.eval_rows), 'eval') for j in range(n)]
 
 
-def one_seed(mode: Mode, seed: int) -> dict:
+SETTINGS = ('config', 'rows', 'degraded', 'steps', 'extra', 'data', 'eval_every', 'eval_rows',
+            'overrides')
+
+
+def reusable(a, path: str | None) -> dict:
+  """seed -> an earlier run's arms that no degraded row touches (fault-free, dropped)."""
+  if path is None:
+    return {}
+  with open(path) as f:
+    earlier = json.load(f)
+  differ = [k for k in SETTINGS if earlier.get(k) != getattr(a, k)]
+  if differ:
+    raise SystemExit(f'error: --reuse {path}: other settings ({", ".join(differ)})')
+  return {int(seed): {'fault_free': run['fault_free'],
+                      'arms': {n: arm for n, arm in run['arms'].items() if n.startswith('dropped')}}
+          for m in reversed(earlier['modes'].values()) for seed, run in m['per_seed'].items()}
+
+
+def one_seed(mode: Mode, seed: int, reused: dict | None, check: bool) -> dict:
   """Every arm of one seed: the fault-free curve and each faulty arm's make-up steps."""
   corpus, evals = eval_set(mode.cfg, mode.a, seed)
-  fault_free = mode.run('none', seed, corpus, evals, None)
+  if reused is None or check:
+    fault_free = mode.run('none', seed, corpus, evals, None)
+    if reused is not None and [list(e) for e in fault_free] != reused['fault_free']:
+      raise SystemExit(f'error: --reuse: seed {seed} fault-free arm differs from the stored one')
+  fault_free = reused['fault_free'] if reused else fault_free
   target, out = fault_free[-1][1], {'fault_free': fault_free, 'arms': {}}
   for arm in mode.roles:
     if arm == 'none':
+      continue
+    if reused and arm in reused['arms']:
+      out['arms'][arm] = reused['arms'][arm]
       continue
     curve = mode.run(arm, seed, corpus, evals, target)
     m = row_value_fit.make_up_steps(curve, target, mode.a.steps)
@@ -191,11 +222,14 @@ def main(argv=None) -> dict:
             'degraded': a.degraded, 'steps': a.steps, 'extra': a.extra, 'data': a.data,
             'eval_every': a.eval_every, 'eval_rows': a.eval_rows, 'overrides': a.overrides,
             'modes': {}}
+  reuse = reusable(a, a.reuse)
+  result['reused_from'] = a.reuse
   for name in a.modes.split(','):
     mode = Mode(a, name)
-    per_seed = {}
-    for seed in (int(s) for s in a.seeds.split(',')):
-      per_seed[seed] = one_seed(mode, seed)
+    seeds, per_seed = [int(s) for s in a.seeds.split(',')], {}
+    checked = next((s for s in seeds if s in reuse), None)  # one seed's fault-free arm, rerun
+    for seed in seeds:
+      per_seed[seed] = one_seed(mode, seed, reuse.get(seed), check=seed == checked)
     params = sum(x.size for x in jax.tree.leaves(train_state.abstract_state(mode.cfg).params))
     result['modes'][name] = {**summarize(per_seed, a, mode.costs()), 'steps': a.steps,
                              'seeds': list(per_seed), 'params': int(params),

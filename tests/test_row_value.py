@@ -1,8 +1,10 @@
 """What a degraded row is worth: make-up steps read off eval curves, v fitted over p and seeds,
 the thresholds it is held against, and the benchmark end to end at a tiny scale (slow)."""
+import json
+
 import pytest
 
-from benchmarks import row_value_fit as fit
+from benchmarks import row_value, row_value_fit as fit
 
 
 def test_make_up_steps_are_read_where_the_curve_crosses_the_fault_free_loss():
@@ -53,3 +55,16 @@ def test_the_benchmark_pairs_every_arm_by_seed(launcher, tmp_path):
       assert arm['evals'][-1][0] <= 40
   assert 0.0 < mode['d_flops'] < 1.0 and mode['params'] > 0
   assert (mode['v'] is None) == bool(mode['censored'])
+
+
+def test_reuse_takes_the_fault_free_and_dropped_arms_of_the_same_settings_only(tmp_path):
+  args = row_value._args(['--steps', '20', '--seeds', '0,1'])
+  arms = {'degraded_8': {'make_up_steps': 1.0}, 'dropped_8': {'make_up_steps': 2.0}}
+  earlier = {**{k: getattr(args, k) for k in row_value.SETTINGS},
+             'modes': {'full': {'per_seed': {'0': {'fault_free': [[10, 3.0]], 'arms': arms}}}}}
+  path = tmp_path / 'earlier.json'
+  path.write_text(json.dumps(earlier))
+  assert row_value.reusable(args, str(path)) == {
+      0: {'fault_free': [[10, 3.0]], 'arms': {'dropped_8': {'make_up_steps': 2.0}}}}
+  with pytest.raises(SystemExit, match=r'other settings \(steps\)'):
+    row_value.reusable(row_value._args(['--steps', '30']), str(path))
