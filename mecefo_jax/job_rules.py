@@ -3,7 +3,10 @@ death, a survivor's, a failed start-up, in words), the run they train (resumed, 
 the TPU slices its hosts form (--slice-hosts: the unit that fails and rejoins whole)."""
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 from mecefo_jax.config import ConfigError
@@ -15,8 +18,16 @@ SURVIVOR_EXITS = (STOPPED, PEER_LOST)  # a process's exits that are not its deat
 # A death by SIGABRT may be a survivor's: gloo's checks (and jax's coordination client) abort a
 # process whose peer died in a collective, and the peer's own exit can show a look later (a
 # loaded suite run: gloo's "Received data size doesn't match expected size" on host 0 after
-# host 1's SIGKILL, seen first, so host 0 was taken for the dead one).
+# host 1's SIGKILL, seen first, so host 0 was taken for the dead one), or half a minute later
+# where the dead process is on another machine (Ray notices a lost node by its health checks).
 ABORTED = -signal.SIGABRT
+# What an abort's last words say when a peer's death caused it (jax 0.10.2, run here): gloo in a
+# collective, or jax's coordination service ("The following tasks are unhealthy (stopped sending
+# heartbeats)" in process 0, "Polled an error from coordination service" in each of the others).
+PEER_WORDS = ('Connection closed by peer', 'Connection reset by peer', 'Socket closed',
+              "Received data size doesn't match", 'Polled an error from coordination service',
+              'JAX distributed service detected fatal errors', 'stopped sending heartbeats')
+WORDS_BYTES = 8192  # the tail of a process's output read for its last words
 
 
 def exit_text(code: int) -> str:
@@ -26,10 +37,16 @@ def exit_text(code: int) -> str:
   return f'exit {code}' + (f' ({names[code]})' if code in names else '')
 
 
-def dead(exited: dict[int, int]) -> list[int]:
-  """The hosts among `exited` ({host: code}) whose exit is a death (a signal, a crash)."""
+def dead(exited: dict[int, int], peer_aborted: set[int] = frozenset()) -> list[int]:
+  """The hosts among `exited` ({host: code}) whose exit is a death (a signal, a crash), less
+  those `peer_aborted` (aborts a peer's death caused: survivors)."""
   return [h for h, c in exited.items() if c != 0 and c not in JOB_EXITS and
-          c not in SURVIVOR_EXITS]
+          c not in SURVIVOR_EXITS and h not in peer_aborted]
+
+
+def peer_caused(words: str) -> bool:
+  """Whether an abort's last words say that a peer's death caused it (PEER_WORDS)."""
+  return any(w in words for w in PEER_WORDS)
 
 
 def blamed(died: list[int], exited: dict[int, int]) -> int | None:
@@ -46,6 +63,58 @@ def failed_in_start_up(exited: dict[int, int], first: int, local: bool) -> list[
     return []
   return sorted((h for h, c in exited.items() if c == BAD_INPUT or local and c > 0 and
                  c not in JOB_EXITS and c not in SURVIVOR_EXITS), key=lambda h: h != first)
+
+
+def output_to(log: Path, echo: bool) -> tuple[int | None, subprocess.Popen | None]:
+  """Where a process's output goes, as an fd (None: inherited) and the `tee` that copies it:
+  into `log`, and with `echo` also to this process's stderr through a `tee` of its own, which
+  outlives an abort of the process, so that its last words reach the file too (`-i`: a Ctrl-C
+  to the terminal's group leaves it copying the job's own stop lines)."""
+  log.parent.mkdir(parents=True, exist_ok=True)
+  if not echo:
+    return os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), None
+  if shutil.which('tee') is None:
+    return None, None  # on the terminal only: no last words read for it
+  read, write = os.pipe()
+  tee = subprocess.Popen(['tee', '-i', '-a', str(log)], stdin=read, stdout=2)
+  os.close(read)
+  return write, tee
+
+
+def spawn_logged(cmd: list[str], env: dict, log: Path, echo: bool,
+                 **popen) -> tuple[subprocess.Popen, subprocess.Popen | None]:
+  """Starts `cmd` with its output in `log` (output_to; `echo`: its stderr on this process's
+  too, its stdout inherited); the process and its tee."""
+  fd, tee = output_to(log, echo)
+  streams = dict(stderr=fd) if echo else dict(stdout=fd, stderr=subprocess.STDOUT)
+  try:
+    return subprocess.Popen(cmd, env=env, **streams, **popen), tee
+  finally:
+    if fd is not None:
+      os.close(fd)  # the child holds it
+
+
+def wait_copied(tee: subprocess.Popen | None, end: bool = False, wait_s: float = 2.0) -> None:
+  """Waits (bounded) for a tee to copy all its process wrote: it ends when that output closes
+  (something the process started may still hold it); `end`: then it is ended."""
+  if tee is None:
+    return
+  try:
+    tee.wait(wait_s)
+  except subprocess.TimeoutExpired:
+    if end:
+      tee.kill()
+      tee.wait()
+
+
+def last_words(log: Path, since: int = 0) -> str:
+  """The last WORDS_BYTES of what a process wrote to `log` past byte `since` ('' for none)."""
+  try:
+    with open(log, 'rb') as f:
+      f.seek(max(since, f.seek(0, 2) - WORDS_BYTES))
+      return f.read().decode(errors='replace')
+  except OSError:
+    return ''
 
 
 def error_lines(log: Path, since: int) -> list[str]:

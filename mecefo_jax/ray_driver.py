@@ -254,14 +254,14 @@ class RayDriver(Supervisor):
       env['JAX_PLATFORMS'] = os.environ.get('JAX_PLATFORMS', 'tpu')
     if self.args.megascale and self.coordinator is not None:
       env.update(megascale_env(self.hosts, host, self.k, self.coordinator.rpartition(':')[0]))
-    log = None if pid == 0 else str(self._log(host))  # process 0's output: Ray shows it here
+    log = str(self._log(host))  # on the node; process 0's stderr also shown here by Ray
     actor = self.actors[host]
     if self.coordinator is None:
       proc = RayProcess(actor, None)
       proc._gone(RuntimeError(f'the actor of host {self.hosts[0]} (process 0) did not start'))
       proc._pid = -1
       return proc
-    return RayProcess(actor, actor.start.remote(args, env, log, self.args.stopped_s))
+    return RayProcess(actor, actor.start.remote(args, env, log, self.args.stopped_s, pid == 0))
 
   def _watch(self) -> int | None:
     self._look()
@@ -279,6 +279,9 @@ class RayDriver(Supervisor):
           self.say(Kind.LAUNCH_ACTOR_LOST,
                    f'host {h}\'s actor is gone ({live[h].lost}): its trainer died with it',
                    host=h, why=live[h].lost)
+
+  def words(self, host: int) -> str:
+    return self.procs[host].seen.words or ''  # its actor's, with the exit code
 
   def kill_first(self, host: int) -> None:
     self.procs[host].kill()

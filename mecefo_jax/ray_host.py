@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from mecefo_jax.job_rules import last_words, spawn_logged, wait_copied
 from mecefo_jax.records.job import SUPERVISOR_ENV, Handoff, HostLook, cpu_seconds, process_state
 from mecefo_jax.records.progress_marks import MARKS_ENV, mark_path, read_mark
 from mecefo_jax.supervisor import free_port
@@ -45,6 +46,8 @@ class Host:
   def __init__(self, host: int, lease_s: float):
     self.host, self.lease_s = host, lease_s
     self.child: subprocess.Popen | None = None
+    self.tee: subprocess.Popen | None = None  # the copy of process 0's output to this actor's
+    self.log, self.since = None, 0  # the trainer's output file, from this byte on
     self.renewed = time.monotonic()
     self.read_fd, self.write_fd = os.pipe()
     self.marks = Path(tempfile.mkdtemp(prefix='mecefo-marks-'))  # on this node
@@ -56,34 +59,35 @@ class Host:
     import ray
     return ray.util.get_node_ip_address(), free_port('')
 
-  def start(self, args: list[str], env: dict[str, str], log: str | None,
-            stopped_s: float) -> int:
+  def start(self, args: list[str], env: dict[str, str], log: str, stopped_s: float,
+            echo: bool = False) -> int:
     """Starts `python -m mecefo_jax ARGS` (this node's Python) with the job's `env` over the
-    node's; output to `log` (None: this actor's, which Ray shows the driver). Its pid."""
+    node's; its output to `log` on this node (`echo`: its stderr to this actor's too, which Ray
+    shows the driver: process 0's). Its pid."""
     self.renewed = time.monotonic()  # the first look comes after every host's start
     node_dir = os.environ.get(NODE_SNAPSHOT_DIR_ENV)
     args = [*args, f'snapshot.dir={node_dir}'] if node_dir else list(args)
     env = {**os.environ, **env, MARKS_ENV: str(self.marks),
            SUPERVISOR_ENV: Handoff(self.read_fd, os.getpid(), stopped_s).to_env()}
-    out = None
-    if log:
-      Path(log).parent.mkdir(parents=True, exist_ok=True)
-      out = open(log, 'ab')
+    self.log = Path(log)
+    self.since = self.log.stat().st_size if self.log.exists() else 0
     cmd = [sys.executable, '-S', '-c', _DIE_WITH_PARENT, str(os.getpid()), sys.executable,
            '-m', 'mecefo_jax', *args]
-    self.child = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.read_fd,),
-                                  stderr=subprocess.STDOUT if out else None,
-                                  start_new_session=True)
-    if out:
-      out.close()  # the child holds it
+    self.child, self.tee = spawn_logged(cmd, env, self.log, echo, pass_fds=(self.read_fd,),
+                                        start_new_session=True)
     return self.child.pid
 
   def look(self) -> HostLook:
     """The trainer now; renews the driver's lease."""
     self.renewed = time.monotonic()
-    pid = self.child.pid
-    return HostLook(self.child.poll(), read_mark(mark_path(self.marks, self.host)),
-                    process_state(pid), cpu_seconds(pid))
+    pid, code = self.child.pid, self.child.poll()
+    return HostLook(code, read_mark(mark_path(self.marks, self.host)), process_state(pid),
+                    cpu_seconds(pid), None if code is None else self._words())
+
+  def _words(self) -> str:
+    """The trainer's last words (it exited): the tail of its output, its tee's copy done."""
+    wait_copied(self.tee)
+    return last_words(self.log, self.since)
 
   def signal(self, signum: int) -> None:
     if self.child.poll() is None:
@@ -105,6 +109,7 @@ class Host:
     """The trainer killed if it runs, its mark removed: the actor may go."""
     if self.child is not None:
       self.kill()
+    wait_copied(self.tee, end=True)
     shutil.rmtree(self.marks, ignore_errors=True)
 
   def _lease(self) -> None:

@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from mecefo_jax.job_rules import (blamed, dead, error_lines, exit_text, failed_in_start_up,
-                                  resuming, starts, tpu_slice)
+from mecefo_jax.job_rules import (ABORTED, blamed, dead, error_lines, exit_text, failed_in_start_up,
+                                  last_words, peer_caused, resuming, spawn_logged, starts,
+                                  tpu_slice, wait_copied)
 from mecefo_jax.records import history
 from mecefo_jax.records.history import Kind
 from mecefo_jax.records.job import (ALL_DOWN, BAD_INPUT, LAUNCH_ENV, PEER_LOST, STOP_FILE, STOPPED,
@@ -25,10 +26,11 @@ from mecefo_jax.watch import Stall, StallWatch, kill_group
 # The directory holding this package: the processes import the same one from any cwd.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 _POLL_S, _GRACE_S = 0.1, 60.0
-# A survivor that lost a peer (PEER_LOST) is no death: the dead process shows within this
-# long (a remote one once its transport notices), else the whole job restarts.
+# A survivor that lost a peer (PEER_LOST, or an abort whose last words say so) is no death:
+# the dead process shows within this long (a remote one once its transport notices: Ray's
+# health checks take up to half a minute), else the whole job restarts.
 _PEER_WAIT_S = 45.0
-_ABORT_WAIT_S = 5.0  # aborts alone wait this long for the death behind them (job_rules.ABORTED)
+_ABORT_WAIT_S = 5.0  # other aborts wait this long for a death behind them (job_rules.ABORTED)
 
 
 def free_port(address: str = '127.0.0.1') -> int:
@@ -48,6 +50,10 @@ class Supervisor:
     self.hosts = list(range(args.num_processes))  # the logical hosts in the job
     self.ready_at: dict[int, float] = {}  # dead host -> when its replacement is ready
     self.procs: dict[int, subprocess.Popen] = {}
+    self.tees: dict[int, subprocess.Popen] = {}  # host -> the tee of its output (job_rules)
+    self.peer_aborted: set[int] = set()  # hosts whose abort a peer's death caused
+    self.words_read: set[int] = set()  # hosts whose exit's last words were read (this job)
+    self.log_sizes: dict[int, int] = {}  # host -> its log's size at this job's start
     self.deaths = self.rejoins = self.restarts = 0
     self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
     self.settle_since = self.abort_since = None  # since when exits wait for others (start())
@@ -94,6 +100,8 @@ class Supervisor:
     port, n = self._port(), len(self.hosts)
     self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since, self.abort_since = {}, False, None, None
+    self.peer_aborted, self.words_read = set(), set()
+    self._end_tees()
     self.away, self.looked_at = False, time.monotonic()
     self._clear_stop_request()
     self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
@@ -122,15 +130,20 @@ class Supervisor:
     """Starts process `pid` (logical host `host`) of an n-process job; its handle: a Popen, or
     what answers as one (pid, returncode, poll, wait, send_signal, kill)."""
     cmd, env = self.command(pid, host, n, port)
-    # Every process logs the same events: process 0 speaks for the job, the others to files.
-    out = None if pid == 0 else open(self._log(host), 'ab')
     env = {**env, SUPERVISOR_ENV: Handoff(self.watched_fd, os.getpid(),
                                           self.args.stopped_s).to_env()}
-    proc = subprocess.Popen(cmd, env=env, stdout=out, pass_fds=(self.watched_fd,),
-                            stderr=subprocess.STDOUT if out else None)
-    if out:
-      out.close()  # the child holds it
+    # Every process logs the same events to its file (its last words: words()); process 0
+    # speaks for the job on the terminal too.
+    proc, tee = spawn_logged(cmd, env, self._log(host), echo=pid == 0,
+                             pass_fds=(self.watched_fd,))
+    if tee is not None:
+      self.tees[host] = tee
     return proc
+
+  def words(self, host: int) -> str:
+    """The last words of `host`'s process in this job (it exited): the tail of its output."""
+    wait_copied(self.tees.get(host))
+    return last_words(self._log(host), self.log_sizes.get(host, 0))
 
   def kill_first(self, host: int) -> None:
     """Kills the stalled process of `host` (and what it started) before the others."""
@@ -174,6 +187,13 @@ class Supervisor:
         p.kill()
     for p in self.procs.values():
       p.wait()
+    self._end_tees()
+
+  def _end_tees(self) -> None:
+    """The tees of the job that ended, done copying (bounded) and reaped."""
+    for tee in self.tees.values():
+      wait_copied(tee, end=True)
+    self.tees = {}
 
   def stop_all(self) -> None:
     """The supervisor leaves (an error of its own): a job still running is asked to stop at an
@@ -210,10 +230,11 @@ class Supervisor:
     failed = self._failed_start(exited)
     if failed is not None:
       return self._start_failed(failed, exited[failed])
-    died = dead(exited)
+    self._read_words(exited)
+    died = dead(exited, self.peer_aborted)
     if died:
       return self._first_death(died, exited)
-    if PEER_LOST in exited.values():
+    if PEER_LOST in exited.values() or self.peer_aborted:
       return self._lost_peer(exited)
     if exited and len(exited) == len(codes):
       away = self._stopped_while_away(exited)
@@ -230,6 +251,13 @@ class Supervisor:
                f'to grow back to {len(self.hosts) + len(ready)} hosts', hosts=ready)
       self._ask_stop(f'the grow-back of host(s) {ready}')
     return None
+
+  def _read_words(self, exited: dict) -> None:
+    """Reads the last words of each abort once: one a peer's death caused is a survivor's."""
+    for h in set(exited) - self.words_read:
+      self.words_read.add(h)
+      if exited[h] == ABORTED and peer_caused(self.words(h)):
+        self.peer_aborted.add(h)
 
   def _failed_start(self, exited: dict) -> int | None:
     """A host whose process failed in start-up: it exited with an input error, or (the run
@@ -371,7 +399,7 @@ class Supervisor:
     self.settle_since = self.settle_since or time.monotonic()
     if time.monotonic() - self.settle_since <= _PEER_WAIT_S:
       return None
-    lost = sorted(h for h, c in exited.items() if c == PEER_LOST)
+    lost = sorted(h for h, c in exited.items() if c == PEER_LOST or h in self.peer_aborted)
     self.say(Kind.LAUNCH_PEER_LOST,
              f'host(s) {lost} lost a peer and no process died within {_PEER_WAIT_S:.0f} s: '
              'restarting the whole job from its last snapshot', hosts=lost)

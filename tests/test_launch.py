@@ -242,6 +242,47 @@ def test_an_abort_waits_for_the_death_that_caused_it(tmp_path, capsys, monkeypat
   assert sup._watch() is None and restarted == [1, 0] and sup.deaths == 2
 
 
+# An abort's last words, as jax 0.10.2 on CPU writes them (run here): the coordination service's
+# in a process whose peer stopped sending heartbeats, gloo's in a collective with a dead peer.
+_SERVICE_WORDS = ('E1129 17:47:31.543612   29669 coordination_service_agent.cc:289] Polled an '
+                  'error from coordination service (this can be an error from this or another '
+                  "task).\nterminate called after throwing an instance of 'std::bad_cast'\n")
+_GLOO_WORDS = ("terminate called after throwing an instance of 'gloo::IoException'\n  what():  "
+               '[gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:41233\n')
+
+
+def test_an_abort_a_peers_death_caused_waits_for_that_death_seen_30_s_later(
+    tmp_path, capsys, monkeypatch):
+  """A dead process on another machine shows late (Ray notices a lost node by its health checks,
+  up to half a minute), its survivors' aborts at once: an abort whose last words say a peer died
+  is a survivor's, whatever order the exits show in, and the death restarted for is the one
+  that shows 30 s later; an abort without such words is a death of its own."""
+  run = tmp_path / 'run'
+  run.mkdir()
+  sup = supervisor.Supervisor(launch.parse_args(['-n', '3', '--', '--out', str(run)]))
+  sup.args.log_dir.mkdir(parents=True)
+  now = [1000.0]
+  monkeypatch.setattr(supervisor.time, 'monotonic', lambda: now[0])
+  restarted = []
+  monkeypatch.setattr(sup, '_without', restarted.append)
+  (sup.args.log_dir / 'host0.log').write_text('step 40 ...\n' + _SERVICE_WORDS)
+  (sup.args.log_dir / 'host2.log').write_text(_GLOO_WORDS)
+  sup.procs = {0: _Exited(-signal.SIGABRT), 1: _Exited(None), 2: _Exited(-signal.SIGABRT)}
+  for _ in range(30):  # a look each second for 30 s: the survivors wait for the death
+    assert sup._watch() is None and restarted == [] and sup.deaths == 0
+    now[0] += 1.0
+  sup.procs[1] = _Exited(-signal.SIGKILL, pid=11)
+  assert sup._watch() is None and restarted == [1]
+  assert 'host 1 (pid 11) died (killed by SIGKILL)' in capsys.readouterr().err
+  # An abort of its own (a runtime's check failed): the death, once none other shows in 5 s.
+  (sup.args.log_dir / 'host0.log').write_text('F1129 cuda_executor.cc:211] Check failed\n')
+  sup.procs, sup.abort_since = {0: _Exited(-signal.SIGABRT), 1: _Exited(None)}, None
+  sup.peer_aborted, sup.words_read = set(), set()
+  assert sup._watch() is None and restarted == [1]
+  now[0] += supervisor._ABORT_WAIT_S + 1
+  assert sup._watch() is None and restarted == [1, 0] and sup.deaths == 2
+
+
 @pytest.mark.parametrize('state, train_args, resuming', [
     (None, [], False), ('stopped', [], True), ('finished', [], False),
     ('stopped', ['--fresh'], False), (None, ['--resume'], True)])

@@ -100,6 +100,8 @@ class HostLook:
                             default=None)
   cpu: float | None = entry('s', 'the CPU time it used (cpu_seconds), None where unread',
                             default=None)
+  words: str | None = entry('', 'the tail of its output once it exited (its last words: an '
+                            "abort's cause), None while it runs", default=None)
 
 
 # ---- what the supervisor reads of a process in /proc -------------------------------------------
