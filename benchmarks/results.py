@@ -22,7 +22,7 @@ from typing import Callable
 from benchmarks.results_limits import LIMITATIONS, limitations
 from benchmarks.results_trace import (TOPOLOGY_BEGIN, TOPOLOGY_END, TRACE_BEGIN, TRACE_END,
                                       _trace_default, _trace_goodput, topology_table, trace_table)
-from benchmarks.results_recovery import (_ray_driver_lost, _recovery, _restart_time, _soak,
+from benchmarks.results_recovery import (_late_death, _ray_driver_lost, _recovery, _restart_time, _soak,
                                         _stall_clean_runs, _stall_recovery, _stop_time)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,6 +163,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('recovery', 'Recovery from real deaths', _recovery),
     ('restart_time', 'Restart after a death, phase by phase', _restart_time),
     ('stall_recovery', 'Recovery from a stall', _stall_recovery),
+    ('late_death', 'A death seen after its survivors\' aborts', _late_death),
     ('stall_clean_runs', 'No false stall', _stall_clean_runs),
     ('stop_time', 'A stop within a grace period', _stop_time),
     ('ray_driver_lost', 'A Ray driver killed: the lease stops the job', _ray_driver_lost),

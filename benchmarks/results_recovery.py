@@ -54,6 +54,16 @@ def _stall_recovery(d: dict) -> str:
           f"{d['stop_to_first_step_s']:.1f} s; dropped {d['samples']['dropped']}")
 
 
+def _late_death(d: dict) -> str:
+  rule = 'an abort alone counted after 5 s (last words ignored)' if d['ignore_words'] else (
+      "each abort's last words read")
+  said = '; '.join(f'host {h}: {(w or "?").split("] ", 1)[-1][:70]}'
+                   for h, w in d['survivors_said'].items())
+  return (f"3 processes, host {d['victim']} SIGKILLed, its exit seen {d['late_s']:g} s after "
+          f"its survivors' ({said}); {rule}: the job restarted for host(s) {d['deaths']}, "
+          + ('the victim' if d['restarted_for_victim'] else 'a survivor, not the victim'))
+
+
 def _stall_clean_runs(d: dict) -> str:
   walls = [r['wall_s'] for r in d['clean_runs']]
   return (f"{d['runs_ok']} of {len(walls)} runs of the README's multi-process example (evals, "
