@@ -117,6 +117,54 @@ def last_words(log: Path, since: int = 0) -> str:
     return ''
 
 
+class Outputs:
+  """A job's outputs as its supervisor keeps them: each process's in its host's log file
+  (process 0's stderr echoed through a tee), each log's size at the job's start, and the exits
+  that were aborts a peer's death caused (read off their last words once)."""
+
+  def __init__(self, log_dir: Path):
+    self.log_dir = log_dir
+    self.tees: dict[int, subprocess.Popen] = {}  # host -> the tee of its process's stderr
+    self.sizes: dict[int, int] = {}  # host -> its log's size at this job's start
+    self.read: set[int] = set()  # hosts whose exit's last words were read
+    self.peer_aborted: set[int] = set()  # hosts whose abort a peer's death caused
+
+  def log(self, host: int) -> Path:
+    return self.log_dir / f'host{host}.log'
+
+  def new_job(self, hosts: list[int]) -> None:
+    self.end()
+    self.log_dir.mkdir(parents=True, exist_ok=True)
+    self.sizes = {h: self.log(h).stat().st_size if self.log(h).exists() else 0 for h in hosts}
+    self.read, self.peer_aborted = set(), set()
+
+  def spawn(self, host: int, cmd: list[str], env: dict, echo: bool, **popen):
+    proc, tee = spawn_logged(cmd, env, self.log(host), echo, **popen)
+    if tee is not None:
+      self.tees[host] = tee
+    return proc
+
+  def words(self, host: int) -> str:
+    """The last words of `host`'s process in this job (it exited)."""
+    wait_copied(self.tees.get(host))
+    return last_words(self.log(host), self.sizes.get(host, 0))
+
+  def peer_aborts(self, exited: dict[int, int], words=None) -> set[int]:
+    """The hosts among `exited` whose abort a peer's death caused, by their last words
+    (`words(host)`, this job's own where None), each read once."""
+    for h in set(exited) - self.read:
+      self.read.add(h)
+      if exited[h] == ABORTED and peer_caused((words or self.words)(h)):
+        self.peer_aborted.add(h)
+    return self.peer_aborted
+
+  def end(self) -> None:
+    """The tees of the job that ended, done copying (bounded) and reaped."""
+    for tee in self.tees.values():
+      wait_copied(tee, end=True)
+    self.tees = {}
+
+
 def error_lines(log: Path, since: int) -> list[str]:
   """The `error:` lines a process wrote to `log` past byte `since` (else its last line)."""
   with open(log, 'rb') as f:

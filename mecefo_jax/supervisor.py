@@ -11,9 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from mecefo_jax.job_rules import (ABORTED, blamed, dead, error_lines, exit_text, failed_in_start_up,
-                                  last_words, peer_caused, resuming, spawn_logged, starts,
-                                  tpu_slice, wait_copied)
+from mecefo_jax.job_rules import (Outputs, blamed, dead, error_lines, exit_text,
+                                  failed_in_start_up, resuming, starts, tpu_slice)
 from mecefo_jax.records import history
 from mecefo_jax.records.history import Kind
 from mecefo_jax.records.job import (ALL_DOWN, BAD_INPUT, LAUNCH_ENV, PEER_LOST, STOP_FILE, STOPPED,
@@ -50,10 +49,7 @@ class Supervisor:
     self.hosts = list(range(args.num_processes))  # the logical hosts in the job
     self.ready_at: dict[int, float] = {}  # dead host -> when its replacement is ready
     self.procs: dict[int, subprocess.Popen] = {}
-    self.tees: dict[int, subprocess.Popen] = {}  # host -> the tee of its output (job_rules)
-    self.peer_aborted: set[int] = set()  # hosts whose abort a peer's death caused
-    self.words_read: set[int] = set()  # hosts whose exit's last words were read (this job)
-    self.log_sizes: dict[int, int] = {}  # host -> its log's size at this job's start
+    self.outputs = Outputs(args.log_dir)  # every process's output, its last words
     self.deaths = self.rejoins = self.restarts = 0
     self.stopping = False  # the job was asked to stop (to grow, or the supervisor's SIGTERM)
     self.settle_since = self.abort_since = None  # since when exits wait for others (start())
@@ -98,14 +94,10 @@ class Supervisor:
   def start(self) -> None:
     self.clock.spawning()  # a transport's start of its hosts (Ray: their actors) included
     port, n = self._port(), len(self.hosts)
-    self.args.log_dir.mkdir(parents=True, exist_ok=True)
     self.procs, self.stopping, self.settle_since, self.abort_since = {}, False, None, None
-    self.peer_aborted, self.words_read = set(), set()
-    self._end_tees()
     self.away, self.looked_at = False, time.monotonic()
     self._clear_stop_request()
-    self.log_sizes = {h: self._log(h).stat().st_size if self._log(h).exists() else 0
-                      for h in self.hosts}
+    self.outputs.new_job(self.hosts)
     self.starts = starts(self.args.out)
     for pid, host in enumerate(self.hosts):
       self.procs[host] = self.spawn(pid, host, n, port)
@@ -122,7 +114,7 @@ class Supervisor:
     return resuming(self._train_args(), self.args.out)
 
   def _log(self, host: int) -> Path:
-    return self.args.log_dir / f'host{host}.log'
+    return self.outputs.log(host)
 
   # The transport: the hooks a driver of processes elsewhere replaces (deploy/pod_controller.py,
   # ray_driver.py); the rules above and below are the same for all.
@@ -134,16 +126,11 @@ class Supervisor:
                                           self.args.stopped_s).to_env()}
     # Every process logs the same events to its file (its last words: words()); process 0
     # speaks for the job on the terminal too.
-    proc, tee = spawn_logged(cmd, env, self._log(host), echo=pid == 0,
-                             pass_fds=(self.watched_fd,))
-    if tee is not None:
-      self.tees[host] = tee
-    return proc
+    return self.outputs.spawn(host, cmd, env, echo=pid == 0, pass_fds=(self.watched_fd,))
 
   def words(self, host: int) -> str:
     """The last words of `host`'s process in this job (it exited): the tail of its output."""
-    wait_copied(self.tees.get(host))
-    return last_words(self._log(host), self.log_sizes.get(host, 0))
+    return self.outputs.words(host)
 
   def kill_first(self, host: int) -> None:
     """Kills the stalled process of `host` (and what it started) before the others."""
@@ -187,13 +174,7 @@ class Supervisor:
         p.kill()
     for p in self.procs.values():
       p.wait()
-    self._end_tees()
-
-  def _end_tees(self) -> None:
-    """The tees of the job that ended, done copying (bounded) and reaped."""
-    for tee in self.tees.values():
-      wait_copied(tee, end=True)
-    self.tees = {}
+    self.outputs.end()
 
   def stop_all(self) -> None:
     """The supervisor leaves (an error of its own): a job still running is asked to stop at an
@@ -230,11 +211,11 @@ class Supervisor:
     failed = self._failed_start(exited)
     if failed is not None:
       return self._start_failed(failed, exited[failed])
-    self._read_words(exited)
-    died = dead(exited, self.peer_aborted)
+    peer_aborted = self.outputs.peer_aborts(exited, self.words)
+    died = dead(exited, peer_aborted)
     if died:
       return self._first_death(died, exited)
-    if PEER_LOST in exited.values() or self.peer_aborted:
+    if PEER_LOST in exited.values() or peer_aborted:
       return self._lost_peer(exited)
     if exited and len(exited) == len(codes):
       away = self._stopped_while_away(exited)
@@ -252,13 +233,6 @@ class Supervisor:
       self._ask_stop(f'the grow-back of host(s) {ready}')
     return None
 
-  def _read_words(self, exited: dict) -> None:
-    """Reads the last words of each abort once: one a peer's death caused is a survivor's."""
-    for h in set(exited) - self.words_read:
-      self.words_read.add(h)
-      if exited[h] == ABORTED and peer_caused(self.words(h)):
-        self.peer_aborted.add(h)
-
   def _failed_start(self, exited: dict) -> int | None:
     """A host whose process failed in start-up: it exited with an input error, or (the run
     directory being here) with an error of its own before the job trained (no new start in
@@ -272,7 +246,7 @@ class Supervisor:
   def _start_failed(self, host: int, code: int) -> int:
     """Shows that host's `error:` lines (host 0's are on the terminal already), stops the job."""
     if host != self.hosts[0]:
-      for line in error_lines(self._log(host), self.log_sizes.get(host, 0)):
+      for line in error_lines(self._log(host), self.outputs.sizes.get(host, 0)):
         print(line, file=sys.stderr, flush=True)
     self.kill_all()
     self.say(Kind.LAUNCH_END,
@@ -399,7 +373,7 @@ class Supervisor:
     self.settle_since = self.settle_since or time.monotonic()
     if time.monotonic() - self.settle_since <= _PEER_WAIT_S:
       return None
-    lost = sorted(h for h, c in exited.items() if c == PEER_LOST or h in self.peer_aborted)
+    lost = sorted(h for h, c in exited.items() if c == PEER_LOST or h in self.outputs.peer_aborted)
     self.say(Kind.LAUNCH_PEER_LOST,
              f'host(s) {lost} lost a peer and no process died within {_PEER_WAIT_S:.0f} s: '
              'restarting the whole job from its last snapshot', hosts=lost)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mecefo_jax import launch, supervisor
+from mecefo_jax import job_rules, launch, supervisor
 from mecefo_jax.records import history, run_dir
 from mecefo_jax.records.history import Kind
 from mecefo_jax.records.job import BAD_INPUT, STOPPED
@@ -277,7 +277,7 @@ def test_an_abort_a_peers_death_caused_waits_for_that_death_seen_30_s_later(
   # An abort of its own (a runtime's check failed): the death, once none other shows in 5 s.
   (sup.args.log_dir / 'host0.log').write_text('F1129 cuda_executor.cc:211] Check failed\n')
   sup.procs, sup.abort_since = {0: _Exited(-signal.SIGABRT), 1: _Exited(None)}, None
-  sup.peer_aborted, sup.words_read = set(), set()
+  sup.outputs = job_rules.Outputs(sup.args.log_dir)  # the next job's
   assert sup._watch() is None and restarted == [1]
   now[0] += supervisor._ABORT_WAIT_S + 1
   assert sup._watch() is None and restarted == [1, 0] and sup.deaths == 2
