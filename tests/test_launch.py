@@ -8,7 +8,6 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from mecefo_jax.run import plot
 from mecefo_jax.run.cli import TEST_START_ERROR_ENV
 from mecefo_jax.run.stop import TEST_DEATH_ENV
 from mecefo_jax.records.run_state import RunState, write_run_state
-from procs import ROOT, error_lines, kill, report, usage_error
+from procs import ROOT, error_lines, report, usage_error
 
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
 STEPS, DEATH, STOP = 24, 6, 20
