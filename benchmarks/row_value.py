@@ -234,8 +234,8 @@ def main(argv=None) -> dict:
     result['modes'][name] = {**summarize(per_seed, a, mode.costs()), 'steps': a.steps,
                              'seeds': list(per_seed), 'params': int(params),
                              'per_seed': per_seed}
-  result['machine_time_s'] = time.perf_counter() - t0
-  common.emit(result, table(result), a.json)
+    result['machine_time_s'] = time.perf_counter() - t0
+    common.emit(result, table(result), a.json)  # each mode's result kept as soon as it is done
   if a.figure:
     figure(result, a.figure)
   return result
