@@ -18,7 +18,6 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
 
 import argparse
 import os
-import re
 import signal
 import tempfile
 import threading
@@ -29,6 +28,7 @@ from benchmarks import common
 from mecefo_jax import job_rules, launch, supervisor
 from mecefo_jax.records import history
 from mecefo_jax.records.history import Kind
+from mecefo_jax.records.progress_marks import mark_path, read_mark
 
 _CAP_S = 120.0  # the victim's exit shows this long after it at the latest
 
@@ -54,12 +54,12 @@ class _Late:
 
 
 def _kill_at_step(sup, victim: int, step: int, killed: dict) -> None:
+  """SIGKILLs the victim once every process's progress mark has reached `step`."""
   marks = sup.args.log_dir / 'marks'
   while True:
     time.sleep(0.5)
-    steps = [int(s) for m in marks.glob('*.mark') for s in re.findall(r'"step":(\d+)',
-                                                                       m.read_text())]
-    if len(steps) == len(sup.hosts) and min(steps) >= step:
+    seen = [read_mark(mark_path(marks, h)) for h in sup.hosts]
+    if all(m is not None and m.step >= step for m in seen):
       break
   killed['at_s'] = time.monotonic() - sup.t0
   os.kill(sup.procs[victim].proc.pid, signal.SIGKILL)

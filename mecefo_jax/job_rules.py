@@ -65,27 +65,20 @@ def failed_in_start_up(exited: dict[int, int], first: int, local: bool) -> list[
                  c not in JOB_EXITS and c not in SURVIVOR_EXITS), key=lambda h: h != first)
 
 
-def output_to(log: Path, echo: bool) -> tuple[int | None, subprocess.Popen | None]:
-  """Where a process's output goes, as an fd (None: inherited) and the `tee` that copies it:
-  into `log`, and with `echo` also to this process's stderr through a `tee` of its own, which
-  outlives an abort of the process, so that its last words reach the file too (`-i`: a Ctrl-C
-  to the terminal's group leaves it copying the job's own stop lines)."""
-  log.parent.mkdir(parents=True, exist_ok=True)
-  if not echo:
-    return os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), None
-  if shutil.which('tee') is None:
-    return None, None  # on the terminal only: no last words read for it
-  read, write = os.pipe()
-  tee = subprocess.Popen(['tee', '-i', '-a', str(log)], stdin=read, stdout=2)
-  os.close(read)
-  return write, tee
-
-
 def spawn_logged(cmd: list[str], env: dict, log: Path, echo: bool,
                  **popen) -> tuple[subprocess.Popen, subprocess.Popen | None]:
-  """Starts `cmd` with its output in `log` (output_to; `echo`: its stderr on this process's
-  too, its stdout inherited); the process and its tee."""
-  fd, tee = output_to(log, echo)
+  """Starts `cmd` with its output appended to `log`; the process and its tee. With `echo` its
+  stderr goes to this process's stderr too (its stdout inherited), through a `tee` of its own,
+  which outlives an abort of the process, so that its last words reach the file too (`-i`: a
+  Ctrl-C to the terminal's group leaves it copying the job's own stop lines)."""
+  log.parent.mkdir(parents=True, exist_ok=True)
+  fd, tee = None, None  # echo without a tee: on the terminal only, no last words read for it
+  if not echo:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  elif shutil.which('tee') is not None:
+    read, fd = os.pipe()
+    tee = subprocess.Popen(['tee', '-i', '-a', str(log)], stdin=read, stdout=2)
+    os.close(read)
   streams = dict(stderr=fd) if echo else dict(stdout=fd, stderr=subprocess.STDOUT)
   try:
     return subprocess.Popen(cmd, env=env, **streams, **popen), tee
@@ -134,7 +127,6 @@ class Outputs:
 
   def new_job(self, hosts: list[int]) -> None:
     self.end()
-    self.log_dir.mkdir(parents=True, exist_ok=True)
     self.sizes = {h: self.log(h).stat().st_size if self.log(h).exists() else 0 for h in hosts}
     self.read, self.peer_aborted = set(), set()
 
@@ -149,12 +141,12 @@ class Outputs:
     wait_copied(self.tees.get(host))
     return last_words(self.log(host), self.sizes.get(host, 0))
 
-  def peer_aborts(self, exited: dict[int, int], words=None) -> set[int]:
+  def peer_aborts(self, exited: dict[int, int], words) -> set[int]:
     """The hosts among `exited` whose abort a peer's death caused, by their last words
-    (`words(host)`, this job's own where None), each read once."""
+    (`words(host)`: the transport's), each read once."""
     for h in set(exited) - self.read:
       self.read.add(h)
-      if exited[h] == ABORTED and peer_caused((words or self.words)(h)):
+      if exited[h] == ABORTED and peer_caused(words(h)):
         self.peer_aborted.add(h)
     return self.peer_aborted
 
