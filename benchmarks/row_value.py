@@ -228,14 +228,16 @@ def main(argv=None) -> dict:
     mode = Mode(a, name)
     seeds, per_seed = [int(s) for s in a.seeds.split(',')], {}
     checked = next((s for s in seeds if s in reuse), None)  # one seed's fault-free arm, rerun
+    costs = mode.costs()  # timed first, before the arms' long runs, while the machine is quiet
+    params = sum(x.size for x in jax.tree.leaves(train_state.abstract_state(mode.cfg).params))
     for seed in seeds:
       per_seed[seed] = one_seed(mode, seed, reuse.get(seed), check=seed == checked)
-    params = sum(x.size for x in jax.tree.leaves(train_state.abstract_state(mode.cfg).params))
-    result['modes'][name] = {**summarize(per_seed, a, mode.costs()), 'steps': a.steps,
-                             'seeds': list(per_seed), 'params': int(params),
-                             'per_seed': per_seed}
-    result['machine_time_s'] = time.perf_counter() - t0
-    common.emit(result, table(result), a.json)  # each mode's result kept as soon as it is done
+      result['modes'][name] = {**summarize(per_seed, a, costs), 'steps': a.steps,
+                               'seeds': list(per_seed), 'params': int(params),
+                               'per_seed': per_seed}
+      result['machine_time_s'] = time.perf_counter() - t0
+      # Kept after every seed: a run cut short leaves the seeds it finished, named in `seeds`.
+      common.emit(result, table(result), a.json)
   if a.figure:
     figure(result, a.figure)
   return result
