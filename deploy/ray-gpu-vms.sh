@@ -5,7 +5,7 @@
 # (tests/test_ray.py).
 #
 # On every VM: the same checkout or image with `pip install -r requirements.txt "jax[cuda12]"
-# "mecefo-jax[ray]"` (or the package installed), --out on a filesystem that every VM mounts at
+# "ray>=2.60,<3"` (or `pip install ".[ray]"` in the checkout), --out on a filesystem that every VM mounts at
 # the same path (NFS, Filestore, GCS FUSE), and the in-memory tier in each VM's own /dev/shm.
 #
 #   deploy/ray-gpu-vms.sh head                  # on the VM that runs the driver (no GPU used)

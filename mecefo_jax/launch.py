@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       f'(default {STOPPED_S:g})')
   p.add_argument('--backend', choices=('local', 'ray'), default='local',
                  help='where the processes run: this machine, or the nodes of a running Ray '
-                      'cluster, one host per node (pip install "mecefo-jax[ray]")')
+                      'cluster, one host per node (pip install "ray>=2.60,<3")')
   p.add_argument('--address', default=None,
                  help='--backend ray: the cluster (default: $RAY_ADDRESS, else the local one)')
   p.add_argument('--ray-resources', type=_resources, default={'CPU': 1.0}, metavar='NAME=N,...',
@@ -185,7 +185,7 @@ def _ray_driver(args) -> Supervisor:
   try:
     from mecefo_jax import ray_driver
   except ImportError as err:
-    raise ConfigError(f'--backend ray needs Ray ({err}): pip install "mecefo-jax[ray]"') from None
+    raise ConfigError(f'--backend ray needs Ray ({err}): pip install "ray>=2.60,<3"') from None
   ray_driver.connect(args.address)
   return ray_driver.RayDriver(args)
 

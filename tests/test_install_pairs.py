@@ -173,3 +173,59 @@ def test_docs_and_image_name_a_python_that_installs():
   assert oldest == '>=3.11' and 'Python ≥ 3.11' in (ROOT / 'README.md').read_text()
   base = re.search(r'^FROM python:(\d+\.\d+)-', (ROOT / 'deploy/Dockerfile').read_text(), re.M)
   assert base and base.group(1) in PYTHON_LINES
+
+
+# ---- every install line names something pip can find ------------------------------------------
+# Packages the docs install by name, beyond the requirements and extras: each listed on PyPI
+# (`pip --isolated index versions NAME`, 2026-11-29). mecefo-jax itself is not on the index: it
+# installs from its checkout (`pip install .`, `".[ray]"`).
+NAMED_ON_INDEX = {'pyyaml', 'tokenizers', 'datasets', 'ray'}
+_VALUED = {'-r', '--requirement', '-c', '--constraint', '-t', '--target', '--report',
+           '--python-version', '-i', '--index-url'}
+
+
+def _on_index() -> set[str]:
+  tomllib = pytest.importorskip('tomllib')
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  listed = [*(ROOT / 'requirements.txt').read_text().splitlines(), *project['dependencies'],
+            *itertools.chain(*project['optional-dependencies'].values())]
+  return NAMED_ON_INDEX | {Requirement(r.split('#')[0]).name.lower() for r in listed
+                           if r.split('#')[0].strip()}
+
+
+def install_targets(command: str) -> list[tuple[str, str]]:
+  """(kind, word) of one `pip install` command: ('file', F) of each -r F, ('target', T) of each
+  thing it installs; up to the command's end (&&, ;, #)."""
+  words = re.split(r'\s+', command.split('pip install', 1)[1].strip())
+  out, i = [], 0
+  while i < len(words) and words[i] not in ('&&', ';', '|', '#', '\\'):
+    word = words[i].strip('"\'')
+    if word in _VALUED:
+      if word in ('-r', '--requirement'):
+        out.append(('file', words[i + 1].strip('"\'')))
+      i += 2
+      continue
+    if word and not word.startswith('-'):
+      out.append(('target', word))
+    i += 1
+  return out
+
+
+def test_every_install_line_names_a_path_a_requirements_file_or_a_package_on_the_index():
+  on_index, files = _on_index(), [ROOT / 'README.md', ROOT / 'colab' / 'README.md',
+                                  *sorted((ROOT / 'docs').rglob('*.md')),
+                                  *sorted(p for p in (ROOT / 'deploy').iterdir() if p.is_file())]
+  seen = 0
+  for path in files:
+    for command in pip_commands(path.read_text()):
+      for kind, word in install_targets(command):
+        seen += 1
+        where = f'{path.relative_to(ROOT)}: {command!r}'
+        if kind == 'file':
+          assert (ROOT / word).is_file(), f'{where}: no {word} in the checkout'
+        elif not re.match(r'[./<~]|\w+/', word):  # not a path: a requirement on the index
+          assert Requirement(word).name.lower() in on_index, f'{where}: {word} is not on PyPI'
+  assert seen > 20
+  assert install_targets('pip install -r requirements.txt "jax[tpu]" && pip install .') == [
+      ('file', 'requirements.txt'), ('target', 'jax[tpu]')]
+  assert 'mecefo-jax' not in on_index  # what the README named before: not on the index
