@@ -15,7 +15,7 @@ from mecefo_jax.settings import (KEPT, MAY_CHANGE, MAY_GROW, Rule, leaves,
 
 # Value sets that other modules import; the fields below refer to them (their one declaration).
 # Takeover policies (mecefo_jax/core/takeover.py plans each).
-POLICIES = ('neighbor', 'spread', 'exact', 'budget', 'drop', 'naive')
+POLICIES = ('neighbor', 'spread', 'exact', 'budget', 'drop', 'requeue', 'naive')
 # Basis kinds: the names of model/bases.py's BASES (a test keeps them equal), here so that a bad
 # name is refused with the config, before any file of a run is touched.
 BASIS_NAMES = ('svd', 'gaussian')
@@ -181,7 +181,8 @@ class FaultConfig:
   # sample and a normal step's memory (README, "Which takeover policy?").
   takeover: str = setting('spread', 'who processes a failed slice\'s micro-batch: neighbor '
                           '(paper) | spread (default), exact, budget (ours) | drop | naive '
-                          '(baselines) (`--takeover`)', choices=POLICIES)
+                          '(baselines) | requeue (no row degraded or dropped: a failed slice\'s '
+                          'samples train in later steps) (`--takeover`)', choices=POLICIES)
   time_budget: float = setting(
       1.0, '`budget`: each live slice\'s step cost stays within this multiple of the fault-free '
       'step\'s (exact row 1, degraded row `degraded_cost`) with the fewest degraded rows; inf = '

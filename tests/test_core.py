@@ -106,9 +106,9 @@ def _decider(schedule=None, policy='neighbor', run=SVD, tau=3, **kw) -> Decider:
   return Decider(Planner(schedule.n_slices, B, policy), run, schedule, tau, **kw)
 
 
-def _plans(decider, steps):
+def _plans(decider, stop, start=0):
   out = []
-  for step in range(steps):
+  for step in range(start, stop):
     decider.advance(step)
     plan = decider.decide(step)
     decider.commit(plan)
@@ -129,6 +129,26 @@ def test_plans_follow_the_failures_refresh_every_tau_degraded_steps_and_count_sa
   assert [p.eval is not None for p in plans] == [s % 5 == 4 for s in range(8)]
   assert d.state.samples == {'exact': 3 * N * B + 5 * 2 * B, 'degraded': 5 * 2 * B, 'dropped': 0}
   assert d.next_change(7) == 9  # no degraded work: the next eval (after step 9)
+
+
+def test_requeue_trains_each_sample_of_the_stream_once_in_order_and_drops_none():
+  """Two slices down for a while, one of them twice: the ids of every step (data/order.py's
+  stream_ids of the plan's first id) cover the stream once, in order; a resumed decider goes on
+  from the same place."""
+  import numpy as np
+  from mecefo_jax.data.order import stream_ids
+  schedule = (FailureSchedule(N).fail_at(1, 2).repair_at(1, 5).fail_at(3, 4).repair_at(3, 9)
+              .fail_at(1, 7).repair_at(1, 8))
+  decider = _decider(schedule, 'requeue')
+  plans = _plans(decider, 6)
+  resumed = _decider(schedule, 'requeue', state=DeciderState.from_meta(decider.state.to_meta()))
+  plans += _plans(resumed, 12, start=6)  # on from a snapshot after step 5
+  trained = np.concatenate([stream_ids(p.first_id, p.live, N, B)[list(p.live)].ravel()
+                            for p in plans])
+  assert trained.tolist() == list(range(trained.size))
+  assert [len(p.live) for p in plans] == [4, 4, 3, 3, 2, 3, 3, 2, 3, 4, 4, 4]
+  assert dict(resumed.state.samples) == {'exact': trained.size, 'degraded': 0, 'dropped': 0}
+  assert _plans(_decider(schedule, 'drop'), 12)[-1].first_id is None  # ids by step: unchanged
 
 
 def test_next_change_is_the_next_refresh_or_eval():

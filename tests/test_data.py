@@ -149,3 +149,10 @@ def test_bad_tokens_or_ids_raise(corpus):
     corpus.log_probs(np.zeros((2, 10), np.int32))
   with pytest.raises(ValueError, match='tokens'):
     corpus.log_probs(np.full((1, 65), 256))
+
+
+def test_stream_ids_give_the_live_slices_the_next_samples_in_slice_order():
+  from mecefo_jax.data.order import stream_ids
+  assert stream_ids(10, (0, 2), 3, 2).tolist() == [[10, 11], [-1, -1], [12, 13]]
+  with pytest.raises(ValueError, match='first must be an integer >= 0'):
+    stream_ids(-1, (0,), 1, 2)

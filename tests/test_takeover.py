@@ -47,7 +47,10 @@ def test_every_row_processed_once_on_a_live_slice(policy):
     assert all(len(v) == 1 for v in seen.values()), (n, live)
     dropped_rows = {(r.owner, i) for r in dropped for i in range(r.start, r.stop)}
     assert sum(r.n for r in dropped) == len(dropped_rows)
-    expect_dropped = {(f, i) for f in failed for i in range(b)} if policy == 'drop' else set()
+    # requeue leaves the failed slices' rows to later steps: in a step's plan they are not taken
+    # (data/order.stream_ids gives the live slices the next ids of the stream instead).
+    left = policy in ('drop', 'requeue')
+    expect_dropped = {(f, i) for f in failed for i in range(b)} if left else set()
     assert dropped_rows == expect_dropped
     assert set(seen) == {(o, i) for o in range(n) for i in range(b)} - expect_dropped
 

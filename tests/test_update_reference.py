@@ -219,9 +219,14 @@ def reference_run(cfg, params0, live_sets, shared_count=False):
   what it does with them is the reference's."""
   opt = RefOptimizer(cfg, params0, shared_count)
   bases = (GaussianBases if cfg.mecefo.basis == 'gaussian' else SvdBases)(cfg)
+  trained = 0  # requeue: the samples trained so far, the stream's next id
   for step, live in enumerate(live_sets):
     work = _planner(cfg).plan(live).work
     ids_SxB = order.sample_ids(step, N, B)
+    if cfg.faults.takeover == 'requeue':  # the live slices take the next ids, in slice order
+      ids_SxB = np.zeros((N, B), np.int64)
+      ids_SxB[sorted(live)] = trained + np.arange(len(live) * B).reshape(len(live), B)
+      trained += len(live) * B
     exact, degraded = _rows(work, ids_SxB, 'exact'), _rows(work, ids_SxB, 'degraded')
     grads = _grad_sum(opt.params, exact, cfg.model, False)
     if len(degraded):

@@ -71,6 +71,7 @@ class StepPlan:
   rejoins: tuple[int, ...]  # repaired slices that receive the state before the step
   samples: Mapping[str, int]  # exact / degraded / dropped rows of the step
   eval: ProgramKey | None = None  # the held-out eval run after the step (train.eval_every)
+  first_id: int | None = None  # `requeue`: the stream's first id this step trains (else by step)
 
   @property
   def roles(self) -> dict[int, Role]:
@@ -94,7 +95,8 @@ class StepPlan:
     """A hash of everything decided: equal on every process of a job (checked there)."""
     keys = [[k.kind.name, list(k.slices), _plain(k.variant)] for k in self.built()]
     roles = [[s, _plain(r)] for s, r in sorted(self.roles.items())]
-    text = json.dumps([self.step, self.live, roles, keys, self.rejoins, dict(self.samples)])
+    text = json.dumps([self.step, self.live, roles, keys, self.rejoins, dict(self.samples),
+                       *[self.first_id] * (self.first_id is not None)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -217,11 +219,18 @@ class Decider:
       refresh = ProgramKey(kind, live)
     exact = sum(r.exact for r in a.roles.values())
     degraded = sum(r.degraded for r in a.roles.values())
+    defers = self.planner.checked_policy().defers
     samples = {'exact': exact, 'degraded': degraded,
-               'dropped': self.n_slices * self.planner.micro_batch - exact - degraded}
+               'dropped': 0 if defers else self.n_slices * self.planner.micro_batch - exact - degraded}
     rejoins = tuple(s for s in live if s not in self.held)
     evaluate = ProgramKey(programs.EVAL, live) if self.eval_due(step) else None
-    return StepPlan(step, live, a, tuple(step_programs), refresh, rejoins, samples, evaluate)
+    return StepPlan(step, live, a, tuple(step_programs), refresh, rejoins, samples, evaluate,
+                    self.stream_position() if defers else None)
+
+  def stream_position(self) -> int:
+    """The first sample id of the stream not trained yet: every sample counted so far (under
+    step-indexed ids, step x the global batch; under `requeue`, the samples trained)."""
+    return sum(self.state.samples.values())
 
   def commit(self, plan: StepPlan) -> None:
     """`plan` runs."""

@@ -142,6 +142,9 @@ class Policy:
   `Handout` of every micro-batch; the planner derives rows and roles from it. A new policy is
   one subclass here, registered with `@register`."""
   name: ClassVar[str]
+  # The rows nobody takes are not dropped but deferred: the stream of sample ids goes on from
+  # the first one not trained (data/order.py's stream_ids), each sample trained once, in order.
+  defers: ClassVar[bool] = False
 
   def handout(self, p: Planner, live: list[int]) -> Handout:
     raise NotImplementedError
@@ -242,6 +245,14 @@ class Drop(Policy):
   def handout(self, p, live):
     totals = dict.fromkeys(live, p.micro_batch)
     return Handout.filled(p, totals, totals, live)  # nobody lacks rows: the orphans' dropped
+
+
+@register
+class Requeue(Drop):
+  """Every live slice its own micro-batch, exact; a failed slice's samples are neither degraded
+  nor dropped but trained in later steps (the ids follow the samples trained, not the step)."""
+  name = 'requeue'
+  defers = True
 
 
 @register

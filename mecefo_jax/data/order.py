@@ -1,8 +1,10 @@
-"""Step-indexed sample ids: which samples every slice's micro-batch holds at every step.
+"""Sample ids: which samples every slice's micro-batch holds at every step.
 
 Slice s owns the contiguous block [s*B, (s+1)*B) of step t's ids, a pure function of
 (step, n_slices, micro_batch): any slice can take over another's micro-batch and a resumed
-run continues exactly. Train, eval and floor-estimate ids come from disjoint ranges.
+run continues exactly. Under takeover `requeue` the ids follow the samples trained instead
+(`stream_ids`): the live slices hold the next ones of the stream. Train, eval and
+floor-estimate ids come from disjoint ranges.
 """
 from __future__ import annotations
 
@@ -43,6 +45,20 @@ def sample_ids(step: int, n_slices: int, micro_batch: int, split: str = 'train')
     raise ValueError(f'step {step} * batch {per_step} overflows the {split} id range')
   ids = _SPLITS[split] + step * per_step + np.arange(per_step, dtype=np.int64)
   return ids.reshape(n_slices, micro_batch)
+
+
+def stream_ids(first: int, live, n_slices: int, micro_batch: int) -> np.ndarray:
+  """int64 [n_slices, micro_batch]: the ids of a step that trains the stream from sample `first`
+  (takeover `requeue`): the k-th live slice holds [first + k*B, first + (k+1)*B), a failed
+  slice's row is -1 (it trains nothing; its samples come in the steps after)."""
+  check_int('first', first, 0)
+  check_int('micro_batch', micro_batch, 1)
+  ids_SxB = np.full((n_slices, micro_batch), -1, np.int64)
+  for k, s in enumerate(sorted(live)):
+    ids_SxB[s] = first + k * micro_batch + np.arange(micro_batch, dtype=np.int64)
+  if ids_SxB.max() >= EVAL_BASE:
+    raise ValueError(f'sample {int(ids_SxB.max())} overflows the train id range')
+  return ids_SxB
 
 
 def global_batch(corpus, step: int, n_slices: int, micro_batch: int,

@@ -71,7 +71,9 @@ class Executor:
       if local:
         self.state = refresh(self.state)
     programs = self.programs.step_programs(plan.programs)
-    ids_SxB = order.sample_ids(plan.step, self.n_slices, self.cfg.train.micro_batch)
+    b = self.cfg.train.micro_batch
+    ids_SxB = (order.sample_ids(plan.step, self.n_slices, b) if plan.first_id is None
+               else order.stream_ids(plan.first_id, live, self.n_slices, b))
     work = plan.assignment.work
     if programs.fused is None:
       return self._run_groups(live, programs, work, ids_SxB)
