@@ -119,14 +119,15 @@ def _merge(attn, rest):
   return {k: ({**sub, **attn[k]} if k in attn else sub) for k, sub in rest.items()}
 
 
-def _adamw(cfg):
-  """optax AdamW from the config: warmup then cosine, weight decay on matrices only."""
+def _adamw(cfg, at=lambda count: count):
+  """optax AdamW from the config: warmup then cosine, weight decay on matrices only; the
+  schedule read at `at(count)`."""
   o = cfg.optimizer
   warmup = min(o.warmup_steps, cfg.train.steps)
   schedule = optax.warmup_cosine_decay_schedule(o.lr / (warmup + 1), o.lr, warmup,
                                                 max(cfg.train.steps, warmup + 1),
                                                 end_value=o.lr * o.min_lr_ratio)
-  return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+  return optax.adamw(lambda count: schedule(at(count)), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
 
 
@@ -141,7 +142,10 @@ class RefOptimizer:
   that update it) and one for the rest. `shared_count`: the old behaviour, for contrast."""
 
   def __init__(self, cfg, params, shared_count=False):
-    self.tx, self.clip, self.shared = _adamw(cfg), cfg.optimizer.grad_clip, shared_count
+    self.clip, self.shared = cfg.optimizer.grad_clip, shared_count
+    self.samples = None  # requeue: the samples trained, where the schedule is read (else steps)
+    by_samples = lambda count: count if self.samples is None else self.samples // (N * B)
+    self.tx = _adamw(cfg, by_samples)
     attn, rest = _split(params)
     self.params, self.attn_state, self.rest_state = params, self.tx.init(attn), self.tx.init(rest)
 
@@ -226,6 +230,7 @@ def reference_run(cfg, params0, live_sets, shared_count=False):
     if cfg.faults.takeover == 'requeue':  # the live slices take the next ids, in slice order
       ids_SxB = np.zeros((N, B), np.int64)
       ids_SxB[sorted(live)] = trained + np.arange(len(live) * B).reshape(len(live), B)
+      opt.samples = trained
       trained += len(live) * B
     exact, degraded = _rows(work, ids_SxB, 'exact'), _rows(work, ids_SxB, 'degraded')
     grads = _grad_sum(opt.params, exact, cfg.model, False)

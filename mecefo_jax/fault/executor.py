@@ -14,7 +14,8 @@ from mecefo_jax.core.programs import REJOIN, ProgramKey
 from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import SliceWork
 from mecefo_jax.data import order
-from mecefo_jax.model.train_state import params_sha256, state_shardings
+from mecefo_jax.model.train_state import (at_schedule_count, params_sha256, schedule_count,
+                                          state_shardings)
 from mecefo_jax.step import slice_steps, train_step
 from mecefo_jax.step.cache import ProgramCache
 
@@ -34,6 +35,7 @@ class Executor:
     self.submesh = slices.sub  # logical slice ids -> the mesh of their devices
     self.state, self.state_slices = state, slices.ids
     self._book = book
+    self._schedule_at: int | None = None  # the schedule's count now, where this process knows it
 
   def place(self, live: tuple[int, ...]) -> None:
     """Moves the state onto exactly the live slices: a view when shrinking, a copy on rejoin."""
@@ -70,6 +72,8 @@ class Executor:
       refresh = self.programs.program(plan.refresh)
       if local:
         self.state = refresh(self.state)
+    if plan.first_id is not None:
+      self._schedule_by_samples(plan.first_id, local)
     programs = self.programs.step_programs(plan.programs)
     b = self.cfg.train.micro_batch
     ids_SxB = (order.sample_ids(plan.step, self.n_slices, b) if plan.first_id is None
@@ -82,6 +86,22 @@ class Executor:
     role = plan.roles[live[0]]
     self.state, metrics = programs.fused(self.state, self._batch(ids_SxB, work, live, role))
     return metrics
+
+  def _schedule_by_samples(self, first_id: int, local: bool) -> None:
+    """`requeue`: the learning-rate schedule at the samples trained, in global batches of every
+    slice (the optimizer counts steps, and a step on fewer slices trains fewer samples). Without
+    failures the two agree and nothing is set."""
+    if not local:  # this process does not step now; a rejoin copies the count from a peer
+      self._schedule_at = None
+      return
+    at = first_id // (self.n_slices * self.cfg.train.micro_batch)
+    if self._schedule_at is None:  # once per start or rejoin: the count of a resumed state
+      self._schedule_at = int(np.asarray(schedule_count(self.state.opt_state).addressable_data(0)))
+    if at != self._schedule_at:
+      put = lambda c: jax.make_array_from_callback((), c.sharding,
+                                                   lambda _: np.asarray(at, c.dtype))
+      self.state = self.state._replace(opt_state=at_schedule_count(self.state.opt_state, put))
+    self._schedule_at = at + 1  # the step moves it by one
 
   def _run_groups(self, live, programs, work, ids_SxB) -> dict | None:
     outputs = []

@@ -68,6 +68,22 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(o.grad_clip), parts) if o.grad_clip > 0 else parts
 
 
+def _is_schedule(x) -> bool:
+  return isinstance(x, optax.ScaleByScheduleState)
+
+
+def schedule_count(opt_state) -> jax.Array:
+  """The learning-rate schedule's position (its count; both AdamW partitions hold one)."""
+  return next(x for x in jax.tree.leaves(opt_state, is_leaf=_is_schedule) if _is_schedule(x)).count
+
+
+def at_schedule_count(opt_state, count_of):
+  """`opt_state` with every schedule count replaced by `count_of(count)` (the AdamW moments and
+  their bias-correction counts kept)."""
+  return jax.tree.map(lambda x: x._replace(count=count_of(x.count)) if _is_schedule(x) else x,
+                      opt_state, is_leaf=_is_schedule)
+
+
 def init_state(cfg: Config, seed: int | jax.Array | None = None) -> TrainState:
   """Fresh state from `seed` (cfg.train.seed by default; may be traced); jit it with
   out_shardings=state_shardings(...) to create it sharded (lower_init)."""
