@@ -1,0 +1,46 @@
+"""Takeover `requeue`: every sample of the stream trained once, in order, read back from what the
+executor handed the data source, across told failures, a stop and a `--resume`."""
+import numpy as np
+
+from mecefo_jax.fault.executor import Executor
+from mecefo_jax.records.job import STOPPED
+from mecefo_jax.run import cli
+from procs import TINY, report
+
+
+def _record_ids(monkeypatch) -> dict[int, list[int]]:
+  """step -> the sample ids the executor made tokens of (a step run again: its last run's)."""
+  seen, run, tokens = {}, Executor.run, Executor._tokens
+
+  def run_recorded(self, plan):
+    self.recorded_step = plan.step
+    seen[plan.step] = []
+    return run(self, plan)
+
+  def tokens_recorded(self, ids_SxB, w):
+    seen[self.recorded_step] += [int(i) for r in (*w.exact, *w.degraded)
+                                 for i in ids_SxB[r.owner, r.start:r.stop]]
+    return tokens(self, ids_SxB, w)
+
+  monkeypatch.setattr(Executor, 'run', run_recorded)
+  monkeypatch.setattr(Executor, '_tokens', tokens_recorded)
+  return seen
+
+
+def test_requeue_trains_each_sample_once_across_failures_a_stop_and_a_resume(tmp_path,
+                                                                                monkeypatch):
+  monkeypatch.setenv('XLA_FLAGS', '')  # a resume re-simulates the run's devices there
+  monkeypatch.chdir(tmp_path)
+  seen = _record_ids(monkeypatch)
+  (tmp_path / 'trace.txt').write_text('2 1 fail\n4 3 fail\n6 1 repair\n9 3 repair\n')
+  common = [f'snapshot.dir={tmp_path}/shm', 'train.compile_cache=']
+  assert cli.main(['--out', 'run', *TINY, 'mesh.slice=4', '--host-devices', '4',
+                   '--takeover', 'requeue', '--failures', 'trace:trace.txt', 'train.steps=12',
+                   'train.eval_every=0', 'train.plot=false', '--stop-after', '5', *common]) == STOPPED
+  assert cli.main(['--out', 'run', '--resume', *common]) == 0
+  trained = np.concatenate([seen[step] for step in range(12)])
+  live = [4, 4, 3, 3, 2, 2, 3, 3, 3, 4, 4, 4]
+  assert [len(seen[step]) for step in range(12)] == [4 * n for n in live]  # B = 4 rows a slice
+  assert trained.tolist() == list(range(trained.size))  # each id once, in order, none skipped
+  assert report(tmp_path / 'run')['samples'] == {'exact': trained.size, 'degraded': 0,
+                                                 'dropped': 0}
