@@ -3,7 +3,7 @@
 Run: python -m benchmarks.row_value [--config configs/tiny.yaml] [--rows 64] [--degraded 8,16,32]
      [--steps 300] [--extra 1.0] [--seeds 0,1,2,3,4] [--modes full,skip_attention,rank:4,gaussian]
      [--data 'pydoc?eval_fraction=0.05'] [--eval-every 25] [--eval-rows 2048] [--json OUT]
-     [--figure PNG] [--reuse EARLIER.json] [overrides...]
+     [--figure PNG] [--reuse EARLIER.json] [--add-to EARLIER.json] [overrides...]
 One device, the product's own step program with Role(exact=B-k, degraded=k) (as
 benchmarks/ablation.py lowers its variants): per seed one init and one data order for every arm,
 the last k rows of each step's batch degraded (arm `degraded`), left out (`dropped`, the mean
@@ -16,7 +16,9 @@ dropping the row iff v > d (`budget`, the step time kept) or v > d(1 + r)/r (`sp
 r = B_noise/B), d the degraded row's cost against an exact row's (FLOPs, time).
 --reuse takes each seed's fault-free and dropped arms from an earlier run of the same settings:
 they do not depend on the mode (no row is degraded), and the first seed's fault-free arm is run
-again and must equal the stored one to the last bit, else the run stops.
+again and must equal the stored one to the last bit, else the run stops. --add-to keeps the
+seeds an earlier run of the same settings finished (a long run in parts: the JSON is written
+after every seed) and runs the others of --seeds; machine time adds up.
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ def _args(argv):
   p.add_argument('--figure', default=None)
   p.add_argument('--reuse', default=None, help="an earlier run's JSON: its fault-free and dropped "
                  'arms, per seed')
+  p.add_argument('--add-to', default=None, help="an earlier run's JSON of the same settings: "
+                 'its seeds kept, the others of --seeds run, the fit redone over all')
   p.add_argument('overrides', nargs='*', help='dotted config overrides')
   return p.parse_args(argv)
 
@@ -163,15 +167,30 @@ SETTINGS = ('config', 'rows', 'degraded', 'steps', 'extra', 'data', 'eval_every'
             'overrides')
 
 
-def reusable(a, path: str | None) -> dict:
-  """seed -> an earlier run's arms that no degraded row touches (fault-free, dropped)."""
-  if path is None:
-    return {}
+def _earlier(a, flag: str, path: str) -> dict:
+  """An earlier run's JSON, of the same settings (else a one-line error)."""
   with open(path) as f:
     earlier = json.load(f)
   differ = [k for k in SETTINGS if earlier.get(k) != getattr(a, k)]
   if differ:
-    raise SystemExit(f'error: --reuse {path}: other settings ({", ".join(differ)})')
+    raise SystemExit(f'error: {flag} {path}: other settings ({", ".join(differ)})')
+  return earlier
+
+
+def seeds_done(a, path: str | None, mode: str) -> tuple[dict[int, dict], float]:
+  """(seed -> every arm, machine seconds) of `mode` in an earlier run of the same settings."""
+  if path is None:
+    return {}, 0.0
+  earlier = _earlier(a, '--add-to', path)
+  done = earlier['modes'].get(mode, {}).get('per_seed', {})
+  return {int(s): run for s, run in done.items()}, float(earlier.get('machine_time_s', 0.0))
+
+
+def reusable(a, path: str | None) -> dict:
+  """seed -> an earlier run's arms that no degraded row touches (fault-free, dropped)."""
+  if path is None:
+    return {}
+  earlier = _earlier(a, '--reuse', path)
   return {int(seed): {'fault_free': run['fault_free'],
                       'arms': {n: arm for n, arm in run['arms'].items() if n.startswith('dropped')}}
           for m in reversed(earlier['modes'].values()) for seed, run in m['per_seed'].items()}
@@ -223,10 +242,13 @@ def main(argv=None) -> dict:
             'eval_every': a.eval_every, 'eval_rows': a.eval_rows, 'overrides': a.overrides,
             'modes': {}}
   reuse = reusable(a, a.reuse)
-  result['reused_from'] = a.reuse
+  result['reused_from'], result['added_to'] = a.reuse, a.add_to
   for name in a.modes.split(','):
     mode = Mode(a, name)
-    seeds, per_seed = [int(s) for s in a.seeds.split(',')], {}
+    per_seed, earlier_s = seeds_done(a, a.add_to, name)
+    seeds = [int(s) for s in a.seeds.split(',') if int(s) not in per_seed]
+    if not seeds:
+      raise SystemExit(f'error: --add-to {a.add_to}: it has every seed of --seeds already')
     checked = next((s for s in seeds if s in reuse), None)  # one seed's fault-free arm, rerun
     costs = mode.costs()  # timed first, before the arms' long runs, while the machine is quiet
     params = sum(x.size for x in jax.tree.leaves(train_state.abstract_state(mode.cfg).params))
@@ -235,7 +257,7 @@ def main(argv=None) -> dict:
       result['modes'][name] = {**summarize(per_seed, a, costs), 'steps': a.steps,
                                'seeds': list(per_seed), 'params': int(params),
                                'per_seed': per_seed}
-      result['machine_time_s'] = time.perf_counter() - t0
+      result['machine_time_s'] = earlier_s + time.perf_counter() - t0
       # Kept after every seed: a run cut short leaves the seeds it finished, named in `seeds`.
       common.emit(result, table(result), a.json)
   if a.figure:

@@ -68,3 +68,16 @@ def test_reuse_takes_the_fault_free_and_dropped_arms_of_the_same_settings_only(t
       0: {'fault_free': [[10, 3.0]], 'arms': {'dropped_8': {'make_up_steps': 2.0}}}}
   with pytest.raises(SystemExit, match=r'other settings \(steps\)'):
     row_value.reusable(row_value._args(['--steps', '30']), str(path))
+
+
+def test_add_to_keeps_the_seeds_an_earlier_run_of_the_same_settings_finished(tmp_path):
+  args = row_value._args(['--steps', '20', '--seeds', '0,1,2'])
+  earlier = {**{k: getattr(args, k) for k in row_value.SETTINGS}, 'machine_time_s': 60.0,
+             'modes': {'full': {'per_seed': {'0': {'fault_free': [[10, 3.0]], 'arms': {}}}}}}
+  path = tmp_path / 'earlier.json'
+  path.write_text(json.dumps(earlier))
+  assert row_value.seeds_done(args, str(path), 'full') == (
+      {0: {'fault_free': [[10, 3.0]], 'arms': {}}}, 60.0)
+  assert row_value.seeds_done(args, str(path), 'gaussian') == ({}, 60.0)
+  with pytest.raises(SystemExit, match=r'--add-to .*: other settings \(rows\)'):
+    row_value.seeds_done(row_value._args(['--steps', '20', '--rows', '32']), str(path), 'full')
