@@ -127,7 +127,9 @@ def _row_value(d: dict) -> str:
         f"v = {m['v']:.2f} [{m['v_ci95'][0]:.2f}, {m['v_ci95'][1]:.2f}]")
     return (f"{name}: {v}; d = {m['d_flops']:.2f} by FLOPs, {m['d_time']:.2f} by time; "
             f"{len(m['seeds'])} seeds x {m['steps']} steps")
-  return (f"B = {d['rows']}, k = {d['degraded']}: " + '; '.join(one(n, m) for n, m in d['modes'].items())
+  params = {m['params'] for m in d['modes'].values()}
+  return (f"{' / '.join(f'{p / 1e6:.2f}' for p in sorted(params))} M params, B = {d['rows']}, "
+          f"k = {d['degraded']}: " + '; '.join(one(n, m) for n, m in d['modes'].items())
           + f"; {d['machine_time_s'] / 3600:.1f} h")
 
 
