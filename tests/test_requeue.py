@@ -34,9 +34,10 @@ def test_requeue_trains_each_sample_once_across_failures_a_stop_and_a_resume(tmp
   seen = _record_ids(monkeypatch)
   (tmp_path / 'trace.txt').write_text('2 1 fail\n4 3 fail\n6 1 repair\n9 3 repair\n')
   common = [f'snapshot.dir={tmp_path}/shm', 'train.compile_cache=']
-  assert cli.main(['--out', 'run', *TINY, 'mesh.slice=4', '--host-devices', '4',
-                   '--takeover', 'requeue', '--failures', 'trace:trace.txt', 'train.steps=12',
-                   'train.eval_every=0', 'train.plot=false', '--stop-after', '5', *common]) == STOPPED
+  first = ['--out', 'run', *TINY, 'mesh.slice=4', '--host-devices', '4', '--takeover', 'requeue',
+           '--failures', 'trace:trace.txt', 'train.steps=12', 'train.eval_every=0',
+           'train.plot=false', '--stop-after', '5', *common]
+  assert cli.main(first) == STOPPED
   assert cli.main(['--out', 'run', '--resume', *common]) == 0
   trained = np.concatenate([seen[step] for step in range(12)])
   live = [4, 4, 3, 3, 2, 2, 3, 3, 3, 4, 4, 4]

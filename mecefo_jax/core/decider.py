@@ -219,9 +219,9 @@ class Decider:
       refresh = ProgramKey(kind, live)
     exact = sum(r.exact for r in a.roles.values())
     degraded = sum(r.degraded for r in a.roles.values())
-    defers = self.planner.checked_policy().defers
-    samples = {'exact': exact, 'degraded': degraded,
-               'dropped': 0 if defers else self.n_slices * self.planner.micro_batch - exact - degraded}
+    defers = self.planner.checked_policy().defers  # rows not taken: trained later, not dropped
+    not_taken = self.n_slices * self.planner.micro_batch - exact - degraded
+    samples = {'exact': exact, 'degraded': degraded, 'dropped': 0 if defers else not_taken}
     rejoins = tuple(s for s in live if s not in self.held)
     evaluate = ProgramKey(programs.EVAL, live) if self.eval_due(step) else None
     return StepPlan(step, live, a, tuple(step_programs), refresh, rejoins, samples, evaluate,
