@@ -113,6 +113,8 @@ class Decider:
     """`present`: the slices with devices in this start (default all); the others are absent,
     failed until a later start; `tau`: steps between svd basis refreshes (mecefo.tau)."""
     self.planner, self.run, self.schedule, self.tau = planner, run, schedule, tau
+    # requeue: the rows not taken are trained later, not dropped (takeover.Policy.defers)
+    self.defers = planner.checked_policy().defers
     self.n_slices = planner.n_slices
     self.present = tuple(range(self.n_slices) if present is None else present)
     self.state = state or DeciderState()
@@ -219,13 +221,12 @@ class Decider:
       refresh = ProgramKey(kind, live)
     exact = sum(r.exact for r in a.roles.values())
     degraded = sum(r.degraded for r in a.roles.values())
-    defers = self.planner.checked_policy().defers  # rows not taken: trained later, not dropped
     not_taken = self.n_slices * self.planner.micro_batch - exact - degraded
-    samples = {'exact': exact, 'degraded': degraded, 'dropped': 0 if defers else not_taken}
+    samples = {'exact': exact, 'degraded': degraded, 'dropped': 0 if self.defers else not_taken}
     rejoins = tuple(s for s in live if s not in self.held)
     evaluate = ProgramKey(programs.EVAL, live) if self.eval_due(step) else None
     return StepPlan(step, live, a, tuple(step_programs), refresh, rejoins, samples, evaluate,
-                    self.stream_position() if defers else None)
+                    self.stream_position() if self.defers else None)
 
   def stream_position(self) -> int:
     """The first sample id of the stream not trained yet: every sample counted so far (under
