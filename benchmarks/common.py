@@ -85,19 +85,6 @@ def run_info(module: str, argv: Sequence[str] | None) -> dict:
           'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
 
 
-def policy_spec(spec: str) -> tuple[str, float | None]:
-  """A benchmark's policy spec: 'budget:T' -> ('budget', T) (faults.time_budget T); a plain
-  name -> (name, None), the config's time budget."""
-  policy, colon, budget = spec.partition(':')
-  if not colon:
-    return policy, None
-  try:
-    return policy, float(budget)
-  except ValueError:
-    raise ValueError(f'policy spec {spec!r}: the part after ":" must be a time budget, e.g. '
-                     f'budget:1.05') from None
-
-
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict:
   """Median seconds per call of each fn, calls interleaved round-robin so machine noise is shared."""
   for _ in range(warmup):

@@ -28,9 +28,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
-from benchmarks import common, failure_costs, simulate  # noqa: E402
-from benchmarks.failure_costs import role_name  # noqa: E402
-from benchmarks.simulate import CHECKPOINT, ClusterCosts  # noqa: E402
+from benchmarks import common, failure_costs  # noqa: E402
 from mecefo_jax import sharding  # noqa: E402
 from mecefo_jax.config import RATES, load_config  # noqa: E402
 from mecefo_jax.core.failures import (  # noqa: E402
@@ -39,6 +37,10 @@ from mecefo_jax.core.programs import RunPrograms  # noqa: E402
 from mecefo_jax.core.roles import Role, split_passes  # noqa: E402
 from mecefo_jax.core.takeover import Planner  # noqa: E402
 from mecefo_jax.model import bases, train_state  # noqa: E402
+from mecefo_jax.plan import simulate  # noqa: E402
+from mecefo_jax.plan.cost_model import costs_from, role_name  # noqa: E402
+from mecefo_jax.plan.runs import policy_spec  # noqa: E402
+from mecefo_jax.plan.simulate import CHECKPOINT, ClusterCosts  # noqa: E402
 
 # What the replay models and assumes: docs/history.md, "Throughput under failures".
 NOTES = 'docs/history.md#throughput-under-failures-controller'
@@ -47,7 +49,7 @@ NOTES = 'docs/history.md#throughput-under-failures-controller'
 def planner(spec: str, n: int, granule: int, cfg) -> Planner:
   """The planner of policy `spec` on n slices: a policy name, 'budget:T' (faults.time_budget
   T) or CHECKPOINT (a spare replaces the failed slice, nothing to plan)."""
-  policy, budget = common.policy_spec(spec)
+  policy, budget = policy_spec(spec)
   return Planner.from_config(cfg, n, granule, policy, budget)
 
 
@@ -267,7 +269,7 @@ def main(argv=None):
   carriers = [p for ps in planners.values() for p in ps.values()
               if p.policy not in ('drop', CHECKPOINT)]
   measurement = get_measurement(args, cfg, carriers, max(slice_counts))
-  costs = failure_costs.costs_from(measurement, args.stat)
+  costs = costs_from(measurement, args.stat)
   cost_model = model_check(costs)
   result = {**common.run_info(__spec__.name, argv), 'config': args.config,
             'overrides': args.overrides, 'args': vars(args), 'slices': slice_counts,

@@ -83,9 +83,10 @@ def main(argv=None) -> dict:
   args = _args(argv)
   benchmarks.fake_cpu_devices(args.slices)  # one per slice; jax is imported only after this
   from benchmarks import common
+  from mecefo_jax.plan.runs import policy_spec
   info = common.run_info(__spec__.name, argv)
   for spec in args.policies:  # a typo fails here, not after the fault-free run
-    common.policy_spec(spec)
+    policy_spec(spec)
   if args.trace:
     from benchmarks import quality_trace
     result = quality_trace.run_trace(args)
@@ -117,7 +118,7 @@ def run_scripted(args) -> dict:
 
 
 def run_presets(args) -> dict:
-  from benchmarks import simulate
+  from mecefo_jax.plan import simulate
   from mecefo_jax.core.failures import FailureSchedule, rate_scale
   cfg = _cfg(args, 'fault-free')
   n, steps = args.slices, cfg.train.steps

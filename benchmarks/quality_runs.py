@@ -7,10 +7,10 @@ from pathlib import Path
 
 
 def _cfg(args, policy: str):
-  from benchmarks import common
   from mecefo_jax.config import load_config
+  from mecefo_jax.plan.runs import policy_spec
   data = [f'train.data={args.data}'] if args.data else []
-  takeover, budget = common.policy_spec('neighbor' if policy == 'fault-free' else policy)
+  takeover, budget = policy_spec('neighbor' if policy == 'fault-free' else policy)
   budget = [] if budget is None else [f'faults.time_budget={budget}']
   return load_config(args.config, [f'mesh.slice={args.slices}', 'mesh.fsdp=1', 'mesh.tensor=1',
                                    'snapshot.enabled=false', f'faults.takeover={takeover}',

@@ -34,8 +34,10 @@ def schedule(args, n: int, steps: int, cluster_step_s: float, seed: int):
   """(the schedule every policy of seed `seed` trains through, its statistics): the log's
   events through FailureSchedule.from_trace, as `--failures trace:FILE` reads them; a step with
   every slice down is waited through (simulate.stall_all_down), so every run trains all steps."""
-  from benchmarks import quality_runs, simulate, trace_runs
+  from benchmarks import quality_runs
   from mecefo_jax.core.failures import FailureSchedule
+  from mecefo_jax.plan import simulate
+  from mecefo_jax.plan.runs import log_stats
   log, where = mapping(args, steps, cluster_step_s, seed)
   text = Path(args.trace).read_text()
   sched = FailureSchedule.from_trace(args.trace, n, text=text, log=log,
@@ -46,8 +48,8 @@ def schedule(args, n: int, steps: int, cluster_step_s: float, seed: int):
   # The drawn nodes' down fraction in log time (no rounding to steps), beside the run's.
   first, last = where['days']
   events = fault_log.slice_events(text, args.trace, n, log, last)
-  in_log = trace_runs.log_stats(events, (last - first) * fault_log.DAY_S * 1.0 / log.compress,
-                                   n, fault_log.parse(text, args.trace), first, last)
+  in_log = log_stats(events, (last - first) * fault_log.DAY_S * 1.0 / log.compress, n,
+                     fault_log.parse(text, args.trace), first, last)
   stats = quality_runs.schedule_stats(stalled, n, steps)
   return stalled, {**where, **stats, 'down_pct_in_steps': 100.0 * stats['mean_down_slices'] / n,
                    'down_pct_in_log': in_log['mean_down_pct'],

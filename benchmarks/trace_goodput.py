@@ -11,8 +11,9 @@ Run: python -m benchmarks.trace_goodput --trace FILE [--days A:B] [--slices N] [
 Goodput: samples trained, as % of a fault-free run's on every node over the window. Every
 approach whose recovery is a process restart (the takeover policies, elastic restart) pays the
 same charges: the in-memory snapshots' tax, the steps since the last snapshot after a death, the
-same restart profile. How each approach is charged: benchmarks/trace_replay.py and
-docs/failures.md, "Real fault logs".
+same restart profile. How each approach is charged: mecefo_jax/plan/log_replay.py and
+docs/failures.md, "Real fault logs"; the replay's modules live in mecefo_jax/plan (mecefo-plan is
+its installed command).
 """
 from __future__ import annotations
 
@@ -28,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import common, loss_equivalent, restart_profiles, trace_figure, trace_scenarios
-from benchmarks.trace_hosts import Fleet
-from benchmarks.trace_replay import Rejoin
-from benchmarks.trace_runs import (ELASTIC, SNAPSHOTS, MemoPlanner, Setup, at_restarts,
-                                   limit_pct, log_stats, planner, read_log, replay,
-                                   servers_down, setup)
+from benchmarks import common, trace_figure, trace_scenarios
 from mecefo_jax.config import ConfigError
+from mecefo_jax.plan import loss_equivalent, measured, restart_profiles
+from mecefo_jax.plan.fleet import Fleet
+from mecefo_jax.plan.log_replay import Rejoin
+from mecefo_jax.plan.runs import (ELASTIC, MemoPlanner, Setup, at_restarts, limit_pct,
+                                  log_stats, planner, read_log, replay, servers_down, setup)
 
 COSTS = 'docs/results/failure_throughput_scale_llama_60m_median.json'
 
@@ -63,7 +64,7 @@ def _args(argv):
                  "measurement's)")
   p.add_argument('--classes', default='all', help='fault classes that count (faults.trace_classes)')
   p.add_argument('--profile', default='fast', help='the headline restart profile')
-  p.add_argument('--policies', default='spread,exact,budget:1.0,budget:1.05,neighbor')
+  p.add_argument('--policies', default='spread,exact,budget:1.0,budget:1.05,neighbor,requeue')
   p.add_argument('--spares', default='0,4,8,16,32,64,128', help='checkpoint-restart spare pools '
                  '(servers; whole slices of them)')
   p.add_argument('--checkpoint-min', type=float, default=30.0, help='headline checkpoint interval')
@@ -76,7 +77,7 @@ def _args(argv):
                  'replayed for the default policy and the best one, at every profile')
   p.add_argument('--snapshot-every', type=int, default=0, help='steps between in-memory snapshots '
                  "(a death loses half of them and the step in flight); default: the product's "
-                 f'auto interval measured on llama_60m ({SNAPSHOTS})')
+                 f"auto interval measured on llama_60m ({measured.source('snapshot_tax')})")
   p.add_argument('--snapshot-overhead-pct', type=float, default=None,
                  help='their tax, %% of step time; default: measured at that interval (the auto '
                  "interval's bound, snapshot.overhead_budget, is 1%%)")
@@ -85,7 +86,7 @@ def _args(argv):
   p.add_argument('--stat', default='flops', choices=('flops', 'median', 'min'))
   p.add_argument('--v', type=float, default=None, help="a degraded row's worth in loss relative "
                  "to an exact row's (default: the full mode's, measured: "
-                 f'{loss_equivalent.ROW_VALUE})')
+                 f"{measured.source('row_value')})")
   p.add_argument('--figure', default=None)
   p.add_argument('--json', default=None)
   return p.parse_args(argv)

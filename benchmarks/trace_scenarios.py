@@ -2,8 +2,8 @@
 ordering of the approaches flips with the snapshot tax and the restart cost."""
 from __future__ import annotations
 
-from benchmarks.trace_hosts import Fleet
-from benchmarks.trace_runs import PEERS, at_restarts, log_stats, setup
+from mecefo_jax.plan.fleet import Fleet
+from mecefo_jax.plan.runs import PEERS, at_restarts, log_stats, setup
 
 TAX_PCT = (0.0, 0.5, 1.0, 2.0)
 RESTART_S = (15.0, 660.0)  # the sensitivity's range of restart costs

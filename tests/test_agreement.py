@@ -4,8 +4,6 @@ program cache applies the executor's ProgramKey shape rule)."""
 import pytest
 from test_controller import CORPUS, MESHES, TINY, _mesh
 
-from benchmarks.replay import replay_trace
-from benchmarks.simulate import ClusterCosts
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.core import programs
@@ -13,6 +11,8 @@ from mecefo_jax.core.decider import Decider
 from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.core.roles import Role
 from mecefo_jax.fault.controller import Controller
+from mecefo_jax.plan.replay import replay_trace
+from mecefo_jax.plan.simulate import ClusterCosts
 from mecefo_jax.step import lowering
 
 pytestmark = pytest.mark.usefixtures('devices')

@@ -83,8 +83,8 @@ def test_no_import_cycle():
 
 def test_the_graph_sees_the_imports_of_this_tree():
   graph = import_graph(ROOT)
-  assert 'benchmarks.cost_model' in graph['benchmarks.replay']
-  assert 'benchmarks.replay' in graph['benchmarks.simulate']
+  assert 'mecefo_jax.plan.cost_model' in graph['mecefo_jax.plan.replay']
+  assert 'mecefo_jax.plan.replay' in graph['mecefo_jax.plan.simulate']
   assert 'mecefo_jax.core.programs' in graph['mecefo_jax.step.cache']
 
 

@@ -59,11 +59,11 @@ def test_seed_summary_and_its_figure(tmp_path):
 
 
 def test_budget_specs_set_the_time_budget():
-  from benchmarks import common
-  assert common.policy_spec('budget:1.05') == ('budget', 1.05)
-  assert common.policy_spec('spread') == ('spread', None)
+  from mecefo_jax.plan.runs import policy_spec
+  assert policy_spec('budget:1.05') == ('budget', 1.05)
+  assert policy_spec('spread') == ('spread', None)
   with pytest.raises(ValueError, match='time budget'):
-    common.policy_spec('budget:fast')
+    policy_spec('budget:fast')
   args = quality._args(['--presets', 'high', '--policies', 'budget:1.05', 'train.steps=5'])
   cfg = quality._cfg(args, 'budget:1.05')
   assert (cfg.faults.takeover, cfg.faults.time_budget) == ('budget', 1.05)

@@ -3,15 +3,16 @@ the programs the real decider's plans build, and the background worker that move
 import numpy as np
 import pytest
 
-from benchmarks import quality_runs, simulate
-from benchmarks.ledger import Premover, ProgramLedger
-from benchmarks.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, replay
+from benchmarks import quality_runs
 from mecefo_jax.core import programs
 from mecefo_jax.core.decider import Decider
 from mecefo_jax.core.failures import FailureEvent, FailureSchedule
 from mecefo_jax.core.programs import ProgramKey, RunPrograms
 from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Planner
+from mecefo_jax.plan import simulate
+from mecefo_jax.plan.ledger import Premover, ProgramLedger
+from mecefo_jax.plan.simulate import CHECKPOINT, ClusterCosts, Event, PolicyModel, replay
 
 N, B = 4, 8
 FREE = {'update': 0.0, 'refresh_cold': 0.0, 'refresh_warm': 0.0, 'eval': 0.0}

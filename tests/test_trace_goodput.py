@@ -4,14 +4,14 @@ import math
 
 import pytest
 
-from benchmarks import loss_equivalent
-from benchmarks.cost_model import ClusterCosts
-from benchmarks.simulate import PolicyModel
-from benchmarks.trace_replay import Rejoin, batched, checkpoint_restart, takeover
 from mecefo_jax.core import programs
-from mecefo_jax.core.timed import TimedEvent as E
 from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Planner
+from mecefo_jax.core.timed import TimedEvent as E
+from mecefo_jax.plan import loss_equivalent
+from mecefo_jax.plan.cost_model import ClusterCosts
+from mecefo_jax.plan.log_replay import Rejoin, batched, checkpoint_restart, takeover
+from mecefo_jax.plan.simulate import PolicyModel
 
 H = 3600.0
 

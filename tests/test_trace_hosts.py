@@ -5,10 +5,12 @@ import types
 
 import pytest
 
-from benchmarks import trace_runs, trace_scenarios
-from benchmarks.trace_hosts import Fleet, slice_events
+from benchmarks import trace_scenarios
 from mecefo_jax.config import ConfigError
 from mecefo_jax.core import fault_log
+from mecefo_jax.plan import measured
+from mecefo_jax.plan import runs as trace_runs
+from mecefo_jax.plan.fleet import Fleet, slice_events
 
 DAY = fault_log.DAY_S
 GPU = {'Level': 'Hardware Failure', 'Class': 'GPU', 'Desc': 'xid'}
@@ -99,7 +101,7 @@ def test_every_process_restart_is_charged_the_same_and_the_peers_what_if_neither
 
 
 def test_the_snapshot_tax_is_the_measured_cost_of_one_snapshot_over_the_interval():
-  m = json.loads(open(trace_runs.SNAPSHOTS).read())
+  m = json.loads(open(measured.source('snapshot_tax')).read())
   args = lambda every, tax: types.SimpleNamespace(snapshot_every=every, snapshot_overhead_pct=tax)
   auto = trace_runs.snapshot_charges(args(0, None))
   assert auto['every'] == m['auto_every']

@@ -135,7 +135,7 @@ MOVED, COMPILED = 'moved', 'compiled'  # how the program cache builds what no st
 def how_built(key: ProgramKey, shapes_built: Container[tuple], move: bool) -> str:
   """How the program cache (step/cache.py) builds `key` where the program store lacks it:
   moved from the program of its shape built before, with moves on (step/retarget.py), else
-  compiled. The failure replay's stand-in cache (benchmarks/ledger.py) follows the same rule."""
+  compiled. The failure replay's stand-in cache (plan/ledger.py) follows the same rule."""
   return MOVED if move and key.shape in shapes_built else COMPILED
 
 

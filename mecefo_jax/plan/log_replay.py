@@ -2,7 +2,7 @@
 
 A node fault is a process death: the survivors restart (`restart_s`), the step in flight is lost;
 the node's return restarts them again. Takeover policies run through the real decider between
-restarts (benchmarks/replay.py); elastic restart is the decider's `drop` under the same restarts;
+restarts (plan/replay.py); elastic restart is the decider's `drop` under the same restarts;
 checkpoint-restart is replayed node by node (spares, durable checkpoints every `checkpoint_s`).
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ import dataclasses
 import math
 from typing import Sequence
 
-from benchmarks.replay import Replay, Tally, quiet
-from benchmarks.simulate import PolicyModel
 from mecefo_jax.core.failures import FailureEvent, TimedEvent
 from mecefo_jax.core.goodput import Bucket
+from mecefo_jax.plan.replay import Replay, Tally, quiet
+from mecefo_jax.plan.simulate import PolicyModel
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,9 +8,6 @@ from typing import Sequence
 
 import numpy as np
 
-from benchmarks.cost_model import ClusterCosts, features, fit, predict
-from benchmarks.ledger import ProgramLedger
-from benchmarks.replay import Replay, Tally, quiet, replay_trace, step_seconds
 from mecefo_jax.core import goodput, programs
 from mecefo_jax.core.decider import Decider
 from mecefo_jax.core.failures import FailureEvent, FailureSchedule, TimedEvent as Event, apply_event
@@ -18,6 +15,9 @@ from mecefo_jax.core.goodput import Bucket
 from mecefo_jax.core.programs import ProgramKey, RunPrograms
 from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Planner
+from mecefo_jax.plan.cost_model import ClusterCosts, features, fit, predict
+from mecefo_jax.plan.ledger import ProgramLedger
+from mecefo_jax.plan.replay import Replay, Tally, quiet, replay_trace, step_seconds
 
 CHECKPOINT = 'checkpoint-restart'
 __all__ = ['CHECKPOINT', 'ClusterCosts', 'Event', 'PolicyModel', 'Tally', 'features', 'fit',
@@ -195,7 +195,7 @@ def summarize(tallies: Sequence[Tally], horizon_s: float, fault_free_throughput:
   drops = [100.0 * (1.0 - t.samples / horizon_s / fault_free_throughput) for t in tallies]
   mean = lambda f: float(np.mean([f(t) for t in tallies]))
   frac = lambda f: mean(f) / horizon_s
-  built = lambda key: lambda t: getattr(t.builds, key)
+  built = lambda key: lambda t: vars(t.builds)[key]
   booked = lambda key: lambda t: t.goodput[key]
   restarts = mean(lambda t: t.restarts)
   return {'drop_pct': float(np.mean(drops)), 'drop_pct_std': float(np.std(drops)),

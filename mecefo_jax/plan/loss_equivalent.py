@@ -10,12 +10,11 @@ progress over the fault-free steps of the same time. v is measured by benchmarks
 """
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Mapping, Sequence
 
-ROW_VALUE = 'docs/results/row_value_tiny.json'  # v of the default (full MeCeFO) mode, measured
+from mecefo_jax.plan import measured
+
 R_SOURCE = ('r = B_noise/B (McCandlish et al. 2018, "An Empirical Model of Large-Batch '
             'Training"): r -> inf every sample counts alike; r = 1 the critical batch')
 
@@ -46,10 +45,19 @@ def mean_progress_of_live(events: Sequence, n: int, horizon_s: float, r: float) 
   return area / horizon_s
 
 
-def read_v(path: str = ROW_VALUE, mode: str = 'full') -> dict:
-  """{'v', 'v_ci95', 'source'}: the degraded row's worth measured for `mode`."""
-  measured = json.loads(Path(path).read_text())
-  m = measured['modes'][mode]
-  return {'v': m['v'], 'v_ci95': m['v_ci95'], 'source': (
-      f"{path}: mode {mode}, {len(m['seeds'])} seeds x {m['steps']} steps on "
-      f"{measured['config']} at {measured['commit'][:7]}")}
+def read_v() -> dict:
+  """{'v', 'v_ci95', 'source'}: the degraded row's worth measured for the default (full MeCeFO)
+  mode (package data row_value)."""
+  m, where = measured.fields('row_value'), measured.provenance('row_value')
+  full = m['modes']['full']
+  return {'v': full['v'], 'v_ci95': full['v_ci95'], 'source': (
+      f"{where['source']}: mode full, {len(full['seeds'])} seeds x {full['steps']} steps on "
+      f"{m['config']} at {where['commit'][:7]}")}
+
+
+def read_thresholds() -> dict:
+  """{'d', 'budget', 'spread_r1'}: a degraded row's cost against an exact row's by FLOPs (d) and
+  the v a takeover must beat: d where the step time is kept (budget), 2d where the step is
+  lengthened, at r = 1 (spread); measured with v (package data row_value)."""
+  full = measured.fields('row_value')['modes']['full']
+  return {'d': full['d_flops'], **full['thresholds_flops']}

@@ -2,7 +2,8 @@
 
 Every approach whose recovery is a process restart (the takeover policies, elastic restart) pays
 one set of charges (`charges`): the in-memory snapshots' tax, the steps since the last snapshot
-after a death, the same restart profile. Used by benchmarks/trace_goodput.py.
+after a death, the same restart profile. Used by mecefo-plan (plan/cli.py) and
+benchmarks/trace_goodput.py.
 """
 from __future__ import annotations
 
@@ -14,18 +15,18 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.simulate import PolicyModel
-from benchmarks.trace_hosts import Fleet, slice_events
-from benchmarks.trace_replay import Outcome, Rejoin, batched, checkpoint_restart, takeover
-from benchmarks import common, failure_costs, loss_equivalent
 from mecefo_jax.config import ConfigError, load_config
 from mecefo_jax.core import fault_log
 from mecefo_jax.core.programs import RunPrograms
 from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Planner
+from mecefo_jax.plan import loss_equivalent, measured
+from mecefo_jax.plan.cost_model import costs_from
+from mecefo_jax.plan.fleet import Fleet, slice_events
+from mecefo_jax.plan.log_replay import Outcome, Rejoin, batched, checkpoint_restart, takeover
+from mecefo_jax.plan.simulate import PolicyModel
 
 ELASTIC = 'elastic-restart'
-SNAPSHOTS = 'docs/results/snapshot_overhead_llama_60m_auto.json'  # the tax and interval measured
 PEERS = '+peers'  # a what-if: the state from live peers (no snapshot tax, no steps since one)
 
 
@@ -72,15 +73,17 @@ def read_log(a) -> tuple[list, tuple[float, float]]:
 
 
 def snapshot_charges(a) -> dict:
-  """The in-memory snapshots' interval and tax: measured on llama_60m (SNAPSHOTS) where not
-  given; the tax at another interval is the measured cost of one snapshot over that interval."""
-  m = json.loads(Path(SNAPSHOTS).read_text())
+  """The in-memory snapshots' interval and tax: measured on llama_60m (package data
+  snapshot_tax) where not given; the tax at another interval is the measured cost of one
+  snapshot over that interval."""
+  m = measured.fields('snapshot_tax')
   every = a.snapshot_every or m['auto_every']
-  measured = 100.0 * m['auto_cost_s'] / (every * m['auto_idle_step_s'])
-  tax = measured if a.snapshot_overhead_pct is None else a.snapshot_overhead_pct
+  at_every = 100.0 * m['auto_cost_s'] / (every * m['auto_idle_step_s'])
+  tax = at_every if a.snapshot_overhead_pct is None else a.snapshot_overhead_pct
   return {'every': every, 'tax_pct': tax, 'source': (
-      f"{SNAPSHOTS}: every {m['auto_every']} steps (the auto interval), one snapshot "
-      f"{m['auto_cost_s']:.3f} s against a {m['auto_idle_step_s']:.2f} s step, measured"
+      f"{measured.source('snapshot_tax')}: every {m['auto_every']} steps (the auto interval), "
+      f"one snapshot {m['auto_cost_s']:.3f} s against a {m['auto_idle_step_s']:.2f} s step, "
+      'measured'
       + ('' if a.snapshot_overhead_pct is None else f'; the tax given: {tax:g}%'))}
 
 
@@ -88,11 +91,11 @@ def setup(a, faults: list, window: tuple[float, float], fleet: Fleet) -> Setup:
   first, last = window
   events = [slice_events(faults, fleet, a.nodes, a.classes, window, seed, a.trace)[0]
             for seed in range(a.seeds)]
-  measured = json.loads(Path(a.costs).read_text())
-  rows, b0 = fleet.hosts * (a.rows or measured['micro_batch']), measured['micro_batch']
+  step_costs = read_costs(a.costs)
+  rows, b0 = fleet.hosts * (a.rows or step_costs['micro_batch']), step_costs['micro_batch']
   cfg = load_config(a.config, ['mesh.slice=1', 'mesh.fsdp=1', 'mesh.tensor=1',
                                f'train.micro_batch={rows}'])
-  costs = failure_costs.costs_from(measured['measurement'], a.stat)
+  costs = costs_from(step_costs['measurement'], a.stat)
   # Other rows per slice: the fused step grows as the split path does (the affine role model).
   split = lambda b: costs.group(Role(b)) + costs.update_s
   normal = costs.normal_s * split(rows) / split(b0)
@@ -103,7 +106,7 @@ def setup(a, faults: list, window: tuple[float, float], fleet: Fleet) -> Setup:
       group_compile_s=dict.fromkeys(costs.group_s, 0.0), fused_compile_s=0.0,
       compile_s_by_kind=dict.fromkeys(costs.compile_s_by_kind, 0.0), move_s=0.0, rejoin_s=0.0)
   return Setup(a, fleet, events, (last - first) * fault_log.DAY_S, rows, costs, cfg,
-               a.granule or measured.get('granule', 1), snapshot_charges(a), a.v)
+               a.granule or step_costs.get('granule', 1), snapshot_charges(a), a.v)
 
 
 def log_stats(events, horizon_s: float, n: int, faults, first: float, last: float) -> dict:
@@ -145,8 +148,32 @@ def servers_down(faults, a, window: tuple[float, float]) -> dict:
   return {'mean_down_pct': 100.0 * area / (last - first) / a.nodes, 'max_down': most}
 
 
+def read_costs(path: str | None) -> dict:
+  """A failure_throughput measurement: the file at `path` (its JSON), or the one shipped
+  (package data step_costs) where None."""
+  if path is None:
+    return measured.fields('step_costs')
+  try:
+    return json.loads(Path(path).read_text())
+  except (OSError, ValueError) as err:
+    raise ConfigError(f'{path}: cannot read the step costs: {err}') from None
+
+
+def policy_spec(spec: str) -> tuple[str, float | None]:
+  """A benchmark's policy spec: 'budget:T' -> ('budget', T) (faults.time_budget T); a plain
+  name -> (name, None), the config's time budget."""
+  policy, colon, budget = spec.partition(':')
+  if not colon:
+    return policy, None
+  try:
+    return policy, float(budget)
+  except ValueError:
+    raise ValueError(f'policy spec {spec!r}: the part after ":" must be a time budget, e.g. '
+                     f'budget:1.05') from None
+
+
 def planner(s: Setup, spec: str, kind: type[Planner] = Planner) -> Planner:
-  policy, budget = common.policy_spec(spec)
+  policy, budget = policy_spec(spec)
   return kind.from_config(s.cfg, s.n, s.granule, policy, budget)
 
 

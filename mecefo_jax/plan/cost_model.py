@@ -2,12 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import statistics
 
 import numpy as np
 
+from mecefo_jax.config import ConfigError
 from mecefo_jax.core import programs
 from mecefo_jax.core.programs import ProgramKey
 from mecefo_jax.core.roles import Role
+
+ROLE_NAME = r'e(\d+)_d(\d+)_p(\d+)'  # a role's name in a measurement: role_name
+
+
+def role_name(r: Role) -> str:
+  return f'e{r.exact}_d{r.degraded}_p{r.passes}'
 
 
 def features(role: Role) -> list[float]:
@@ -83,3 +92,38 @@ class ClusterCosts:
     scalars = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ('group_s', 'group_compile_s', 'modelled')}
     return {**scalars, 'roles': roles}
+
+
+def costs_from(measurement: dict, stat: str) -> ClusterCosts:
+  """Cluster costs from the timed programs: `stat` ('median' or 'min') of the repeats, or
+  'flops': a compute-bound device, each program's XLA FLOP count x the measured median seconds
+  per FLOP of the fused normal step (rejoin, restore and compiles stay measured). XLA counts a
+  loop body once, so multi-pass roles are left to the cost model there."""
+  t = {k: v['min_s' if stat == 'min' else 'median_s'] for k, v in measurement['times'].items()}
+  if stat == 'flops':
+    if 'flops' not in measurement:
+      raise ConfigError('step costs by FLOPs (--stat flops) need a measurement with FLOP counts '
+                        '(failure_throughput of this version)')
+    flops = measurement['flops']
+    per_flop = t['fused_normal'] / flops['fused_normal']
+    t |= {name: f * per_flop for name, f in flops.items()}
+  compile_s = measurement['compile_s']
+  roles = {Role(*map(int, re.fullmatch(ROLE_NAME, name).groups())): name
+           for name in measurement['roles']}
+  if stat == 'flops':
+    roles = {r: name for r, name in roles.items() if r.passes == 1}
+  return ClusterCosts(
+      normal_s=t['fused_normal'], update_s=t['update'],
+      group_s={r: t[name] for r, name in roles.items()},
+      group_compile_s={r: compile_s[name] for r, name in roles.items()},
+      fused_compile_s=compile_s['fused_normal'],
+      # 'refresh' is the refresh a run repeats (warm unless mecefo.refresh=full), 'refresh_full'
+      # the first one from scratch where they differ.
+      compile_s_by_kind={
+          'update': compile_s['update'], 'refresh_warm': compile_s.get('refresh', 0.0),
+          'refresh_cold': compile_s.get('refresh_full', compile_s.get('refresh', 0.0)),
+          'eval': compile_s['eval']},
+      refresh_s=t.get('refresh', 0.0), move_s=statistics.mean(measurement['move_s'].values()),
+      rejoin_s=t['rejoin'],
+      # Older measurements have no durable restore: the rejoin copy, a lower bound, stands in.
+      restore_s=measurement.get('restore_s', t['rejoin']))

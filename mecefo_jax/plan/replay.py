@@ -1,5 +1,5 @@
 """The decider-driven replay: the plans of the steps between failure events, in bulk, with the
-programs they build (benchmarks/ledger.py) and the clock they advance."""
+programs they build (plan/ledger.py) and the clock they advance."""
 from __future__ import annotations
 
 import contextlib
@@ -8,13 +8,13 @@ import logging
 import math
 from typing import Callable, Sequence
 
-from benchmarks.cost_model import ClusterCosts
-from benchmarks.ledger import PREMOVED, BuildStats, Premover, ProgramLedger
 from mecefo_jax.core import goodput, programs
 from mecefo_jax.core.decider import Decider, StepPlan
 from mecefo_jax.core.goodput import Bucket
 from mecefo_jax.core.programs import ProgramKey
 from mecefo_jax.core.roles import Role
+from mecefo_jax.plan.cost_model import ClusterCosts
+from mecefo_jax.plan.ledger import PREMOVED, BuildStats, Premover, ProgramLedger
 
 
 @dataclasses.dataclass
@@ -31,7 +31,7 @@ class Tally:
   restarts: int = 0
   lost_steps: int = 0  # checkpoint-restart: steps redone after a failure
   # {(exact rows, degraded rows) of a step: steps run so}: progress counted in loss from it
-  # (benchmarks/loss_equivalent.py)
+  # (plan/loss_equivalent.py)
   mix: dict = dataclasses.field(default_factory=dict)
 
 
