@@ -156,6 +156,23 @@ def report(out: Path) -> dict:
   return json.loads((Path(out) / 'report.json').read_text())
 
 
+def requeued_ids(out: Path, seq_len: int) -> list[int]:
+  """The stream's sample ids a `requeue` run trained, in step order, read back from its
+  metrics.jsonl (train.log_every=1): each step's first_sample and its tokens; a step trained
+  again after a restore counts once, by its last row."""
+  rows = {}
+  for line in (out / 'metrics.jsonl').read_text().splitlines():
+    row = json.loads(line)
+    if row['kind'] == 'train':
+      rows[row['step']] = row
+  assert sorted(rows) == list(range(len(rows))), f'steps missing from the rows: {sorted(rows)}'
+  ids = []
+  for step in sorted(rows):
+    n = round((rows[step]['exact_tokens'] + rows[step]['degraded_tokens']) / seq_len)
+    ids += range(rows[step]['first_sample'], rows[step]['first_sample'] + n)
+  return ids
+
+
 def usage_error(capsys, parse, argv) -> str:
   """The one `error: ...` line that `parse(argv)` (a command's argument parser) exits with."""
   import pytest

@@ -8,7 +8,7 @@ import pytest
 
 from mecefo_jax import sections
 from mecefo_jax.core import programs
-from mecefo_jax.core.decider import Decider, DeciderMeta, DeciderState
+from mecefo_jax.core.decider import Decider, DeciderMeta, DeciderState, StreamMismatch
 from mecefo_jax.core.failures import FailureEvent, FailureSchedule
 from mecefo_jax.core.programs import (EVAL, FUSED, GROUP, REFRESH_COLD, REFRESH_WARM, UPDATE,
                                       Kind, Need, ProgramKey, RunPrograms, programs_for)
@@ -142,6 +142,7 @@ def test_requeue_trains_each_sample_of_the_stream_once_in_order_and_drops_none()
   decider = _decider(schedule, 'requeue')
   plans = _plans(decider, 6)
   resumed = _decider(schedule, 'requeue', state=DeciderState.from_meta(decider.state.to_meta()))
+  resumed.check_stream(6)  # the carried position is the one the events give
   plans += _plans(resumed, 12, start=6)  # on from a snapshot after step 5
   trained = np.concatenate([stream_ids(p.first_id, p.live, N, B)[list(p.live)].ravel()
                             for p in plans])
@@ -149,6 +150,28 @@ def test_requeue_trains_each_sample_of_the_stream_once_in_order_and_drops_none()
   assert [len(p.live) for p in plans] == [4, 4, 3, 3, 2, 3, 3, 2, 3, 4, 4, 4]
   assert dict(resumed.state.samples) == {'exact': trained.size, 'degraded': 0, 'dropped': 0}
   assert _plans(_decider(schedule, 'drop'), 12)[-1].first_id is None  # ids by step: unchanged
+
+
+@pytest.mark.parametrize('policy', ['requeue', 'spread'])
+def test_a_snapshots_stream_position_is_checked_against_its_failure_events(policy):
+  """c at a start is recomputed from the live-set history (the events the meta carries): a
+  counter that disagrees is refused, naming both figures."""
+  schedule = FailureSchedule(N).fail_at(1, 2).fail_at(2, 2).repair_at(1, 5).fail_at(3, 7)
+  decider = _decider(schedule, policy)
+  _plans(decider, 9)
+  live = [4, 4, 2, 2, 2, 3, 3, 2, 2] if policy == 'requeue' else [N] * 9
+  assert decider.stream_position_of_events(9) == decider.stream_position() == sum(live) * B
+  for step in range(9):  # a snapshot after every step: its meta's events up to that step
+    meta = decider.state.to_meta()
+    meta.events[:] = [e for e in meta.events if e['step'] < step]
+    meta.samples.clear()
+    meta.samples['exact'] = sum(live[:step]) * B
+    _decider(schedule, policy, state=DeciderState.from_meta(meta)).check_stream(step)
+  meta = decider.state.to_meta()
+  meta.samples['exact'] += B  # one micro-batch miscounted
+  with pytest.raises(StreamMismatch, match=f'counts {sum(live) * B + B} samples trained, but its '
+                     f'failure events give {sum(live) * B}'):
+    _decider(schedule, policy, state=DeciderState.from_meta(meta)).check_stream(9)
 
 
 def test_next_change_is_the_next_refresh_or_eval():

@@ -5,7 +5,7 @@ import numpy as np
 from mecefo_jax.fault.executor import Executor
 from mecefo_jax.records.job import STOPPED
 from mecefo_jax.run import cli
-from procs import TINY, report
+from procs import TINY, report, requeued_ids
 
 
 def _record_ids(monkeypatch) -> dict[int, list[int]]:
@@ -36,7 +36,7 @@ def test_requeue_trains_each_sample_once_across_failures_a_stop_and_a_resume(tmp
   common = [f'snapshot.dir={tmp_path}/shm', 'train.compile_cache=']
   first = ['--out', 'run', *TINY, 'mesh.slice=4', '--host-devices', '4', '--takeover', 'requeue',
            '--failures', 'trace:trace.txt', 'train.steps=12', 'train.eval_every=0',
-           'train.plot=false', '--stop-after', '5', *common]
+           'train.log_every=1', 'train.plot=false', '--stop-after', '5', *common]
   assert cli.main(first) == STOPPED
   assert cli.main(['--out', 'run', '--resume', *common]) == 0
   trained = np.concatenate([seen[step] for step in range(12)])
@@ -45,3 +45,5 @@ def test_requeue_trains_each_sample_once_across_failures_a_stop_and_a_resume(tmp
   assert trained.tolist() == list(range(trained.size))  # each id once, in order, none skipped
   assert report(tmp_path / 'run')['samples'] == {'exact': trained.size, 'degraded': 0,
                                                  'dropped': 0}
+  # metrics.jsonl's record of it: each step's first_sample and tokens give the same ids
+  assert requeued_ids(tmp_path / 'run', seq_len=16) == trained.tolist()

@@ -24,6 +24,10 @@ from mecefo_jax.sections import entry
 log = logging.getLogger('mecefo')
 
 
+class StreamMismatch(ValueError):
+  """A snapshot's sample counters disagree with the live slices its failure events give."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DeciderMeta:
   """DeciderState as a snapshot's meta carries it (its `controller` entry)."""
@@ -232,6 +236,33 @@ class Decider:
     """The first sample id of the stream not trained yet: every sample counted so far (under
     step-indexed ids, step x the global batch; under `requeue`, the samples trained)."""
     return sum(self.state.samples.values())
+
+  def stream_position_of_events(self, step: int) -> int:
+    """The stream position at `step` from the applied failure events alone (the live-set
+    history): under `requeue`, the sum of live_s x B over the steps s before `step`; else step x
+    the global batch (every row counted, trained or not)."""
+    b = self.planner.micro_batch
+    if not self.defers:
+      return step * self.n_slices * b
+    events = sorted(self.state.events, key=lambda e: e['step'])  # stable: applied order kept
+    failed, position, s = set(), 0, 0
+    for e in events + [{'step': step, 'slice': None, 'kind': None}]:
+      until = min(e['step'], step)
+      position += max(until - s, 0) * (self.n_slices - len(failed)) * b
+      s = max(s, until)
+      if e['kind'] is not None:
+        apply_event(failed, e['kind'], e['slice'])
+    return position
+
+  def check_stream(self, step: int) -> None:
+    """Raises StreamMismatch where the restored sample counters (the stream position, carried
+    in the snapshot meta) disagree with the position the failure events give at `step`."""
+    carried, recomputed = self.stream_position(), self.stream_position_of_events(step)
+    if carried != recomputed:
+      raise StreamMismatch(
+          f'the snapshot at step {step} counts {carried} samples trained, but its failure events '
+          f'give {recomputed} ({dict(self.state.samples)}): its records disagree; the samples '
+          f'of a resume from it would not follow the stream')
 
   def commit(self, plan: StepPlan) -> None:
     """`plan` runs."""

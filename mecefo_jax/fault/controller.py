@@ -97,6 +97,7 @@ class Controller:
                presence.ids, program_store)
     if meta is not None:
       self.load_meta(meta)
+      self.decider.check_stream(step)
       self.apply_presence(step)
       if all_down_at is not None and step <= all_down_at:
         self.decider.devices_back_at = all_down_at  # a resume means every slice is back

@@ -37,6 +37,10 @@ class TrainRow:
   live_slices: int = entry('slices', 'live slices after the step')
   tokens_per_s: float = entry('tokens/s', 'tokens trained since the previous train row / time '
                               'since it, eval time left out')
+  first_sample: int | None = entry(
+      'sample', '`requeue` only: the first sample id of the stream the step trained; its ids '
+      'are the next (exact_tokens + degraded_tokens) / model.seq_len, slice by slice',
+      optional=True)
   time: float | None = entry('s', WRITTEN, optional=True)
 
 

@@ -277,6 +277,7 @@ def _main(args, scratch: Path | None) -> int:
 
 def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
   """Builds the trainer (in `scratch` for a dry run), then trains."""
+  from mecefo_jax.core.decider import StreamMismatch
   from mecefo_jax.data.sources import DataError
   from mecefo_jax.snapshot.capacity import SnapshotError
   from mecefo_jax.run import stop
@@ -309,7 +310,7 @@ def _start(args, cfg, out_dir: Path, scratch: Path | None) -> int:
                                                cfg.train.program_store_mb))
     run = trainer.Trainer(cfg, scratch or out_dir, progress='quiet' if args.quiet else 'auto',
                           start=mode)
-  except (ConfigError, DataError, SnapshotError) as e:
+  except (ConfigError, DataError, SnapshotError, StreamMismatch) as e:
     return _leave(job, _error(e))
   except ending.StartupStopped as stopped:
     stopped.job = job  # (jax.distributed's shutdown at exit would wait for the others)

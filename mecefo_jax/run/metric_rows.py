@@ -93,7 +93,8 @@ class MetricRows(Hook):
     seconds = max(now - t0 - (self.eval_s - eval0), 1e-9)
     self._window = (now, tokens, self.eval_s)
     return TrainRow(step=record.step, **record.values, wall_s=now - record.loop_start,
-                    live_slices=len(record.live), tokens_per_s=(tokens - tokens0) / seconds)
+                    live_slices=len(record.live), tokens_per_s=(tokens - tokens0) / seconds,
+                    first_sample=record.plan.first_id)
 
   def report(self, end: RunEnd, report: Draft) -> None:
     """report.json's losses, tokens and rates (of this process: a resumed run counts from its
