@@ -35,7 +35,8 @@ from mecefo_jax.plan import loss_equivalent, measured, restart_profiles
 from mecefo_jax.plan.fleet import Fleet
 from mecefo_jax.plan.log_replay import Rejoin
 from mecefo_jax.plan.runs import (ELASTIC, MemoPlanner, Setup, at_restarts, limit_pct,
-                                  log_stats, planner, read_log, replay, servers_down, setup)
+                                  log_stats, planner, read_log, replay, restarts_pct,
+                                  servers_down, setup)
 
 COSTS = 'docs/results/failure_throughput_scale_llama_60m_median.json'
 
@@ -205,19 +206,12 @@ def _loss_model(a) -> dict:
   return {**v, 'r': ['inf', 1.0], 'r_source': loss_equivalent.R_SOURCE}
 
 
-def _restarts_pct(elastic: dict) -> float:
-  """The share of the time elastic restart loses to its restarts (the restart and the steps
-  lost at a death): every live-set change is one, as for any approach that restarts."""
-  lost = elastic['lost_pct_by_cause']
-  return lost['restart'] + lost['step_in_flight']
-
-
 def main(argv=None) -> dict:
   t0, load_before = time.perf_counter(), uptime()
   a = _args(argv)
   loss_model = _loss_model(a)
   try:
-    faults, window = read_log(a)
+    faults, window = read_log(a.trace, a.days)
     fleet = Fleet(a.slices, a.slice_hosts) if a.slices else Fleet.of(a.nodes, a.slice_hosts)
     hot = [Fleet.of(fleet.servers, a.slice_hosts, int(k), a.swap_min / 1440.0)
            for k in a.hot_spares.split(',') if k]  # the same servers, k of them spares
@@ -258,7 +252,7 @@ def main(argv=None) -> dict:
                  'no tax, the work since its durable checkpoint lost at a death, the same profile',
       'rejoin': a.rejoin, 'checkpoint_min': a.checkpoint_min, 'profile': a.profile,
       'profiles': {k: p.to_json() for k, p in profiles.items()},
-      'loss_model': loss_model, 'limit_pct': limit_pct(s, _restarts_pct(approaches[ELASTIC])),
+      'loss_model': loss_model, 'limit_pct': limit_pct(s, restarts_pct(approaches[ELASTIC])),
       'default': default, 'approaches': approaches,
       'by_profile': by_profile, 'sweep': sweep_,
       'sensitivity': trace_scenarios.sensitivity(

@@ -129,7 +129,7 @@ def test_the_sensitivity_taxes_process_restarts_only_and_names_where_two_change_
 
 @pytest.mark.parametrize('log, says', [
     ('[]', 'the fault log has no events'),
-    ('node,day\na,1\n', 'not a JSON fault log'),
+    ('node,day\na,1\n', "log.json:1: the header must be node,start,end, got 'node,day'"),
     (json.dumps([ev('a', 5, 'start')]), 'the window 5:5 (days) holds no time; the log has 1 events'),
 ])
 def test_the_replay_refuses_a_bad_log_in_one_line(tmp_path, log, says):

@@ -20,13 +20,15 @@ from mecefo_jax.core import fault_log
 from mecefo_jax.core.programs import RunPrograms
 from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import Planner
-from mecefo_jax.plan import loss_equivalent, measured
+from mecefo_jax.plan import loss_equivalent, measured, node_log
 from mecefo_jax.plan.cost_model import costs_from
 from mecefo_jax.plan.fleet import Fleet, slice_events
 from mecefo_jax.plan.log_replay import Outcome, Rejoin, batched, checkpoint_restart, takeover
 from mecefo_jax.plan.simulate import PolicyModel
 
 ELASTIC = 'elastic-restart'
+# The fields of a failure_throughput measurement the replay reads (cost_model.costs_from).
+COSTS_NEED = ('times', 'flops', 'roles', 'compile_s', 'move_s')
 PEERS = '+peers'  # a what-if: the state from live peers (no snapshot tax, no steps since one)
 
 
@@ -58,16 +60,13 @@ class Setup:
     return self.fleet.servers * self.b / self.fleet.hosts * self.horizon_s / self.args.step_s
 
 
-def read_log(a) -> tuple[list, tuple[float, float]]:
-  """The log's events and the window, or one ConfigError line."""
-  try:
-    text = Path(a.trace).read_text()
-  except (OSError, UnicodeDecodeError) as err:
-    raise ConfigError(f'{a.trace}: cannot read the fault log: {err}') from None
-  faults = fault_log.parse(text, a.trace)
-  first, last = fault_log.window(faults, a.days)
+def read_log(path: str, days: str, unit: str = 'auto') -> tuple[list, tuple[float, float]]:
+  """The log's events (JSON or CSV, plan/node_log.py) and the window 'A:B' in its days, or one
+  ConfigError line."""
+  faults = node_log.read(path, unit)
+  first, last = fault_log.window(faults, days)
   if not last > first:
-    raise ConfigError(f'{a.trace}: the window {first:g}:{last:g} (days) holds no time; the log '
+    raise ConfigError(f'{path}: the window {first:g}:{last:g} (days) holds no time; the log '
                       f'has {len(faults)} events')
   return faults, (first, last)
 
@@ -135,6 +134,13 @@ def limit_pct(s: Setup, restarts_pct: float) -> dict:
           'restarts_pct': restarts_pct}
 
 
+def restarts_pct(elastic: dict) -> float:
+  """The share of the time elastic restart loses to its restarts (the restart and the steps
+  lost at a death): every live-set change is one, as for any approach that restarts."""
+  lost = elastic['lost_pct_by_cause']
+  return lost['restart'] + lost['step_in_flight']
+
+
 def servers_down(faults, a, window: tuple[float, float]) -> dict:
   """The log's servers down in the window, whatever the slices: mean (% of --nodes), most."""
   first, last = window
@@ -154,9 +160,16 @@ def read_costs(path: str | None) -> dict:
   if path is None:
     return measured.fields('step_costs')
   try:
-    return json.loads(Path(path).read_text())
+    found = json.loads(Path(path).read_text())
   except (OSError, ValueError) as err:
     raise ConfigError(f'{path}: cannot read the step costs: {err}') from None
+  top = found if isinstance(found, dict) else {}
+  inner = top.get('measurement') if isinstance(top.get('measurement'), dict) else {}
+  missing = [*(['micro_batch'] if 'micro_batch' not in top else []),
+             *(f'measurement.{k}' for k in COSTS_NEED if k not in inner)]
+  if missing:
+    raise ConfigError(f"{path}: not a failure_throughput JSON: it lacks {', '.join(missing)}")
+  return found
 
 
 def policy_spec(spec: str) -> tuple[str, float | None]:
