@@ -11,8 +11,10 @@ from pathlib import Path
 
 import mecefo_jax
 from mecefo_jax.config import CONFIGS, ConfigError
+from mecefo_jax.core import fault_log
 from mecefo_jax.plan import loss_equivalent, measured, node_log, recommend, restart_profiles
 from mecefo_jax.plan.fleet import Fleet
+from mecefo_jax.plan.replay import quiet
 from mecefo_jax.plan.runs import (ELASTIC, Setup, at_restarts, limit_pct, read_log,
                                   restarts_pct, setup)
 from mecefo_jax.records.job import BAD_INPUT
@@ -148,7 +150,9 @@ def plan(a: argparse.Namespace, argv: list[str]) -> dict:
   fleet = _fleet(a, faults)
   pools, offered = _spares(a, fleet)
   restart = _restart(a)
-  s = setup(a, faults, window, fleet)
+  fault_log.down_intervals(faults, a.trace)  # the log's warnings, once
+  with quiet():  # not again for each draw
+    s = setup(a, faults, window, fleet)
   approaches = _approaches(s, pools, restart.total_s)
   verdict = recommend.recommend(approaches, loss['v_low'], loss['thresholds'], offered)
   return {
