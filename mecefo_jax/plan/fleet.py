@@ -1,10 +1,8 @@
-"""A node fault log onto slices of K hosts, with or without hot spares: each slice's down time.
-
-A slice is down while any of its hosts is (a TPU slice, a multi-host replica): the union of its
-hosts' outages as the log has them, so correlated faults count once. Hot spares: idle healthy
-servers; a slice that loses a host takes a free spare, which joins it `swap_days` later (the slice
-is down meanwhile); a repaired host becomes a spare. Used by plan/runs.py.
-"""
+"""A node fault log onto slices of K hosts, with or without hot spares: each slice's down time."""
+# A slice is down while any of its hosts is (a TPU slice, a multi-host replica): the union of its
+# hosts' outages as the log has them, so correlated faults count once. Hot spares: idle healthy
+# servers; a slice that loses a host takes a free spare, which joins it `swap_days` later (the slice
+# is down meanwhile); a repaired host becomes a spare. Used by plan/runs.py.
 from __future__ import annotations
 
 import dataclasses

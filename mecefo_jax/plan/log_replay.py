@@ -1,10 +1,8 @@
-"""A node fault log replayed end to end: each approach's steps, restarts and lost work, in time.
-
-A node fault is a process death: the survivors restart (`restart_s`), the step in flight is lost;
-the node's return restarts them again. Takeover policies run through the real decider between
-restarts (plan/replay.py); elastic restart is the decider's `drop` under the same restarts;
-checkpoint-restart is replayed node by node (spares, durable checkpoints every `checkpoint_s`).
-"""
+"""A node fault log replayed end to end: each approach's steps, restarts and lost work, in time."""
+# A node fault is a process death: the survivors restart (`restart_s`), the step in flight is lost;
+# the node's return restarts them again. Takeover policies run through the real decider between
+# restarts (plan/replay.py); elastic restart is the decider's `drop` under the same restarts;
+# checkpoint-restart is replayed node by node (spares, durable checkpoints every `checkpoint_s`).
 from __future__ import annotations
 
 import dataclasses

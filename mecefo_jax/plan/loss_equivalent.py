@@ -1,13 +1,11 @@
-"""Progress counted in loss: a step's rows priced by a degraded row's worth v and the noise scale r.
-
-McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training"): the steps to a given loss
-grow as 1 + B_noise/B, so a step whose rows are worth x of a full batch (x = (exact + v·degraded)
-/ rows; a dropped row is worth nothing) makes rho(x) = x(1 + r)/(x + r) of a full step's
-progress, r = B_noise/B. At r -> inf every sample counts alike (rho = x, the headline); at r = 1
-(the critical batch) a shrunk batch loses less than its share. A run's loss-equivalent progress:
-the fault-free run's time to its target loss over the time with failures, i.e. its steps'
-progress over the fault-free steps of the same time. v is measured by benchmarks/row_value.py.
-"""
+"""Progress counted in loss: a step's rows priced by a degraded row's worth v and noise scale r."""
+# McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training"): the steps to a given loss
+# grow as 1 + B_noise/B, so a step whose rows are worth x of a full batch (x = (exact + v·degraded)
+# / rows; a dropped row is worth nothing) makes rho(x) = x(1 + r)/(x + r) of a full step's progress,
+# r = B_noise/B. At r -> inf every sample counts alike (rho = x, the headline); at r = 1 (the
+# critical batch) a shrunk batch loses less than its share. A run's loss-equivalent progress: the
+# fault-free run's time to its target loss over the time with failures, i.e. its steps' progress
+# over the fault-free steps of the same time. v is measured by benchmarks/row_value.py.
 from __future__ import annotations
 
 import math

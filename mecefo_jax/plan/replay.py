@@ -1,5 +1,5 @@
-"""The decider-driven replay: the plans of the steps between failure events, in bulk, with the
-programs they build (plan/ledger.py) and the clock they advance."""
+"""The decider-driven replay: the steps between failure events in bulk, programs and clock."""
+# The plans of those steps, the programs they build (plan/ledger.py), the clock they advance.
 from __future__ import annotations
 
 import contextlib

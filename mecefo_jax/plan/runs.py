@@ -1,10 +1,8 @@
-"""The fault-log replay's runs: one fleet's draws, each approach charged, the seeds' means.
-
-Every approach whose recovery is a process restart (the takeover policies, elastic restart) pays
-one set of charges (`charges`): the in-memory snapshots' tax, the steps since the last snapshot
-after a death, the same restart profile. Used by mecefo-plan (plan/cli.py) and
-benchmarks/trace_goodput.py.
-"""
+"""The fault-log replay's runs: one fleet's draws, each approach charged, the seeds' means."""
+# Every approach whose recovery is a process restart (the takeover policies, elastic restart) pays
+# one set of charges (`charges`): the in-memory snapshots' tax, the steps since the last snapshot
+# after a death, the same restart profile. Used by mecefo-plan (plan/cli.py) and
+# benchmarks/trace_goodput.py.
 from __future__ import annotations
 
 import argparse
