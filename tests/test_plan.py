@@ -20,8 +20,9 @@ EPOCH = datetime.datetime(2024, 3, 1, tzinfo=datetime.timezone.utc)
 
 def json_log(outages=OUTAGES) -> str:
   """Each outage its own fault (Desc), as each CSV row is: overlapping ones of a node merge."""
-  events = [{'node_id': n, 'event_time': t, 'event_type': kind, 'fault_type': {**GPU, 'Desc': str(i)}}
-            for i, (n, start, end) in enumerate(map(tuple, outages))
+  events = [{'node_id': n, 'event_time': t, 'event_type': kind,
+             'fault_type': {**GPU, 'Desc': str(i)}}
+            for i, (n, start, end) in enumerate(outages)
             for t, kind in ((start, 'fault_start'), (end, 'fault_end')) if t is not None]
   return json.dumps(sorted(events, key=lambda e: e['event_time']))
 
@@ -138,7 +139,8 @@ def test_a_restart_given_by_phases_keeps_the_others_of_fast():
   fast = restart_profiles.fast(10.0)
   mine = restart_profiles.given(10.0, phases='detect_s=5, programs_s=40')
   assert mine.total_s == pytest.approx(fast.total_s + 5 - fast.detect_s + 30)
-  assert dict(mine.basis)['detect_s'] == 'given' and dict(mine.basis)['process_start_s'] == 'measured'
+  basis = dict(mine.basis)
+  assert basis['detect_s'] == 'given' and basis['process_start_s'] == 'measured'
   with pytest.raises(cli.ConfigError, match="restart phase 'boot_s=3'"):
     restart_profiles.given(10.0, phases='boot_s=3')
 

@@ -102,8 +102,8 @@ def _loss_inputs(a) -> dict:
   data row_value) unless given; sets a.v for the replay."""
   v = loss_equivalent.read_v() if a.v is None else {
       'v': a.v, 'v_ci95': None, 'source': 'given (--v): no interval, its low end is v'}
-  measured_d = loss_equivalent.read_thresholds()
-  d = measured_d if a.d is None else {'d': a.d, 'budget': a.d, 'spread_r1': 2.0 * a.d}
+  d = loss_equivalent.read_thresholds() if a.d is None else {
+      'd': a.d, 'budget': a.d, 'spread_r1': 2.0 * a.d}
   a.v = v['v']
   return {**v, 'v_low': v['v_ci95'][0] if v['v_ci95'] else v['v'], 'thresholds': d,
           'thresholds_source': 'given (--d)' if a.d is not None else (
@@ -140,6 +140,19 @@ def table(result: dict) -> str:
                     f"recommended: {result['recommended']}"])
 
 
+def _inputs(a, s: Setup, window: tuple[float, float], restart, pools: list[int],
+            offered: bool, loss: dict) -> dict:
+  """What the replay was given: the fleet, the window, the charges and the loss model."""
+  return {'days': list(window), 'time_unit': a.time_unit, 'nodes': a.nodes,
+          'slice_hosts': a.slice_hosts, 'slices': s.n, 'micro_batch': s.b, 'seeds': a.seeds,
+          'step_s': a.step_s, 'checkpoint_min': a.checkpoint_min, 'restart': restart.to_json(),
+          'spares': pools, 'spares_offered': offered,
+          'costs_from': f"{a.costs or measured.source('step_costs')} (stat flops), scaled to the "
+                        'stated step time',
+          'snapshot_every': s.snapshots['every'], 'snapshot_tax_pct': s.snapshots['tax_pct'],
+          'snapshots_from': s.snapshots['source'], 'loss_model': loss}
+
+
 def plan(a: argparse.Namespace, argv: list[str]) -> dict:
   """The planner's result on the parsed arguments `a` (main prints and writes it)."""
   t0 = time.perf_counter()
@@ -159,14 +172,7 @@ def plan(a: argparse.Namespace, argv: list[str]) -> dict:
       'tool': 'mecefo-plan', 'version': mecefo_jax.__version__, 'argv': argv,
       'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
       'trace': a.trace, 'trace_sha256': hashlib.sha256(Path(a.trace).read_bytes()).hexdigest(),
-      'inputs': {'days': list(window), 'time_unit': a.time_unit, 'nodes': a.nodes,
-                 'slice_hosts': a.slice_hosts, 'slices': s.n, 'micro_batch': s.b,
-                 'seeds': a.seeds, 'step_s': a.step_s, 'checkpoint_min': a.checkpoint_min,
-                 'restart': restart.to_json(), 'spares': pools, 'spares_offered': offered,
-                 'costs_from': f"{a.costs or measured.source('step_costs')} (stat flops), scaled "
-                               'to the stated step time',
-                 'snapshot_every': s.snapshots['every'], 'snapshot_tax_pct': s.snapshots['tax_pct'],
-                 'snapshots_from': s.snapshots['source'], 'loss_model': loss},
+      'inputs': _inputs(a, s, window, restart, pools, offered, loss),
       'provenance': {name: measured.provenance(name) for name in measured.SOURCES},
       'approaches': approaches, 'recommended': verdict['recommended'],
       'rule': {'statement': recommend.RULE, **verdict},
