@@ -129,6 +129,12 @@ class OptimizerConfig:
 class TrainConfig:
   steps: int = setting(200, 'training steps', within='>= 1',
                        on_resume=MAY_GROW)
+  samples: int = setting(0, 'end once this many samples of the stream are trained, whatever '
+                         'fails (0: at train.steps, which stays the schedule\'s length: set it '
+                         'to samples / global batch); under `requeue` slices down take more '
+                         'steps', within='>= 0', on_resume=MAY_GROW)
+  tokens: int = setting(0, 'train.samples in tokens (samples = ceil(tokens / model.seq_len)); '
+                        '0 = none', within='>= 0', on_resume=MAY_GROW)
   micro_batch: int = setting(8, 'sequences per slice per step; global batch = slices × '
                              'micro_batch', within='>= 1')
   # jax.random.PRNGKey takes a signed 64-bit seed.
@@ -272,8 +278,25 @@ def _across_fields(cfg: Config) -> typing.Iterator[str]:
   if cfg.train.micro_batch % cfg.mesh.fsdp:
     yield (f'train.micro_batch={cfg.train.micro_batch} must be divisible by '
            f'mesh.fsdp={cfg.mesh.fsdp}')
+  if cfg.train.samples and cfg.train.tokens:
+    yield (f'train.samples={cfg.train.samples} and train.tokens={cfg.train.tokens}: give one '
+           'budget (tokens are samples x model.seq_len)')
   if cfg.mecefo.rank > most:
     yield f'mecefo.rank must be in [0, {most}] (0 = auto), got {cfg.mecefo.rank}'
+
+
+def sample_budget(cfg: Config) -> int:
+  """The samples a run trains to: train.samples, or train.tokens in whole samples (0: none, the
+  run ends at train.steps)."""
+  return cfg.train.samples or -(-cfg.train.tokens // cfg.model.seq_len)
+
+
+def trained_to_end(cfg: Config, steps_done: int, samples_done: int) -> bool:
+  """Whether a run with `steps_done` steps and `samples_done` samples of the stream (trained,
+  or under a step-indexed policy counted) has reached its end: the sample budget, else
+  train.steps."""
+  budget = sample_budget(cfg)
+  return samples_done >= budget if budget else steps_done >= cfg.train.steps
 
 
 def _module_factory(kind: str) -> bool:

@@ -244,3 +244,17 @@ def test_a_restated_rule_is_seen():
                   'mecefo_jax/x.py:4': 'keep < 1'}, hits
   assert dict(_spellings("A = ('warm', 'full')\nB = ['full', 'warm']\n", HOME)) == {
       f'{HOME}:1': 'mecefo.refresh', f'{HOME}:2': 'mecefo.refresh'}
+
+
+def test_a_sample_budget_in_samples_or_tokens_ends_the_run_and_not_both():
+  tokens = load_config(None, ['train.tokens=1000', 'model.seq_len=64'])
+  assert config.sample_budget(tokens) == 16  # ceil(1000 / 64): whole samples
+  assert config.sample_budget(load_config(None, ['train.samples=7'])) == 7
+  assert not config.trained_to_end(tokens, steps_done=10**6, samples_done=15)  # steps: no end
+  assert config.trained_to_end(tokens, steps_done=1, samples_done=16)
+  plain = load_config(None, ['train.steps=5'])
+  assert config.sample_budget(plain) == 0 and config.trained_to_end(plain, 5, 0)
+  assert not config.trained_to_end(plain, 4, 10**6)
+  with pytest.raises(ConfigError, match=re.escape(
+      'train.samples=3 and train.tokens=5: give one budget (tokens are samples x model.seq_len)')):
+    load_config(None, ['train.samples=3', 'train.tokens=5'])

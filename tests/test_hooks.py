@@ -24,7 +24,7 @@ from mecefo_jax.run.report_schema import Report
 from mecefo_jax.sections import Draft
 from mecefo_jax.snapshot.interval import START, Interval, SnapshotInterval
 
-PLAN = types.SimpleNamespace(live=(0, 1), eval=None)
+PLAN = types.SimpleNamespace(live=(0, 1), eval=None, first_id=None)
 
 
 def _record(step: int, loss: float | None = 1.0) -> StepRecord:
@@ -234,7 +234,8 @@ def test_evals_run_where_the_plan_has_one_unless_the_run_stops_and_once_more_at_
   hook = Evals(controller, 2, last_step=4, has_eval=True, stopping=lambda r: r.step in stopping,
                emit=emitted.append, evals=[Eval(0, 3.0, 20.1)])
   for step in range(1, 5):
-    plan = types.SimpleNamespace(live=(0, 1), eval=None if step == 2 else 'eval program')
+    plan = types.SimpleNamespace(live=(0, 1), eval=None if step == 2 else 'eval program',
+                                 first_id=None)
     record = StepRecord(step, plan, {'loss': 1.0}, loop_start=0.0)
     hook.after_step(record)
     assert [r.step for r in record.rows] == ([step] if step in (1, 4) else [])
@@ -289,7 +290,8 @@ def test_the_step_loop_ends_where_every_slice_went_down_and_records_that_step(tm
 
   controller = types.SimpleNamespace(
       step=step, settle=lambda: None, events=[], last_plan=PLAN, last_built=(),
-      fetch=lambda metrics, vote: (fetched.append(metrics) or metrics, None))
+      fetch=lambda metrics, vote: (fetched.append(metrics) or metrics, None),
+      stream_position=lambda: 0)
   parts = types.SimpleNamespace(
       cfg=load_config(None, ['train.steps=5']), out_dir=tmp_path, controller=controller,
       presence=types.SimpleNamespace(slots=(0,)), snapshots=None,
@@ -299,3 +301,30 @@ def test_the_step_loop_ends_where_every_slice_went_down_and_records_that_step(tm
   steps_done, why = StepLoop(parts, Hooks([]), restarted_by=None).run(0.0)
   assert (steps_done, down_at, fetched, reached) == (2, [2], [{'loss': 1.0}], [2])
   assert why.startswith('all 2 slices are down. When devices return, ') and 'step 2' in why
+
+
+def test_the_step_loop_ends_at_a_sample_budget_past_train_steps():
+  """train.samples ends the loop once the stream holds that many samples (here 6 a step, as
+  under `requeue` with slices down), after train.steps where it must; the last step is marked."""
+  from mecefo_jax.run.loop import StepLoop
+  trained, records = [0], []
+
+  def step(step, elapsed):
+    trained[0] += 6
+    return {'loss': 1.0}
+
+  class Last(Hook):
+    def after_step(self, record):
+      records.append((record.step, record.last))
+
+  controller = types.SimpleNamespace(
+      step=step, settle=lambda: None, events=[], last_plan=PLAN, last_built=(),
+      fetch=lambda metrics, vote: (metrics, None), stream_position=lambda: trained[0])
+  parts = types.SimpleNamespace(
+      cfg=load_config(None, ['train.steps=2', 'train.samples=20']), controller=controller,
+      presence=types.SimpleNamespace(slots=(0,)), snapshots=None,
+      origin=types.SimpleNamespace(step=0), records=types.SimpleNamespace(
+          events=lambda events: None, reached=lambda step: None),
+      stop=StopRequest(), startup=types.SimpleNamespace(step_done=lambda: None))
+  assert StepLoop(parts, Hooks([Last()]), restarted_by=None).run(0.0) == (4, None)
+  assert records == [(0, False), (1, False), (2, False), (3, True)]  # 24 >= 20 after step 3

@@ -1,5 +1,6 @@
 """Takeover `requeue`: every sample of the stream trained once, in order, read back from what the
-executor handed the data source, across told failures, a stop and a `--resume`."""
+executor handed the data source, across told failures, a stop and a `--resume`, to the end
+of a sample budget."""
 import numpy as np
 
 from mecefo_jax.fault.executor import Executor
@@ -35,15 +36,20 @@ def test_requeue_trains_each_sample_once_across_failures_a_stop_and_a_resume(tmp
   (tmp_path / 'trace.txt').write_text('2 1 fail\n4 3 fail\n6 1 repair\n9 3 repair\n')
   common = [f'snapshot.dir={tmp_path}/shm', 'train.compile_cache=']
   first = ['--out', 'run', *TINY, 'mesh.slice=4', '--host-devices', '4', '--takeover', 'requeue',
-           '--failures', 'trace:trace.txt', 'train.steps=12', 'train.eval_every=0',
+           '--failures', 'trace:trace.txt', 'train.steps=12', 'train.samples=192',
+           'train.eval_every=0',
            'train.log_every=1', 'train.plot=false', '--stop-after', '5', *common]
   assert cli.main(first) == STOPPED
   assert cli.main(['--out', 'run', '--resume', *common]) == 0
-  trained = np.concatenate([seen[step] for step in range(12)])
-  live = [4, 4, 3, 3, 2, 2, 3, 3, 3, 4, 4, 4]
-  assert [len(seen[step]) for step in range(12)] == [4 * n for n in live]  # B = 4 rows a slice
-  assert trained.tolist() == list(range(trained.size))  # each id once, in order, none skipped
-  assert report(tmp_path / 'run')['samples'] == {'exact': trained.size, 'degraded': 0,
-                                                 'dropped': 0}
+  # train.samples=192 (12 fault-free steps of 4 slices x B = 4): the 36 rows the failures kept
+  # out are trained in 3 steps after train.steps, the last one past the budget (204 samples).
+  live = [4, 4, 3, 3, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4]
+  assert sorted(seen) == list(range(15))
+  assert [len(seen[step]) for step in range(15)] == [4 * n for n in live]  # B = 4 rows a slice
+  trained = np.concatenate([seen[step] for step in range(15)])
+  assert trained.tolist() == list(range(204))  # each id once, in order, none skipped
+  result = report(tmp_path / 'run')
+  assert result['samples'] == {'exact': 204, 'degraded': 0, 'dropped': 0}
+  assert result['steps'] == 15 and result['evals'][-1]['step'] == 14  # the final eval: after 14
   # metrics.jsonl's record of it: each step's first_sample and tokens give the same ids
   assert requeued_ids(tmp_path / 'run', seq_len=16) == trained.tolist()

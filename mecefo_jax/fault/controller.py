@@ -337,6 +337,10 @@ class Controller:
     self.decider.held = self.executor.state_slices = self.decider.present
     self.decider.bases_step = _host_int(self.state.bases_step)
 
+  def stream_position(self) -> int:
+    """The samples of the stream trained (or, under a step-indexed policy, counted) so far."""
+    return self.decider.stream_position()
+
   def apply_presence(self, step: int) -> None:
     self.decider.apply_presence(step)
 

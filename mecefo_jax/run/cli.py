@@ -382,8 +382,12 @@ def _train(args, run, out_dir: Path) -> int:
     return 0
   if run.finished:  # a finished run resumed: its report stands
     run.close()
-    print(f'nothing to do: the run in {out_dir} has trained its train.steps='
-          f'{run.cfg.train.steps} steps; pass a larger train.steps to train on', file=sys.stderr)
+    t = run.cfg.train
+    key, n, unit = (('train.tokens', t.tokens, 'tokens') if t.tokens else
+                    ('train.samples', t.samples, 'samples') if t.samples else
+                    ('train.steps', t.steps, 'steps'))
+    print(f'nothing to do: the run in {out_dir} has trained its {key}={n} {unit}; pass a larger '
+          f'{key} to train on', file=sys.stderr)
     return 0
   try:
     run.run()

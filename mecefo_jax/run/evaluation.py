@@ -29,6 +29,8 @@ class Evals(Hook):
     self.evals = evals  # oldest first
 
   def after_step(self, record: StepRecord) -> None:
+    if record.last:  # the end by a sample budget may come after train.steps - 1
+      self.last_step = record.step
     if self.has_eval and record.plan.eval is not None and not self.stopping(record):
       record.eval_row = self.row(record.step, record.loop_start)
 

@@ -34,6 +34,7 @@ class StepRecord:
   step_s: float = 0.0  # its wall until this record: dispatch, and the step itself if fetched
   built: tuple = ()  # the programs it waited for: ((ProgramKey, 'compiled'|'loaded'|'moved'),)
   stop_voted: bool = False  # the run stops after this step (several processes: as the job voted)
+  last: bool = False  # the run's end is reached after it (train.steps or the sample budget)
   metrics: dict | None = None  # its metrics still on the devices (values: fetched to the host)
   train_row: TrainRow | None = None  # its train row (MetricRows'), where one is logged
   eval_row: EvalRow | None = None  # its held-out eval (Evals'), where one ran after it

@@ -7,6 +7,7 @@ import time
 import jax
 
 from mecefo_jax import multihost
+from mecefo_jax.config import trained_to_end
 from mecefo_jax.fault.controller import AllSlicesDown
 from mecefo_jax.records.history import Kind, Recovery
 from mecefo_jax.run import hints, recovery_time
@@ -32,7 +33,8 @@ class StepLoop:
     c, host = p.controller, p.presence.slots[jax.process_index()]
     # What a test's death waits for, so that where it lands is the same in every run.
     settled = ([p.snapshots.wait_until_finished] if p.snapshots else []) + [c.settle]
-    for step in range(p.origin.step, p.cfg.train.steps):
+    step = p.origin.step
+    while not self.ended(step):
       self.hooks.before_step(step)
       t_step = time.perf_counter()
       try:
@@ -50,16 +52,23 @@ class StepLoop:
       if stop is not None:
         return stop.steps_done, stop.message
       test_death(host, step + 1, *settled)
-    return p.cfg.train.steps, None
+      step += 1
+    return step, None
+
+  def ended(self, steps_done: int) -> bool:
+    """The run's end is reached: train.steps, or its sample budget (config.trained_to_end)."""
+    return trained_to_end(self.parts.cfg, steps_done,
+                          self.parts.controller.stream_position())
 
   def _record(self, step: int, metrics, loop_start: float, t_step: float) -> StepRecord:
     """The step's record, its metrics fetched where a hook wants them and for the first step
     (the start-up clock's end): the fetch waits for the step."""
     p, c = self.parts, self.parts.controller
     p.records.events(c.events)
-    record = StepRecord(step, c.last_plan, None, loop_start, built=c.last_built, metrics=metrics)
+    record = StepRecord(step, c.last_plan, None, loop_start, built=c.last_built, metrics=metrics,
+                        last=self.ended(step + 1))
     due = p.stop.due(step + 1)  # a stop after this step: its loss is the run's last one
-    if self.hooks.wants_values(step) or step == p.origin.step or due:
+    if self.hooks.wants_values(step) or step == p.origin.step or due or record.last:
       # Several processes: a collective every step, carrying this process's stop vote.
       vote = due if multihost.is_multiprocess() else None
       record.values, voted = c.fetch(metrics, vote)

@@ -64,7 +64,7 @@ class MetricRows(Hook):
       self.eval_s += record.eval_row.eval_s
     loss = record.values['loss'] if record.values else (record.metrics or {}).get('loss')
     self._progress.step(len(record.live), loss)
-    if self.wants_values(record.step) or record.stop_voted:  # a stopped run's last step too
+    if self.wants_values(record.step) or record.stop_voted or record.last:  # a stop's too
       record.train_row = self._train_row(record)
       self.losses.append((record.step, record.train_row.loss))
     for row in record.rows:

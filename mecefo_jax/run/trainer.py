@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import jax
 
 from mecefo_jax import multihost
-from mecefo_jax.config import Config
+from mecefo_jax.config import Config, trained_to_end
 from mecefo_jax.core.failures import FailureSchedule
 from mecefo_jax.fault.controller import Controller
 from mecefo_jax.model import models
@@ -76,8 +76,9 @@ class Trainer:
       run_files.close(self.parts and self.parts.snapshots, refused=True)
       raise
     previous = self.parts.previous
-    self._finished = (mode.resume and self.parts.origin.step >= cfg.train.steps and
-                      previous is not None and previous.status == 'finished')
+    self._finished = (mode.resume and previous is not None and previous.status == 'finished'
+                      and trained_to_end(cfg, self.parts.origin.step,
+                                         self.parts.controller.stream_position()))
 
   @property
   def controller(self) -> Controller:
@@ -93,7 +94,7 @@ class Trainer:
 
   @property
   def finished(self) -> bool:
-    """Trained to train.steps: by run(), or before it (a finished run resumed)."""
+    """Trained to its end (train.steps or train.samples): by run(), or before it (a finished run resumed)."""
     return self._finished
 
   @property
@@ -117,7 +118,7 @@ class Trainer:
     return self.parts.controller.evaluate(n_batches)
 
   def run(self) -> dict:
-    """Trains to train.steps (or until every slice is down / a stop); returns the report (the
+    """Trains to its end (or until every slice is down / a stop); returns the report (the
     dict of report.json; `self.report` holds its record)."""
     p = self.parts
     p.startup.loop_started()
@@ -141,7 +142,7 @@ class Trainer:
     progress_marks.enter('ending')  # the final save, the report, the plot: no more steps
     jax.block_until_ready(self.state)
     end = RunEnd(steps_done, time.perf_counter() - loop_start, stopped)
-    self.saver.finish(self.cfg.train.steps, stopped)
+    self.saver.finish(steps_done, stopped)
     self.report = report.build(p, self.hooks, loop.recovery, end)
     report.write_ending(p, self.report)
     self._finished = not stopped
