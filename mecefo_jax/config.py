@@ -183,12 +183,12 @@ class FaultConfig:
                       'paper\'s 32-device cluster, so the expected fraction of slices down is the '
                       'paper\'s at any slice count; cluster: for the whole cluster',
                       choices=RATES)
-  # spread: the default, measured fastest to the fault-free loss of the policies that keep every
-  # sample and a normal step's memory (README, "Which takeover policy?").
-  takeover: str = setting('spread', 'who processes a failed slice\'s micro-batch: neighbor '
-                          '(paper) | spread (default), exact, budget (ours) | drop | naive '
-                          '(baselines) | requeue (no row degraded or dropped: a failed slice\'s '
-                          'samples train in later steps) (`--takeover`)', choices=POLICIES)
+  # requeue: the pick of docs/failures.md's rule ("How the default is chosen") on the shared
+  # fault log (docs/results/default_pick_infinitehbd.json; tests/test_plan.py holds it there).
+  takeover: str = setting('requeue', 'who processes a failed slice\'s micro-batch: requeue '
+                          '(default: no row degraded or dropped, a failed slice\'s samples train '
+                          'in later steps) | neighbor (paper) | spread, exact, budget (ours) | '
+                          'drop | naive (baselines) (`--takeover`)', choices=POLICIES)
   time_budget: float = setting(
       1.0, '`budget`: each live slice\'s step cost stays within this multiple of the fault-free '
       'step\'s (exact row 1, degraded row `degraded_cost`) with the fewest degraded rows; inf = '

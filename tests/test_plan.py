@@ -8,6 +8,7 @@ import tomllib
 
 import pytest
 
+from mecefo_jax import config
 from mecefo_jax.core import fault_log
 from mecefo_jax.plan import cli, measured, node_log, recommend, restart_profiles
 from procs import ROOT
@@ -111,7 +112,7 @@ def _plan(tmp_path, *flags) -> dict:
   (tmp_path / 'log.json').write_text(json_log([('a', 0.1, 0.6), ('b', 0.3, 0.4), ('c', 1.2, 1.9),
                                                ('a', 1.5, None)]))
   argv = ['--trace', str(tmp_path / 'log.json'), '--nodes', '8', '--days', '0:2', *flags]
-  return cli.plan(cli._parser().parse_args(argv), argv)
+  return cli.plan(cli.parser().parse_args(argv), argv)
 
 
 def test_requeue_trains_drops_plans_at_its_pace_and_drops_no_row(tmp_path):
@@ -170,3 +171,16 @@ def test_the_planner_imports_no_jax(tmp_path):
                         timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   assert 'recommended: requeue' in done.stdout
+
+
+def test_the_default_takeover_is_the_rules_pick_on_the_shared_log():
+  """config.py's default is what docs/failures.md's rule picks on the shared log at slices of 1
+  and of 8 servers, as benchmarks.default_pick recorded it."""
+  recorded = json.loads((ROOT / 'docs/results/default_pick_infinitehbd.json').read_text())
+  assert set(recorded['recommended']) == {'1', '8'}
+  for k, plan in recorded['fleets'].items():
+    assert plan['recommended'] == recorded['recommended'][k]
+    loss = plan['inputs']['loss_model']
+    verdict = recommend.recommend(plan['approaches'], loss['v_low'], loss['thresholds'], False)
+    assert verdict['recommended'] == plan['recommended']  # the rule of today's code
+  assert set(recorded['recommended'].values()) == {config.FaultConfig().takeover}

@@ -30,7 +30,7 @@ COLUMNS = ('approach', 'loss-eq r=inf %', 'loss-eq r=1 %', 'samples %', 'dropped
            'degraded %', 'restarts', 'rule')
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
   p = OneLineParser(prog='mecefo-plan', description=__doc__.split(': ', 1)[1], epilog=(
       'example: mecefo-plan --trace faults.csv --nodes 400 --slice-hosts 8 --json plan.json'))
   p.add_argument('--trace', required=True, help='the node fault log: JSON (as benchmarks/traces/) '
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
   """The command: the table on stdout, the JSON at --json; a bad input is one `error:` line on
   stderr and exit 2."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  a = _parser().parse_args(argv)
+  a = parser().parse_args(argv)
   try:
     result = plan(a, argv)
   except ConfigError as err:
