@@ -24,7 +24,6 @@ def main(argv=None) -> dict:
   p.add_argument('--days', default='0:174.5')
   p.add_argument('--nodes', type=int, default=400)
   p.add_argument('--slice-hosts', default='1,8', help='the fleets: servers per slice')
-  p.add_argument('--json', default=None)
   a = p.parse_args(argv)
   result = {**common.run_info(__spec__.name, argv), 'load_before': os.getloadavg()}
   fleets = {}
