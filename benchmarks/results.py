@@ -21,7 +21,7 @@ from typing import Callable
 
 from benchmarks.results_limits import LIMITATIONS, limitations
 from benchmarks.results_trace import (TOPOLOGY_BEGIN, TOPOLOGY_END, TRACE_BEGIN, TRACE_END,
-                                      _trace_default, _trace_goodput, topology_table, trace_table)
+                                      _default_pick, _trace_goodput, topology_table, trace_table)
 from benchmarks.results_recovery import (_late_death, _ray_driver_lost, _recovery, _restart_time, _soak,
                                         _stall_clean_runs, _stall_recovery, _stop_time)
 
@@ -157,6 +157,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('frontier', 'The frontier: throughput against quality', _frontier),
     ('failure_throughput', 'Throughput under failures', _failure_throughput),
     ('trace_goodput', 'Goodput on a real fault log', _trace_goodput),
+    ('default_pick', 'The default, picked by the rule on a real fault log', _default_pick),
     ('snapshot_overhead', 'Snapshot overhead', _snapshot_overhead),
     ('snapshot_parity', 'Snapshot parity', _snapshot_parity),
     ('gradient_error', 'Gradient error of the degraded step', _gradient_error),
@@ -183,10 +184,8 @@ def _frontier_short(d: dict) -> str:
 
 
 README_ROWS = [
-    ('trace_goodput_infinitehbd_days0-174.5_400slices_flops.json', 'what the default keeps on '
-     "a real cluster's fault log, a server a slice (simulated)", _trace_default),
-    ('trace_goodput_infinitehbd_days0-174.5_50slicesx8_flops.json', 'the same log, slices of 8 '
-     'servers (a multi-host replica, simulated)', _trace_default),
+    ('default_pick_infinitehbd.json', "what the default keeps in loss on a real cluster's fault "
+     'log, and why it is the default (simulated)', _default_pick),
     ('quality_trace_infinitehbd_tiny_pydoc_32slices.json', 'the eval-loss cost at that log\'s '
      'rates, 32 slices (trained)', _quality_trace),
     ('step_cost_llama_60m.json', 'degraded step vs normal step, llama_60m', _step_cost),

@@ -47,20 +47,25 @@ def _trace_goodput(d: dict) -> str:
           f"{d['runtime_s']:.0f} s")
 
 
-def _trace_default(d: dict) -> str:
-  """README's rows: what the default keeps on a real cluster's faults, beside elastic restart and
-  checkpoint-restart at equal hardware, charged alike."""
-  a, log, t = d['approaches'], d['log'], d['targets']
-  ckpt = t['best_checkpoint']
-  keep = lambda n: f"{a[n]['goodput_pct']:.1f}%"
-  return (f"{Path(d['trace']).name} ({d['nodes']} servers, days {log['days'][0]:g}-"
-          f"{log['days'][1]:g}, {log['mean_down_pct']:.1f}% of servers down on average), "
-          f"{_fleet(d)} ({log['slice_mean_down_pct']:.1f}% of slices down), {d['profile']} "
-          f"restart ({d['profiles'][d['profile']]['total_s']:.0f} s): the default "
-          f"`{d['default']}` keeps {keep(d['default'])} of fault-free progress; elastic restart "
-          f"{keep('elastic-restart')} (drops the absent rows), {ckpt.replace('-', ' ')} "
-          f"{keep(ckpt)}, `{t['best_policy']}` {keep(t['best_policy'])}; samples, not loss; "
-          f"{READINGS[d['reading']]}")
+def _default_pick(d: dict) -> str:
+  """The rule's pick on the shared log (benchmarks.default_pick): in loss at r -> inf, beside
+  the limit, elastic restart and the best takeover that degrades rows."""
+  parts = []
+  for k, plan in d['fleets'].items():
+    a, pick = plan['approaches'], plan['recommended']
+    degrading = max((n for n in a if a[n]['degraded_pct'] > 0),
+                    key=lambda n: a[n]['loss_equivalent_pct'])
+    parts.append(
+        f"{'a server' if k == '1' else f'{k} servers'} a slice: `{pick}` "
+        f"{a[pick]['loss_equivalent_pct']:.1f}% (limit {plan['limit_pct']['r_inf']:.1f}%, "
+        f"elastic restart {a['elastic-restart']['loss_equivalent_pct']:.1f}% dropping "
+        f"{a['elastic-restart']['dropped_pct']:.1f}% of rows, `{degrading}` "
+        f"{a[degrading]['loss_equivalent_pct']:.1f}%)")
+  plan = next(iter(d['fleets'].values()))
+  loss = plan['inputs']['loss_model']
+  return (f"{Path(plan['trace']).name}, fault-free progress in loss at r -> inf (v = "
+          f"{loss['v']:.2f}, 95% low end {loss['v_low']:.2f}): " + '; '.join(parts)
+          + f"; picked by docs/failures.md's rule: {', '.join(sorted(set(d['recommended'].values())))}")
 
 
 def trace_table(results: dict[str, dict]) -> str:
