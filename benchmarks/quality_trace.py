@@ -193,7 +193,7 @@ def default_table(quality: dict[str, dict], replay_name: str, replay: dict,
     cells = [_loss(quality[n]['summary'].get(name)) if name in trained(quality[n]) else 'n/a'
              for n in files]
     ok = d['within_bound'].get(name)
-    label = f'**{name}** (default)' if name == d['default'] else f'`{name}`'
+    label = f'**{name}** (its pick)' if name == d['default'] else f'`{name}`'
     lines.append(f"| {label} | {progress} | " + ' | '.join(cells)
                  + f" | {'n/a' if ok is None else 'yes' if ok else 'no'} |")
   return [*lines, '', *notes(quality, files, replay_name, replay, frontier, d)]
@@ -212,7 +212,7 @@ def notes(quality, files, replay_name, replay, frontier, d) -> list[str]:
         f"* **No policy that keeps every sample meets the loss bound** (+{LOSS_BOUND_PCT:g}%, or "
         'within 1 SEM of 0) at every slice count: the highest mean increase of each, '
         + ', '.join(f'`{p}` {v:+.2f}%' for p, v in w.items())
-        + f". The rule picks none, so the frontier's recommendation stands (the least slowdown "
+        + f". This rule picked none, so the frontier's recommendation stood (the least slowdown "
         f"to the fault-free loss at `{frontier['preset']}`, a stress test): `{best}`, "
         f"{a[best]['goodput_pct']:.2f}% of fault-free progress at `{prof}` (≥ 99%: "
         f"{'yes' if a[best]['goodput_pct'] >= 99 else 'no'}); "

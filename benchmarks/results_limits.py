@@ -42,7 +42,7 @@ def _scale(r: dict) -> str:
           f"{drops('budget:1.0')} (at {max(by, key=int)} slices "
           f"{100 * last['move_time_frac']:.1f} points of it are programs moved onto never-seen "
           f"live sets), but it costs {f['budget:1.0']['loss_increase_pct']:+.1f}% eval loss on "
-          f"tiny; the default `spread` loses {drops('spread')} at "
+          f"tiny; `spread` (the default until requeue) loses {drops('spread')} at "
           f"{f['spread']['loss_increase_pct']:+.1f}% ({_link(SCALE)}, {_link(FRONTIER)})")
 
 
@@ -58,7 +58,8 @@ def _real_cluster(r: dict) -> str:
   verdict = quality_trace.decide(quality, t, r.get(FRONTIER))
   none_ok = not any(verdict['within_bound'][p] for p in verdict['goodput_pct'] if p != 'drop')
   return (f"the InfiniteHBD log, {t['nodes']} servers, {t['log']['mean_down_pct']:.1f}% down on "
-          f"average: the default `{t['default']}` keeps {keep(t['default']):.1f}% of fault-free "
+          f"average: `{t['default']}` (the default then) keeps {keep(t['default']):.1f}% of "
+          f"fault-free "
           f"progress at {t['slices']} slices with a {t['profiles'][t['profile']]['total_s']:.0f} s "
           f"restart ({keep(t['default']) - keep('elastic-restart'):+.1f} points against elastic "
           f"restart's {keep('elastic-restart'):.1f}%; `budget:1.0` keeps "

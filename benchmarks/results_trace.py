@@ -63,9 +63,10 @@ def _default_pick(d: dict) -> str:
         f"{a[degrading]['loss_equivalent_pct']:.1f}%)")
   plan = next(iter(d['fleets'].values()))
   loss = plan['inputs']['loss_model']
+  picks = ', '.join(sorted(set(d['recommended'].values())))
   return (f"{Path(plan['trace']).name}, fault-free progress in loss at r -> inf (v = "
           f"{loss['v']:.2f}, 95% low end {loss['v_low']:.2f}): " + '; '.join(parts)
-          + f"; picked by docs/failures.md's rule: {', '.join(sorted(set(d['recommended'].values())))}")
+          + f"; picked by docs/failures.md's rule: {picks}")
 
 
 def trace_table(results: dict[str, dict]) -> str:

@@ -94,7 +94,8 @@ class Trainer:
 
   @property
   def finished(self) -> bool:
-    """Trained to its end (train.steps or train.samples): by run(), or before it (a finished run resumed)."""
+    """Trained to its end (train.steps or train.samples): by run(), or before it (a finished
+    run resumed)."""
     return self._finished
 
   @property
