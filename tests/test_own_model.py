@@ -23,7 +23,7 @@ EXAMPLE = ROOT / 'examples' / 'own_model.py'
 DOC = ROOT / 'docs' / 'own_model.md'
 STEPS = 10
 ARGS = [*TINY, f'train.steps={STEPS}', 'train.eval_every=0', 'train.plot=false',
-        'train.log_every=1', 'mecefo.tau=3']
+        'train.log_every=1', 'mecefo.tau=3', 'faults.takeover=spread']  # MeCeFO's degraded rows
 TRACE = '2 1 fail\n3 3 fail\n6 1 repair\n8 3 repair\n'
 
 

@@ -37,7 +37,8 @@ def test_a_restart_with_fewer_processes_must_name_their_hosts(devices):
 
 def test_absent_slices_are_taken_over_and_rejoin_when_present_again(launcher, tmp_path):
   out, shm = tmp_path / 'run', tmp_path / 'shm'
-  on = lambda devices: ('--host-devices', str(devices), 'mesh.slice=4', f'snapshot.dir={shm}')
+  on = lambda devices: ('--host-devices', str(devices), 'mesh.slice=4', f'snapshot.dir={shm}',
+                       '--takeover', 'spread')  # the absent slice's rows degraded
   code, log = kill_after(launcher, out, 3, *on(4))  # SIGKILL after step 3
   assert code == -signal.SIGKILL, log[-3000:]
   # The machine comes back with devices for 3 slices only: slice 3 is absent, not waited for.
@@ -58,7 +59,7 @@ def test_absent_slices_are_taken_over_and_rejoin_when_present_again(launcher, tm
   trace = tmp_path / 'failures.txt'
   trace.write_text(f'{fail} 3 fail\n{repair} 3 repair\n')
   code, log = train(launcher, tmp_path / 'replay', '--host-devices', '4', 'mesh.slice=4',
-                    '--no-snapshots', '--failures', f'trace:{trace}')
+                    '--no-snapshots', '--failures', f'trace:{trace}', '--takeover', 'spread')
   assert code == 0, log[-3000:]
   assert report(tmp_path / 'replay')['params_sha256'] == result['params_sha256']
   assert report(tmp_path / 'replay')['steps'] == STEPS
