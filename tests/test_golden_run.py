@@ -96,7 +96,8 @@ def _assert_same(stage: str, run: Path, run_id: str, work: Path) -> None:
 
 
 def _args(work: Path) -> list[str]:
-  return ['--out', str(work / 'run'), *GOLDEN['args'],
+  # faults.takeover=spread: the default when the fixtures were made (requeue since)
+  return ['--out', str(work / 'run'), *GOLDEN['args'], 'faults.takeover=spread',
           f'faults.failures=trace:{work / "trace.txt"}']
 
 
