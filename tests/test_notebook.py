@@ -50,7 +50,10 @@ def test_section_5_names_the_takeover_policy_its_code_runs():
   i = next(i for i, c in enumerate(cells) if c.source.startswith('## 5.'))
   override = re.search(r'faults\.takeover=(\w+)', cells[i + 1].source)
   policy = override.group(1) if override else FaultConfig.takeover
-  assert f'default takeover policy, `{policy}`' in ' '.join(cells[i].source.split())
+  text = ' '.join(cells[i].source.split())
+  assert f'takeover policy `{policy}`' in text or f'default takeover policy, `{policy}`' in text
+  # ... and says which the default is where the code names another
+  assert override is None or f'the default, `{FaultConfig.takeover}`' in text
 
 
 # ---- the install cell's check (mecefo_jax/install.py) -------------------------------------------
