@@ -28,7 +28,8 @@ from benchmarks.common import emit, markdown_table, run_info
 
 def command(out: Path, trace: Path, layers: int) -> list[str]:
   return ['python', 'train.py', '--out', str(out), '--host-devices', '2', 'mesh.slice=2',
-          '--failures', f'trace:{trace}', 'train.steps=6', f'model.n_layers={layers}',
+          '--failures', f'trace:{trace}', '--takeover', 'spread', 'train.steps=6',
+          f'model.n_layers={layers}',
           'train.eval_every=0', 'train.plot=false', 'train.compile_cache=', '-q']
 
 
