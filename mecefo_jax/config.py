@@ -291,6 +291,15 @@ def sample_budget(cfg: Config) -> int:
   return cfg.train.samples or -(-cfg.train.tokens // cfg.model.seq_len)
 
 
+def end_setting(cfg: Config) -> tuple[str, int, str]:
+  """(key, value, unit) of the setting a run ends at: train.tokens, train.samples or
+  train.steps."""
+  t = cfg.train
+  return (('train.tokens', t.tokens, 'tokens') if t.tokens else
+          ('train.samples', t.samples, 'samples') if t.samples else
+          ('train.steps', t.steps, 'steps'))
+
+
 def trained_to_end(cfg: Config, steps_done: int, samples_done: int) -> bool:
   """Whether a run with `steps_done` steps and `samples_done` samples of the stream (trained,
   or under a step-indexed policy counted) has reached its end: the sample budget, else

@@ -244,15 +244,14 @@ class Decider:
     b = self.planner.micro_batch
     if not self.defers:
       return step * self.n_slices * b
-    events = sorted(self.state.events, key=lambda e: e['step'])  # stable: applied order kept
-    failed, position, s = set(), 0, 0
-    for e in events + [{'step': step, 'slice': None, 'kind': None}]:
-      until = min(e['step'], step)
-      position += max(until - s, 0) * (self.n_slices - len(failed)) * b
-      s = max(s, until)
-      if e['kind'] is not None:
-        apply_event(failed, e['kind'], e['slice'])
-    return position
+    failed, position, s = set(), 0, 0  # s: the first step not counted yet
+    for e in sorted(self.state.events, key=lambda e: e['step']):  # stable: applied order kept
+      if e['step'] >= step:
+        break
+      position += (e['step'] - s) * (self.n_slices - len(failed)) * b
+      s = e['step']
+      apply_event(failed, e['kind'], e['slice'])
+    return position + (step - s) * (self.n_slices - len(failed)) * b
 
   def check_stream(self, step: int) -> None:
     """Raises StreamMismatch where the restored sample counters (the stream position, carried

@@ -15,7 +15,8 @@ from pathlib import Path
 
 # No jax import here: XLA_FLAGS are still settable, and config errors come at once.
 from mecefo_jax.config import (CONFIGS, DEFAULT_OUT, MODELS, POLICIES, Config, ConfigError, FaultConfig,
-                               builtin_configs, config_file, load_config, rule_of, to_dict)
+                               builtin_configs, config_file, end_setting, load_config, rule_of,
+                               to_dict)
 from mecefo_jax.records import run_state
 from mecefo_jax.records.job import BAD_INPUT, INTERRUPTED
 from mecefo_jax.run import ending, hints, startup, storage, supervised
@@ -382,10 +383,7 @@ def _train(args, run, out_dir: Path) -> int:
     return 0
   if run.finished:  # a finished run resumed: its report stands
     run.close()
-    t = run.cfg.train
-    key, n, unit = (('train.tokens', t.tokens, 'tokens') if t.tokens else
-                    ('train.samples', t.samples, 'samples') if t.samples else
-                    ('train.steps', t.steps, 'steps'))
+    key, n, unit = end_setting(run.cfg)
     print(f'nothing to do: the run in {out_dir} has trained its {key}={n} {unit}; pass a larger '
           f'{key} to train on', file=sys.stderr)
     return 0

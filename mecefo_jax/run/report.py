@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from mecefo_jax import files, multihost
-from mecefo_jax.config import sample_budget, to_dict
+from mecefo_jax.config import end_setting, to_dict
 from mecefo_jax.core.failures import AppliedEvent
 from mecefo_jax.core.goodput import Seconds
 from mecefo_jax.model import train_state
@@ -63,8 +63,8 @@ def write_ending(parts: RunParts, report: Report) -> None:
   if p.files.is_chief:
     p.outputs.attempt(p.out_dir / rundir.REPORT, files.replace_text, p.out_dir / rundir.REPORT,
                       to_json(dataclasses.asdict(report), indent=2))
-  p.records.history(Kind.END, status=status, step=report.steps, why=stopped or (
-      'trained train.samples' if sample_budget(p.cfg) else 'trained train.steps'))
+  p.records.history(Kind.END, status=status, step=report.steps, why=stopped or
+                    f'trained {end_setting(p.cfg)[0]}')
   # run_state.json tells the truth on a full disk too: written in place if need be.
   p.outputs.attempt(p.out_dir / RUN_STATE, p.files.write_state, status)
   if p.cfg.train.plot and p.files.is_chief and p.outputs.error is None:
