@@ -125,8 +125,9 @@ def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
   """--stop-after (a stop request like SIGTERM's): the stop step in both tiers, the resume hint
   run exactly as printed continues it with the run's own config (train.steps=12, not the
   default) and its own copy of the trace (the given file is gone by then), the records count
-  no lost step, and failures.txt's replay line reproduces it in a directory of its own. The last trained step (5, not a
-  logged one) ends metrics.jsonl and the stop's summary line, not the last logged step (4)."""
+  no lost step, and failures.txt's replay line reproduces it in a directory of its own. The
+  last trained step (5, not a logged one) ends metrics.jsonl and the stop's summary line, not
+  the last logged step (4); its rows, lost after the snapshot, are written by the resume."""
   monkeypatch.setenv('XLA_FLAGS', '')  # a resume re-simulates the run's devices there
   monkeypatch.chdir(tmp_path)  # the printed commands run from here
   (tmp_path / 'trace.txt').write_text('3 1 fail\n7 1 repair\n')
@@ -144,7 +145,14 @@ def test_a_stop_saves_its_step_and_the_printed_hints_resume_and_replay_it(
   assert f'{tmp_path}/shm/' in message and 'checkpoints' in message, message
   (tmp_path / 'trace.txt').unlink()  # a cleaned /tmp, a run copied to another machine
   assert (tmp_path / 'run' / rundir.TRACE).read_text() == '3 1 fail\n7 1 repair\n'
+  # A crash between the stop's snapshot and its rows (the soak saw one): the rows of step 5
+  # are gone from metrics.jsonl, and the resume writes them back from the snapshot's meta.
+  metrics = tmp_path / 'run' / 'metrics.jsonl'
+  metrics.write_text(''.join(f'{json.dumps(r)}\n' for r in rows if r['step'] != 5))
   assert cli.main(_printed('resume with', message)) == 0
+  rows = [json.loads(line) for line in metrics.open()]
+  assert [r['step'] for r in rows if r['kind'] == 'train'] == [0, 4, 5, 8, 11]
+  assert [{**r, 'time': 0} for r in rows if r['step'] == 5] == [{**last, 'time': 0}]
   result = report(tmp_path / 'run')
   assert (result['steps'], result['resumed_from_step'], result['steps_lost'],
           result['steps_lost_total']) == (12, 6, 0, 0)
@@ -234,8 +242,8 @@ def test_the_loop_runs_its_hooks_in_their_declared_order_a_users_hook_before_the
     result = run.run()
   finally:
     run.close()
-  order = ['ProgressMark', 'Divergence', 'Evals', 'SnapshotSaver', 'MetricRows', 'Dummy',
-           'Every', 'Stop']
+  order = ['ProgressMark', 'Divergence', 'Evals', '_RowMaker', 'SnapshotSaver', 'MetricRows',
+           'Dummy', 'Every', 'Stop']
   assert calls == order * 3 and result['steps'] == 3
   assert [e['step'] for e in result['evals']] == [0, 1, 2]  # an eval is in the next snapshot's meta
   losses = dict(result['losses'])

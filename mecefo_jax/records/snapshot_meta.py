@@ -5,7 +5,7 @@ import dataclasses
 
 from mecefo_jax import files, sections
 from mecefo_jax.core.decider import DeciderMeta
-from mecefo_jax.records.metrics import LOSS, Eval
+from mecefo_jax.records.metrics import LOSS, Eval, EvalRow, TrainRow
 from mecefo_jax.sections import entry
 
 
@@ -18,6 +18,17 @@ class SnapshotMeta:
                                                  'step so far')
   reached: int = entry('steps', 'steps done when it was saved')
   evals: list[Eval] = entry('', 'every eval so far, oldest first')
+  # Rows are written after the snapshot of their step (a crash after a row costs at most that
+  # step), so a crash between the two would lose them: a start writes those metrics.jsonl lacks.
+  train_row: TrainRow | None = entry('', "the train row of its last step, where it has one",
+                                     optional=True)
+  eval_row: EvalRow | None = entry('', "the eval row of its last step, where it has one",
+                                   optional=True)
+
+  @property
+  def rows(self) -> list[TrainRow | EvalRow]:
+    """Its last step's metrics rows in the order they are written."""
+    return [row for row in (self.train_row, self.eval_row) if row is not None]
 
 
 def from_saved(value: dict) -> SnapshotMeta:

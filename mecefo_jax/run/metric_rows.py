@@ -4,13 +4,13 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from mecefo_jax import sections
 from mecefo_jax.config import Config
 from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
-from mecefo_jax.run.metrics import MetricsWriter
+from mecefo_jax.run.metrics import MetricsWriter, last_logged_step
 from mecefo_jax.run.rundir import TB_DIR
 from mecefo_jax.run.progress import Progress
 from mecefo_jax.run.report_schema import Throughput
@@ -26,7 +26,7 @@ class MetricRows(Hook):
   start (a resume). The evals' seconds, left out of tokens/s, are their rows' (`eval_s`)."""
 
   def __init__(self, cfg: Config, out_dir: Path, start_step: int, n_slices: int, *,
-               tokens: Callable[[], int], losses: list,
+               tokens: Callable[[], int], losses: list, carried: Sequence = (),
                mode: str = 'auto', on_log: Callable[[dict], None] | None = None,
                enabled: bool = True, guard: OutputGuard | None = None):
     self.cfg, self.out_dir, self.start_step, self.n_slices = cfg, out_dir, start_step, n_slices
@@ -38,6 +38,8 @@ class MetricRows(Hook):
     self._progress: Progress | None = None
     self._writer: MetricsWriter | None = None
     self._window = (0.0, 0, 0.0)  # (time, tokens, eval seconds) at the last train row
+    self.made: StepRecord | None = None  # the last step rows were made for
+    self.carried = carried
 
   @contextlib.contextmanager
   def opened(self):
@@ -50,6 +52,7 @@ class MetricRows(Hook):
     self._window = (time.perf_counter(), self.tokens_at_start, self.eval_s)
     with writer, progress:
       self._writer, self._progress = writer, progress
+      self._write_carried()
       try:
         yield
       finally:
@@ -59,16 +62,41 @@ class MetricRows(Hook):
   def wants_values(self, step: int) -> bool:
     return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps - 1
 
-  def after_step(self, record: StepRecord) -> None:
+  def make(self, record: StepRecord) -> None:
+    """Sets the step's train row where one is logged (the maker: before its snapshot, whose
+    meta carries it)."""
     if record.eval_row is not None:  # made before the step's train row: left out of its rate
       self.eval_s += record.eval_row.eval_s
-    loss = record.values['loss'] if record.values else (record.metrics or {}).get('loss')
-    self._progress.step(len(record.live), loss)
     if self.wants_values(record.step) or record.stop_voted or record.last:  # a stop's too
       record.train_row = self._train_row(record)
       self.losses.append((record.step, record.train_row.loss))
+    if record.rows:
+      self.made = record
+
+  def rows_of(self, step: int) -> list[TrainRow | EvalRow]:
+    """The rows made for `step` (its train row, then its eval's) where it is the last step
+    with rows: what a snapshot of the state after it carries."""
+    return self.made.rows if self.made is not None and self.made.step == step else []
+
+  def after_step(self, record: StepRecord) -> None:
+    loss = record.values['loss'] if record.values else (record.metrics or {}).get('loss')
+    self._progress.step(len(record.live), loss)
     for row in record.rows:
       self._show(row)
+
+  def _write_carried(self) -> None:
+    """The restored snapshot's rows that metrics.jsonl lacks, written first (not shown)."""
+    if not self.enabled or not self.carried:
+      return
+    last = last_logged_step(self.out_dir)
+    for row in self.carried:
+      if last is None or row.step > last:
+        self._writer.write(row)
+
+  @property
+  def maker(self) -> Hook:
+    """The hook that makes each step's rows (placed before the snapshot hook)."""
+    return _RowMaker(self)
 
   def emit(self, row: EvalRow) -> None:
     """An eval row made after the loop (the final eval), its seconds counted."""
@@ -110,3 +138,14 @@ class MetricRows(Hook):
         train_s=train_s, eval_s=self.eval_s)
     report.throughput, report.tokens_per_s = throughput, throughput.tokens_per_s
     report.tensorboard_dir = str(self.out_dir / TB_DIR) if self.tensorboard else None
+
+
+class _RowMaker(Hook):
+  """MetricRows' rows of each step, made before its snapshot so that the snapshot's meta holds
+  them: a crash after the snapshot and before the rows are written loses none."""
+
+  def __init__(self, rows: MetricRows):
+    self.rows = rows
+
+  def after_step(self, record: StepRecord) -> None:
+    self.rows.make(record)

@@ -28,7 +28,8 @@ log = logging.getLogger('mecefo')
 class SnapshotSaver(Hook):
   """Saves the state after the steps the tiers have due (async, one replica); stops the run when
   durable checkpoints keep failing. Each snapshot carries its SnapshotMeta: the `controller`'s
-  decider state, the losses `rows` logged and the evals `evals` made so far (hooks before it)."""
+  decider state, the losses `rows` logged and the evals `evals` made so far (hooks before it),
+  and the rows of its last step (`rows.maker` runs before it; `rows` writes them after)."""
 
   def __init__(self, snapshots, controller, rows, evals, records: RunRecords, resume_hint: str,
                keep_when_finished: bool = False):
@@ -96,8 +97,9 @@ class SnapshotSaver(Hook):
 
   def meta(self, steps_done: int) -> dict:
     """The snapshot's meta, as the tiers save it (JSON)."""
+    rows = {row.kind: row for row in self.rows.rows_of(steps_done - 1)}
     meta = SnapshotMeta(self.controller.dump_meta(), list(self.rows.losses), steps_done,
-                        list(self.evals.evals))
+                        list(self.evals.evals), rows.get('train'), rows.get('eval'))
     return sections.to_json(meta)
 
   def newest(self, bound: int, restored: int | None = None) -> int | None:
