@@ -14,6 +14,8 @@ import pytest  # noqa: E402
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
+from costs import COSTS  # noqa: E402  (it listens to jax's compile events)
+
 LAUNCHER = 'launcher'
 # What the collection saw: every test file, and those holding a fast test (tests/test_layout.py).
 COLLECTED_FILES = pytest.StashKey[set]()
@@ -27,6 +29,14 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
   config.stash[COLLECTED_FILES] = {item.path for item in items}
   config.stash[FAST_FILES] = {item.path for item in items if not item.get_closest_marker('slow')}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Each test's costs (tests/costs.py), where $MECEFO_TEST_COSTS asks for them."""
+  since = COSTS.mark()
+  yield
+  COSTS.write(item.nodeid, since)
 
 
 @pytest.fixture(scope='session')

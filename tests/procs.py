@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The suite's XLA flags, in-process (tests/conftest.py) and in every process it starts: LLVM's
 # optimizations off, so the tiny models' programs compile ~40% faster and run as exactly (no
 # fast-math either way). The suite's time is mostly compiles.
-SUITE_XLA_FLAGS = '--xla_backend_optimization_level=0'
+SUITE_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
 # The model every process-starting test trains: one layer, 16-token rows, seconds per run.
 TINY = ('model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
         'model.n_layers=1', 'train.micro_batch=4')
@@ -31,6 +31,7 @@ TINY = ('model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_le
 
 class Launcher:
   """Starts processes in sessions of their own, so that each is killed with its children."""
+  starts = 0  # processes started by this pytest process (tests/costs.py counts them per test)
 
   def __init__(self, compile_cache: Path, scratch: Path):
     """`compile_cache`: the suite's; `scratch`: where the cold runs' empty ones go."""
@@ -55,6 +56,7 @@ class Launcher:
     proc = subprocess.Popen([str(a) for a in args], cwd=cwd, env=env or self.env(),
                             start_new_session=True, **popen)
     self.started.append(proc)
+    Launcher.starts += 1
     return proc
 
   def run(self, args, *, timeout: float, **popen) -> subprocess.CompletedProcess:

@@ -198,6 +198,8 @@ def test_metric_rows_write_a_train_row_every_log_every_steps_then_the_steps_othe
       record = _record(step, loss=5.0 - step)
       if step == 2:
         record.eval_row = EvalRow(2, 3.5, 33.1, eval_s=0.1, wall_s=1.0, live_slices=2)
+      hook.maker.after_step(record)  # before the snapshot hook
+      assert hook.rows_of(step) == record.rows  # what that snapshot's meta carries
       hook.after_step(record)
   assert [(r['kind'], r['step']) for r in rows] == [('train', 0), ('train', 2), ('eval', 2),
                                                       ('train', 4)]
@@ -267,7 +269,7 @@ def test_the_snapshot_to_go_back_to_is_listed_or_in_flight_never_a_step_not_save
       return [f'{t} {steps}' for t in started]
 
   parts = types.SimpleNamespace(state=None, dump_meta=lambda: DeciderState().to_meta(),
-                                losses=[], evals=[])
+                                losses=[], evals=[], rows_of=lambda step: [])
   saver = SnapshotSaver(Tiers(), parts, parts, parts, records=RunRecords(tmp_path, enabled=False),
                         resume_hint='')
   saver.save(6)  # started, in flight: not listed yet
