@@ -1,6 +1,6 @@
 """Takeover `requeue`: every sample of the stream trained once, in order, read back from what the
 executor handed the data source, across told failures, a stop and a `--resume`, to the end
-of a sample budget."""
+of a sample budget; the stopped and resumed run ends bit-exact with an uninterrupted one."""
 import numpy as np
 
 from mecefo_jax.fault.executor import Executor
@@ -41,6 +41,11 @@ def test_requeue_trains_each_sample_once_across_failures_a_stop_and_a_resume(tmp
            'train.log_every=1', 'train.plot=false', '--stop-after', '5', *common]
   assert cli.main(first) == STOPPED
   assert cli.main(['--out', 'run', '--resume', *common]) == 0
+  resumed_ids = dict(seen)
+  whole = [a for a in first if a not in ('--stop-after', '5')]
+  assert cli.main([*whole[:1], 'whole', *whole[2:]]) == 0  # --out whole, never stopped
+  assert seen == resumed_ids  # the same ids in every step
+  seen = resumed_ids
   # train.samples=192 (12 fault-free steps of 4 slices x B = 4): the 36 rows the failures kept
   # out are trained in 3 steps after train.steps, the last one past the budget (204 samples).
   live = [4, 4, 3, 3, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4]
@@ -53,3 +58,6 @@ def test_requeue_trains_each_sample_once_across_failures_a_stop_and_a_resume(tmp
   assert result['steps'] == 15 and result['evals'][-1]['step'] == 14  # the final eval: after 14
   # metrics.jsonl's record of it: each step's first_sample and tokens give the same ids
   assert requeued_ids(tmp_path / 'run', seq_len=16) == trained.tolist()
+  uninterrupted = report(tmp_path / 'whole')
+  assert uninterrupted['params_sha256'] == result['params_sha256']
+  assert uninterrupted['samples'] == result['samples'] and uninterrupted['steps'] == 15
