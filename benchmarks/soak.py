@@ -103,8 +103,9 @@ class Soak:
             'train.eval_every=0', 'train.plot=false', *self.args.overrides]
 
   def env(self) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
+    """The job's and its replay's environment: an empty program store (a HOME of its own), the
+    caller's XLA flags (the suite's compile faster; the job and the replay share them)."""
+    env = {k: v for k, v in os.environ.items() if k != 'JAX_COMPILATION_CACHE_DIR'}
     return {**env, 'HOME': str(self.home), 'PYTHONUNBUFFERED': '1',
             TEST_POISON_ENV: str(self.poison)}
 

@@ -58,7 +58,7 @@ def markdown(result: dict) -> str:
     return '' if value is None else f'{value:g}' if isinstance(value, float) else str(value)
   lines = [f"{result['tests']} tests, {result['test_s_total']:,.0f} s of test time in "
            f"{result['wall_s']:,.0f} s wall.", '',
-           '| # | test | s | processes started | in-process compiles | their s |',
+           '| # | test | s | processes it started (not their children) | compiles in pytest | their s |',
            '|---|---|---|---|---|---|']
   for i, row in enumerate(result['slowest'], 1):
     lines.append(f"| {i} | `{row['test']}` | {row['s']:g} | {cell(row['processes'])} | "

@@ -88,7 +88,7 @@ class MetricRows(Hook):
     """The restored snapshot's rows that metrics.jsonl lacks, written first (not shown)."""
     if not self.enabled or not self.carried:
       return
-    last = last_logged_step(self.out_dir)
+    last = last_logged_step(self.out_dir, warn=False)  # the resume's reading warned
     for row in self.carried:
       if last is None or row.step > last:
         self._writer.write(row)

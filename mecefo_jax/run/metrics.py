@@ -48,9 +48,10 @@ def read_metrics(out_dir: str | Path) -> list[TrainRow | EvalRow]:
   return files.read_jsonl(Path(out_dir) / METRICS_FILE, (TrainRow, EvalRow))
 
 
-def last_logged_step(out_dir: str | Path) -> int | None:
-  """The last step a previous process logged to metrics.jsonl (to count steps lost in a crash)."""
-  rows = read_metrics(out_dir)
+def last_logged_step(out_dir: str | Path, warn: bool = True) -> int | None:
+  """The last step a previous process logged to metrics.jsonl (to count steps lost in a crash);
+  `warn=False`: a second reader says nothing of damaged lines (the first warned)."""
+  rows = files.read_jsonl(Path(out_dir) / METRICS_FILE, (TrainRow, EvalRow), warn=warn)
   return rows[-1].step if rows else None
 
 
