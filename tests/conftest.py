@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
-from costs import COSTS  # noqa: E402  (it listens to jax's compile events)
+import costs  # noqa: E402  (it imports jax)
 
 LAUNCHER = 'launcher'
 # What the collection saw: every test file, and those holding a fast test (tests/test_layout.py).
@@ -34,9 +34,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   """Each test's costs (tests/costs.py), where $MECEFO_TEST_COSTS asks for them."""
-  since = COSTS.mark()
+  since = costs.mark()
   yield
-  COSTS.write(item.nodeid, since)
+  costs.write(item.nodeid, since)
 
 
 @pytest.fixture(scope='session')

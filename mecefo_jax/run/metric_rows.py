@@ -40,6 +40,7 @@ class MetricRows(Hook):
     self._window = (0.0, 0, 0.0)  # (time, tokens, eval seconds) at the last train row
     self.made: StepRecord | None = None  # the last step rows were made for
     self.carried = carried
+    self.maker = _RowMaker(self)  # the hook that makes each step's rows (before the snapshot's)
 
   @contextlib.contextmanager
   def opened(self):
@@ -92,11 +93,6 @@ class MetricRows(Hook):
     for row in self.carried:
       if last is None or row.step > last:
         self._writer.write(row)
-
-  @property
-  def maker(self) -> Hook:
-    """The hook that makes each step's rows (placed before the snapshot hook)."""
-    return _RowMaker(self)
 
   def emit(self, row: EvalRow) -> None:
     """An eval row made after the loop (the final eval), its seconds counted."""

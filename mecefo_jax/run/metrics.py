@@ -42,16 +42,15 @@ def to_json(obj, **kwargs) -> str:
   return json.dumps(_finite(obj), allow_nan=False, **kwargs)
 
 
-def read_metrics(out_dir: str | Path) -> list[TrainRow | EvalRow]:
+def read_metrics(out_dir: str | Path, warn: bool = True) -> list[TrainRow | EvalRow]:
   """The rows of out_dir's metrics.jsonl in file order ([] without one); a line cut by a crash,
-  or one that is no row, is skipped (one warning)."""
-  return files.read_jsonl(Path(out_dir) / METRICS_FILE, (TrainRow, EvalRow))
+  or one that is no row, is skipped (one warning; `warn=False`: none, another reader warned)."""
+  return files.read_jsonl(Path(out_dir) / METRICS_FILE, (TrainRow, EvalRow), warn=warn)
 
 
 def last_logged_step(out_dir: str | Path, warn: bool = True) -> int | None:
-  """The last step a previous process logged to metrics.jsonl (to count steps lost in a crash);
-  `warn=False`: a second reader says nothing of damaged lines (the first warned)."""
-  rows = files.read_jsonl(Path(out_dir) / METRICS_FILE, (TrainRow, EvalRow), warn=warn)
+  """The last step a previous process logged to metrics.jsonl (to count steps lost in a crash)."""
+  rows = read_metrics(out_dir, warn)
   return rows[-1].step if rows else None
 
 

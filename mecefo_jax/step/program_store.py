@@ -44,7 +44,7 @@ def cache_hits() -> int:
 # (the step, eval, refresh and update programs, the initializer: compiled inside `booking()`)
 # or anything else (eager ops, conversions): report.json's programs.other_compiles.
 _COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
-_compiles = {'booked': 0, 'other': 0, 'other_s': 0.0}
+_compiles = {'booked': 0, 'booked_s': 0.0, 'other': 0, 'other_s': 0.0}
 _compiles_lock = threading.Lock()
 
 
@@ -53,6 +53,7 @@ def _count_compile(event: str, duration: float, **_) -> None:
     with _compiles_lock:
       if getattr(_hits, 'booking', False):
         _compiles['booked'] += 1
+        _compiles['booked_s'] += duration
       else:
         _compiles['other'] += 1
         _compiles['other_s'] += duration
@@ -72,7 +73,8 @@ def booking():
 
 
 def compile_counts() -> dict:
-  """{'booked', 'other', 'other_s'}: XLA compiles of this process so far."""
+  """{'booked', 'booked_s', 'other', 'other_s'}: XLA compiles of this process so far (count,
+  seconds)."""
   with _compiles_lock:
     return dict(_compiles)
 
