@@ -47,8 +47,9 @@ def table(times: dict[str, float], wall_s: float, paid: dict[str, dict], top: in
   slowest = sorted(times.items(), key=lambda kv: -kv[1])[:top]
   return {
       'tests': len(times), 'test_s_total': round(sum(times.values()), 1), 'wall_s': wall_s,
+      'cpu_s_total': round(sum(line.get('cpu_s', 0) for line in paid.values()), 1) or None,
       'slowest': [{'test': t, 's': round(s, 1), **{k: paid.get(t, {}).get(k) for k in
-                                                   ('processes', 'compiles', 'compile_s')}}
+                                                   ('cpu_s', 'processes', 'compiles', 'compile_s')}}
                   for t, s in slowest],
       'files': [{'file': f, 's': round(s, 1)} for f, s in files.most_common(10)]}
 
@@ -57,11 +58,17 @@ def markdown(result: dict) -> str:
   def cell(value):
     return '' if value is None else f'{value:g}' if isinstance(value, float) else str(value)
   lines = [f"{result['tests']} tests, {result['test_s_total']:,.0f} s of test time in "
-           f"{result['wall_s']:,.0f} s wall.", '',
-           '| # | test | s | processes it started (not their children) | compiles in pytest | their s |',
-           '|---|---|---|---|---|---|']
+           f"{result['wall_s']:,.0f} s wall"
+           + (f"; {result['cpu_s_total']:,.0f} CPU s (tests/costs.py)." if result.get('cpu_s_total')
+              else '.'), '',
+           '| # | test | s | CPU s (with the processes it waited for) | processes it started '
+           '(not their children) | compiles in pytest | their s |',
+           '|---|---|---|---|---|---|---|']
   for i, row in enumerate(result['slowest'], 1):
-    lines.append(f"| {i} | `{row['test']}` | {row['s']:g} | {cell(row['processes'])} | "
+    cpu_s = row.get('cpu_s')
+    lines.append(f"| {i} | `{row['test']}` | {row['s']:g} | "
+                 f"{'' if cpu_s is None else f'{cpu_s:.1f}'} | "
+                 f"{cell(row['processes'])} | "
                  f"{cell(row['compiles'])} | {cell(row['compile_s'])} |")
   lines += ['', '| file | s (its tests together) |', '|---|---|']
   lines += [f"| `{row['file']}` | {row['s']:g} |" for row in result['files']]
