@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 
-def _cfg(args, policy: str):
+def _cfg(args, policy: str, extra: tuple[str, ...] = ()):
   from mecefo_jax.config import load_config
   from mecefo_jax.plan.runs import policy_spec
   data = [f'train.data={args.data}'] if args.data else []
@@ -14,18 +14,19 @@ def _cfg(args, policy: str):
   budget = [] if budget is None else [f'faults.time_budget={budget}']
   return load_config(args.config, [f'mesh.slice={args.slices}', 'mesh.fsdp=1', 'mesh.tensor=1',
                                    'snapshot.enabled=false', f'faults.takeover={takeover}',
-                                   *data, *args.overrides, *budget])
+                                   *data, *args.overrides, *budget, *extra])
 
 
-def train(args, policy: str, schedule) -> dict:
-  """One run; its final params evaluated on the fixed held-out set."""
+def train(args, policy: str, schedule, extra: tuple[str, ...] = ()) -> dict:
+  """One run (`extra`: overrides after the policy's); its final params evaluated on the fixed
+  held-out set."""
   from mecefo_jax.run.trainer import Trainer
   with tempfile.TemporaryDirectory() as out:
-    trainer = Trainer(_cfg(args, policy), Path(out), schedule)
+    trainer = Trainer(_cfg(args, policy, extra), Path(out), schedule)
     report = trainer.run()
     if report.get('stopped'):  # its final loss would not be comparable with the others'
       raise RuntimeError(f'{policy} run stopped early: {report["stopped"]}')
-    run = {k: report.get(k) for k in ('final_loss', 'wall_s', 'samples', 'goodput',
+    run = {k: report.get(k) for k in ('steps', 'final_loss', 'wall_s', 'samples', 'goodput',
                                       'params_sha256', 'losses', 'evals', 'compile_s')}
     # Fixed held-out rows of all n slices, whichever are live at the end: comparable runs.
     run['eval_loss'] = trainer.evaluate(args.eval_batches)
