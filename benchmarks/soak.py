@@ -1,9 +1,10 @@
 """A soak: a supervised job hit at random by every fault it claims to survive, then checked.
 
 Run: python -m benchmarks.soak --minutes M | --rounds N [--seed S] [--processes 3] [--busy 2]
-    [--gap-s 5:20] [--kinds kill,stop_worker,...] [--keep DIR] [--json OUT] [overrides...]
+    [--gap-s 5:20] [--rejoin-after 10] [--kinds kill,stop_worker,...] [--keep DIR] [--json OUT]
+    [overrides...]
 
-One job (`python -m mecefo_jax.launch -n P --devices-per-process 1 --rejoin-after 10
+One job (`python -m mecefo_jax.launch -n P --devices-per-process 1 --rejoin-after R
 --stopped-s 5 -- mesh.slice=P mesh.ordered_reduce=true snapshot.every=1 train.log_every=1
 train.eval_every=0`, --config tiny, overrides appended) in a fresh HOME, its in-memory snapshots
 on a tmpfs of its own (mounted here where this process may: a full one is then made without
@@ -56,7 +57,7 @@ from mecefo_jax.watch import START_FLOOR_S
 
 HANG_S = 3 * START_FLOOR_S
 WAIT_LIMIT_S = 3 * HANG_S  # a fault's outcome that never comes (the job trains on regardless)
-STOPPED_S, REJOIN_S = 5, 10
+STOPPED_S = 5
 LINGER_S = 20.0  # a process alive this long after its run's end line: its stacks are kept
 
 
@@ -68,6 +69,8 @@ def _args(argv):
   p.add_argument('--processes', type=int, default=3)
   p.add_argument('--busy', type=int, default=2, help='cores kept busy (`yes` processes)')
   p.add_argument('--gap-s', default='5:20', help='seconds of training between faults: A:B')
+  p.add_argument('--rejoin-after', type=float, default=10.0,
+                 help="seconds a host that died or stalled waits before it rejoins (launch's)")
   p.add_argument('--kinds', default=','.join(KINDS), help='the faults injected')
   p.add_argument('--tmpfs-mib', type=int, default=256, help="the snapshots' tmpfs")
   p.add_argument('--keep', default=None, help='the soak directory (kept); default: a temporary '
@@ -96,7 +99,7 @@ class Soak:
   def command(self) -> list[str]:
     n = self.args.processes
     return [sys.executable, '-m', 'mecefo_jax.launch', '-n', str(n), '--devices-per-process',
-            '1', '--rejoin-after', str(REJOIN_S), '--stopped-s', str(STOPPED_S), '--events',
+            '1', '--rejoin-after', str(self.args.rejoin_after), '--stopped-s', str(STOPPED_S), '--events',
             str(self.events), '--', '--config', self.args.config, '--out', str(self.run),
             f'snapshot.dir={self.shm}', f'mesh.slice={n}', 'mesh.ordered_reduce=true',
             'train.steps=100000000', 'snapshot.every=1', 'train.log_every=1',
@@ -283,7 +286,7 @@ def main(argv=None) -> dict:
   if ok and not args.keep:
     shutil.rmtree(root, ignore_errors=True)
   result = {**info, 'seed': args.seed, 'minutes': args.minutes, 'rounds': args.rounds,
-            'processes': args.processes,
+            'processes': args.processes, 'rejoin_after_s': args.rejoin_after,
             'busy': args.busy, 'backend': 'local', 'config': args.config,
             'overrides': args.overrides, 'load_before': before, 'load_after': os.getloadavg(),
             'wall_s': time.time() - t0, 'ok': ok, 'artifacts': None if ok and not args.keep

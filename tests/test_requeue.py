@@ -18,10 +18,10 @@ def _record_ids(monkeypatch) -> dict[int, list[int]]:
     seen[plan.step] = []
     return run(self, plan)
 
-  def tokens_recorded(self, ids_SxB, w):
-    seen[self.recorded_step] += [int(i) for r in (*w.exact, *w.degraded)
+  def tokens_recorded(self, ids_SxB, works):
+    seen[self.recorded_step] += [int(i) for w in works for r in (*w.exact, *w.degraded)
                                  for i in ids_SxB[r.owner, r.start:r.stop]]
-    return tokens(self, ids_SxB, w)
+    return tokens(self, ids_SxB, works)
 
   monkeypatch.setattr(Executor, 'run', run_recorded)
   monkeypatch.setattr(Executor, '_tokens', tokens_recorded)

@@ -21,7 +21,8 @@ def held_out_loss(controller, n_batches: int) -> float:
     out = None
     if multihost.is_local(mesh):  # each process reads the rows of its own slices only
       batch = multihost.put_batch(
-          lambda i, chunk=chunk: _rows(controller.corpus, chunk[i * b:(i + 1) * b], b),
+          lambda ss, chunk=chunk: np.stack([_rows(controller.corpus, chunk[i * b:(i + 1) * b], b)
+                                            for i in ss]),
           (len(live), b, controller.corpus.seq_len + 1), sharding.batch_sharding(mesh))
       out = program(controller.state.params, batch)
     values = multihost.fetch(out, mesh, keys=('loss_sum', 'tokens'))

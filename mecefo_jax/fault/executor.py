@@ -120,13 +120,16 @@ class Executor:
   def _batch(self, ids_SxB, work, slices, role: Role) -> jax.Array:
     """Tokens of `slices` on their devices; each process makes only the rows it holds."""
     mesh = self.submesh(slices)
-    return multihost.put_batch(lambda i: self._tokens(ids_SxB, work[slices[i]]),
+    return multihost.put_batch(lambda ss: self._tokens(ids_SxB, [work[slices[i]] for i in ss]),
                                train_step.batch_shape(self.cfg, len(slices), role),
                                sharding.batch_sharding(mesh))
 
-  def _tokens(self, ids_SxB, w: SliceWork) -> np.ndarray:
-    ids = [ids_SxB[r.owner, r.start:r.stop] for r in (*w.exact, *w.degraded)]
-    return self.corpus.sequences(np.concatenate(ids))
+  def _tokens(self, ids_SxB, works: list[SliceWork]) -> np.ndarray:
+    """[len(works), rows, L + 1]: every slice's rows made in one call (each row is a function of
+    its id alone, so the tokens are those of one call a slice)."""
+    ids = [ids_SxB[r.owner, r.start:r.stop] for w in works for r in (*w.exact, *w.degraded)]
+    rows = self.corpus.sequences(np.concatenate(ids))
+    return rows.reshape(len(works), -1, rows.shape[-1])
 
   def replica_hashes(self) -> dict[int, str]:
     """params_sha256 of the params held by each live slice (bit-identical replicas hash equal)."""
