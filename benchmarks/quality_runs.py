@@ -34,11 +34,26 @@ def train(args, policy: str, schedule, extra: tuple[str, ...] = ()) -> dict:
 
 
 def mean_std_sem(xs) -> dict:
-  """Mean, sample std and standard error over seeds (std and sem 0 for one seed)."""
+  """Mean, sample std and standard error over seeds (std and sem 0 for one seed), and the 95%
+  interval of the mean (`t_interval`)."""
   import numpy as np
   x = np.asarray(xs, dtype=float)
   std = float(x.std(ddof=1)) if len(x) > 1 else 0.0
-  return {'mean': float(x.mean()), 'std': std, 'sem': std / float(np.sqrt(len(x)))}
+  return {'mean': float(x.mean()), 'std': std, 'sem': std / float(np.sqrt(len(x))),
+          'ci95': t_interval(x)}
+
+
+def t_interval(xs) -> list[float] | None:
+  """The 95% interval of the mean of paired per-seed differences: mean +- t(0.975, n-1) * sem
+  (Student's t: a handful of seeds, each difference a seed's run against its own fault-free
+  run); None for one seed."""
+  import numpy as np
+  from scipy import stats
+  x = np.asarray(xs, dtype=float)
+  if len(x) < 2:
+    return None
+  half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
+  return [float(x.mean()) - half, float(x.mean()) + half]
 
 
 def _relative(runs: dict, base: dict) -> None:

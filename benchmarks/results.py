@@ -144,6 +144,19 @@ def _quality_trace(d: dict) -> str:
               if k != 'down_pct_per_seed'))
 
 
+def _requeue_quality(d: dict) -> str:
+  from benchmarks.quality_runs import t_interval
+  s = d['summary']['requeue']
+  low, high = t_interval(s['eval_increase_pct']['per_seed'])
+  steps = [v['runs']['requeue']['steps'] for v in d['per_seed'].values()]
+  down = d['summary']['down_pct_per_seed']['in_steps']
+  return (f"{d['slices']} slices, fault-free {d['steps']} steps, {len(d['seeds'])} seeds paired, "
+          f"{min(down):.1f}-{max(down):.1f}% of slice-steps down: requeue at equal samples "
+          f"({min(steps)}-{max(steps)} steps, 0 rows degraded or dropped), eval loss vs "
+          f"fault-free {s['eval_increase_pct']['mean']:+.3f}%, 95% interval "
+          f"[{low:+.3f}, {high:+.3f}]%")
+
+
 # (file name prefix, section title, what its headline says), longest prefix first where nested.
 KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('step_cost', 'Per-slice step cost', _step_cost),
@@ -154,6 +167,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('quality_seeds', 'Quality over seeds', _quality_seeds),
     ('quality_frontier', 'Quality runs of the frontier', _quality_seeds),
     ('quality_trace', "Quality at a real fault log's rates", _quality_trace),
+    ('requeue_quality', "requeue at a real fault log's rates, at equal samples", _requeue_quality),
     ('frontier', 'The frontier: throughput against quality', _frontier),
     ('failure_throughput', 'Throughput under failures', _failure_throughput),
     ('trace_goodput', 'Goodput on a real fault log', _trace_goodput),

@@ -58,6 +58,21 @@ def test_seed_summary_and_its_figure(tmp_path):
   assert (tmp_path / 's.png').stat().st_size > 0
 
 
+def test_the_interval_of_paired_differences_is_students_t():
+  # Three seeds: mean 1, sample std 1, t(0.975, 2) = 4.3027: 1 +- 4.3027 / sqrt(3).
+  low, high = quality_runs.t_interval([0.0, 1.0, 2.0])
+  assert (low, high) == (pytest.approx(1 - 2.48414, abs=1e-4), pytest.approx(1 + 2.48414, abs=1e-4))
+  assert quality_runs.t_interval([0.5]) is None
+  assert quality_runs.mean_std_sem([0.0, 1.0, 2.0])['ci95'] == [low, high]
+
+
+def test_requeue_trains_on_to_the_fault_free_runs_samples():
+  from benchmarks import quality_trace
+  fault_free = {'samples': {'exact': 640, 'degraded': 0, 'dropped': 0}}
+  assert quality_trace.equal_samples('requeue', fault_free) == ('train.samples=640',)
+  assert quality_trace.equal_samples('spread', fault_free) == ()
+
+
 def test_budget_specs_set_the_time_budget():
   from mecefo_jax.plan.runs import policy_spec
   assert policy_spec('budget:1.05') == ('budget', 1.05)
