@@ -165,21 +165,24 @@ class SnapshotManager:
     durable_due = self._durable is not None and (stop or step % self.durable_every == 0)
     if not (memory_due or durable_due):
       return ()
-    replicas, state = state, sharding.first_replica(state)  # the slices hold identical copies
+    # The slices hold identical copies: the capacity check and the durable tier take the first
+    # slice's (views made only then: a tree of views a step costs as much as the part's save).
     if not self._capacity_checked:
       durable_dir = self._durable.directory if self._durable else None
-      self._check_dirs(Path(self._memory.directory), durable_dir, state_nbytes(state))
+      self._check_dirs(Path(self._memory.directory), durable_dir,
+                       state_nbytes(sharding.first_replica(state)))
       self._capacity_checked = True
     meta = json.loads(json.dumps(meta))  # written later in the background: freeze it now
-    if memory_due and not self._save_memory(step, replicas, meta):
+    if memory_due and not self._save_memory(step, state, meta):
       memory_due = False
     if durable_due:
       self.durable.settle(memory_ok=self._memory_ok)
       durable_due = not self.durable.failing
     if durable_due:
-      copy = self.copy_before_save if self.copy_before_save is not None else _on_cpu(state)
+      first = sharding.first_replica(state)
+      copy = self.copy_before_save if self.copy_before_save is not None else _on_cpu(first)
       # The copy is complete before the next train step can donate what it was copied from.
-      snapshot = jax.block_until_ready(private_copy(state)) if copy else state
+      snapshot = jax.block_until_ready(private_copy(first)) if copy else first
       durable_due = self.durable.save(step, snapshot, meta, background=copy)
     started = ('memory',) * memory_due + ('durable',) * durable_due
     for tier in started:
