@@ -146,8 +146,48 @@ def test_the_least_recently_used_entries_are_evicted_above_the_size_limit(tmp_pa
   assert programs.read('a') is not None  # used: now the newest
   programs.write('c', _entry(10_000))
   assert {p.stem for p in tmp_path.glob(f'*{program_store.SUFFIX}')} == {'a', 'c'}
+  programs.set_alias('recipe-of-c', 'c')
+  assert programs.alias_of('recipe-of-c') == 'c'
   programs.write('huge', _entry(40_000))  # larger than the limit: kept alone
   assert {p.stem for p in tmp_path.glob(f'*{program_store.SUFFIX}')} == {'huge'}
+  assert programs.alias_of('recipe-of-c') is None  # its entry evicted: the alias goes too
+  assert not list(tmp_path.glob(f'*{program_store.ALIAS}'))
+
+
+def _recipe(cfg, program=('eval', 2, None)):
+  return program_store.recipe(cfg, program, {'slice': 2, 'fsdp': 2, 'tensor': 1})
+
+
+def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeypatch):
+  base = _recipe(CFG)
+  host_only = ['train.out_dir=elsewhere', 'train.log_every=1', 'train.eval_every=3',
+               'snapshot.every=1', 'faults.precompile=never']
+  assert _recipe(load_config(None, [*TINY, *host_only])) == base
+  assert _recipe(load_config(None, [*TINY, 'optimizer.lr=0.5'])) != base
+  assert _recipe(load_config(None, [*TINY, 'train.steps=7'])) != base  # the schedule's length
+  assert _recipe(CFG, ('eval', 4, None)) != base
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
+  assert _recipe(CFG) != base
+
+
+def test_a_program_built_ahead_is_found_by_its_recipe_without_lowering(tmp_path, monkeypatch):
+  """A restart's programs, built ahead into the store, are known there by their recipe's
+  alias: a later process (or another live set of the shape) lowers nothing to see them. The
+  program a step runs is still found by its lowered fingerprint."""
+  programs = program_store.ProgramStore(tmp_path, 1 << 30)
+  assert _cache(programs).prepare(ProgramKey(EVAL, (0, 1)))  # compiled into the store
+  lowered = []
+  lower_eval = LOWER['eval']
+  monkeypatch.setitem(LOWER, 'eval', lambda *a: lowered.append(a[1]) or lower_eval(*a))
+  assert _cache(programs).prepare(ProgramKey(EVAL, (2, 3)))  # a later process, its shape
+  assert lowered == []
+  for entry in tmp_path.glob(f'*{program_store.SUFFIX}'):
+    entry.unlink()  # the alias names an entry no longer there: lowered, compiled again
+  assert _cache(programs).prepare(ProgramKey(EVAL, (0, 1)))
+  assert len(lowered) == 1 and list(tmp_path.glob(f'*{program_store.SUFFIX}'))
+  later = _cache(programs)
+  later.program(ProgramKey(EVAL, (0, 1)))
+  assert len(lowered) == 2 and _counts(later)['loaded'] == 1
 
 
 def test_concurrent_writers_never_show_a_reader_a_partial_entry(tmp_path, caplog):

@@ -17,7 +17,8 @@ from mecefo_jax.core.programs import ProgramKey
 from mecefo_jax.records import progress_marks
 from mecefo_jax.sections import entry
 from mecefo_jax.step import lowering, retarget
-from mecefo_jax.step.program_store import booking, cache_hits, compiler_options, fingerprint, ProgramStore
+from mecefo_jax.step.program_store import (booking, cache_hits, compiler_options, fingerprint,
+                                           ProgramStore, recipe)
 
 log = logging.getLogger('mecefo')
 
@@ -76,6 +77,7 @@ class Request:
   lower: Callable
   store_devices: bool  # the store's key names the devices (programs do not move)
   model: str = ''  # model.kind: in the store's key
+  recipe: Callable[[], str] | None = None  # its alias's key (program_store.recipe), where a store
 
   @property
   def devices(self) -> list:
@@ -249,8 +251,10 @@ class ProgramCache:
 
   def _request(self, key: ProgramKey, ahead: bool) -> Request:
     mesh = self.slices.sub(key.slices)
+    program = key.shape if self.move else (key, [d.id for d in mesh.devices.flat])
     return Request(key, mesh, ahead, lambda: lowering.lower(key, self.cfg, mesh, self.graphdef),
-                   store_devices=not self.move, model=self.cfg.model.kind)
+                   store_devices=not self.move, model=self.cfg.model.kind,
+                   recipe=lambda: recipe(self.cfg, program, dict(mesh.shape)))
 
   def _build(self, request: Request):
     """From the first source that has it. Runs under the lock."""
@@ -263,6 +267,8 @@ class ProgramCache:
           log.info('%s the %s', 'moved' if built.how == 'moved' else 'loaded from the store',
                    request)
         self.built.append((request.key, built.how, request.ahead))
+        if self.store and 'store_key' in request.__dict__:  # lowered: the alias is known
+          self.store.set_alias(request.recipe(), request.store_key)
         return built.program
     raise AssertionError('the compiled source always builds')
 
@@ -270,16 +276,21 @@ class ProgramCache:
     """Compiles `key` into the program store only, unless the store or this cache has one of
     its shape: for a later process (a restart), not this one, so no process vote; and outside
     the lock, so that the training thread never waits for it. One that a peer process claimed
-    is left to it: False, unless `give_up` is given (ProgramStore.fill waits for the peer)."""
+    is left to it: False, unless `give_up` is given (ProgramStore.fill waits for the peer).
+    One whose recipe's alias names an entry in the store is not lowered (ProgramStore.alias_of)."""
     if self.store is None or not self.move or self.moved.has(key):
       return True
     t0 = time.perf_counter()
     request = self._request(key, ahead=True)
+    if self.store.alias_of(request.recipe()):  # its entry is there: no lowering for its key
+      return True
 
     def compile_into() -> None:
       built = self.compiled.build(request, keep=False)  # logs 'compiling the ... (background)'
       self._book(built.how, time.perf_counter() - t0, True)
-    return self.store.fill(request.store_key, compile_into, give_up)
+    done = self.store.fill(request.store_key, compile_into, give_up)
+    self.store.set_alias(request.recipe(), request.store_key)
+    return done
 
   def evict_ahead(self, keep: set[ProgramKey]) -> int:
     """Drops the programs built ahead of need that are not in `keep`; how many."""

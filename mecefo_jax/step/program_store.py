@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hashlib
+import importlib
 import logging
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +24,7 @@ from mecefo_jax.step import retarget
 log = logging.getLogger('mecefo')
 FORMAT = 3  # bump when an entry's layout changes: older entries are then misses
 SUFFIX = '.jaxprog'
+ALIAS = '.alias'  # a recipe's file: the fingerprint its program had when last lowered
 CLAIM_S = 600.0  # a claim to compile an entry older than this is stale (its holder is stuck)
 PEER_POLL_S = 0.2  # how often a process looks for an entry that another process compiles
 
@@ -97,6 +102,51 @@ def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None, model: st
   return h.hexdigest()
 
 
+# Settings that shape no program: where and how often the host writes, logs and saves, and the
+# host-side failure policy (a program's kind and variant are in its ProgramKey).
+_HOST_ONLY = {'train': ('out_dir', 'log_every', 'eval_every', 'plot', 'compile_cache',
+                        'program_store_mb', 'move_programs'),
+              'faults': None, 'snapshot': None}
+
+
+def recipe(cfg, program: tuple, mesh_shape: dict) -> str:
+  """What a program is made from, known without tracing it: the config's program settings,
+  `program` (its ProgramKey's shape, or its slices and devices where programs do not move), the
+  mesh's axes, the code that builds it (code_identity) and the versions, backend and flags of
+  its fingerprint. Only an alias's key (ProgramStore.alias_of): a program that runs is always
+  found by its lowered fingerprint."""
+  settings = dataclasses.asdict(cfg)
+  for section, fields in _HOST_ONLY.items():
+    if fields is None:
+      settings.pop(section)
+    else:
+      settings[section] = {k: v for k, v in settings[section].items() if k not in fields}
+  backend = jax.extend.backend.get_backend()
+  parts = (str(FORMAT), repr(settings), repr(program), repr(sorted(mesh_shape.items())),
+           code_identity(cfg.model.kind), backend.platform, backend.platform_version,
+           os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', ''))
+  return hashlib.sha256('\0'.join(parts).encode()).hexdigest()
+
+
+@functools.cache
+def code_identity(model_kind: str) -> str:
+  """A digest of the source that traces a program: this package's files, the module of a model
+  named `module:factory`, and the versions of jax, jaxlib, flax and optax. (A model's helper
+  modules are not in it: an edit there leaves an alias stale, which costs a compile, see
+  ProgramStore.alias_of.)"""
+  package = Path(__file__).resolve().parents[1]
+  files = sorted(package.rglob('*.py'))
+  module = model_kind.partition(':')[0] if ':' in model_kind else ''
+  origin = getattr(sys.modules.get(module), '__file__', None)  # imported: the model was built
+  h = hashlib.sha256()
+  for path in [*files, *([Path(origin)] if origin else [])]:
+    h.update(str(path.relative_to(package) if path.is_relative_to(package) else path).encode())
+    h.update(_sha(path.read_bytes()).encode())
+  for name in ('jax', 'jaxlib', 'flax', 'optax'):
+    h.update(f'{name} {getattr(importlib.import_module(name), "__version__", "")}'.encode())
+  return h.hexdigest()
+
+
 # XLA's per-fusion autotune results (GPU GEMM and fusion configs) kept across compiles; jax
 # would set it with its persistent cache, which train.py turns off. A compiler option per
 # compile, not an XLA flag: the program store's keys do not depend on where the store is.
@@ -168,6 +218,28 @@ class ProgramStore:
       time.sleep(PEER_POLL_S)
     return True
 
+  def alias_of(self, recipe: str) -> str | None:
+    """The fingerprint last lowered from `recipe` (ProgramStore.set_alias), where its entry is
+    in the store; else None. For the builds of programs ahead of need, which only see that an
+    entry is there: a stale alias (code the recipe does not cover, edited) leaves the true
+    entry unbuilt, and the process that needs it finds it by its fingerprint or compiles it."""
+    try:
+      key = (self.dir / f'{recipe}{ALIAS}').read_text()
+    except OSError:
+      return None
+    return key if key and self.path(key).exists() else None
+
+  def set_alias(self, recipe: str, key: str) -> None:
+    """Records that `recipe` lowered to fingerprint `key` (atomically; a failed write is a
+    later lowering, not an error)."""
+    path = self.dir / f'{recipe}{ALIAS}'
+    tmp = path.with_name(f'.{path.name}.{os.getpid()}.{threading.get_ident()}.tmp')
+    try:
+      tmp.write_text(key)
+      os.replace(tmp, path)
+    except OSError:
+      tmp.unlink(missing_ok=True)
+
   def read(self, key: str) -> retarget.Serialized | None:
     """The entry under `key`, checked; None if there is none or it is unusable (warned)."""
     path = self.path(key)
@@ -220,6 +292,15 @@ class ProgramStore:
       if p != keep:
         p.unlink(missing_ok=True)
         total -= size
+    if total < sum(size for _, size, _ in entries):
+      self._drop_dangling_aliases()
+
+  def _drop_dangling_aliases(self) -> None:
+    """Removes the aliases whose entry was evicted."""
+    for alias in self.dir.glob(f'*{ALIAS}'):
+      with contextlib.suppress(OSError):
+        if not self.path(alias.read_text()).exists():
+          alias.unlink()
 
 
 def _mismatch(entry, key: str) -> str | None:
