@@ -21,10 +21,12 @@ _SMALL = dict(object_store_memory=80 << 20, include_dashboard=False)
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
+def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None,
+                  shm_root: Path | None = None):
   """The cluster (ray.cluster_utils.Cluster) with `dirs` and `tmps` {node id: its snapshot
-  directory, its TMPDIR; under `root`: a node's own, as a machine's} and `temp` (Ray's files;
-  removed after, with RAY_TMPDIR restored); `env`: more of the nodes' environment."""
+  directory, its TMPDIR; under `root` (the snapshot directories under `shm_root` where given:
+  a tmpfs of the caller's): a node's own, as a machine's} and `temp` (Ray's files; removed
+  after, with RAY_TMPDIR restored); `env`: more of the nodes' environment."""
   from ray.cluster_utils import Cluster
   temp = Path(tempfile.mkdtemp(prefix='ray', dir='/tmp'))
   before = os.environ.get('RAY_TMPDIR')
@@ -36,6 +38,7 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
                       head_node_args=dict(num_cpus=0, temp_dir=str(temp), **_SMALL))
     cluster.temp, cluster.dirs, cluster.tmps = temp, {}, {}
     cluster.root, cluster.env, cluster.added = Path(root), env or {}, 0
+    cluster.shm_root = Path(shm_root or root)
     for _ in range(nodes):
       add_node(cluster)
     yield cluster
@@ -52,7 +55,7 @@ def local_cluster(nodes: int, root: Path, env: dict[str, str] | None = None):
 def add_node(cluster) -> str:
   """One more 1-CPU node, with a snapshot directory and a TMPDIR of its own; its id."""
   i = cluster.added
-  shm, tmp = cluster.root / f'node{i}-shm', cluster.root / f'node{i}-tmp'
+  shm, tmp = cluster.shm_root / f'node{i}-shm', cluster.root / f'node{i}-tmp'
   shm.mkdir(parents=True)
   tmp.mkdir()
   node = cluster.add_node(num_cpus=1, env_vars={

@@ -1,8 +1,8 @@
 """A soak: a supervised job hit at random by every fault it claims to survive, then checked.
 
-Run: python -m benchmarks.soak --minutes M | --rounds N [--seed S] [--processes 3] [--busy 2]
-    [--gap-s 5:20] [--rejoin-after 10] [--kinds kill,stop_worker,...] [--keep DIR] [--json OUT]
-    [overrides...]
+Run: python -m benchmarks.soak --minutes M | --rounds N [--backend local|ray] [--seed S]
+    [--processes 3] [--busy 2] [--gap-s 5:20] [--rejoin-after 10] [--kinds kill,stop_worker,...]
+    [--keep DIR] [--json OUT] [overrides...]
 
 One job (`python -m mecefo_jax.launch -n P --devices-per-process 1 --rejoin-after R
 --stopped-s 5 -- mesh.slice=P mesh.ordered_reduce=true snapshot.every=1 train.log_every=1
@@ -15,6 +15,11 @@ SIGSTOPped past --stopped-s (SIGCONT once the job has stopped itself), the tmpfs
 seconds, a Ctrl-C to the job's group and the same command again, a divergence made for one
 attempt of one step (run/hooks.TEST_POISON_ENV) and the same command again, which goes back to a
 snapshot before it. After each, the soak waits for the job to train again with every host.
+With --backend ray the job runs on a Ray cluster of this machine (benchmarks/ray_cluster.py: a
+0-CPU head, one 1-CPU node per host, each node's snapshot directory on the soak's tmpfs; the
+command gains `--backend ray --address ...`), and one more kind of fault hits it: a host's node
+removed from the cluster, a fresh node added (the host rejoins on that spare). At the end the
+cluster is shut down and none of its processes or its actors' marks may be left.
 
 Its own log of what it injected is the ground truth: every fault must show in history.jsonl
 with its kind, and no fault record may show that it did not inject (`disagreements`). Its own
@@ -35,6 +40,7 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
   raise SystemExit('error: run it from the repository root as python -m benchmarks.'
                    + __file__.rpartition('/')[2].removesuffix('.py'))
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,7 +55,7 @@ import time
 from pathlib import Path
 
 from benchmarks import common, soak_checks, soak_faults
-from benchmarks.soak_faults import KINDS, Injected
+from benchmarks.soak_faults import KINDS, RAY_KINDS, Injected
 from mecefo_jax.records import history
 from mecefo_jax.records.history import HistoryLine, Kind
 from mecefo_jax.run.hooks import TEST_POISON_ENV
@@ -71,7 +77,10 @@ def _args(argv):
   p.add_argument('--gap-s', default='5:20', help='seconds of training between faults: A:B')
   p.add_argument('--rejoin-after', type=float, default=10.0,
                  help="seconds a host that died or stalled waits before it rejoins (launch's)")
-  p.add_argument('--kinds', default=','.join(KINDS), help='the faults injected')
+  p.add_argument('--backend', choices=('local', 'ray'), default='local',
+                 help="the job's transport (launch's --backend); ray: on a cluster of this machine")
+  p.add_argument('--kinds', default=None, help=f'the faults injected (default: {",".join(KINDS)}; '
+                 f'ray: {",".join(RAY_KINDS)})')
   p.add_argument('--tmpfs-mib', type=int, default=256, help="the snapshots' tmpfs")
   p.add_argument('--keep', default=None, help='the soak directory (kept); default: a temporary '
                  'one, removed unless a check failed')
@@ -95,10 +104,12 @@ class Soak:
     self.pids: set[int] = set()
     self.jobs = 0
     self.job: common.JobOutput | None = None
+    self.cluster = None  # --backend ray: the cluster (benchmarks/ray_cluster.py)
 
   def command(self) -> list[str]:
     n = self.args.processes
-    return [sys.executable, '-m', 'mecefo_jax.launch', '-n', str(n), '--devices-per-process',
+    ray = ['--backend', 'ray', '--address', self.cluster.address] if self.cluster else []
+    return [sys.executable, '-m', 'mecefo_jax.launch', *ray, '-n', str(n), '--devices-per-process',
             '1', '--rejoin-after', str(self.args.rejoin_after), '--stopped-s', str(STOPPED_S),
             '--events', str(self.events), '--', '--config', self.args.config, '--out', str(self.run),
             f'snapshot.dir={self.shm}', f'mesh.slice={n}', 'mesh.ordered_reduce=true',
@@ -183,7 +194,7 @@ class Soak:
 
   # --- the soak -----------------------------------------------------------------------------
   def inject_all(self, rng: random.Random) -> None:
-    kinds = [k for k in self.args.kinds.split(',') if k]
+    kinds = self.args.kinds
     lo, hi = (float(x) for x in self.args.gap_s.split(':'))
     end = time.time() + self.args.minutes * 60.0
     order: list[str] = []
@@ -238,28 +249,41 @@ def _busy(n: int) -> list[subprocess.Popen]:
 def soak(args, root: Path) -> dict:
   s = Soak(args, root)
   hogs = _busy(args.busy)
-  try:
-    s.launch()
-    s.wait_for(lambda: s.whole_and_training(0.0), 'the first steps')
-    store = s.home / '.cache' / 'mecefo-jax'
-    grown = {'start': soak_checks.growth([s.job.proc.pid, *s.pids], s.shm, store, s.run)}
-    s.inject_all(random.Random(args.seed))
-    last = [e for e in s.job.events() if e['kind'] == 'start'][-1]
-    pids = [s.job.proc.pid, *last['pids'].values()]
-    grown['end'] = soak_checks.growth(pids, s.shm, store, s.run)
-    end, code = s.stop()
-  finally:
-    for hog in hogs:
-      hog.kill()
-    if s.job is not None:
-      s.job.kill()
+  raylets = []
+  with contextlib.ExitStack() as stack:
+    if args.backend == 'ray':
+      from benchmarks import ray_cluster  # Ray's: imported by a Ray soak only
+      # The trainers' HOME (their program store) is their node's: the soak's, as the job's.
+      s.cluster = stack.enter_context(ray_cluster.local_cluster(
+          args.processes, root, env={'HOME': str(s.home), 'JAX_COMPILATION_CACHE_DIR': ''},
+          shm_root=s.shm))
+    try:
+      s.launch()
+      s.wait_for(lambda: s.whole_and_training(0.0), 'the first steps')
+      store = s.home / '.cache' / 'mecefo-jax'
+      grown = {'start': soak_checks.growth([s.job.proc.pid, *s.pids], s.shm, store, s.run)}
+      s.inject_all(random.Random(args.seed))
+      last = [e for e in s.job.events() if e['kind'] == 'start'][-1]
+      pids = [s.job.proc.pid, *last['pids'].values()]
+      grown['end'] = soak_checks.growth(pids, s.shm, store, s.run)
+      end, code = s.stop()
+    finally:
+      for hog in hogs:
+        hog.kill()
+      if s.job is not None:
+        s.job.kill()
+      if s.cluster is not None:  # its processes, checked once it is shut down
+        raylets = [p for node in (s.cluster.head_node, *s.cluster.worker_nodes)
+                   for ps in node.all_processes.values() for p in ps]
   disagreements = soak_checks.attribute(s.history(), [*s.faults, end])
   disagreements += [f"the job ended on its own (exit {e['code']}) while the soak waited for "
                     f"{e['waiting_for']}" for e in s.exits]
   disagreements += soak_checks.records(s.run, code)
   replayed = soak_checks.replay(s.run, root, {**s.env(), 'PYTHONPATH': str(common.REPO)})
   left = soak_checks.leftovers(s.pids | {s.job.proc.pid}, str(s.run), s.shm, args.processes)
-  faults = {k: sum(f.kind == k for f in s.faults) for k in KINDS}
+  if s.cluster is not None:
+    left += soak_checks.ray_leftovers(s.cluster, raylets)
+  faults = {k: sum(f.kind == k for f in s.faults) for k in _all_kinds(args)}
   return {'faults': faults, 'injected': [dataclasses.asdict(f) for f in s.faults],
           'programs_per_restart': soak_checks.programs_per_restart(s.history()),
           'hangs': len(s.hangs), 'hang_details': s.hangs, 'disagreements': disagreements,
@@ -270,10 +294,18 @@ def soak(args, root: Path) -> dict:
           'steps': json.loads((s.run / 'report.json').read_text())['steps']}
 
 
+def _all_kinds(args) -> tuple[str, ...]:
+  return RAY_KINDS if args.backend == 'ray' else KINDS
+
+
 def main(argv=None) -> dict:
   args = _args(argv)
   if not (args.minutes > 0) ^ (args.rounds > 0):
     raise SystemExit('error: give --minutes M or --rounds N (one of them)')
+  args.kinds = [k for k in (args.kinds or ','.join(_all_kinds(args))).split(',') if k]
+  if unknown := [k for k in args.kinds if k not in _all_kinds(args)]:
+    raise SystemExit(f'error: --kinds {",".join(unknown)}: not a fault of --backend '
+                     f'{args.backend} (one of {", ".join(_all_kinds(args))})')
   info, before = common.run_info(__spec__.name, argv), os.getloadavg()
   root = Path(args.keep or tempfile.mkdtemp(prefix='mecefo-soak-'))
   t0 = time.time()
@@ -287,7 +319,7 @@ def main(argv=None) -> dict:
     shutil.rmtree(root, ignore_errors=True)
   result = {**info, 'seed': args.seed, 'minutes': args.minutes, 'rounds': args.rounds,
             'processes': args.processes, 'rejoin_after_s': args.rejoin_after,
-            'busy': args.busy, 'backend': 'local', 'config': args.config,
+            'busy': args.busy, 'backend': args.backend, 'config': args.config,
             'overrides': args.overrides, 'load_before': before, 'load_after': os.getloadavg(),
             'wall_s': time.time() - t0, 'ok': ok, 'artifacts': None if ok and not args.keep
             else str(root), **result}

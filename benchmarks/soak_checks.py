@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.soak_faults import ALSO, EXPECTED, FAULT_KINDS, Injected
+from benchmarks.soak_faults import ALSO, EXPECTED, FAULT_KINDS, TAKE_A_HOST, Injected
 from mecefo_jax import files
 from mecefo_jax.records import history
 from mecefo_jax.records.history import HISTORY, HistoryLine, Kind
@@ -29,7 +29,7 @@ def _explains(fault: Injected, line: HistoryLine) -> bool:
     # Process 0's record of a stop another process's watch asked for first: AGREED_STOP.
     return (fault.kind == 'stop_supervisor' and ('supervisor' in why or why == AGREED_STOP) or
             fault.kind in ('ctrl_c', 'end') and 'SIGINT' in why or
-            fault.kind in ('kill', 'stop_worker') and 'grow-back' in why)
+            fault.kind in TAKE_A_HOST and 'grow-back' in why)
   return kind in EXPECTED.get(fault.kind, ()) or kind in ALSO.get(fault.kind, set())
 
 
@@ -136,11 +136,18 @@ def leftovers(pids: set[int], marker: str, shm: Path, hosts: int) -> list[str]:
       continue
     if marker in cmd and int(proc.name) != os.getpid() and int(proc.name) not in pids:
       out.append(f'process {proc.name} alive: {cmd[:120]}')
-  parts = [p for p in shm.glob('*/host*') if p.is_dir()]
+  parts = [p for p in shm.rglob('host*') if p.is_dir()]  # (on Ray: under each node's directory)
   out += [f'tmpfs part {p} of no host of the job' for p in parts
           if int(p.name.removeprefix('host')) >= hosts]
   out += [f'unfinished save {p}' for p in shm.rglob('*.orbax-checkpoint-tmp*')]
   return out
+
+
+def ray_leftovers(cluster, raylets: list) -> list[str]:
+  """After the cluster's shutdown: an actor's mark left in a node's TMPDIR, a Ray process of
+  the cluster (`raylets`: ray's node process records, taken before) still running."""
+  out = [f'actor mark {p} left' for d in cluster.tmps.values() if d.exists() for p in d.iterdir()]
+  return out + [f'Ray process {p.process.pid} alive' for p in raylets if p.process.poll() is None]
 
 
 def alive(pid: int) -> bool:

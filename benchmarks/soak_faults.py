@@ -13,6 +13,7 @@ from pathlib import Path
 from mecefo_jax.records.history import Kind
 
 KINDS = ('kill', 'stop_worker', 'stop_supervisor', 'full_tmpfs', 'ctrl_c', 'divergence')
+RAY_KINDS = (*KINDS, 'lost_node')  # --backend ray: a node of the cluster goes too
 # The history kinds a fault leaves; any of these that no injected fault explains disagrees.
 FAULT_KINDS = {Kind.LAUNCH_DEATH, Kind.LAUNCH_STALL, Kind.LAUNCH_PEER_LOST, Kind.LAUNCH_TAKE_BACK,
                Kind.LAUNCH_GIVE_UP, Kind.LAUNCH_STUCK, Kind.LAUNCH_ACTOR_LOST, Kind.DIVERGED,
@@ -20,9 +21,13 @@ FAULT_KINDS = {Kind.LAUNCH_DEATH, Kind.LAUNCH_STALL, Kind.LAUNCH_PEER_LOST, Kind
 EXPECTED = {'kill': (Kind.LAUNCH_DEATH,), 'stop_worker': (Kind.LAUNCH_STALL,),
             'stop_supervisor': (Kind.STOP, Kind.LAUNCH_TAKE_BACK),
             'full_tmpfs': (Kind.SNAPSHOT_SKIPPED,), 'ctrl_c': (Kind.STOP,),
-            'divergence': (Kind.DIVERGED, Kind.ROLLED_BACK)}
+            'divergence': (Kind.DIVERGED, Kind.ROLLED_BACK),
+            'lost_node': (Kind.LAUNCH_ACTOR_LOST, Kind.LAUNCH_DEATH)}
 # Besides what EXPECTED names, what each fault may leave (a stop of the job it asks for).
-ALSO = {'kill': {Kind.LAUNCH_PEER_LOST}, 'stop_worker': {Kind.LAUNCH_PEER_LOST}}
+ALSO = {'kill': {Kind.LAUNCH_PEER_LOST}, 'stop_worker': {Kind.LAUNCH_PEER_LOST},
+        'lost_node': {Kind.LAUNCH_PEER_LOST}}
+# The faults that take one host out of the job, which grows back with it later.
+TAKE_A_HOST = ('kill', 'stop_worker', 'lost_node')
 HOLD_S = 8.0  # how long a full tmpfs stays full
 FREE_LEFT = 16 * 4096  # what a full tmpfs has left: less than any snapshot's part
 IN_PLACE = {'full_tmpfs'}  # the faults after which the job trains on without a restart
@@ -142,8 +147,21 @@ def divergence(soak, host: int) -> Injected:
   return fault
 
 
+def lost_node(soak, host: int) -> Injected:
+  """--backend ray: the node of `host` removed from the cluster (its raylet, its actor, its
+  trainer and its snapshot part with it) and a fresh node added: the job goes on without the
+  host, which rejoins on the spare node."""
+  from benchmarks import ray_cluster  # Ray's: imported by a Ray soak only
+  node = [e for e in soak.job.events() if e['kind'] == 'place'][-1]['nodes'][str(host)]
+  fault = Injected('lost_node', time.time(), soak.job.last_step(), host)
+  ray_cluster.remove_node(soak.cluster, node)
+  fault.note = f'node {node[:8]} removed, node {ray_cluster.add_node(soak.cluster)[:8]} added'
+  return fault
+
+
 INJECT = {'kill': kill, 'stop_worker': stop_worker, 'stop_supervisor': stop_supervisor,
-          'full_tmpfs': full_tmpfs, 'ctrl_c': ctrl_c, 'divergence': divergence}
+          'full_tmpfs': full_tmpfs, 'ctrl_c': ctrl_c, 'divergence': divergence,
+          'lost_node': lost_node}
 
 
 def mount_tmpfs(path: Path, mib: int) -> str | None:

@@ -11,7 +11,9 @@ death or a stall the job restarts without that host, as the local supervisor's d
 rejoins (after --rejoin-after) once its node is alive, or a spare node Ray provides (one with
 the resources and no host of the job) takes its place. A driver killed or stopped: the actors
 are detached and hold a lease that every look renews; past --stopped-s the job stops at an
-agreed step (snapshotted) and the actors leave (ray_host.py). With --slice-hosts K (TPU VMs),
+agreed step (snapshotted) and the actors leave (ray_host.py); a driver that runs again finds
+them gone after that stop, which is no death: it takes the job back from the stopped step, as
+the local supervisor does. With --slice-hosts K (TPU VMs),
 hosts K*u .. K*u+K-1 run on the K nodes of one TPU slice (Ray's slice-name label), in its
 worker order: a death of one of them takes its whole slice out of the job, which rejoins once
 that slice (or a spare one) is whole and alive; --megascale numbers the job's slices for
@@ -38,8 +40,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from mecefo_jax.config import ConfigError
 from mecefo_jax.job_rules import megascale_env, tpu_slice
 from mecefo_jax.ray_host import NODE_SNAPSHOT_DIR_ENV, Host
+from mecefo_jax.records import history
 from mecefo_jax.records.history import Kind
-from mecefo_jax.records.job import HostLook
+from mecefo_jax.records.job import STOPPED, HostLook
 from mecefo_jax.records.progress_marks import ProgressMark
 from mecefo_jax.supervisor import Supervisor
 
@@ -209,6 +212,7 @@ class RayDriver(Supervisor):
     self.actors: dict[int, object] = {}
     self.coordinator: str | None = None
     self._nodes, self._nodes_at = [], -_NODES_S
+    self.job_started_t = time.time()  # the job started last (history.jsonl's clock)
     if self.watch:
       self.watch.reader = _Seen(self)
 
@@ -224,6 +228,7 @@ class RayDriver(Supervisor):
   def _port(self) -> int:
     """The job's actors, one per host on its node; the coordinator on worker 0's node."""
     self._release()
+    self.job_started_t = time.time()
     options = dict(max_restarts=0, lifetime='detached', num_cpus=self.need.get('CPU', 0),
                    num_gpus=self.need.get('GPU', 0),
                    resources={k: v for k, v in self.need.items() if k not in ('CPU', 'GPU')})
@@ -272,13 +277,28 @@ class RayDriver(Supervisor):
     live = {h: p for h, p in self.procs.items() if p.returncode is None}
     refs = {h: p.actor.look.remote() for h, p in live.items()}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=_LOOK_S)
+    stopped_itself = None  # whether the job stopped itself while this driver was stopped
     for h, ref in refs.items():
       if ref in ready:
         live[h].answer(ref)
-        if live[h].lost:
+        if live[h].lost and stopped_itself is None:
+          stopped_itself = self._stopped_at_lease()
+        if live[h].lost and stopped_itself:
+          # Its lease ran out: its trainer stopped at the job's agreed step, then it left.
+          live[h].returncode, live[h].lost = STOPPED, None
+        elif live[h].lost:
           self.say(Kind.LAUNCH_ACTOR_LOST,
                    f'host {h}\'s actor is gone ({live[h].lost}): its trainer died with it',
                    host=h, why=live[h].lost)
+
+  def _stopped_at_lease(self) -> bool:
+    """This driver was stopped past --stopped-s (a gap in its looks) and the job it started
+    last has stopped itself since (history.jsonl's stop, written once every process agreed on
+    the step): its actors left when their leases ran out (ray_host.py), no host died."""
+    if not (self.away or time.monotonic() - self.looked_at > self.args.stopped_s):
+      return False
+    stops = [line for line in history.read(self.args.out, warn=False) if line.kind is Kind.STOP]
+    return bool(stops) and stops[-1].t >= self.job_started_t
 
   def words(self, host: int) -> str:
     return self.procs[host].seen.words or ''  # its actor's, with the exit code

@@ -21,6 +21,8 @@ from benchmarks.ray_cluster import local_cluster, remove_node
 from deploy import pod_controller as pc
 from mecefo_jax import job_rules, launch, ray_driver, ray_host
 from mecefo_jax.config import ConfigError
+from mecefo_jax.records import history
+from mecefo_jax.records.history import Kind
 from mecefo_jax.records.job import BAD_INPUT, PEER_LOST, STOPPED, process_state
 from mecefo_jax.run import cli, rundir
 from mecefo_jax.supervisor import free_port
@@ -119,6 +121,65 @@ def test_a_job_of_one_tpu_slice_waits_for_it_whole(monkeypatch, tmp_path):
   (run / RUN_STATE).write_text('{}')
   driver._without(0)
   assert restarts == [[0, 1]] and driver.rejoins == 2 and driver.ready_at == {}
+
+
+class _LeftActor:
+  """An actor that is gone: every look at it raises Ray's error (fake_ray's ray.get)."""
+  class look:
+    @staticmethod
+    def remote():
+      return 'a look'
+
+
+def _left(monkeypatch, tmp_path, away: bool, stopped_since_start: bool):
+  """A 2-host driver whose actors are both gone at its next look; (driver, restarts)."""
+  import ray
+  from ray.exceptions import RayError
+  monkeypatch.setattr(ray, 'nodes', lambda: [_node(0), _node(1)])
+  monkeypatch.setattr(ray, 'wait', lambda refs, **_: (refs, []))
+  monkeypatch.setattr(ray, 'get', lambda ref, **_: (_ for _ in ()).throw(
+      RayError('The actor died unexpectedly before finishing this task.')))
+  run = tmp_path / 'run'
+  driver = ray_driver.RayDriver(launch.parse_args(
+      ['-n', '2', '--backend', 'ray', '--stopped-s', '5', '--', '--out', str(run)]))
+  run.mkdir()
+  (run / RUN_STATE).write_text('{}')
+  history.append(run, Kind.STOP, step=7, why='a stop agreed by the job')
+  # This job started before that stop, or after it (the stop: an earlier job's); history's
+  # clock is rounded to ms.
+  driver.job_started_t = time.time() + (-1 if stopped_since_start else 1)
+  driver.procs = {h: ray_driver.RayProcess(_LeftActor, None) for h in (0, 1)}
+  for proc in driver.procs.values():
+    proc._pid = 1234
+  driver.looked_at = time.monotonic() - (60 if away else 0)  # a gap in its looks: stopped
+  restarts = []
+  monkeypatch.setattr(driver, '_restart', lambda: restarts.append(list(driver.hosts)))
+  return driver, restarts
+
+
+def test_actors_gone_at_their_lease_are_the_jobs_stop_taken_back_not_deaths(monkeypatch,
+                                                                            tmp_path):
+  """A driver stopped past --stopped-s: the job stops itself at an agreed step and each actor
+  leaves once its lease ran out (ray_host.py). Running again, the driver finds them gone: a stop
+  that it takes back from that step, as the local supervisor does, not a death of each host
+  (seen in the Ray soak: a death, a restart without the host, then its grow-back)."""
+  driver, restarts = _left(monkeypatch, tmp_path, away=True, stopped_since_start=True)
+  driver._watch()
+  assert [p.returncode for p in driver.procs.values()] == [STOPPED, STOPPED]
+  kinds = [line.kind for line in history.read(driver.args.out)]
+  assert Kind.LAUNCH_TAKE_BACK in kinds and Kind.LAUNCH_ACTOR_LOST not in kinds, kinds
+  assert restarts == [[0, 1]] and driver.deaths == 0
+
+
+@pytest.mark.parametrize('away, stopped_since_start', [(False, True), (True, False)])
+def test_actors_gone_otherwise_are_deaths(monkeypatch, tmp_path, away, stopped_since_start):
+  """Not stopped (no gap in the driver's looks), or no stop of this job on record: an actor
+  gone is its host's death."""
+  driver, restarts = _left(monkeypatch, tmp_path, away, stopped_since_start)
+  driver._look()
+  assert [p.returncode for p in driver.procs.values()] == [-signal.SIGKILL] * 2
+  kinds = [line.kind for line in history.read(driver.args.out)]
+  assert kinds.count(Kind.LAUNCH_ACTOR_LOST) == 2, kinds
 
 
 def test_the_kuberay_recipe_runs_the_driver_with_flags_it_accepts():
