@@ -94,7 +94,8 @@ def _soak(d: dict) -> str:
   recovery = ', '.join(f"{k} {r['median']:.1f}/{r['max']:.1f}" for k, r in d['recovery_s'].items())
   restarts = d['programs_per_restart']
   compiled = sum(r['compiled'] for r in restarts)
-  return (f"{d['processes']} processes, {length} beside {d['busy']} busy cores, seed "
+  on = ' on a Ray cluster of this machine' if d.get('backend') == 'ray' else ''
+  return (f"{d['processes']} processes{on}, {length} beside {d['busy']} busy cores, seed "
           f"{d['seed']}: {sum(d['faults'].values())} faults ("
           + ', '.join(f'{k} {n}' for k, n in d['faults'].items()) + f"); recovery median/max (s): "
           f"{recovery}; {compiled} programs compiled at {len(restarts)} restarts after a failure "
