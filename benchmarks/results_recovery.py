@@ -103,3 +103,14 @@ def _soak(d: dict) -> str:
           f"to the replay: {'yes' if d['sha_equal'] else 'no'}, leftovers {len(d['leftovers'])}; "
           f"RSS {mib(g0['rss_bytes'])} -> {mib(g1['rss_bytes'])} MiB, tmpfs "
           f"{mib(g0['shm_bytes'])} -> {mib(g1['shm_bytes'])} MiB, {d['steps']} steps")
+
+
+def _job_cpu(d: dict) -> str:
+  """Each tree's median CPU and wall seconds of one supervised job, against the first tree's."""
+  trees = d['trees']
+  return (f"a {d['processes']}-process job of {d['steps']} steps, warm program store, "
+          f"{len(next(iter(d['runs'].values())))} runs per tree, alternately: " + '; '.join(
+              f"`{t['commit']}` {t['cpu_s']:.1f} CPU s, {t['wall_s']:.1f} s wall"
+              + ('' if i == 0 else f" ({t['cpu_vs_first']:.3f}x CPU, {t['wall_vs_first']:.3f}x wall)")
+              for i, t in enumerate(trees)) +
+          f"; load {d['load_before'][0]:.1f} before, {d['load_after'][0]:.1f} after")
