@@ -2,11 +2,12 @@
 
 Run: python -m benchmarks.soak --minutes M | --rounds N [--backend local|ray] [--seed S]
     [--processes 3] [--busy 2] [--gap-s 5:20] [--rejoin-after 10] [--kinds kill,stop_worker,...]
-    [--keep DIR] [--json OUT] [overrides...]
+    [--program-store DIR] [--keep DIR] [--json OUT] [overrides...]
 
 One job (`python -m mecefo_jax.launch -n P --devices-per-process 1 --rejoin-after R
 --stopped-s 5 -- mesh.slice=P mesh.ordered_reduce=true snapshot.every=1 train.log_every=1
-train.eval_every=0`, --config tiny, overrides appended) in a fresh HOME, its in-memory snapshots
+train.eval_every=0`, --config tiny, overrides appended) in a fresh HOME (an empty program store,
+unless --program-store names one: the suite's, for its short test), its in-memory snapshots
 on a tmpfs of its own (mounted here where this process may: a full one is then made without
 touching /dev/shm), beside --busy processes that keep a core busy each (`yes`). Every --gap-s
 seconds of training (seeded) one fault, each kind once in every round of the kinds in a seeded
@@ -82,6 +83,8 @@ def _args(argv):
   p.add_argument('--kinds', default=None, help=f'the faults injected (default: {",".join(KINDS)}; '
                  f'ray: {",".join(RAY_KINDS)})')
   p.add_argument('--tmpfs-mib', type=int, default=256, help="the snapshots' tmpfs")
+  p.add_argument('--program-store', default='', help="the job's and the replay's compilation "
+                 "cache directory (its programs/: step/program_store.py); default: an empty one")
   p.add_argument('--keep', default=None, help='the soak directory (kept); default: a temporary '
                  'one, removed unless a check failed')
   return p.parse_intermixed_args(argv)
@@ -117,11 +120,19 @@ class Soak:
             'train.eval_every=0', 'train.plot=false', *self.args.overrides]
 
   def env(self) -> dict:
-    """The job's and its replay's environment: an empty program store (a HOME of its own), the
-    caller's XLA flags (the suite's compile faster; the job and the replay share them)."""
+    """The job's and its replay's environment: an empty program store (a HOME of its own) or
+    --program-store's, the caller's XLA flags (the suite's compile faster; the job and the
+    replay share them)."""
     env = {k: v for k, v in os.environ.items() if k != 'JAX_COMPILATION_CACHE_DIR'}
     return {**env, 'HOME': str(self.home), 'PYTHONUNBUFFERED': '1',
-            TEST_POISON_ENV: str(self.poison)}
+            TEST_POISON_ENV: str(self.poison), **self.store_env()}
+
+  def store_env(self) -> dict:
+    return {'JAX_COMPILATION_CACHE_DIR': self.args.program_store} if self.args.program_store else {}
+
+  def store(self) -> Path:
+    """Where the job's programs go (growth counts its bytes)."""
+    return Path(self.args.program_store or self.home / '.cache' / 'mecefo-jax')
 
   def launch(self) -> None:
     """The job's command, started (again: it resumes the run)."""
@@ -255,12 +266,13 @@ def soak(args, root: Path) -> dict:
       from benchmarks import ray_cluster  # Ray's: imported by a Ray soak only
       # The trainers' HOME (their program store) is their node's: the soak's, as the job's.
       s.cluster = stack.enter_context(ray_cluster.local_cluster(
-          args.processes, root, env={'HOME': str(s.home), 'JAX_COMPILATION_CACHE_DIR': ''},
+          args.processes, root,
+          env={'HOME': str(s.home), 'JAX_COMPILATION_CACHE_DIR': '', **s.store_env()},
           shm_root=s.shm))
     try:
       s.launch()
       s.wait_for(lambda: s.whole_and_training(0.0), 'the first steps')
-      store = s.home / '.cache' / 'mecefo-jax'
+      store = s.store()
       grown = {'start': soak_checks.growth([s.job.proc.pid, *s.pids], s.shm, store, s.run)}
       s.inject_all(random.Random(args.seed))
       last = [e for e in s.job.events() if e['kind'] == 'start'][-1]
