@@ -368,8 +368,12 @@ class Supervisor:
     return self._restart()
 
   def _lost_peer(self, exited: dict) -> int | None:
-    """Processes left with PEER_LOST: their peer's death shows next (waited for, bounded); if
-    none does, no process can be singled out and the whole job restarts from its snapshot."""
+    """Processes left with PEER_LOST: a peer stopped (SIGSTOP) is the stall it is; else their
+    peer's death shows next (waited for, bounded); if none does, no process can be singled out
+    and the whole job restarts from its snapshot."""
+    stopped = self.watch.stopped_peer(exited) if self.watch else None
+    if stopped is not None:
+      return self._stall(stopped)
     self.settle_since = self.settle_since or time.monotonic()
     if time.monotonic() - self.settle_since <= _PEER_WAIT_S:
       return None

@@ -29,6 +29,7 @@ import os
 import signal
 import subprocess
 import time
+from typing import Container
 from pathlib import Path
 
 from mecefo_jax.records.job import cpu_seconds, process_state
@@ -234,6 +235,17 @@ class StallWatch:
     if mark.step < 0 and mark.phase == 'compiling':
       return 'compiling/start-up'
     return mark.key
+
+  def stopped_peer(self, exited: Container[int], now: float | None = None) -> Stall | None:
+    """The stall of a host still running whose process is stopped (SIGSTOP) while others have
+    exited for a lost peer: it is the peer they lost, before its deadline (a fresh job's
+    phases are not measured yet: theirs can outlast the collectives' timeout); else None."""
+    host, why, stopped = self.first_stopped()
+    if host is None or host in exited or host not in stopped:
+      return None
+    waited = (time.monotonic() if now is None else now) - self.changed_at
+    return Stall(host, why, {h: self.marks.get(h) for h in self.pids}, stopped, waited, waited,
+                 'its peers lost it')
 
   def first_stopped(self) -> tuple[int | None, str, tuple[int, ...]]:
     """(The host that stopped first, why that one, the hosts whose process is stopped): a

@@ -79,6 +79,47 @@ def _job(tmp_path, hosts=3) -> tuple[watch.StallWatch, list[Marks]]:
   return sw, [Marks(mark_path(tmp_path, h)) for h in range(hosts)]
 
 
+class _States:
+  """A reader of a job whose host 1's process is stopped (SIGSTOP) and which wrote no marks."""
+  stopped = {1}
+
+  def mark(self, host, pid):
+    return None
+
+  def state(self, host, pid):
+    return 'T' if host in self.stopped else 'S'
+
+  def cpu_seconds(self, host, pid):
+    return None
+
+
+def test_a_stopped_process_that_its_peers_lost_is_their_stall_before_its_deadline(
+    tmp_path, monkeypatch):
+  """Seen in the Ray soak: a worker SIGSTOPped just after a fresh start, whose deadlines were
+  still the unmeasured ones; its peers' collectives timed out first (PEER_LOST), and the
+  supervisor waited for a death that never came, then restarted the whole job, recording no
+  stall. The stopped process is the peer they lost: a stall of it, at once."""
+  from mecefo_jax import launch
+  from mecefo_jax.records.job import PEER_LOST
+  from mecefo_jax.supervisor import Supervisor
+  sw = watch.StallWatch(tmp_path, reader=_States())
+  sw.start({0: 100, 1: 101, 2: 102})
+  assert sw.deadline()[0] >= watch.START_FLOOR_S  # far off: nothing measured yet
+  stall = sw.stopped_peer({0: PEER_LOST, 2: PEER_LOST})
+  assert stall.host == 1 and stall.stopped == (1,) and stall.deadline_from == 'its peers lost it'
+  assert 'host 1 stopped first' in stall.line() and 'SIGSTOP' in stall.line()
+  assert sw.stopped_peer({1: PEER_LOST}) is None  # the stopped one has left: not it
+  _States.stopped = set()
+  assert sw.stopped_peer({0: PEER_LOST}) is None  # none stopped: their peer's death is awaited
+  _States.stopped = {1}
+  sup = Supervisor(launch.parse_args(['-n', '3', '--', '--out', str(tmp_path / 'run')]))
+  sup.watch = sw
+  stalls = []
+  monkeypatch.setattr(sup, '_stall', stalls.append)
+  sup._lost_peer({0: PEER_LOST, 2: PEER_LOST})
+  assert [s.host for s in stalls] == [1]
+
+
 def test_the_process_behind_the_others_is_named_after_the_deadline(tmp_path):
   sw, marks = _job(tmp_path)
   for step in range(6):
