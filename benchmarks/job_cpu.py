@@ -82,7 +82,8 @@ def main(argv=None) -> dict:
             for t, rs in runs.items()}
   base = median[str(trees[0])]
   rows = [{'tree': t, 'commit': _commit(Path(t)), 'wall_s': m['wall_s'], 'cpu_s': m['cpu_s'],
-           'cpu_vs_first': m['cpu_s'] / base['cpu_s'], 'wall_vs_first': m['wall_s'] / base['wall_s']}
+           'cpu_vs_first': m['cpu_s'] / base['cpu_s'],
+           'wall_vs_first': m['wall_s'] / base['wall_s']}
           for t, m in median.items()]
   result = {**info, 'processes': args.processes, 'steps': args.steps, 'overrides': args.overrides,
             'load_before': load_before, 'load_after': os.getloadavg(), 'runs': runs, 'trees': rows}

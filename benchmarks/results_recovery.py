@@ -111,6 +111,7 @@ def _job_cpu(d: dict) -> str:
   return (f"a {d['processes']}-process job of {d['steps']} steps, warm program store, "
           f"{len(next(iter(d['runs'].values())))} runs per tree, alternately: " + '; '.join(
               f"`{t['commit']}` {t['cpu_s']:.1f} CPU s, {t['wall_s']:.1f} s wall"
-              + ('' if i == 0 else f" ({t['cpu_vs_first']:.3f}x CPU, {t['wall_vs_first']:.3f}x wall)")
+              + ('' if i == 0 else
+                 f" ({t['cpu_vs_first']:.3f}x CPU, {t['wall_vs_first']:.3f}x wall)")
               for i, t in enumerate(trees)) +
           f"; load {d['load_before'][0]:.1f} before, {d['load_after'][0]:.1f} after")

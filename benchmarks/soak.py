@@ -112,9 +112,10 @@ class Soak:
   def command(self) -> list[str]:
     n = self.args.processes
     ray = ['--backend', 'ray', '--address', self.cluster.address] if self.cluster else []
-    return [sys.executable, '-m', 'mecefo_jax.launch', *ray, '-n', str(n), '--devices-per-process',
-            '1', '--rejoin-after', str(self.args.rejoin_after), '--stopped-s', str(STOPPED_S),
-            '--events', str(self.events), '--', '--config', self.args.config, '--out', str(self.run),
+    return [sys.executable, '-m', 'mecefo_jax.launch', *ray, '-n', str(n),
+            '--devices-per-process', '1', '--rejoin-after', str(self.args.rejoin_after),
+            '--stopped-s', str(STOPPED_S), '--events', str(self.events), '--',
+            '--config', self.args.config, '--out', str(self.run),
             f'snapshot.dir={self.shm}', f'mesh.slice={n}', 'mesh.ordered_reduce=true',
             'train.steps=100000000', 'snapshot.every=1', 'train.log_every=1',
             'train.eval_every=0', 'train.plot=false', *self.args.overrides]

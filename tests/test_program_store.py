@@ -166,7 +166,8 @@ def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeyp
   assert _recipe(load_config(None, [*TINY, 'optimizer.lr=0.5'])) != base
   assert _recipe(load_config(None, [*TINY, 'train.steps=7'])) != base  # the schedule's length
   assert _recipe(CFG, ('eval', 4, None)) != base
-  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
+  flags = os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true'
+  monkeypatch.setenv('XLA_FLAGS', flags)
   assert _recipe(CFG) != base
 
 
