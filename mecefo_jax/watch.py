@@ -29,8 +29,8 @@ import os
 import signal
 import subprocess
 import time
-from typing import Container
 from pathlib import Path
+from typing import Container
 
 from mecefo_jax.records.job import cpu_seconds, process_state
 from mecefo_jax.records.progress_marks import ProgressMark, mark_path, read_mark
@@ -236,14 +236,14 @@ class StallWatch:
       return 'compiling/start-up'
     return mark.key
 
-  def stopped_peer(self, exited: Container[int], now: float | None = None) -> Stall | None:
+  def stopped_peer(self, exited: Container[int]) -> Stall | None:
     """The stall of a host still running whose process is stopped (SIGSTOP) while others have
     exited for a lost peer: it is the peer they lost, before its deadline (a fresh job's
     phases are not measured yet: theirs can outlast the collectives' timeout); else None."""
     host, why, stopped = self.first_stopped()
     if host is None or host in exited or host not in stopped:
       return None
-    waited = (time.monotonic() if now is None else now) - self.changed_at
+    waited = time.monotonic() - self.changed_at
     return Stall(host, why, {h: self.marks.get(h) for h in self.pids}, stopped, waited, waited,
                  'its peers lost it')
 

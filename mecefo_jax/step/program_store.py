@@ -90,12 +90,9 @@ def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None, model: st
   result trees (empty containers leave no trace in the module, yet a call checks them), the
   jax/jaxlib versions, the backend and the XLA flags; `devices` (their ids) where the program
   cannot be moved between device sets."""
-  backend = jax.extend.backend.get_backend()
   h = hashlib.sha256()
   for part in (model, lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree), str(FORMAT),
-               jax.__version__, jaxlib.__version__,
-               backend.platform, backend.platform_version, os.environ.get('XLA_FLAGS', ''),
-               os.environ.get('LIBTPU_INIT_ARGS', ''),
+               jax.__version__, jaxlib.__version__, *_compile_environment(),
                'any' if devices is None else ','.join(str(d.id) for d in devices)):
     h.update(part.encode())
     h.update(b'\0')
@@ -121,10 +118,8 @@ def recipe(cfg, program: tuple, mesh_shape: dict) -> str:
       settings.pop(section)
     else:
       settings[section] = {k: v for k, v in settings[section].items() if k not in fields}
-  backend = jax.extend.backend.get_backend()
   parts = (str(FORMAT), repr(settings), repr(program), repr(sorted(mesh_shape.items())),
-           code_identity(cfg.model.kind), backend.platform, backend.platform_version,
-           os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', ''))
+           code_identity(cfg.model.kind), *_compile_environment())
   return hashlib.sha256('\0'.join(parts).encode()).hexdigest()
 
 
@@ -145,6 +140,14 @@ def code_identity(model_kind: str) -> str:
   for name in ('jax', 'jaxlib', 'flax', 'optax'):
     h.update(f'{name} {getattr(importlib.import_module(name), "__version__", "")}'.encode())
   return h.hexdigest()
+
+
+def _compile_environment() -> tuple[str, ...]:
+  """What shapes a compile besides its program: the backend and its version, the XLA and
+  libtpu flags."""
+  backend = jax.extend.backend.get_backend()
+  return (backend.platform, backend.platform_version,
+          os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', ''))
 
 
 # XLA's per-fusion autotune results (GPU GEMM and fusion configs) kept across compiles; jax
