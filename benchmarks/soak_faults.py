@@ -28,7 +28,9 @@ ALSO = {'kill': {Kind.LAUNCH_PEER_LOST}, 'stop_worker': {Kind.LAUNCH_PEER_LOST},
         'lost_node': {Kind.LAUNCH_PEER_LOST}}
 # The faults that take one host out of the job, which grows back with it later.
 TAKE_A_HOST = ('kill', 'stop_worker', 'lost_node')
-HOLD_S = 8.0  # how long a full tmpfs stays full
+HOLD_S = (2.0, 8.0)  # a full tmpfs stays full this long at least, and at most (a skip seen)
+AHEAD = 8  # steps from the last logged one to the one made diverged (every process reads
+           # it before reaching that step: they run at most a step ahead of the log)
 FREE_LEFT = 16 * 4096  # what a full tmpfs has left: less than any snapshot's part
 IN_PLACE = {'full_tmpfs'}  # the faults after which the job trains on without a restart
 
@@ -82,18 +84,20 @@ def stop_supervisor(soak, host: int) -> Injected:
 
 
 def full_tmpfs(soak, host: int) -> Injected:
-  """The snapshots' tmpfs filled for HOLD_S seconds, then emptied: snapshots are skipped while it
-  is full, training goes on."""
+  """The snapshots' tmpfs filled until a snapshot is skipped (HOLD_S: at least, at most), then
+  emptied: snapshots are skipped while it is full, training goes on."""
   fault = Injected('full_tmpfs', time.time(), soak.job.last_step())
   if not soak.mounted:
     fault.note = soak.mount_note
     return fault
   filler = soak.shm / 'filler'
   fault.note = f'{_fill(filler) >> 20} MiB filled, {shutil.disk_usage(soak.shm).free} bytes left'
-  until = time.time() + HOLD_S
+  least, most = (fault.t + s for s in HOLD_S)
   # Kept full while held: a save that replaces an older snapshot frees the older one's pages
   # (a tiny model's snapshot fits in what one such free leaves: seen under load, no skip).
-  soak.wait_for(lambda: _fill(filler) < 0 or time.time() > until, 'the full tmpfs held')
+  soak.wait_for(lambda: _fill(filler) < 0 or time.time() > most or (
+      time.time() > least and soak.history_since(fault.t, Kind.SNAPSHOT_SKIPPED)),
+      'the full tmpfs held')
   filler.unlink()
   # Its record: a skip shows once the next save waits for the failed one (a step later).
   soak.wait_for(lambda: soak.history_since(fault.t, Kind.SNAPSHOT_SKIPPED), 'the skips recorded')
@@ -131,7 +135,7 @@ def divergence(soak, host: int) -> Injected:
   """A step some way ahead made to read as diverged (run/hooks.TEST_POISON_ENV): the job stops
   without saving it; the poison gone, the same command resumes from a snapshot before it and
   trains it again."""
-  at = soak.job.last_step() + 20
+  at = soak.job.last_step() + AHEAD
   tmp = soak.poison.with_suffix('.tmp')
   tmp.write_text(str(at))
   os.replace(tmp, soak.poison)

@@ -104,6 +104,7 @@ def parse_args(argv=None):
   # What Supervisor reads: the job's size, no local devices, and no timed replacement.
   args.num_processes, args.rejoin_after, args.argv = len(args.hosts), None, []
   args.stopped_s = STOPPED_S  # the remote processes watch their ssh parent instead
+  args.spawn = 'exec'  # each process is an ssh command, started anew
   return args
 
 

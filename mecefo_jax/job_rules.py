@@ -9,6 +9,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from mecefo_jax import spawn
 from mecefo_jax.config import ConfigError
 from mecefo_jax.records import history, run_state
 from mecefo_jax.records.history import Kind
@@ -65,12 +66,13 @@ def failed_in_start_up(exited: dict[int, int], first: int, local: bool) -> list[
                  c not in JOB_EXITS and c not in SURVIVOR_EXITS), key=lambda h: h != first)
 
 
-def spawn_logged(cmd: list[str], env: dict, log: Path, echo: bool,
+def spawn_logged(cmd: list[str], env: dict, log: Path, echo: bool, fork: bool = False,
                  **popen) -> tuple[subprocess.Popen, subprocess.Popen | None]:
   """Starts `cmd` with its output appended to `log`; the process and its tee. With `echo` its
   stderr goes to this process's stderr too (its stdout inherited), through a `tee` of its own,
   which outlives an abort of the process, so that its last words reach the file too (`-i`: a
-  Ctrl-C to the terminal's group leaves it copying the job's own stop lines)."""
+  Ctrl-C to the terminal's group leaves it copying the job's own stop lines). `fork`: a worker
+  is forked from this process where it can be (spawn.py: its imports paid once)."""
   log.parent.mkdir(parents=True, exist_ok=True)
   fd, tee = None, None  # echo without a tee: on the terminal only, no last words read for it
   if not echo:
@@ -81,6 +83,8 @@ def spawn_logged(cmd: list[str], env: dict, log: Path, echo: bool,
     os.close(read)
   streams = dict(stderr=fd) if echo else dict(stdout=fd, stderr=subprocess.STDOUT)
   try:
+    if fork and set(popen) <= {'pass_fds'} and spawn.forkable(cmd, env):
+      return spawn.fork(cmd, env, **streams, **popen), tee
     return subprocess.Popen(cmd, env=env, **streams, **popen), tee
   finally:
     if fd is not None:
@@ -130,8 +134,8 @@ class Outputs:
     self.sizes = {h: self.log(h).stat().st_size if self.log(h).exists() else 0 for h in hosts}
     self.read, self.peer_aborted = set(), set()
 
-  def spawn(self, host: int, cmd: list[str], env: dict, echo: bool, **popen):
-    proc, tee = spawn_logged(cmd, env, self.log(host), echo, **popen)
+  def spawn(self, host: int, cmd: list[str], env: dict, echo: bool, fork: bool, **popen):
+    proc, tee = spawn_logged(cmd, env, self.log(host), echo, fork, **popen)
     if tee is not None:
       self.tees[host] = tee
     return proc

@@ -3,16 +3,17 @@
   mecefo-launch -n N [--devices-per-process K] [--rejoin-after S] -- <mecefo-train args>
   (= python -m mecefo_jax.launch ...; its help and errors name the one typed)
 
-Starts N training processes (`python -m mecefo_jax` of this very package, installed or not) (logical hosts 0..N-1) with a local coordinator. When one dies
-(SIGKILL, a crash, the OOM killer), the survivors are stopped at once and restarted as a job of
-the survivors that resumes the same run: each keeps its logical host (`--host-slot`) and so its
-in-memory snapshot part, the dead host's part is rebuilt from parity, and its slices are taken
-over by faults.takeover (docs/tpu.md). With --rejoin-after S, a replacement for the dead host is
-ready S seconds after the death (standing in for the repair); the job is then stopped at an
-agreed step (SIGTERM) and restarted with it. A job whose processes stop making progress (their
-progress marks, mecefo_jax/watch.py) is stopped as after the death of the one that stopped
-first (--stall-s). With --backend ray the processes run on the nodes of a running Ray cluster,
-one host per node, under the same rules (mecefo_jax/ray_driver.py). Exit code: the job's.
+Starts N training processes (`python -m mecefo_jax` of this very package, installed or not, forked
+from the supervisor: mecefo_jax/spawn.py) (logical hosts 0..N-1) with a local coordinator. When one
+dies (SIGKILL, a crash, the OOM killer), the survivors are stopped at once and restarted as a job
+of the survivors that resumes the same run: each keeps its logical host (`--host-slot`) and so its
+in-memory snapshot part, the dead host's part is rebuilt from parity, and its slices are taken over
+by faults.takeover (docs/tpu.md). With --rejoin-after S, a replacement for the dead host is ready S
+seconds after the death (standing in for the repair); the job is then stopped at an agreed step
+(SIGTERM) and restarted with it. A job whose processes stop making progress (their progress marks,
+mecefo_jax/watch.py) is stopped as after the death of the one that stopped first (--stall-s). With
+--backend ray the processes run on the nodes of a running Ray cluster, one host per node, under the
+same rules (mecefo_jax/ray_driver.py). Exit code: the job's.
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help='the processes stop the job (snapshotted) once this supervisor has been '
                       'stopped (SIGSTOP, Ctrl-Z) this long; it restarts the job when it runs again '
                       f'(default {STOPPED_S:g})')
+  p.add_argument('--spawn', choices=('fork', 'exec'), default='fork',
+                 help='--backend local: each process forked from this supervisor, which imports '
+                      'their modules once (a restart pays no imports), or a fresh interpreter '
+                      '(mecefo_jax/spawn.py; default fork)')
   p.add_argument('--backend', choices=('local', 'ray'), default='local',
                  help='where the processes run: this machine, or the nodes of a running Ray '
                       'cluster, one host per node (pip install "ray>=2.60,<3")')

@@ -126,7 +126,8 @@ class Supervisor:
                                           self.args.stopped_s).to_env()}
     # Every process logs the same events to its file (its last words: words()); process 0
     # speaks for the job on the terminal too.
-    return self.outputs.spawn(host, cmd, env, echo=pid == 0, pass_fds=(self.watched_fd,))
+    return self.outputs.spawn(host, cmd, env, echo=pid == 0, fork=self.args.spawn == 'fork',
+                              pass_fds=(self.watched_fd,))
 
   def words(self, host: int) -> str:
     """The last words of `host`'s process in this job (it exited): the tail of its output."""

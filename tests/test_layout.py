@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / 'mecefo_jax'
 LAYERS = ['config overrides settings sections install files', 'core', 'records',
           'sharding multihost',
           'ops', 'layers', 'model', 'data', 'step', 'fault', 'snapshot', 'run',
-          'launch supervisor watch job_rules ray_host ray_driver __main__ plan']
+          'launch supervisor watch job_rules ray_host ray_driver __main__ plan spawn']
 LEVEL = {group: i for i, names in enumerate(LAYERS) for group in names.split()}
 
 
