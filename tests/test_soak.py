@@ -9,7 +9,7 @@ from procs import TINY
 @pytest.mark.slow
 def test_the_soak_injects_each_fault_once_and_every_record_agrees(launcher, tmp_path):
   result = launcher.benchmark('soak', '--rounds', '1', '--seed', '0', '--busy', '0', '--gap-s',
-                              '1:2', '--rejoin-after', '1', '--program-store',
+                              '0.5:1', '--rejoin-after', '1', '--program-store',
                               launcher.compile_cache, *TINY, json_path=tmp_path / 'soak.json')
   assert result['faults'] == dict.fromkeys(KINDS, 1), result['faults']
   assert result['hangs'] == 0 and result['disagreements'] == [], result['disagreements']
