@@ -74,9 +74,11 @@ class Forked:
     return self.returncode
 
   def wait(self, timeout: float | None = None) -> int:
-    deadline = None if timeout is None else time.monotonic() + timeout
+    if timeout is None and self.returncode is None:  # blocks in the kernel, no polling
+      self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+    deadline = time.monotonic() + (timeout or 0.0)
     while self.poll() is None:
-      if deadline is not None and time.monotonic() >= deadline:
+      if time.monotonic() >= deadline:
         raise subprocess.TimeoutExpired(self.args, timeout)
       time.sleep(_POLL_S)
     return self.returncode
@@ -123,7 +125,8 @@ def _become_worker(cmd, env, stdout, stderr, pass_fds) -> None:
   for lo, hi in zip(keep, keep[1:] + [os.sysconf('SC_OPEN_MAX')]):
     os.closerange(lo + 1, hi)  # as exec with close_fds: the supervisor's pipes are its own
   for sig in signal.valid_signals():
-    if callable(signal.getsignal(sig)) and signal.getsignal(sig) is not signal.default_int_handler:
+    handler = signal.getsignal(sig)
+    if callable(handler) and handler is not signal.default_int_handler:
       signal.signal(sig, signal.SIG_DFL)  # the supervisor's handlers (launch.serve)
   signal.signal(signal.SIGINT, signal.default_int_handler)
   sys.path[:] = worker_path(sys.path, os.environ.get('PYTHONPATH', ''),

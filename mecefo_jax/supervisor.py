@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from mecefo_jax import spawn
 from mecefo_jax.job_rules import (Outputs, blamed, dead, error_lines, exit_text,
                                   failed_in_start_up, resuming, starts, tpu_slice)
 from mecefo_jax.records import history
@@ -151,7 +152,7 @@ class Supervisor:
     if self.watch:
       env[MARKS_ENV] = str(self.watch.directory)
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get('PYTHONPATH')]))
-    cmd = [sys.executable, '-m', 'mecefo_jax', f'--coordinator=127.0.0.1:{port}',
+    cmd = [sys.executable, *spawn.WORKER, f'--coordinator=127.0.0.1:{port}',
            f'--num-processes={n}', f'--process-id={pid}', f'--host-slot={host}']
     if self.args.gpus:
       env['CUDA_VISIBLE_DEVICES'] = ','.join(str(host * k + i) for i in range(k))
