@@ -3,7 +3,9 @@ and the tiers: a test that starts a process (it takes `launcher`) is marked `slo
 import os
 from pathlib import Path
 
-from procs import SUITE_XLA_FLAGS, Launcher  # (procs imports no jax)
+from procs import SUITE_XLA_FLAGS, Launcher, pin_blas_kernels  # (procs imports no jax)
+
+pin_blas_kernels()
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            f' --xla_force_host_platform_device_count=8 {SUITE_XLA_FLAGS}').strip()

@@ -24,6 +24,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # optimizations off, so the tiny models' programs compile ~40% faster and run as exactly (no
 # fast-math either way). The suite's time is mostly compiles.
 SUITE_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
+
+
+def pin_blas_kernels() -> None:
+  """Names OpenBLAS's AVX2 kernels (on an x86-64 CPU that has AVX2) before any BLAS loads.
+
+  jax's CPU QR and SVD (the low-rank bases, ops/basis.py) call the LAPACK of scipy's wheel,
+  whose OpenBLAS picks kernels by CPU: an AVX-512 Xeon's bases differ from an AMD's in their
+  last bits, and so does every parameter after a degraded step. Named, the golden run's fixture
+  (tests/fixtures/run_records) and the params hashes that tests compare travel across CPUs.
+  """
+  cpu = Path('/proc/cpuinfo')
+  if cpu.is_file() and ' avx2' in cpu.read_text():
+    os.environ['OPENBLAS_CORETYPE'] = 'Haswell'
+
+
 # The model every process-starting test trains: one layer, 16-token rows, seconds per run.
 TINY = ('model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
         'model.n_layers=1', 'train.micro_batch=4')

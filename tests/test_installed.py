@@ -8,11 +8,12 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from mecefo_jax import __main__ as entry
-from mecefo_jax import config, supervisor
+from mecefo_jax import config, spawn, supervisor
 from mecefo_jax.config import ConfigError
 from mecefo_jax.run import startup
 from procs import ROOT, TINY, report, usage_error
@@ -98,9 +99,15 @@ def test_help_and_usage_errors_name_the_command_as_typed(capsys, monkeypatch):
 
 def test_the_supervisor_starts_this_package_not_a_file_of_the_checkout():
   assert Path(supervisor.PACKAGE_ROOT, 'mecefo_jax', '__main__.py').is_file()
-  names = {node.value for node in ast.walk(ast.parse(Path(supervisor.__file__).read_text()))
-           if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-  assert 'mecefo_jax' in names and not {n for n in names if n.endswith('train.py')}
+  args = SimpleNamespace(devices_per_process=1, argv=['mecefo-launch'], gpus=False)
+  job = SimpleNamespace(args=args, watch=None, _train_args=lambda: ['--out', 'runs/x'])
+  cmd, env = supervisor.Supervisor.command(job, pid=0, host=0, n=1, port=1234)
+  assert cmd[:3] == [sys.executable, '-m', 'mecefo_jax'] and cmd[-2:] == ['--out', 'runs/x']
+  assert env['PYTHONPATH'].split(os.pathsep)[0] == supervisor.PACKAGE_ROOT
+  for module in (supervisor, spawn):
+    names = {node.value for node in ast.walk(ast.parse(Path(module.__file__).read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not {n for n in names if n.endswith('train.py')}, module.__name__
 
 
 def _wheel(tmp_path: Path) -> Path:
