@@ -19,10 +19,12 @@ from mecefo_jax import multihost, sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.supervisor import free_port
 from mecefo_jax.run import rundir
-from mecefo_jax.records.job import PEER_LOST
+from mecefo_jax.records.job import DIVERGED, PEER_LOST
 from mecefo_jax.records.run_dir import MANIFEST_NAME
+from mecefo_jax.snapshot.aside import TEST_DELAY_ENV
 from mecefo_jax.snapshot.capacity import TEST_DEV_FULL_ENV
 from mecefo_jax.records.run_state import read_run_state
+from mecefo_jax.run.hooks import TEST_POISON_ENV
 from procs import report, wait_all
 
 STEPS = 8
@@ -130,6 +132,30 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
   plans = [re.findall(r'plans: (\d+) steps, digest (\w+)', log.read_text(errors='replace'))[-1:]
            for log in sorted(tmp_path.glob('run_*.log'))]
   assert len(plans) == 2 and plans[0] and plans[0] == plans[1], plans
+
+
+def test_a_rollback_past_a_durable_checkpoint_saves_it_again_on_every_process(launcher,
+                                                                            reference, tmp_path):
+  """Step 4 reads as diverged (the test hook): durable checkpoint 4 (of the state step 4 began
+  from) is set aside by process 0 on --resume, which goes back to step 3. Every process must see
+  it gone before step 4's durable save: one that still listed it skipped that save (Orbax's
+  `should_save`) while the other waited in it (a hang the stall watch ended, seen in a soak;
+  here, before the fix, the job hung until the test's timeout)."""
+  poison = tmp_path / 'poison'
+  poison.write_text('4')
+  first = _spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2',
+                 env={TEST_POISON_ENV: str(poison)})
+  assert wait_all(first, 420) == [DIVERGED, DIVERGED], _logs(tmp_path, 'run')
+  checkpoints = tmp_path / 'run' / 'checkpoints' / read_run_state(tmp_path / 'run').run_id
+  assert (checkpoints / '4' / MANIFEST_NAME).is_file()
+  resume = _spawn(launcher, tmp_path, 'run', 2, 'snapshot.durable_every=2', '--resume',
+                  env={TEST_DELAY_ENV: '3'})  # the move as slow as a bucket's: the other
+  assert wait_all(resume, 240) == [0, 0], _logs(tmp_path, 'run')  # process lists 4 meanwhile
+  result = report(tmp_path / 'run')
+  assert result['resumed_from_step'] == 3, result['resumed_from_step']
+  assert [Path(m).name for m in result['snapshots']['set_aside']] == ['4']
+  assert (checkpoints / '4' / MANIFEST_NAME).is_file()  # written again, by this timeline
+  assert result['params_sha256'] == reference['params_sha256']
 
 
 def test_an_auto_interval_is_agreed_by_every_process(launcher, tmp_path):

@@ -16,6 +16,9 @@ from etils import epath
 
 SET_ASIDE = 'set_aside'
 WHY = 'why.json'
+# A test's slow move (tests/test_multiprocess.py): each one waits this many seconds first, as a
+# bucket's copy-and-delete does, so that other processes reading the tier meanwhile see it.
+TEST_DELAY_ENV = 'MECEFO_TEST_ASIDE_DELAY_S'
 
 
 def place(tier_dir: epath.Path) -> epath.Path:
@@ -29,6 +32,7 @@ def set_aside(tier_dir: epath.Path, step: int, problem: str) -> epath.Path:
   local disk or tmpfs), `problem` written beside it; returns where it now is. Raises OSError
   where it cannot be moved (it is then left where it was)."""
   source = epath.Path(tier_dir) / str(step)
+  time.sleep(float(os.environ.get(TEST_DELAY_ENV, 0)))
   stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
   entry = place(tier_dir) / f'{step}-{stamp}'
   n = 1

@@ -232,6 +232,8 @@ class HostSnapshots:
       why = rolled_back(choice[0])
       self.discarded = [where for tier in (self._tier, self._durable) if tier
                         for where in tier.discard_after(choice[0], why)]
+      if self._durable:
+        self._reload_after_aside()
     if choice is None:
       if any(held):  # parts exist, just not enough of one snapshot: never start over silently
         found = {f'host{self.slots[p]}': sorted(h) for p, h in enumerate(held)}
@@ -258,10 +260,16 @@ class HostSnapshots:
     problems = multihost.allgather_json(problems)[0]
     intact = [int(s) for s, problem in problems.items()
               if self._durable.verified(int(s), problem, check=False)]
+    self._reload_after_aside()
+    return intact
+
+  def _reload_after_aside(self) -> None:
+    """Every process reloads the durable tier's steps once process 0 has set its own aside (it
+    alone moves them): a process that still listed one would skip that step's next save
+    (Orbax's `should_save`) while the others wait for it in the save's barrier."""
     moved = multihost.allgather_json(self._durable.set_aside_where)[0]  # after process 0's moves
     self._durable.set_aside_where = list(moved)
     self._durable.steps()  # reloaded: the steps set aside are gone
-    return intact
 
   def _set_aside_note(self) -> str:
     where = self.set_aside
