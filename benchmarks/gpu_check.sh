@@ -32,10 +32,10 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/mecefo-gpu-check.XXXXXX")  # part outputs; rem
 # ... with the tmpfs snapshots of the runs in it (a run killed at its limit keeps its own).
 remove_work() {
   "$py" -c 'import shutil, sys
-from mecefo_jax.run.rundir import run_name
+from mecefo_jax.records.run_dir import run_name
 from mecefo_jax.snapshot.manager import default_snapshot_dir
 for run in sys.argv[1:]:
-  shutil.rmtree(default_snapshot_dir(run_name(run)), ignore_errors=True)' "$work"/* 2>/dev/null
+  shutil.rmtree(default_snapshot_dir(run_name(run)), ignore_errors=True)' "$work"/*
   rm -rf "$work"
 }
 trap remove_work EXIT

@@ -73,15 +73,18 @@ def test_every_part_runs_with_tiny_models_and_lands_in_one_json(launcher, tmp_pa
 
 def test_a_part_past_its_limit_is_a_timeout_and_parts_past_the_total_are_skipped(launcher,
                                                                                   tmp_path):
-  # 16 s in all, 10 of them kept for the bookkeeping: imports gets 1 s (too short to import
-  # jax and flax), the quickstart at most what is left of 6 s, the later parts nothing.
-  result = _check(launcher, tmp_path / 'out', 120, GPU_CHECK_TOTAL_S='16',
-                  GPU_CHECK_LIMIT_IMPORTS='1', GPU_CHECK_LIMIT_QUICKSTART='3')
+  # 30 s in all, 10 of them kept for the bookkeeping: imports gets 1 s (too short to import
+  # jax and flax), the quickstart 15 s (it trains, snapshotting into tmpfs, until it is
+  # killed), the later parts nothing (less than 5 s left).
+  result = _check(launcher, tmp_path / 'out', 120, GPU_CHECK_TOTAL_S='30',
+                  GPU_CHECK_LIMIT_IMPORTS='1', GPU_CHECK_LIMIT_QUICKSTART='15',
+                  GPU_CHECK_QUICKSTART_ARGS='train.steps=1000000')
   statuses = {n: p['status'] for n, p in result['parts'].items()}
-  assert statuses.pop('quickstart') in ('timeout', 'skipped')
-  assert statuses == {'imports': 'timeout', **dict.fromkeys(PARTS[2:], 'skipped')}
-  assert result['parts']['imports']['limit_s'] == 1 and result['wheels'] is None
-  assert result['total_s'] <= 16 + 5  # a part killed 5 s after its limit at worst
+  assert statuses == {'imports': 'timeout', 'quickstart': 'timeout',
+                      **dict.fromkeys(PARTS[2:], 'skipped')}
+  assert ' step 0/1000000 ' in (tmp_path / 'out' / 'gpu_check.log').read_text()  # its tmpfs
+  assert result['parts']['imports']['limit_s'] == 1 and result['wheels'] is None  # went too
+  assert result['total_s'] <= 30 + 5  # a part killed 5 s after its limit at worst
 
 
 def test_wheels_adds_only_what_is_missing_or_refused_never_the_accelerator_stack(tmp_path,
