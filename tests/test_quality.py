@@ -8,7 +8,7 @@ def test_neighbor_takeover_loss_within_3pct_of_fault_free(launcher, tmp_path):
   # Slice 1 of 4 is down for half of the run (>= a third, as the issue asks).
   result = launcher.benchmark('quality', '--policies', 'neighbor', '--fail-at', '0.2',
                               '--repair-at', '0.7', 'model.n_layers=1',
-                              json_path=tmp_path / 'q.json')
+                              json_path=tmp_path / 'q.json', optimized=True)
   assert result['device']['device_count'] == 4  # one fake CPU device per slice
   runs = result['runs']
   assert runs['neighbor']['samples']['degraded'] > 0
