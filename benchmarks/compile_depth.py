@@ -33,13 +33,13 @@ def command(out: Path, trace: Path, layers: int) -> list[str]:
           'train.eval_every=0', 'train.plot=false', 'train.compile_cache=', '-q']
 
 
-def one_run(tree: Path, layers: int) -> dict:
+def one_run(tree: Path, layers: int, keep_xla_flags: bool = False) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
     trace = tmp / 'T'
     trace.write_text('3 1 fail\n')
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
+    dropped = ('JAX_COMPILATION_CACHE_DIR',) + (() if keep_xla_flags else ('XLA_FLAGS',))
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env['HOME'] = str(tmp / 'home')
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -65,13 +65,16 @@ def main() -> None:
   ap.add_argument('--trees', nargs='+', default=['.'], help='source trees (worktrees) to compare')
   ap.add_argument('--layers', type=int, nargs='+', default=[2, 16])
   ap.add_argument('--repeats', type=int, default=3)
+  ap.add_argument('--keep-xla-flags', action='store_true',
+                  help="the runs take this environment's XLA_FLAGS (a test suite's: faster "
+                  "compiles) instead of XLA's defaults; still cold")
   ap.add_argument('--json', default=None)
   args = ap.parse_args()
   runs = {(t, n): [] for t in args.trees for n in args.layers}
   for _ in range(args.repeats):
     for n in args.layers:
       for tree in args.trees:  # alternately, so that load drifts hit every tree alike
-        runs[(tree, n)].append(one_run(Path(tree), n))
+        runs[(tree, n)].append(one_run(Path(tree), n, args.keep_xla_flags))
         print(f'{tree} L={n}: {runs[(tree, n)][-1]}', flush=True)
   median = lambda xs: statistics.median(xs) if xs else None
   rows = []

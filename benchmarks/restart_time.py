@@ -1,7 +1,8 @@
 """A worker's SIGKILL under the supervisor against a cold start, phase by phase, over repeats.
 
 Run: python -m benchmarks.restart_time [--repeats 3] [--processes 3] [--steps 150]
-    [--kill-at 40] [--backends local,ray] [--remove-node] [--json OUT] [overrides...]
+    [--kill-at 40] [--backends local,ray] [--remove-node] [--keep-xla-flags] [--json OUT]
+    [overrides...]
 
 Each repeat is one supervised run of the issue's scenario (`python -m mecefo_jax.launch -n 3
 --devices-per-process 1 -- mesh.slice=3 train.steps=150 snapshot.every=1 train.log_every=1
@@ -60,6 +61,9 @@ def _args(argv):
                  help="the fault waits for the job's 'background builds done' too (none says it "
                  'with faults.precompile=never: --no-wait-builds)')
   p.add_argument('--backends', default='local', help='local, ray, or both in turn: local,ray')
+  p.add_argument('--keep-xla-flags', action='store_true',
+                 help="the jobs take this environment's XLA_FLAGS (a test suite's: faster "
+                 "compiles) instead of XLA's defaults; HOME stays empty")
   p.add_argument('--remove-node', nargs='?', const='graceful', choices=('graceful', 'hard'),
                  help='ray: remove host 1\'s node instead of killing its process (hard: its '
                       'raylet SIGKILLed, no goodbye to the cluster)')
@@ -75,8 +79,8 @@ class Run(common.JobOutput):
 
   def __init__(self, args, tmp: Path, cluster=None):
     self.out, self.events_path = tmp / 'run', tmp / 'events.jsonl'
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
+    dropped = ('JAX_COMPILATION_CACHE_DIR',) + (() if args.keep_xla_flags else ('XLA_FLAGS',))
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(HOME=str(tmp / 'home'), PYTHONUNBUFFERED='1')
     n = args.processes
     # On Ray each node has its own snapshot directory (ray_cluster.py); its HOME is tmp's too.

@@ -1,7 +1,7 @@
 """Recovery from a stalled process under the supervisor: a worker SIGSTOPped (or blocked) mid-run.
 
 Run: python -m benchmarks.stall_recovery [--processes 3] [--steps 150] [--stop-at 50]
-    [--host 1] [--block] [--json OUT] [overrides...]
+    [--host 1] [--block] [--keep-cache] [--json OUT] [overrides...]
      python -m benchmarks.stall_recovery --clean-runs N [--json OUT]
 
 One supervised job (`python -m mecefo_jax.launch -n P --devices-per-process 1 -- mesh.slice=P
@@ -59,6 +59,10 @@ def _args(argv):
   p.add_argument('--kill', action='store_true',
                  help='SIGKILL instead of SIGSTOP: a death, its restart for comparison')
   p.add_argument('--timeout', type=float, default=1800.0, help='seconds the job may take')
+  p.add_argument('--keep-cache', action='store_true',
+                 help="the job takes this environment's XLA_FLAGS and $JAX_COMPILATION_CACHE_DIR "
+                 "(a test suite's: its compiles shared) instead of XLA's defaults and an empty "
+                 'cache')
   p.add_argument('--clean-runs', type=int, default=0,
                  help="run the README's multi-process example this many times, no fault")
   return p.parse_intermixed_args(argv)
@@ -70,8 +74,10 @@ class Job(common.JobOutput):
   def __init__(self, args, tmp: Path, readme: bool = False):
     """`readme`: the README's example instead of the stall scenario."""
     self.out, self.events_path, n = tmp / 'run', tmp / 'events.jsonl', args.processes
-    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / 'cache'), PYTHONUNBUFFERED='1')
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    if not args.keep_cache:
+      env.pop('XLA_FLAGS', None)
+      env['JAX_COMPILATION_CACHE_DIR'] = str(tmp / 'cache')
     if args.block:
       env[TEST_BLOCK_ENV] = f'{args.host}:{args.stop_at}'
     launch = [sys.executable, '-m', 'mecefo_jax.launch', '--events', str(self.events_path)]

@@ -57,8 +57,8 @@ print(json.dumps(out))
 '''
 
 
-def one_run(tree: Path, config: str, steps: int) -> dict:
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+def one_run(tree: Path, config: str, steps: int, keep_xla_flags: bool = False) -> dict:
+  env = {k: v for k, v in os.environ.items() if keep_xla_flags or k != 'XLA_FLAGS'}
   env['PYTHONPATH'] = '.'
   proc = subprocess.run([sys.executable, '-c', DRIVER, config, str(steps)], cwd=tree, env=env,
                         capture_output=True, text=True, check=False)
@@ -73,12 +73,15 @@ def main() -> None:
   ap.add_argument('--config', default='configs/llama_60m.yaml')
   ap.add_argument('--repeats', type=int, default=3, help='runs per tree, alternated')
   ap.add_argument('--steps', type=int, default=5, help='timed steps of each program per run')
+  ap.add_argument('--keep-xla-flags', action='store_true',
+                  help="the runs take this environment's XLA_FLAGS (a test suite's: faster "
+                  "compiles) instead of XLA's defaults")
   ap.add_argument('--json', default=None)
   args = ap.parse_args()
   runs = {t: [] for t in args.trees}
   for _ in range(args.repeats):
     for tree in args.trees:
-      runs[tree].append(one_run(Path(tree), args.config, args.steps))
+      runs[tree].append(one_run(Path(tree), args.config, args.steps, args.keep_xla_flags))
       print(f'{tree}: {runs[tree][-1]}', flush=True)
   rows = []
   for tree, rs in runs.items():

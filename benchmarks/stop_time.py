@@ -1,7 +1,7 @@
 """How long an agreed stop takes: SIGTERM -> the stop step saved in every tier -> exit.
 
 Run: python -m benchmarks.stop_time [--config configs/llama_60m.yaml] [--processes 1]
-    [--devices-per-process 1] [--at-step 3] [--json OUT] [overrides...]
+    [--devices-per-process 1] [--at-step 3] [--keep-xla-flags] [--json OUT] [overrides...]
 
 Starts a run (one train.py process, or --processes N under the supervisor, which passes the
 SIGTERM on to every process), waits until it has logged --at-step, sends SIGTERM (a
@@ -36,6 +36,9 @@ def _args(argv):
   p.add_argument('--processes', type=int, default=1)
   p.add_argument('--devices-per-process', type=int, default=1)
   p.add_argument('--at-step', type=int, default=3, help='SIGTERM once this step is logged')
+  p.add_argument('--keep-xla-flags', action='store_true',
+                 help="the run takes this environment's XLA_FLAGS (a test suite's: faster "
+                 "compiles) instead of XLA's defaults")
   return p.parse_intermixed_args(argv)
 
 
@@ -55,7 +58,7 @@ def _logged(out: Path, step: int) -> bool:
 
 def measure(args, tmp: Path, shm: Path) -> dict:
   out = tmp / 'run'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = {k: v for k, v in os.environ.items() if args.keep_xla_flags or k != 'XLA_FLAGS'}
   proc = subprocess.Popen(_command(args, out, shm), cwd=common.REPO, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)

@@ -5,15 +5,16 @@ from procs import TINY
 
 
 def test_stall_recovery_names_the_stopped_host_and_drops_nothing(launcher, tmp_path):
+  # --keep-cache: the suite's XLA flags and program store (an empty one is no part of a stall).
   result = launcher.benchmark('stall_recovery', '--processes', '3', '--steps', '8',
-                              '--stop-at', '3', '--no-wait-builds', *TINY,
+                              '--stop-at', '3', '--no-wait-builds', '--keep-cache', *TINY,
                               json_path=tmp_path / 'stall.json')
   assert result['named_host'] == result['host'] == 1, result
   assert result['detect_s'] > result['deadline_s'] > 0 and result['samples']['dropped'] == 0
 
 
 def test_stop_time_saves_both_tiers_and_exits_143(launcher, tmp_path):
-  result = launcher.benchmark('stop_time', '--at-step', '3', *TINY,
+  result = launcher.benchmark('stop_time', '--at-step', '3', '--keep-xla-flags', *TINY,
                               json_path=tmp_path / 'stop.json')
   assert result['exit_code'] == 143 and result['both_tiers'] is True, result
   assert result['stop_s'] > 0
@@ -35,15 +36,22 @@ def test_compile_autotune_compiles_the_degraded_step(launcher, tmp_path):
 
 
 def test_compile_depth_times_a_cold_run_of_this_tree(launcher, tmp_path):
+  # Cold still (an empty HOME), at the suite's XLA flags: its compiles take less time.
   result = launcher.benchmark('compile_depth', '--trees', '.', '--layers', '1', '--repeats', '1',
-                              json_path=tmp_path / 'depth.json')
+                              '--keep-xla-flags', json_path=tmp_path / 'depth.json')
   [row] = result['rows']
   assert row['n_layers'] == 1 and row['programs_s'] > 0 and row['wall_s'] > 0, row
 
 
 def test_step_trees_times_the_normal_and_degraded_step(launcher, tmp_path):
-  result = launcher.benchmark('step_trees', '--trees', '.', '--config', 'configs/tiny.yaml',
-                              '--repeats', '1', '--steps', '2', json_path=tmp_path / 'steps.json')
+  # The suite's tiny model and XLA flags (the driver takes a config file, no overrides): its
+  # two programs compile in less time, which is what this run pays for.
+  config = tmp_path / 'tiny.yaml'
+  config.write_text('model: {d_model: 32, n_heads: 2, ffn_dim: 48, seq_len: 16, n_layers: 1}\n'
+                    'train: {micro_batch: 4}\n')
+  result = launcher.benchmark('step_trees', '--trees', '.', '--config', config, '--repeats', '1',
+                              '--steps', '2', '--keep-xla-flags',
+                              json_path=tmp_path / 'steps.json')
   [row] = result['rows']
   assert row['normal_s'] > 0 and row['time_ratio'] > 0 and row['memory_ratio'] > 0, row
 

@@ -25,12 +25,15 @@ from mecefo_jax.records.run_state import RunState, write_run_state
 from procs import ROOT, error_lines, report, requeued_ids, usage_error
 
 # 3 processes x 2 CPU devices, one slice per device: host h holds slices 2h, 2h+1.
-STEPS, DEATH, STOP = 24, 6, 20
+# Each phase a few steps long: the death after step 3, the grow-back after the survivors' one
+# step (4), the failure of host 2's slices at 6 and their repair at 8, the stop at 10.
+STEPS, DEATH, STOP = 12, 3, 10
+FAIL, REPAIR = 6, 8
 ARGS = ['mesh.slice=6', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', f'train.steps={STEPS}',
         'train.log_every=1', 'train.micro_batch=4', 'model.n_layers=2', 'model.seq_len=16',
         'snapshot.every=1', 'train.eval_every=0', 'train.plot=false']
 # Slices 4 and 5 (host 2) fail and are repaired after the rejoin: host 2 has no live slice then.
-TRACE = '12 4 fail\n12 5 fail\n16 4 repair\n16 5 repair\n'
+TRACE = f'{FAIL} 4 fail\n{FAIL} 5 fail\n{REPAIR} 4 repair\n{REPAIR} 5 repair\n'
 
 
 def _events(path: Path) -> list[dict]:
@@ -45,9 +48,9 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   events, trace = tmp_path / 'events.jsonl', tmp_path / 'trace.txt'
   trace.write_text(TRACE)
   run = tmp_path / 'run'
-  # Host 1 dies after step 6 (its snapshot written, the background builds done); its
-  # replacement is ready at once, so the survivors' job stops after its first step (7) and
-  # the job of all hosts trains on to the stop at 20. faults.precompile=always: the first job
+  # Host 1 dies after step DEATH (its snapshot written, the background builds done); its
+  # replacement is ready at once, so the survivors' job stops after its first step and
+  # the job of all hosts trains on to the stop at STOP. faults.precompile=always: the first job
   # compiles into the program store the programs of the job that restarts after a death.
   cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--devices-per-process', '2',
          '--rejoin-after', '0', '--events', str(events), '--', '--out', str(run),
@@ -89,7 +92,7 @@ def test_a_death_a_rejoin_and_a_stop_keep_every_step_and_record(launcher, tmp_pa
   assert result['programs']['loaded'] >= 1, result['programs']
   assert _strip(result['failure_events']) == [
       (DEATH, 2, 'fail'), (DEATH, 3, 'fail'), (DEATH + 1, 2, 'repair'), (DEATH + 1, 3, 'repair'),
-      (12, 4, 'fail'), (12, 5, 'fail'), (16, 4, 'repair'), (16, 5, 'repair')]
+      (FAIL, 4, 'fail'), (FAIL, 5, 'fail'), (REPAIR, 4, 'repair'), (REPAIR, 5, 'repair')]
   # The default, requeue: the rows of the slices down were trained later, none degraded or
   # dropped; metrics.jsonl's ids, across the death, the survivors' job, the rejoin, the stop and
   # the resume, are each id of the stream once, in order.

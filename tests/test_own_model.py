@@ -47,6 +47,8 @@ def test_the_supervisors_processes_train_a_model_as_a_one_process_replay(launche
   cmd = [sys.executable, '-m', 'mecefo_jax.launch', '-n', '2', '--devices-per-process', '2', '--',
          '--model', kind, '--out', 'run', f'snapshot.dir={tmp_path / "shm"}',
          '--failures=trace:trace.txt', 'mesh.slice=4', 'mesh.ordered_reduce=true', *ARGS]
+  if kind == 'gpt2':  # the user's model keeps the default: its programs built ahead as well
+    cmd.append('faults.precompile=never')  # the built-in one's: ~1/4 less CPU
   job = launcher.run(cmd, timeout=600, cwd=folder, env=_env(launcher))
   assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
   result = report(folder / 'run')

@@ -2,6 +2,7 @@
 import functools
 import logging
 import os
+import shutil
 import threading
 
 import jax
@@ -32,13 +33,20 @@ def _cache(program_store, move=True) -> ProgramCache:
                       program_store=program_store)
 
 
-def _loss(program, slices):
-  """The eval program's output on `slices` for fixed params and tokens."""
+@functools.lru_cache(maxsize=None)
+def _inputs(slices):
+  """Fixed params and tokens on `slices`, made once per slices (a new jit of the initializer
+  each call was a compile each call; the eval program donates neither)."""
   mesh = SLICES.sub(slices)
   params = jax.jit(lambda: train_state.init_state(CFG).params,
                    out_shardings=train_state.state_shardings(CFG, mesh).params)()
   tokens = np.random.default_rng(0).integers(0, 64, (len(slices), 4, 17)).astype(np.int32)
-  out = program(params, jax.device_put(tokens, sharding.batch_sharding(mesh)))
+  return params, jax.device_put(tokens, sharding.batch_sharding(mesh))
+
+
+def _loss(program, slices):
+  """The eval program's output on `slices` for fixed params and tokens."""
+  out = program(*_inputs(slices))
   return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -86,13 +94,25 @@ def _another_programs_entry(path):
   path.write_bytes(other.read_bytes())
 
 
-@pytest.mark.parametrize('damage', [_truncate, _flip_payload, _another_programs_entry,
-                                    lambda p: p.write_bytes(b'not a program')])
-def test_a_bad_entry_is_a_warning_and_a_compile_then_is_replaced(tmp_path, damage, caplog):
-  programs = program_store.ProgramStore(tmp_path, 1 << 30)
-  first = _cache(programs)
+@pytest.fixture(scope='module')
+def two_entries(tmp_path_factory):
+  """A store as a first process leaves it: the eval programs of (0, 1) and (0,), compiled once
+  for the module (each damage case used to compile both again)."""
+  path = tmp_path_factory.mktemp('two_entries')
+  first = _cache(program_store.ProgramStore(path, 1 << 30))
   first.program(ProgramKey(EVAL, (0, 1)))
   first.program(ProgramKey(EVAL, (0,)))  # a second entry
+  assert _counts(first) == {'compiled': 2, 'loaded': 0, 'moved': 0}
+  return path
+
+
+@pytest.mark.parametrize('damage', [_truncate, _flip_payload, _another_programs_entry,
+                                    lambda p: p.write_bytes(b'not a program')])
+def test_a_bad_entry_is_a_warning_and_a_compile_then_is_replaced(two_entries, tmp_path, damage,
+                                                                caplog):
+  shutil.copytree(two_entries, tmp_path / 'store')  # each test damages a copy of its own
+  programs = program_store.ProgramStore(tmp_path / 'store', 1 << 30)
+  assert len(list(programs.dir.glob(f'*{program_store.SUFFIX}'))) == 2
   damage(programs.path(_key((0, 1))))
   later = _cache(programs)
   with caplog.at_level(logging.WARNING, 'mecefo'):

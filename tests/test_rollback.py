@@ -16,7 +16,9 @@ from mecefo_jax.records.run_state import Diverged
 from procs import TINY, error_lines, report
 
 # Every step fetched and snapshotted: the last step seen finite is the one before the divergence.
-RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=', 'train.steps=30',
+# lr=300 diverges at step 7 of 12 (the schedule spans train.steps; 8 steps never diverge).
+STEPS = 12
+RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=', f'train.steps={STEPS}',
        'train.log_every=1', 'train.eval_every=0', 'snapshot.every=1',
        'optimizer.warmup_steps=0')
 
@@ -64,7 +66,7 @@ def test_a_diverged_run_resumed_with_a_lower_lr_goes_back_before_the_divergence(
   assert hint[2:] == ['--out', str(out), '--resume', 'optimizer.lr=30']
   assert cli.main([*hint[2:-1], 'optimizer.lr=1e-3']) == 0
   result = report(out)
-  assert result['diverged_at_step'] is None and result['steps'] == 30
+  assert result['diverged_at_step'] is None and result['steps'] == STEPS
   assert result['resumed_from_step'] == step - 1
   run_id = _run_id(out)
   # Both tiers held `step`: the in-memory one is deleted, the durable one set aside (kept).

@@ -205,14 +205,17 @@ def _jsonl_lines(path: Path) -> list:
 
 
 # (the fault, overrides, filled after, exit): issue 49 item 3, found by hand with `dd` on an
-# 8 MiB tmpfs as --out. Durable saves every 20 steps and no metrics rows between: 3 of them
-# fail in a row (exit 5). A metrics row every step: its write fails once the file needs a new
-# block (exit 6: up to a 4 KiB block of rows after the fill), and the durable save of that stop
-# fails too, or the one of step 100 still in flight when the disk filled; where each happens is
-# up to the writes' timing.
-FULL_DISKS = [('durable', ['train.steps=120', 'snapshot.durable_every=20',
-                           'train.log_every=1000'], 30, CHECKPOINTS_FAILING),
-              ('metrics', ['train.steps=130'], 110, OUTPUTS_FAILING)]
+# 8 MiB tmpfs as --out. Durable saves every 10 steps and no metrics rows between: 3 of them
+# fail in a row (exit 5); filled at a step whose values are fetched (a snapshot's: .reached is
+# written only then). A metrics row every step: its write fails once the file needs a new block
+# (exit 6: up to a 4 KiB block of ~260-byte rows after the fill, 16 steps at most), and the
+# durable save of that stop fails too, or the one of step 20 still in flight when the disk
+# filled; where each happens is up to the writes' timing. Both arms train the same 60 steps
+# (the learning-rate schedule is in the update program): the second loads the first's programs
+# from the suite's program store instead of compiling them.
+FULL_DISKS = [('durable', ['train.steps=60', 'snapshot.durable_every=10',
+                           'train.log_every=1000'], 20, CHECKPOINTS_FAILING),
+              ('metrics', ['train.steps=60', 'snapshot.durable_every=20'], 30, OUTPUTS_FAILING)]
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from mecefo_jax.files import default_snapshot_dir
@@ -66,11 +65,12 @@ def test_ctrl_c_stops_the_job_at_one_step_and_a_stopped_supervisor_takes_it_back
          events, '--', '--out', run, 'train.steps=100000', *BASE]
   shm = default_snapshot_dir(run_name(run))
   try:
+    # 1. The supervisor SIGSTOPped past --stopped-s: the job stops itself at an agreed step;
+    # SIGCONT: the supervisor restarts it from there. Then Ctrl-C to the whole group. The busy
+    # core from the SIGSTOP on: the job's start-up is no part of this, and the hog's CPU counts.
+    proc = _start(launcher, cmd, tmp_path / 'first.log')
+    wait_for(lambda: _reached(run) >= 5, 300, 'step 5', proc)
     with busy_core():
-      # 1. The supervisor SIGSTOPped past --stopped-s: the job stops itself at an agreed step;
-      # SIGCONT: the supervisor restarts it from there. Then Ctrl-C to the whole group.
-      proc = _start(launcher, cmd, tmp_path / 'first.log')
-      wait_for(lambda: _reached(run) >= 5, 300, 'step 5', proc)
       os.kill(proc.pid, signal.SIGSTOP)
       wait_for(lambda: any(line.kind is Kind.STOP for line in history.read(run, warn=False)),
                120, 'the job to stop itself')

@@ -1,5 +1,6 @@
 """The parameter update under failure, against an independent reference of docs/algorithm.md §2-§3."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -119,15 +120,15 @@ def _merge(attn, rest):
   return {k: ({**sub, **attn[k]} if k in attn else sub) for k, sub in rest.items()}
 
 
-def _adamw(cfg, at=lambda count: count):
-  """optax AdamW from the config: warmup then cosine, weight decay on matrices only; the
-  schedule read at `at(count)`."""
-  o = cfg.optimizer
-  warmup = min(o.warmup_steps, cfg.train.steps)
+def _adamw(o, steps, at=lambda count: count):
+  """optax AdamW from the optimizer config `o`: warmup then cosine over `steps`, weight decay on
+  matrices only; the schedule read at `at(count)`."""
+  warmup = min(o.warmup_steps, steps)
   schedule = optax.warmup_cosine_decay_schedule(o.lr / (warmup + 1), o.lr, warmup,
-                                                max(cfg.train.steps, warmup + 1),
+                                                max(steps, warmup + 1),
                                                 end_value=o.lr * o.min_lr_ratio)
-  return optax.adamw(lambda count: schedule(at(count)), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+  return optax.adamw(lambda count: schedule(at(count)), b1=o.b1, b2=o.b2, eps=o.eps,
+                     weight_decay=o.weight_decay,
                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
 
 
@@ -137,30 +138,43 @@ def _bump_counts(opt_state):
   return jax.tree_util.tree_map_with_path(bump, opt_state)
 
 
+# One program per (config, attention_updated) for the whole module: run op by op, the
+# reference's optimizer compiled ~120 small programs in the first test. `samples` < 0: the
+# schedule reads the count; `shared` is traced (no program of its own for the contrast run).
+@functools.partial(jax.jit, static_argnames=('o', 'steps', 'attention_updated'))
+def _ref_update(params, attn_state, rest_state, grads, samples, shared, *, o, steps,
+                attention_updated):
+  tx = _adamw(o, steps, lambda count: jnp.where(samples < 0, count, samples // (N * B)))
+  if o.grad_clip > 0:
+    grads, _ = optax.clip_by_global_norm(o.grad_clip).update(grads, optax.EmptyState())
+  (g_attn, g_rest), (p_attn, p_rest) = _split(grads), _split(params)
+  u, rest_state = tx.update(g_rest, rest_state, p_rest)
+  p_rest = optax.apply_updates(p_rest, u)
+  if attention_updated:
+    u, attn_state = tx.update(g_attn, attn_state, p_attn)
+    p_attn = optax.apply_updates(p_attn, u)
+  else:
+    attn_state = jax.tree.map(lambda bumped, kept: jnp.where(shared, bumped, kept),
+                              _bump_counts(attn_state), attn_state)
+  return _merge(p_attn, p_rest), attn_state, rest_state
+
+
 class RefOptimizer:
   """Global-norm clipping over all grads, then one AdamW for attention (advanced only on steps
   that update it) and one for the rest. `shared_count`: the old behaviour, for contrast."""
 
   def __init__(self, cfg, params, shared_count=False):
-    self.clip, self.shared = cfg.optimizer.grad_clip, shared_count
+    self.o, self.steps, self.shared = cfg.optimizer, cfg.train.steps, shared_count
     self.samples = None  # requeue: the samples trained, where the schedule is read (else steps)
-    by_samples = lambda count: count if self.samples is None else self.samples // (N * B)
-    self.tx = _adamw(cfg, by_samples)
+    tx = _adamw(self.o, self.steps)
     attn, rest = _split(params)
-    self.params, self.attn_state, self.rest_state = params, self.tx.init(attn), self.tx.init(rest)
+    self.params, self.attn_state, self.rest_state = params, tx.init(attn), tx.init(rest)
 
   def update(self, grads, attention_updated: bool):
-    if self.clip > 0:
-      grads, _ = optax.clip_by_global_norm(self.clip).update(grads, optax.EmptyState())
-    (g_attn, g_rest), (p_attn, p_rest) = _split(grads), _split(self.params)
-    u, self.rest_state = self.tx.update(g_rest, self.rest_state, p_rest)
-    p_rest = optax.apply_updates(p_rest, u)
-    if attention_updated:
-      u, self.attn_state = self.tx.update(g_attn, self.attn_state, p_attn)
-      p_attn = optax.apply_updates(p_attn, u)
-    elif self.shared:
-      self.attn_state = _bump_counts(self.attn_state)
-    self.params = _merge(p_attn, p_rest)
+    samples = jnp.int32(-1 if self.samples is None else self.samples)
+    self.params, self.attn_state, self.rest_state = _ref_update(
+        self.params, self.attn_state, self.rest_state, grads, samples, jnp.bool_(self.shared),
+        o=self.o, steps=self.steps, attention_updated=attention_updated)
 
 
 class SvdBases:
