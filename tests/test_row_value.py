@@ -42,9 +42,12 @@ def test_the_thresholds_are_d_for_budget_and_d_times_1_plus_r_over_r_for_spread(
 
 @pytest.mark.slow
 def test_the_benchmark_pairs_every_arm_by_seed(launcher, tmp_path):
+  # The tests' tiny model (procs.TINY's shape) at the benchmark's 64 rows: the arms' 360 steps
+  # cost little beside the compiles then (24 CPU s against 80 at tiny.yaml's 64 x 64 model).
   result = launcher.benchmark(
       'row_value', '--steps', '20', '--extra', '1', '--seeds', '0,1', '--degraded', '16,32',
       '--eval-every', '10', '--eval-rows', '64', '--time-repeats', '1', 'model.n_layers=1',
+      'model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
       json_path=tmp_path / 'rv.json')
   mode = result['modes']['full']
   assert mode['seeds'] == [0, 1] and set(mode['per_seed']['0']['arms']) == {
