@@ -23,8 +23,8 @@ from benchmarks.results_limits import LIMITATIONS, limitations
 from benchmarks.results_trace import (TOPOLOGY_BEGIN, TOPOLOGY_END, TRACE_BEGIN, TRACE_END,
                                       _default_pick, _trace_goodput, topology_table, trace_table)
 from benchmarks.results_recovery import (_job_cpu, _late_death, _ray_driver_lost, _recovery,
-                                         _restart_time, _soak, _stall_clean_runs, _stall_recovery,
-                                         _stop_time)
+                                         _restart_time, _save_matrix, _soak, _stall_clean_runs,
+                                         _stall_recovery, _stop_time)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'docs' / 'results'
@@ -186,6 +186,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('stop_time', 'A stop within a grace period', _stop_time),
     ('ray_driver_lost', 'A Ray driver killed: the lease stops the job', _ray_driver_lost),
     ('soak', 'A soak: every fault at random, for an hour', _soak),
+    ('save_matrix', 'Durable saves under load: no stall', _save_matrix),
     ('job_cpu', 'What one supervised job costs the CPUs', _job_cpu),
 ]
 

@@ -115,3 +115,13 @@ def _job_cpu(d: dict) -> str:
                  f" ({t['cpu_vs_first']:.3f}x CPU, {t['wall_vs_first']:.3f}x wall)")
               for i, t in enumerate(trees)) +
           f"; load {d['load_before'][0]:.1f} before, {d['load_after'][0]:.1f} after")
+
+
+def _save_matrix(d: dict) -> str:
+  """Each cell's stalls and deaths, steps and exit, beside how many busy cores."""
+  cells = '; '.join(
+      f"{c['processes']}p every {c['durable_every']}: {c['steps']} steps, {c['stalls']} stall(s)"
+      f", {c['deaths']} death(s)" + ('' if c['clean'] else f", exit {c['exit_code']}, NOT clean")
+      for c in d['cells'])
+  return (f"{len(d['cells'])} jobs of {d['minutes']:g} min beside {d['busy']} busy cores, "
+          f"snapshot.durable_every per job: {cells}; {d['stalls']} stall(s) in all")

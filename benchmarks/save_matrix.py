@@ -1,0 +1,121 @@
+"""Durable saves under load: one supervised job per (processes, snapshot.durable_every), each
+beside busy cores for a while, every stall and death it had counted (issue 60's save hang).
+
+Run: python -m benchmarks.save_matrix [--processes 2,3] [--durable-every 1,2,3,4]
+    [--minutes 15] [--busy 2] [--keep DIR] [--json OUT] [overrides...]
+
+Each cell, in turn: `python -m mecefo_jax.launch -n P --devices-per-process 1 --events E --
+--config tiny --out RUN snapshot.dir=SHM mesh.slice=P train.steps=100000000 train.log_every=1
+train.eval_every=0 train.plot=false snapshot.durable_every=D` (overrides appended: issue 60's
+scenario is the tests' tiny model, model.d_model=32 model.n_heads=2 model.ffn_dim=48
+model.seq_len=16 model.n_layers=1 train.micro_batch=4) in a fresh HOME (an empty program
+store) and XLA's default flags, beside --busy `yes` processes, for --minutes; then a Ctrl-C to
+the job's group, which stops it at an agreed step (exit 143). From its --events file and the
+run: the stalls, deaths and other failures the supervisor saw, the steps trained, the durable
+checkpoints written and the exit. A cell is clean with no failure and the stop's exit; one that
+is not keeps its directory (named in the JSON).
+"""
+from __future__ import annotations
+
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   + __file__.rpartition('/')[2].removesuffix('.py'))
+
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import common
+from mecefo_jax.records.job import STOPPED
+
+QUIET = ('place', 'start', 'end')  # the supervisor's events that are no failure
+
+
+def _args(argv):
+  p = common.parser(__doc__.splitlines()[0])
+  p.add_argument('--processes', default='2,3', help='job sizes, in turn')
+  p.add_argument('--durable-every', default='1,2,3,4', help='snapshot.durable_every values')
+  p.add_argument('--minutes', type=float, default=15.0, help='each cell trains this long')
+  p.add_argument('--busy', type=int, default=2, help='cores kept busy (`yes` processes)')
+  p.add_argument('--keep', default=None, help='keep every cell directory under DIR')
+  return p.parse_intermixed_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(',') if x]
+
+
+def cell(args, root: Path, processes: int, every: int) -> dict:
+  """One job of `processes` with snapshot.durable_every=`every`, trained --minutes, stopped."""
+  run, events, home = root / 'run', root / 'events.jsonl', root / 'home'
+  home.mkdir(parents=True)
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
+  env.update(HOME=str(home), PYTHONUNBUFFERED='1')
+  job = common.JobOutput()
+  job.events_path = events
+  job.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', str(processes),
+             '--devices-per-process', '1', '--events', str(events), '--', '--config',
+             args.config, '--out', str(run), f'snapshot.dir={root / "shm"}',
+             f'mesh.slice={processes}', 'train.steps=100000000', 'train.log_every=1',
+             'train.eval_every=0', 'train.plot=false', f'snapshot.durable_every={every}',
+             *args.overrides], env)
+  load_before = os.getloadavg()
+  try:
+    job.wait_for(lambda: job.last_step() >= 0, 600, 'a first step')
+    time.sleep(args.minutes * 60.0)
+    steps_before_stop = job.last_step()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    code = job.wait(300)
+  finally:
+    job.kill()
+  (root / 'supervisor.log').write_text(job.tail(10 ** 9) + '\n')
+  kinds = collections.Counter(e['kind'] for e in job.events() if e['kind'] not in QUIET)
+  durable = run / 'checkpoints'
+  written = sorted(int(p.name) for p in durable.iterdir() if p.name.isdigit()) if (
+      durable.is_dir()) else []
+  return {'processes': processes, 'durable_every': every, 'minutes': args.minutes,
+          'steps': steps_before_stop + 1, 'failures': dict(kinds),
+          'stalls': kinds.get('stall', 0), 'deaths': kinds.get('death', 0),
+          'durable_checkpoints_kept': written, 'exit_code': code,
+          'load_before': load_before, 'load_after': os.getloadavg(),
+          'clean': not kinds and code == STOPPED}
+
+
+def main(argv=None) -> dict:
+  args = _args(argv)
+  info = common.run_info(__spec__.name, argv)
+  hogs = [subprocess.Popen(['yes'], stdout=subprocess.DEVNULL, start_new_session=True)
+          for _ in range(args.busy)]
+  cells = []
+  try:
+    for processes in _ints(args.processes):
+      for every in _ints(args.durable_every):
+        root = Path(tempfile.mkdtemp(prefix=f'mecefo-save-{processes}p{every}-',
+                                     dir=args.keep))
+        result = cell(args, root, processes, every)
+        result['kept'] = None if result['clean'] and not args.keep else str(root)
+        if result['kept'] is None:
+          shutil.rmtree(root, ignore_errors=True)
+        cells.append(result)
+        print(json.dumps(result), file=sys.stderr, flush=True)
+  finally:
+    for hog in hogs:
+      hog.kill()
+  out = {**info, 'busy': args.busy, 'minutes': args.minutes, 'config': args.config,
+         'overrides': args.overrides, 'cells': cells, 'clean': all(c['clean'] for c in cells),
+         'stalls': sum(c['stalls'] for c in cells)}
+  columns = ['processes', 'durable_every', 'steps', 'stalls', 'deaths', 'exit_code', 'clean']
+  common.emit(out, common.markdown_table(cells, columns), args.json)
+  return out
+
+
+if __name__ == '__main__':
+  main()
