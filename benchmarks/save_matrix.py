@@ -3,6 +3,7 @@ beside busy cores for a while, every stall and death it had counted (issue 60's 
 
 Run: python -m benchmarks.save_matrix [--processes 2,3] [--durable-every 1,2,3,4]
     [--minutes 15] [--busy 2] [--keep DIR] [--json OUT] [overrides...]
+     python -m benchmarks.save_matrix --rescore JSON
 
 Each cell, in turn: `python -m mecefo_jax.launch -n P --devices-per-process 1 --events E --
 --config tiny --out RUN snapshot.dir=SHM mesh.slice=P train.steps=100000000 train.log_every=1
@@ -12,8 +13,8 @@ model.seq_len=16 model.n_layers=1 train.micro_batch=4) in a fresh HOME (an empty
 store) and XLA's default flags, beside --busy `yes` processes, for --minutes; then a Ctrl-C to
 the job's group, which stops it at an agreed step (exit 143). From its --events file and the
 run: the stalls, deaths and other failures the supervisor saw, the steps trained, the durable
-checkpoints written and the exit. A cell is clean with no failure and the stop's exit; one that
-is not keeps its directory (named in the JSON).
+checkpoints left and the exit. A cell is clean with no failure and the stop's exit; one that
+is not keeps its directory (named in the JSON), which --rescore can score again.
 """
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ from pathlib import Path
 from benchmarks import common
 from mecefo_jax.records.job import STOPPED
 
-QUIET = ('place', 'start', 'end')  # the supervisor's events that are no failure
+# The supervisor's events that are no failure (`signal`: the Ctrl-C that ends each cell).
+QUIET = ('place', 'start', 'signal', 'end')
+COLUMNS = ['processes', 'durable_every', 'steps', 'stalls', 'deaths', 'exit_code', 'clean']
 
 
 def _args(argv):
@@ -45,6 +48,8 @@ def _args(argv):
   p.add_argument('--minutes', type=float, default=15.0, help='each cell trains this long')
   p.add_argument('--busy', type=int, default=2, help='cores kept busy (`yes` processes)')
   p.add_argument('--keep', default=None, help='keep every cell directory under DIR')
+  p.add_argument('--rescore', default=None, metavar='JSON', help="score an earlier run's cells "
+                 "again from their kept directories by this module's rules (rewrites JSON)")
   return p.parse_intermixed_args(argv)
 
 
@@ -77,20 +82,45 @@ def cell(args, root: Path, processes: int, every: int) -> dict:
   finally:
     job.kill()
   (root / 'supervisor.log').write_text(job.tail(10 ** 9) + '\n')
-  kinds = collections.Counter(e['kind'] for e in job.events() if e['kind'] not in QUIET)
-  durable = run / 'checkpoints'
-  written = sorted(int(p.name) for p in durable.iterdir() if p.name.isdigit()) if (
-      durable.is_dir()) else []
   return {'processes': processes, 'durable_every': every, 'minutes': args.minutes,
-          'steps': steps_before_stop + 1, 'failures': dict(kinds),
-          'stalls': kinds.get('stall', 0), 'deaths': kinds.get('death', 0),
-          'durable_checkpoints_kept': written, 'exit_code': code,
-          'load_before': load_before, 'load_after': os.getloadavg(),
+          'steps': steps_before_stop + 1, 'exit_code': code, 'load_before': load_before,
+          'load_after': os.getloadavg(), **score(root, code)}
+
+
+def score(root: Path, code: int) -> dict:
+  """What a cell's directory says: the supervisor's failures, the durable checkpoints left
+  (`<out>/checkpoints/<run id>/<step>`), and whether the cell is clean."""
+  events = [json.loads(x) for x in (root / 'events.jsonl').read_text().splitlines()]
+  kinds = collections.Counter(e['kind'] for e in events if e['kind'] not in QUIET)
+  written = sorted(int(p.name) for p in (root / 'run' / 'checkpoints').glob('*/*')
+                   if p.name.isdigit())
+  return {'failures': dict(kinds), 'stalls': kinds.get('stall', 0),
+          'deaths': kinds.get('death', 0), 'durable_checkpoints_kept': written,
           'clean': not kinds and code == STOPPED}
+
+
+def _totals(out: dict) -> dict:
+  out.update(clean=all(c['clean'] for c in out['cells']),
+             stalls=sum(c['stalls'] for c in out['cells']))
+  return out
+
+
+def rescore(path: str) -> dict:
+  """The JSON at `path` with each kept cell scored again, and the commit that did it."""
+  out = json.loads(Path(path).read_text())
+  for c in out['cells']:
+    if c['kept']:
+      c.update(score(Path(c['kept']), c['exit_code']))
+  out['rescored_by'] = common.git_commit()
+  return _totals(out)
 
 
 def main(argv=None) -> dict:
   args = _args(argv)
+  if args.rescore:
+    out = rescore(args.rescore)
+    common.emit(out, common.markdown_table(out['cells'], COLUMNS), args.rescore)
+    return out
   info = common.run_info(__spec__.name, argv)
   hogs = [subprocess.Popen(['yes'], stdout=subprocess.DEVNULL, start_new_session=True)
           for _ in range(args.busy)]
@@ -109,11 +139,9 @@ def main(argv=None) -> dict:
   finally:
     for hog in hogs:
       hog.kill()
-  out = {**info, 'busy': args.busy, 'minutes': args.minutes, 'config': args.config,
-         'overrides': args.overrides, 'cells': cells, 'clean': all(c['clean'] for c in cells),
-         'stalls': sum(c['stalls'] for c in cells)}
-  columns = ['processes', 'durable_every', 'steps', 'stalls', 'deaths', 'exit_code', 'clean']
-  common.emit(out, common.markdown_table(cells, columns), args.json)
+  out = _totals({**info, 'busy': args.busy, 'minutes': args.minutes, 'config': args.config,
+                 'overrides': args.overrides, 'cells': cells})
+  common.emit(out, common.markdown_table(cells, COLUMNS), args.json)
   return out
 
 
