@@ -35,6 +35,23 @@ def parser(description: str) -> argparse.ArgumentParser:
   return p
 
 
+def add_keep_xla_flags(p: argparse.ArgumentParser) -> None:
+  """`--keep-xla-flags`: a benchmark's jobs take the caller's XLA_FLAGS (a test suite's, whose
+  compiles are faster) instead of XLA's defaults, which are what a user measures."""
+  p.add_argument('--keep-xla-flags', action='store_true',
+                 help="the jobs take this environment's XLA_FLAGS (a test suite's: faster "
+                 "compiles) instead of XLA's defaults")
+
+
+def job_env(keep_xla_flags: bool = False, keep_cache: bool = False, **extra: str) -> dict:
+  """This environment for a benchmark's job: without XLA_FLAGS (XLA's defaults) unless
+  `keep_xla_flags`, without $JAX_COMPILATION_CACHE_DIR (an empty program store, or the one
+  `extra` names) unless `keep_cache`; `extra` added."""
+  dropped = (() if keep_xla_flags else ('XLA_FLAGS',)) + (
+      () if keep_cache else ('JAX_COMPILATION_CACHE_DIR',))
+  return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
+
+
 def with_model(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   """`--model KIND|MODULE:FACTORY` on `p` (= model.kind; model_overrides adds it)."""
   p.add_argument('--model', default=None,

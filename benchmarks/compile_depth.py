@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import emit, markdown_table, run_info
+from benchmarks.common import add_keep_xla_flags, emit, job_env, markdown_table, run_info
 
 
 def command(out: Path, trace: Path, layers: int) -> list[str]:
@@ -38,9 +38,7 @@ def one_run(tree: Path, layers: int, keep_xla_flags: bool = False) -> dict:
     tmp = Path(tmp)
     trace = tmp / 'T'
     trace.write_text('3 1 fail\n')
-    dropped = ('JAX_COMPILATION_CACHE_DIR',) + (() if keep_xla_flags else ('XLA_FLAGS',))
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
-    env['HOME'] = str(tmp / 'home')
+    env = job_env(keep_xla_flags, HOME=str(tmp / 'home'))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     # This interpreter, not whatever `python` is first on PATH (a virtualenv not activated).
@@ -65,9 +63,7 @@ def main() -> None:
   ap.add_argument('--trees', nargs='+', default=['.'], help='source trees (worktrees) to compare')
   ap.add_argument('--layers', type=int, nargs='+', default=[2, 16])
   ap.add_argument('--repeats', type=int, default=3)
-  ap.add_argument('--keep-xla-flags', action='store_true',
-                  help="the runs take this environment's XLA_FLAGS (a test suite's: faster "
-                  "compiles) instead of XLA's defaults; still cold")
+  add_keep_xla_flags(ap)  # still cold: an empty HOME
   ap.add_argument('--json', default=None)
   args = ap.parse_args()
   runs = {(t, n): [] for t in args.trees for n in args.layers}

@@ -19,7 +19,6 @@ if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the reposit
   raise SystemExit('error: run it from the repository root as python -m benchmarks.'
                    + __file__.rpartition('/')[2].removesuffix('.py'))
 
-import json
 import os
 import signal
 import sys

@@ -61,9 +61,7 @@ def _args(argv):
                  help="the fault waits for the job's 'background builds done' too (none says it "
                  'with faults.precompile=never: --no-wait-builds)')
   p.add_argument('--backends', default='local', help='local, ray, or both in turn: local,ray')
-  p.add_argument('--keep-xla-flags', action='store_true',
-                 help="the jobs take this environment's XLA_FLAGS (a test suite's: faster "
-                 "compiles) instead of XLA's defaults; HOME stays empty")
+  common.add_keep_xla_flags(p)  # HOME stays empty: the store and claims under test are cold
   p.add_argument('--remove-node', nargs='?', const='graceful', choices=('graceful', 'hard'),
                  help='ray: remove host 1\'s node instead of killing its process (hard: its '
                       'raylet SIGKILLed, no goodbye to the cluster)')
@@ -79,9 +77,7 @@ class Run(common.JobOutput):
 
   def __init__(self, args, tmp: Path, cluster=None):
     self.out, self.events_path = tmp / 'run', tmp / 'events.jsonl'
-    dropped = ('JAX_COMPILATION_CACHE_DIR',) + (() if args.keep_xla_flags else ('XLA_FLAGS',))
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
-    env.update(HOME=str(tmp / 'home'), PYTHONUNBUFFERED='1')
+    env = common.job_env(args.keep_xla_flags, HOME=str(tmp / 'home'), PYTHONUNBUFFERED='1')
     n = args.processes
     # On Ray each node has its own snapshot directory (ray_cluster.py); its HOME is tmp's too.
     where = ['--backend', 'ray', '--address', cluster.address] if cluster else []

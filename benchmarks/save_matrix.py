@@ -61,9 +61,7 @@ def cell(args, root: Path, processes: int, every: int) -> dict:
   """One job of `processes` with snapshot.durable_every=`every`, trained --minutes, stopped."""
   run, events, home = root / 'run', root / 'events.jsonl', root / 'home'
   home.mkdir(parents=True)
-  env = {k: v for k, v in os.environ.items()
-         if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
-  env.update(HOME=str(home), PYTHONUNBUFFERED='1')
+  env = common.job_env(HOME=str(home), PYTHONUNBUFFERED='1')
   job = common.JobOutput()
   job.events_path = events
   job.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', str(processes),

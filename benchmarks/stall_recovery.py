@@ -74,9 +74,8 @@ class Job(common.JobOutput):
   def __init__(self, args, tmp: Path, readme: bool = False):
     """`readme`: the README's example instead of the stall scenario."""
     self.out, self.events_path, n = tmp / 'run', tmp / 'events.jsonl', args.processes
-    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    env = common.job_env(args.keep_cache, args.keep_cache, PYTHONUNBUFFERED='1')
     if not args.keep_cache:
-      env.pop('XLA_FLAGS', None)
       env['JAX_COMPILATION_CACHE_DIR'] = str(tmp / 'cache')
     if args.block:
       env[TEST_BLOCK_ENV] = f'{args.host}:{args.stop_at}'

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import emit, markdown_table, run_info
+from benchmarks.common import add_keep_xla_flags, emit, job_env, markdown_table, run_info
 
 # Run in the tree's root with its own package: argv = config, steps.
 DRIVER = '''
@@ -58,8 +58,7 @@ print(json.dumps(out))
 
 
 def one_run(tree: Path, config: str, steps: int, keep_xla_flags: bool = False) -> dict:
-  env = {k: v for k, v in os.environ.items() if keep_xla_flags or k != 'XLA_FLAGS'}
-  env['PYTHONPATH'] = '.'
+  env = job_env(keep_xla_flags, keep_cache=True, PYTHONPATH='.')
   proc = subprocess.run([sys.executable, '-c', DRIVER, config, str(steps)], cwd=tree, env=env,
                         capture_output=True, text=True, check=False)
   if proc.returncode != 0:
@@ -73,9 +72,7 @@ def main() -> None:
   ap.add_argument('--config', default='configs/llama_60m.yaml')
   ap.add_argument('--repeats', type=int, default=3, help='runs per tree, alternated')
   ap.add_argument('--steps', type=int, default=5, help='timed steps of each program per run')
-  ap.add_argument('--keep-xla-flags', action='store_true',
-                  help="the runs take this environment's XLA_FLAGS (a test suite's: faster "
-                  "compiles) instead of XLA's defaults")
+  add_keep_xla_flags(ap)
   ap.add_argument('--json', default=None)
   args = ap.parse_args()
   runs = {t: [] for t in args.trees}

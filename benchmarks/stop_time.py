@@ -36,9 +36,7 @@ def _args(argv):
   p.add_argument('--processes', type=int, default=1)
   p.add_argument('--devices-per-process', type=int, default=1)
   p.add_argument('--at-step', type=int, default=3, help='SIGTERM once this step is logged')
-  p.add_argument('--keep-xla-flags', action='store_true',
-                 help="the run takes this environment's XLA_FLAGS (a test suite's: faster "
-                 "compiles) instead of XLA's defaults")
+  common.add_keep_xla_flags(p)
   return p.parse_intermixed_args(argv)
 
 
@@ -58,7 +56,7 @@ def _logged(out: Path, step: int) -> bool:
 
 def measure(args, tmp: Path, shm: Path) -> dict:
   out = tmp / 'run'
-  env = {k: v for k, v in os.environ.items() if args.keep_xla_flags or k != 'XLA_FLAGS'}
+  env = common.job_env(args.keep_xla_flags, keep_cache=True)
   proc = subprocess.Popen(_command(args, out, shm), cwd=common.REPO, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)

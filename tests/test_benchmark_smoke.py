@@ -1,6 +1,8 @@
 """Each benchmark that no other test runs, at a tiny scale, as a user runs it from the repository
 root: it exits 0 and writes its JSON with the run's metadata and sane figures (what each one
 measures is its own business: docs/benchmarks.md; these only keep them runnable)."""
+import yaml
+
 from procs import TINY
 
 
@@ -47,8 +49,12 @@ def test_step_trees_times_the_normal_and_degraded_step(launcher, tmp_path):
   # The suite's tiny model and XLA flags (the driver takes a config file, no overrides): its
   # two programs compile in less time, which is what this run pays for.
   config = tmp_path / 'tiny.yaml'
-  config.write_text('model: {d_model: 32, n_heads: 2, ffn_dim: 48, seq_len: 16, n_layers: 1}\n'
-                    'train: {micro_batch: 4}\n')
+  sections = {}
+  for override in TINY:  # 'model.d_model=32' -> model: {d_model: 32}
+    key, value = override.split('=')
+    section, name = key.split('.')
+    sections.setdefault(section, {})[name] = int(value)
+  config.write_text(yaml.safe_dump(sections))
   result = launcher.benchmark('step_trees', '--trees', '.', '--config', config, '--repeats', '1',
                               '--steps', '2', '--keep-xla-flags',
                               json_path=tmp_path / 'steps.json')

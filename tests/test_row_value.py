@@ -5,6 +5,7 @@ import json
 import pytest
 
 from benchmarks import row_value, row_value_fit as fit
+from procs import TINY
 
 
 def test_make_up_steps_are_read_where_the_curve_crosses_the_fault_free_loss():
@@ -46,9 +47,8 @@ def test_the_benchmark_pairs_every_arm_by_seed(launcher, tmp_path):
   # cost little beside the compiles then (24 CPU s against 80 at tiny.yaml's 64 x 64 model).
   result = launcher.benchmark(
       'row_value', '--steps', '20', '--extra', '1', '--seeds', '0,1', '--degraded', '16,32',
-      '--eval-every', '10', '--eval-rows', '64', '--time-repeats', '1', 'model.n_layers=1',
-      'model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
-      json_path=tmp_path / 'rv.json')
+      '--eval-every', '10', '--eval-rows', '64', '--time-repeats', '1',
+      *(a for a in TINY if a.startswith('model.')), json_path=tmp_path / 'rv.json')
   mode = result['modes']['full']
   assert mode['seeds'] == [0, 1] and set(mode['per_seed']['0']['arms']) == {
       'degraded_16', 'degraded_32', 'dropped_16', 'dropped_32'}
