@@ -120,6 +120,8 @@ def main(argv=None) -> dict:
     common.emit(out, common.markdown_table(out['cells'], COLUMNS), args.rescore)
     return out
   info = common.run_info(__spec__.name, argv)
+  if args.keep:
+    Path(args.keep).mkdir(parents=True, exist_ok=True)
   hogs = [subprocess.Popen(['yes'], stdout=subprocess.DEVNULL, start_new_session=True)
           for _ in range(args.busy)]
   cells = []
