@@ -12,7 +12,7 @@ import pytest
 
 from mecefo_jax import sharding
 from mecefo_jax.config import load_config
-from mecefo_jax.model import llama, train_state
+from mecefo_jax.model import contract, llama, train_state
 from mecefo_jax.step import program_store, retarget
 from mecefo_jax.core.programs import EVAL, ProgramKey
 from mecefo_jax.step.cache import ProgramCache
@@ -23,13 +23,15 @@ TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_le
         'model.n_layers=1', 'model.vocab_size=64', 'train.micro_batch=4', 'mesh.slice=4',
         'mesh.fsdp=2']
 CFG = load_config(None, TINY)
+# The built-in llama named as a user's model: a recipe does not cover a user's helper modules.
+USER_CFG = load_config(None, [*TINY, 'model.kind=mecefo_jax.model.llama:LLaMA'])
 SLICES = sharding.PresentSlices(sharding.make_mesh(CFG.mesh), (0, 1, 2, 3))
 GRAPHDEF = llama.abstract(CFG.model)[0]
 
 
-def _cache(program_store, move=True) -> ProgramCache:
+def _cache(program_store, move=True, cfg=CFG) -> ProgramCache:
   """A fresh cache (as in a new process) over the store."""
-  return ProgramCache(CFG, SLICES, GRAPHDEF, lambda s: None, move=move,
+  return ProgramCache(cfg, SLICES, GRAPHDEF, lambda s: None, move=move,
                       program_store=program_store)
 
 
@@ -186,6 +188,10 @@ def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeyp
   assert _recipe(load_config(None, [*TINY, 'optimizer.lr=0.5'])) != base
   assert _recipe(load_config(None, [*TINY, 'train.steps=7'])) != base  # the schedule's length
   assert _recipe(CFG, ('eval', 4, None)) != base
+  with jax.default_matmul_precision('float32'):  # a jax setting a trace reads
+    assert _recipe(CFG) != base
+  with contract.unrolled():
+    assert _recipe(CFG) != base
   flags = os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true'
   monkeypatch.setenv('XLA_FLAGS', flags)
   assert _recipe(CFG) != base
@@ -193,8 +199,9 @@ def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeyp
 
 def test_a_program_built_ahead_is_found_by_its_recipe_without_lowering(tmp_path, monkeypatch):
   """A restart's programs, built ahead into the store, are known there by their recipe's
-  alias: a later process (or another live set of the shape) lowers nothing to see them. The
-  program a step runs is still found by its lowered fingerprint."""
+  alias: a later process (or another live set of the shape) lowers nothing to see them, nor
+  to load the program a step runs. A user's model (module:factory) may trace through modules
+  the recipe does not read: its programs are found by their lowered fingerprint."""
   programs = program_store.ProgramStore(tmp_path, 1 << 30)
   assert _cache(programs).prepare(ProgramKey(EVAL, (0, 1)))  # compiled into the store
   lowered = []
@@ -208,7 +215,11 @@ def test_a_program_built_ahead_is_found_by_its_recipe_without_lowering(tmp_path,
   assert len(lowered) == 1 and list(tmp_path.glob(f'*{program_store.SUFFIX}'))
   later = _cache(programs)
   later.program(ProgramKey(EVAL, (0, 1)))
-  assert len(lowered) == 2 and _counts(later)['loaded'] == 1
+  assert len(lowered) == 1 and _counts(later)['loaded'] == 1
+  for n, how in ((2, 'compiled'), (3, 'loaded')):  # a user's model: its own entry, each lowered
+    user = _cache(programs, cfg=USER_CFG)
+    user.program(ProgramKey(EVAL, (0, 1)))
+    assert len(lowered) == n and _counts(user)[how] == 1
 
 
 def test_concurrent_writers_never_show_a_reader_a_partial_entry(tmp_path, caplog):

@@ -33,7 +33,7 @@ def _state(cfg, mesh):
 
 def _compiled(lowered, mesh):
   """`lowered` compiled, or loaded from the suite's program store (procs.suite_store)."""
-  return initializer.compile_or_load(lowered, list(mesh.devices.flat), suite_store())[0]
+  return initializer.compile_or_load(lambda: lowered, list(mesh.devices.flat), suite_store())[0]
 
 
 # Jitted, one program per (role, config, degrade): op by op, each of a step's ~200 small ops

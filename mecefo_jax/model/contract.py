@@ -51,6 +51,12 @@ def unrolled():
     _unroll.reset(token)
 
 
+def scan_unroll() -> int | bool:
+  """lax.scan's unroll over the blocks for programs traced now: SCAN_UNROLL, or True inside
+  unrolled()."""
+  return _unroll.get(SCAN_UNROLL)
+
+
 @dataclasses.dataclass(frozen=True)
 class Degrade:
   """Which docs/algorithm.md §2 techniques a pass uses; frozen and hashable, so it is static under jit.
@@ -181,7 +187,7 @@ def scan(blocks, h, call, per_layer=None):
     params, layer_xs = xs
     return call(nnx.merge(graphdef, params), h, layer_xs), None
 
-  h, _ = jax.lax.scan(layer, h, (stacked, per_layer), unroll=_unroll.get(SCAN_UNROLL))
+  h, _ = jax.lax.scan(layer, h, (stacked, per_layer), unroll=scan_unroll())
   return h
 
 

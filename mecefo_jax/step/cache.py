@@ -17,8 +17,8 @@ from mecefo_jax.core.programs import ProgramKey
 from mecefo_jax.records import progress_marks
 from mecefo_jax.sections import entry
 from mecefo_jax.step import lowering, retarget
-from mecefo_jax.step.program_store import (booking, cache_hits, compiler_options, fingerprint,
-                                           ProgramStore, recipe)
+from mecefo_jax.step.program_store import (booking, cache_hits, compiler_options, covers_code,
+                                           fingerprint, ProgramStore, recipe)
 
 log = logging.getLogger('mecefo')
 
@@ -78,6 +78,7 @@ class Request:
   store_devices: bool  # the store's key names the devices (programs do not move)
   model: str = ''  # model.kind: in the store's key
   recipe: Callable[[], str] | None = None  # its alias's key (program_store.recipe), where a store
+  by_recipe: bool = False  # the recipe covers its code: found by its alias (ProgramStore.lookup)
 
   @property
   def devices(self) -> list:
@@ -152,7 +153,7 @@ class Stored(_WithStore):
   def build(self, request: Request) -> Built | None:
     if self.store is None:
       return None
-    entry = self.store.read(request.store_key)
+    entry = self.store.lookup(request.by_recipe and request.recipe(), lambda: request.store_key)
     if multihost.is_multiprocess():
       # All processes load or none does, so that no process reaches a collective a compile
       # ahead of the others; no vote off the training thread (processes vote in step).
@@ -254,7 +255,8 @@ class ProgramCache:
     program = key.shape if self.move else (key, [d.id for d in mesh.devices.flat])
     return Request(key, mesh, ahead, lambda: lowering.lower(key, self.cfg, mesh, self.graphdef),
                    store_devices=not self.move, model=self.cfg.model.kind,
-                   recipe=lambda: recipe(self.cfg, program, dict(mesh.shape)))
+                   recipe=lambda: recipe(self.cfg, program, dict(mesh.shape)),
+                   by_recipe=covers_code(self.cfg.model.kind))
 
   def _build(self, request: Request):
     """From the first source that has it. Runs under the lock."""

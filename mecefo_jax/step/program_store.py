@@ -18,7 +18,9 @@ from typing import Callable, Sequence
 
 import jax
 import jaxlib
+from jax._src import config as jax_config  # trace_context: what jax's jit cache keys on
 
+from mecefo_jax.model import contract
 from mecefo_jax.step import retarget
 
 log = logging.getLogger('mecefo')
@@ -109,9 +111,10 @@ _HOST_ONLY = {'train': ('out_dir', 'log_every', 'eval_every', 'plot', 'compile_c
 def recipe(cfg, program: tuple, mesh_shape: dict) -> str:
   """What a program is made from, known without tracing it: the config's program settings,
   `program` (its ProgramKey's shape, or its slices and devices where programs do not move), the
-  mesh's axes, the code that builds it (code_identity) and the versions, backend and flags of
-  its fingerprint. Only an alias's key (ProgramStore.alias_of): a program that runs is always
-  found by its lowered fingerprint."""
+  mesh's axes, the code that builds it (code_identity), jax's trace settings, and the versions,
+  backend and flags of its fingerprint: the key of its alias (ProgramStore.alias_of). Where it
+  covers all the code that traces the program (covers_code), ProgramStore.lookup finds the
+  program by it without lowering; else only by its lowered fingerprint."""
   settings = dataclasses.asdict(cfg)
   for section, fields in _HOST_ONLY.items():
     if fields is None:
@@ -119,7 +122,7 @@ def recipe(cfg, program: tuple, mesh_shape: dict) -> str:
     else:
       settings[section] = {k: v for k, v in settings[section].items() if k not in fields}
   parts = (str(FORMAT), repr(settings), repr(program), repr(sorted(mesh_shape.items())),
-           code_identity(cfg.model.kind), *_compile_environment())
+           code_identity(cfg.model.kind), *_trace_settings(), *_compile_environment())
   return hashlib.sha256('\0'.join(parts).encode()).hexdigest()
 
 
@@ -140,6 +143,25 @@ def code_identity(model_kind: str) -> str:
   for name in ('jax', 'jaxlib', 'flax', 'optax'):
     h.update(f'{name} {getattr(importlib.import_module(name), "__version__", "")}'.encode())
   return h.hexdigest()
+
+
+def covers_code(model_kind: str) -> bool:
+  """Whether a recipe covers all the code that traces a program of `model_kind`: a built-in
+  model's (all in this package). A user's model (`module:factory`) may trace through helper
+  modules that code_identity does not read: its programs are looked up by fingerprint."""
+  return ':' not in model_kind
+
+
+def _trace_settings() -> tuple[str, ...]:
+  """jax's settings that shape a trace (x64, matmul precision, PRNG, promotion rules, ...): the
+  list its own jit cache keys on (a private API), else every setting of jax.config (a change of
+  any then costs a lowering). Not the axis environment: programs are lowered outside any trace."""
+  try:
+    names, values = jax_config.trace_context_names(), jax_config.trace_context()
+  except (AttributeError, NotImplementedError):
+    names, values = zip(*sorted(jax.config.values.items()))
+  return tuple(f'{n}={v!r}' for n, v in zip(names, values) if n != 'axis_env_state') + (
+      f'scan_unroll={contract.scan_unroll()!r}',)
 
 
 def _compile_environment() -> tuple[str, ...]:
@@ -242,6 +264,15 @@ class ProgramStore:
       os.replace(tmp, path)
     except OSError:
       tmp.unlink(missing_ok=True)
+
+  def lookup(self, recipe: str | None,
+             key: Callable[[], str]) -> retarget.Serialized | None:
+    """A program's entry: by `recipe`'s alias where given (nothing lowered; the caller passes
+    a recipe only where it covers the program's code, covers_code), else, or where the alias
+    names no usable entry, by `key()`, its lowered fingerprint."""
+    alias = self.alias_of(recipe) if recipe else None
+    entry = self.read(alias) if alias else None
+    return entry if entry is not None else self.read(key())
 
   def read(self, key: str) -> retarget.Serialized | None:
     """The entry under `key`, checked; None if there is none or it is unusable (warned)."""
