@@ -5,6 +5,7 @@ The run uses the notebook's tiny setting (MECEFO_NOTEBOOK_STEPS), a kernel of th
 (a kernelspec written into a temp JUPYTER_PATH: benchmarks/notebook_run.py), 4 simulated CPU devices, and an in-memory
 copy of the notebook: the committed file is never written.
 """
+import json
 import re
 import sys
 from pathlib import Path
@@ -137,6 +138,12 @@ def test_notebook_runs_on_cpu(launcher, tmp_path):
   assert 'in-memory snapshots left by the crashed run (steps done): [10] in ' in text  # its own
   assert 'resumed from the snapshot taken after 10 steps' in text
   assert 'resume check: final params_sha256 matches the uninterrupted run' in text
+  # The runs share the program store train.py opens (here the suite's): the later runs load
+  # what the fault-free one compiled, the resumed one what the run with the failure compiled.
+  runs = next(p for p in tmp_path.glob('mecefo_nb_*') if (p / 'fault_free').is_dir())
+  loaded = {run: json.loads((runs / run / 'report.json').read_text())['programs']['loaded']
+            for run in ('with_failure', 'crashed')}
+  assert all(n >= 1 for n in loaded.values()), loaded
   assert 'live plot through on_log' in text
   images = sum('image/png' in out.get('data', {}) for cell in nb.cells
                for out in cell.get('outputs', []))
