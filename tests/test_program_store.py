@@ -180,11 +180,14 @@ def _recipe(cfg, program=('eval', 2, None)):
   return program_store.recipe(cfg, program, {'slice': 2, 'fsdp': 2, 'tensor': 1})
 
 
+HOST_ONLY = ['train.out_dir=elsewhere', 'train.log_every=1', 'train.eval_every=3',
+             'snapshot.every=1', 'snapshot.durable_every=3', 'faults.precompile=never',
+             'faults.takeover=spread']
+
+
 def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeypatch):
   base = _recipe(CFG)
-  host_only = ['train.out_dir=elsewhere', 'train.log_every=1', 'train.eval_every=3',
-               'snapshot.every=1', 'faults.precompile=never']
-  assert _recipe(load_config(None, [*TINY, *host_only])) == base
+  assert _recipe(load_config(None, [*TINY, *HOST_ONLY])) == base
   assert _recipe(load_config(None, [*TINY, 'optimizer.lr=0.5'])) != base
   assert _recipe(load_config(None, [*TINY, 'train.steps=7'])) != base  # the schedule's length
   assert _recipe(CFG, ('eval', 4, None)) != base
@@ -195,6 +198,12 @@ def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeyp
   flags = os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true'
   monkeypatch.setenv('XLA_FLAGS', flags)
   assert _recipe(CFG) != base
+
+
+def test_the_settings_a_recipe_leaves_out_leave_the_lowered_program_as_it_is():
+  """What lets a recipe find a program that runs: the settings it leaves out shape none."""
+  key = lambda cfg: _cache(None, cfg=cfg)._request(ProgramKey(EVAL, (0, 1)), False).store_key
+  assert key(load_config(None, [*TINY, *HOST_ONLY])) == key(CFG)
 
 
 def test_a_program_built_ahead_is_found_by_its_recipe_without_lowering(tmp_path, monkeypatch):
