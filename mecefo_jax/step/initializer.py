@@ -12,8 +12,8 @@ from jax.sharding import Mesh
 from mecefo_jax.config import Config
 from mecefo_jax.model import train_state
 from mecefo_jax.step import retarget
-from mecefo_jax.step.program_store import (booking, cache_hits, compiler_options, covers_code,
-                                           fingerprint, ProgramStore, recipe)
+from mecefo_jax.step.cache import compile_lowered
+from mecefo_jax.step.program_store import covers_code, fingerprint, ProgramStore, recipe
 
 log = logging.getLogger('mecefo')
 
@@ -29,8 +29,11 @@ def compile_or_load(lower: Callable[[], jax.stages.Lowered], devices: Sequence,
   entry = program_store.lookup(recipe, key) if program_store else None
   program = _load(entry, devices) if entry is not None else None
   loaded = program is not None
-  if not loaded:
-    program = _compile(lowered(), devices, program_store, key)
+  if not loaded:  # kept in the store unless JAX's persistent cache gave it (compile_lowered)
+    program, serialized, _ = compile_lowered(lowered(), devices, program_store,
+                                             serialize=program_store is not None)
+    if serialized is not None:
+      program_store.write(key(), serialized)
   if recipe and key.cache_info().currsize:  # lowered: the recipe's alias is known
     program_store.set_alias(recipe, key())
   return program, loaded
@@ -43,19 +46,6 @@ def _load(entry: retarget.Serialized, devices: Sequence) -> jax.stages.Compiled 
     log.warning('loading the initializer from the store failed (%s: %s); compiling it',
                 type(err).__name__, err)
     return None
-
-
-def _compile(lowered: jax.stages.Lowered, devices: Sequence, program_store: ProgramStore | None,
-             key: Callable[[], str]) -> jax.stages.Compiled:
-  """`lowered` compiled, and written to the store under `key()`."""
-  hits = cache_hits()
-  with booking():
-    compiled = lowered.compile(compiler_options(program_store, devices) or None)
-  # Not a program JAX's persistent cache gave back: on CPU its copy would lack its functions
-  # (step/cache.py compile_lowered).
-  if program_store is not None and cache_hits() == hits:
-    program_store.write(key(), retarget.Serialized.of(compiled, devices))
-  return compiled
 
 
 def create(cfg: Config, mesh: Mesh, program_store: ProgramStore | None = None,
