@@ -153,7 +153,8 @@ class Stored(_WithStore):
   def build(self, request: Request) -> Built | None:
     if self.store is None:
       return None
-    entry = self.store.lookup(request.by_recipe and request.recipe(), lambda: request.store_key)
+    recipe_key = request.recipe() if request.by_recipe else None  # (lookup takes str | None)
+    entry = self.store.lookup(recipe_key, lambda: request.store_key)
     if multihost.is_multiprocess():
       # All processes load or none does, so that no process reaches a collective a compile
       # ahead of the others; no vote off the training thread (processes vote in step).
