@@ -20,9 +20,15 @@ def _cfg(args, policy: str, extra: tuple[str, ...] = ()):
 def train(args, policy: str, schedule, extra: tuple[str, ...] = ()) -> dict:
   """One run (`extra`: overrides after the policy's); its final params evaluated on the fixed
   held-out set."""
+  from mecefo_jax.run.parts import StartMode
   from mecefo_jax.run.trainer import Trainer
+  from mecefo_jax.step.program_store import open_store
+  cfg = _cfg(args, policy, extra)
+  # The program store train.py opens: the runs of one invocation (policies, seeds) and of the
+  # next load the programs they share instead of compiling them again.
+  start = StartMode(program_store=open_store(cfg.train.compile_cache, cfg.train.program_store_mb))
   with tempfile.TemporaryDirectory() as out:
-    trainer = Trainer(_cfg(args, policy, extra), Path(out), schedule)
+    trainer = Trainer(cfg, Path(out), schedule, start=start)
     report = trainer.run()
     if report.get('stopped'):  # its final loss would not be comparable with the others'
       raise RuntimeError(f'{policy} run stopped early: {report["stopped"]}')
