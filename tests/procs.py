@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITE_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
 # For a process whose training steps cost more than its compiles (the notebook's tiny.yaml runs):
 # LLVM's first optimization level. On `train.py --host-devices 4 mesh.slice=4` with tiny.yaml, 60
-# steps, a cold store: steps 11 s -> 3.2 s, compiles 1.9 s -> 3.x s, 28 -> 16 CPU s a run; on the
+# steps, a cold store: steps 11 s -> 3.2 s, compiles 1.9 s -> ~3 s, 28 -> 16 CPU s a run; on the
 # TINY model (steps ~0.01 s) the same flag costs more than it saves (6 programs 6.7 -> 10.9 s).
 STEP_XLA_FLAGS = '--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false'
 
