@@ -17,6 +17,7 @@ from mecefo_jax.step import program_store, retarget
 from mecefo_jax.core.programs import EVAL, ProgramKey
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.lowering import LOWER
+import procs
 
 pytestmark = pytest.mark.usefixtures('devices')
 TINY = ['model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
@@ -229,6 +230,25 @@ def test_a_program_built_ahead_is_found_by_its_recipe_without_lowering(tmp_path,
     user = _cache(programs, cfg=USER_CFG)
     user.program(ProgramKey(EVAL, (0, 1)))
     assert len(lowered) == n and _counts(user)[how] == 1
+
+
+def test_a_fresh_process_runs_a_mecefo_policys_programs_found_by_their_recipe(launcher, tmp_path):
+  """A degraded row's basis refresh calls LAPACK (QR, ops/basis.py), whose kernels jax readies
+  only when it lowers a linalg op: a process that found the refresh by its recipe alone (no
+  lowering) ran it into a SIGSEGV (retarget._init_handlers). Its run equals the compiling one's."""
+  trace = tmp_path / 'trace.txt'
+  trace.write_text('1 1 fail\n')
+  env = launcher.env(compile_cache=False)  # one empty store: the first run compiles into it
+  args = ['--host-devices', '2', f'--failures=trace:{trace}', *procs.TINY, 'mesh.slice=2',
+          'train.steps=3', 'train.eval_every=0', 'train.plot=false', 'snapshot.enabled=false',
+          'faults.takeover=spread']
+  runs = [launcher.train('--out', tmp_path / name, *args, env=env) for name in ('cold', 'warm')]
+  for run in runs:
+    assert run.returncode == 0, run.stderr[-3000:]
+  assert 'compiling the refresh_cold program' in runs[0].stderr, runs[0].stderr[-3000:]
+  assert 'loaded from the store the refresh_cold program' in runs[1].stderr, runs[1].stderr[-3000:]
+  cold, warm = (procs.report(tmp_path / name) for name in ('cold', 'warm'))
+  assert cold['samples']['degraded'] > 0 and warm['params_sha256'] == cold['params_sha256']
 
 
 def test_concurrent_writers_never_show_a_reader_a_partial_entry(tmp_path, caplog):
