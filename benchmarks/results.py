@@ -158,6 +158,17 @@ def _requeue_quality(d: dict) -> str:
           f"[{low:+.3f}, {high:+.3f}]%")
 
 
+def _requeue_pool(d: dict) -> str:
+  e, s = d['eval_increase_pct'], d['settings']
+  low, high = e['ci95']
+  again = (f"; seed {', '.join(map(str, d['reproduced']))} trained again, the same to the bit"
+           if d['reproduced'] else '')
+  return (f"{len(d['seeds'])} seeds paired from {len(d['sources'])} files ({s['slices']} slices, "
+          f"fault-free {s['steps']} steps{again}): eval loss vs fault-free {e['mean']:+.3f}% "
+          f"(std {e['std']:.3f}), 95% interval [{low:+.3f}, {high:+.3f}]%, "
+          + ('within' if d['within_bound'] else 'not within') + f" ±{s['loss_bound_pct']:g}%")
+
+
 # (file name prefix, section title, what its headline says), longest prefix first where nested.
 KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('step_cost', 'Per-slice step cost', _step_cost),
@@ -169,6 +180,7 @@ KINDS: list[tuple[str, str, Callable[[dict], str]]] = [
     ('quality_frontier', 'Quality runs of the frontier', _quality_seeds),
     ('quality_trace', "Quality at a real fault log's rates", _quality_trace),
     ('requeue_quality', "requeue at a real fault log's rates, at equal samples", _requeue_quality),
+    ('requeue_pool', "requeue at a real fault log's rates, every seed pooled", _requeue_pool),
     ('frontier', 'The frontier: throughput against quality', _frontier),
     ('failure_throughput', 'Throughput under failures', _failure_throughput),
     ('trace_goodput', 'Goodput on a real fault log', _trace_goodput),

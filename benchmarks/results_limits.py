@@ -18,6 +18,7 @@ SHAPED = ('quality_presets_llama_60m_shaped_lr1e-3.json',
 VIM = tuple(f'quality_seeds_tiny_vimdoc_{n}steps.json' for n in (300, 1200, 2400))
 QUALITY = ('quality_trace_infinitehbd_tiny_pydoc_8slices.json',
            'quality_trace_infinitehbd_tiny_pydoc_32slices.json')
+REQUEUE = 'requeue_pool_infinitehbd_tiny_pydoc_32slices.json'
 
 
 def _link(name: str) -> str:
@@ -72,6 +73,16 @@ def _real_cluster(r: dict) -> str:
           + f" ({_link(TRACE)}, {', '.join(map(_link, QUALITY))})")
 
 
+def _requeue(r: dict) -> str:
+  d = r[REQUEUE]
+  e, s = d['eval_increase_pct'], d['settings']
+  return (f"`requeue`'s own loss at the log's rates, at equal samples ({s['slices']} slices, "
+          f"{s['steps']} fault-free steps, {len(d['seeds'])} seeds paired), is "
+          f"{e['mean']:+.2f}% against fault-free, 95% interval [{e['ci95'][0]:+.2f}, "
+          f"{e['ci95'][1]:+.2f}]%: " + ('within' if d['within_bound'] else 'not within')
+          + f" the ±{s['loss_bound_pct']:g}% that would call it free ({_link(REQUEUE)})")
+
+
 def _steps(d: dict) -> str:
   steps = {run['steps'] for run in d['per_seed'].values()} if 'per_seed' in d else {d['steps']}
   return '/'.join(map(str, sorted(steps)))
@@ -101,7 +112,7 @@ def _short_runs(r: dict) -> str:
 
 FIGURES: dict[str, Callable[[dict], str]] = {
     'snapshot': _snapshot, 'scale': _scale, 'real cluster': _real_cluster,
-    'short runs': _short_runs}
+    'requeue': _requeue, 'short runs': _short_runs}
 
 
 def begin(key: str) -> str:

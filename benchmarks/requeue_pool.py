@@ -1,0 +1,72 @@
+"""Pools the paired seeds of several `--trace --policies requeue` quality runs into one interval.
+
+Run: python -m benchmarks.requeue_pool A.json B.json ... --json OUT.json
+Each file is a `python -m benchmarks.quality --trace ... --policies requeue` result (issue 63:
+requeue's eval loss minus the fault-free run's, at equal samples, per seed). The files must
+share every setting but their seeds; a seed in two files must give the same value to the bit (a
+seed trained again at a later commit reproduces it, or the pool is refused). The interval is
+Student's t over all the seeds' paired differences (`benchmarks/quality_runs.py` `t_interval`).
+"""
+from __future__ import annotations
+
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.requeue_pool')
+
+import argparse
+import json
+from pathlib import Path
+
+# What a pooled file must share: everything that shapes a seed's pair of runs but the seeds.
+SAME = ('mode', 'trace', 'days', 'nodes', 'classes', 'steps', 'config', 'overrides', 'slices',
+        'data', 'loss_bound_pct')
+
+
+def pool(files: dict[str, dict]) -> dict:
+  """{'settings', 'per_seed': {seed: increase %}, 'reproduced': [seeds in two files], ...} of
+  `files` (name -> a quality --trace result of the requeue policy)."""
+  from benchmarks.quality_runs import mean_std_sem
+  settings, by_seed, reproduced, sources = None, {}, [], []
+  for name, d in files.items():
+    if d.get('mode') != 'trace' or set(d['summary']) - {'down_pct_per_seed'} != {'requeue'}:
+      raise ValueError(f'{name}: not a --trace --policies requeue result of benchmarks.quality')
+    mine = {k: d.get(k) for k in SAME}
+    if settings is not None and mine != settings:
+      differ = [k for k in SAME if mine[k] != settings[k]]
+      raise ValueError(f'{name}: its {", ".join(differ)} differ from the first file\'s')
+    settings = mine
+    for seed, value in zip(d['seeds'], d['summary']['requeue']['eval_increase_pct']['per_seed']):
+      if seed in by_seed and by_seed[seed] != value:
+        raise ValueError(f'{name}: seed {seed} gives {value!r}, an earlier file {by_seed[seed]!r}')
+      if seed in by_seed:
+        reproduced.append(seed)
+      by_seed[seed] = value
+    sources.append({'file': name, **{k: d[k] for k in ('commit', 'command', 'date', 'seeds')}})
+  if not by_seed:
+    raise ValueError('no files to pool')
+  increase = mean_std_sem([by_seed[s] for s in sorted(by_seed)])
+  bound, ci95 = settings['loss_bound_pct'], increase['ci95']
+  return {'settings': settings, 'seeds': sorted(by_seed),
+          'per_seed': {str(s): by_seed[s] for s in sorted(by_seed)}, 'reproduced': reproduced,
+          'eval_increase_pct': increase,
+          'within_bound': ci95 is not None and -bound <= ci95[0] and ci95[1] <= bound,
+          'sources': sources}
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('files', nargs='+', help='quality --trace --policies requeue result JSONs')
+  p.add_argument('--json', default=None)
+  args = p.parse_args(argv)
+  from benchmarks import common
+  info = common.run_info(__spec__.name, argv)
+  result = {**info, **pool({Path(f).name: json.loads(Path(f).read_text()) for f in args.files})}
+  e = result['eval_increase_pct']
+  row = {'seeds': len(result['seeds']), 'mean %': e['mean'], 'std %': e['std'],
+         '95% interval %': f"[{e['ci95'][0]:+.3f}, {e['ci95'][1]:+.3f}]",
+         f"within ±{result['settings']['loss_bound_pct']}%": result['within_bound']}
+  common.emit(result, common.markdown_table([row], list(row)), args.json)
+  return result
+
+
+if __name__ == '__main__':
+  main()
