@@ -3,9 +3,10 @@
 Run: python -m benchmarks.requeue_pool A.json B.json ... --json OUT.json
 Each file is a `python -m benchmarks.quality --trace ... --policies requeue` result (issue 63:
 requeue's eval loss minus the fault-free run's, at equal samples, per seed). The files must
-share every setting but their seeds; a seed in two files must give the same value to the bit (a
-seed trained again at a later commit reproduces it, or the pool is refused). The interval is
-Student's t over all the seeds' paired differences (`benchmarks/quality_runs.py` `t_interval`).
+share every setting but their seeds. A seed in two files (trained again, e.g. at a later commit)
+counts once, with its first file's value; the two must agree within AGREE_PCT, or the pool is
+refused. The interval is Student's t over all the seeds' paired differences
+(`benchmarks/quality_runs.py` `t_interval`).
 """
 from __future__ import annotations
 
@@ -19,10 +20,15 @@ from pathlib import Path
 # What a pooled file must share: everything that shapes a seed's pair of runs but the seeds.
 SAME = ('mode', 'trace', 'days', 'nodes', 'classes', 'steps', 'config', 'overrides', 'slices',
         'data', 'loss_bound_pct')
+# How far a seed trained again may land from its first run, in points of eval-loss increase:
+# 1/30 of the ±0.3 bound. Not to the bit: seed 9 trained alone (at 2a7ee5e and at db4121c alike,
+# bit for bit) differs from seed 9 trained fifth in one process after seeds 5-8, from step 50 on,
+# by ~1e-6 of the loss (a float-level effect of the process's history; its cause is not found).
+AGREE_PCT = 0.01
 
 
 def pool(files: dict[str, dict]) -> dict:
-  """{'settings', 'per_seed': {seed: increase %}, 'reproduced': [seeds in two files], ...} of
+  """{'settings', 'per_seed': {seed: increase %}, 'reproduced': [seeds again], ...} of
   `files` (name -> a quality --trace result of the requeue policy)."""
   from benchmarks.quality_runs import mean_std_sem
   settings, by_seed, reproduced, sources = None, {}, [], []
@@ -35,11 +41,13 @@ def pool(files: dict[str, dict]) -> dict:
       raise ValueError(f'{name}: its {", ".join(differ)} differ from the first file\'s')
     settings = mine
     for seed, value in zip(d['seeds'], d['summary']['requeue']['eval_increase_pct']['per_seed']):
-      if seed in by_seed and by_seed[seed] != value:
-        raise ValueError(f'{name}: seed {seed} gives {value!r}, an earlier file {by_seed[seed]!r}')
       if seed in by_seed:
-        reproduced.append(seed)
-      by_seed[seed] = value
+        if abs(by_seed[seed] - value) > AGREE_PCT:
+          raise ValueError(f'{name}: seed {seed} gives {value:+.4f}%, an earlier file '
+                           f'{by_seed[seed]:+.4f}% (more than {AGREE_PCT} points apart)')
+        reproduced.append({'seed': seed, 'file': name, 'value': value, 'kept': by_seed[seed]})
+      else:
+        by_seed[seed] = value
     sources.append({'file': name, **{k: d[k] for k in ('commit', 'command', 'date', 'seeds')}})
   if not by_seed:
     raise ValueError('no files to pool')

@@ -161,8 +161,8 @@ def _requeue_quality(d: dict) -> str:
 def _requeue_pool(d: dict) -> str:
   e, s = d['eval_increase_pct'], d['settings']
   low, high = e['ci95']
-  again = (f"; seed {', '.join(map(str, d['reproduced']))} trained again, the same to the bit"
-           if d['reproduced'] else '')
+  again = ''.join(f"; seed {r['seed']} trained again: {r['value']:+.4f}% against "
+                  f"{r['kept']:+.4f}%" for r in d['reproduced'])
   return (f"{len(d['seeds'])} seeds paired from {len(d['sources'])} files ({s['slices']} slices, "
           f"fault-free {s['steps']} steps{again}): eval loss vs fault-free {e['mean']:+.3f}% "
           f"(std {e['std']:.3f}), 95% interval [{low:+.3f}, {high:+.3f}]%, "

@@ -44,9 +44,11 @@ def pin_blas_kernels() -> None:
     os.environ['OPENBLAS_CORETYPE'] = 'Haswell'
 
 
-# The model every process-starting test trains: one layer, 16-token rows, seconds per run.
+# The model every process-starting test trains: one layer, 16-token rows, seconds per run; and
+# no training.png at its end (~1 CPU s of matplotlib a run, a quarter of a short warm train.py):
+# tests/test_run_outputs.py checks the plot.
 TINY = ('model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_len=16',
-        'model.n_layers=1', 'train.micro_batch=4')
+        'model.n_layers=1', 'train.micro_batch=4', 'train.plot=false')
 
 
 class Launcher:

@@ -25,7 +25,7 @@ from mecefo_jax.records.run_state import RunState, read_run_state, write_run_sta
 from mecefo_jax.run.parts import StartMode
 from procs import ROOT, TINY, error_lines, wait_for
 
-RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=')
+RUN = (*TINY, 'mesh.slice=1', 'train.compile_cache=')
 
 
 def _main(capsys, *argv, main=cli.main):

@@ -45,7 +45,7 @@ def test_the_model_computes_in_the_dtype_resolved_for_the_backend(monkeypatch):
 
 
 def _train(out: Path, steps: int, resume: bool = False) -> Trainer:
-  cfg = load_config(None, [*TINY, 'mesh.slice=1', f'train.steps={steps}', 'train.plot=false',
+  cfg = load_config(None, [*TINY, 'mesh.slice=1', f'train.steps={steps}',
                            'train.eval_every=0', 'train.eval_batches=1',
                            f'snapshot.dir={out.parent}/shm'])
   run = Trainer(cfg, out, progress='quiet', start=StartMode(

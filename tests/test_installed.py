@@ -157,7 +157,7 @@ def test_an_installed_wheel_trains_and_launches_from_outside_the_checkout(tmp_pa
   assert trained.returncode == 0, trained.stderr[-3000:]
   assert report(elsewhere / 'X')['steps'] == 20
   job = run(venv / 'bin' / 'python', '-m', 'mecefo_jax.launch', '-n', '2', '--', '--out', 'Y',
-            *TINY, 'mesh.slice=2', 'train.steps=20', 'train.plot=false', timeout=300)
+            *TINY, 'mesh.slice=2', 'train.steps=20', timeout=300)
   assert job.returncode == 0, job.stderr[-3000:]
   result = report(elsewhere / 'Y')
   assert result['steps'] == 20 and result['mesh']['slice'] == 2

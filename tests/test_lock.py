@@ -17,7 +17,7 @@ from mecefo_jax.records.run_state import read_run_state
 from procs import ROOT, TINY, error_lines, kill, report, tree, wait_all, wait_for
 
 STEPS = 3
-ARGS = ['-q', *TINY, f'train.steps={STEPS}', 'train.log_every=1', 'train.plot=false',
+ARGS = ['-q', *TINY, f'train.steps={STEPS}', 'train.log_every=1',
         'train.eval_batches=1', 'snapshot.every=1', 'snapshot.durable_every=1']
 
 

@@ -22,7 +22,7 @@ from procs import ROOT, TINY, error_lines, report
 EXAMPLE = ROOT / 'examples' / 'own_model.py'
 DOC = ROOT / 'docs' / 'own_model.md'
 STEPS = 10
-ARGS = [*TINY, f'train.steps={STEPS}', 'train.eval_every=0', 'train.plot=false',
+ARGS = [*TINY, f'train.steps={STEPS}', 'train.eval_every=0',
         'train.log_every=1', 'mecefo.tau=3', 'faults.takeover=spread']  # MeCeFO's degraded rows
 TRACE = '2 1 fail\n3 3 fail\n6 1 repair\n8 3 repair\n'
 
@@ -89,7 +89,7 @@ def test_the_example_killed_and_resumed_ends_bit_exact(launcher, tmp_path):
 
 def test_a_resume_with_another_model_is_refused_in_one_line(tmp_path, capsys, devices):
   out = tmp_path / 'run'
-  base = ['--out', str(out), *TINY, 'train.steps=4', 'train.plot=false', 'snapshot.enabled=false',
+  base = ['--out', str(out), *TINY, 'train.steps=4', 'snapshot.enabled=false',
           '--stop-after', '2']
   assert cli.main(base) != BAD_INPUT
   capsys.readouterr()

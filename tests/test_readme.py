@@ -74,7 +74,7 @@ def test_the_readmes_commands_run_at_reduced_steps(launcher, tmp_path):
   """Each command of an unmarked block as written, from an empty directory, with the tiny test
   model and 4 steps appended (the test command excepted: it is the suite this runs in)."""
   env = launcher.env(PYTHONPATH=str(ROOT))
-  short = [*TINY, 'train.steps=4', 'train.eval_batches=1', 'train.plot=false',
+  short = [*TINY, 'train.steps=4', 'train.eval_batches=1',
            f'snapshot.dir={tmp_path / "shm"}']
   ran = []
   for cmd in to_run(README.read_text()):

@@ -32,13 +32,16 @@ def test_the_seeds_of_every_file_make_one_interval(files):
   assert [s['file'] for s in pooled['sources']] == list(files)
 
 
-def test_a_seed_trained_again_counts_once_and_must_agree_to_the_bit(files):
+def test_a_seed_trained_again_counts_once_and_must_agree(files):
   name, d = next(iter(files.items()))
   again = copy.deepcopy(d)
-  again['seeds'], _increases(again)[:] = d['seeds'][:1], _increases(d)[:1]
+  again['seeds'], _increases(again)[:] = d['seeds'][:1], [_increases(d)[0] + 0.009]
   pooled = requeue_pool.pool({**files, 'again.json': again})
-  assert pooled['reproduced'] == d['seeds'][:1] and len(pooled['seeds']) == 10
-  _increases(again)[0] += 1e-12
+  assert len(pooled['seeds']) == 10
+  assert pooled['per_seed'][str(d['seeds'][0])] == _increases(d)[0]  # the first file's value
+  assert pooled['reproduced'] == [{'seed': d['seeds'][0], 'file': 'again.json',
+                                   'value': _increases(d)[0] + 0.009, 'kept': _increases(d)[0]}]
+  _increases(again)[0] += 0.002  # 0.011 points apart
   with pytest.raises(ValueError, match=f'seed {d["seeds"][0]} gives'):
     requeue_pool.pool({**files, 'again.json': again})
 

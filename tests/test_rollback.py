@@ -18,7 +18,7 @@ from procs import TINY, error_lines, report
 # Every step fetched and snapshotted: the last step seen finite is the one before the divergence.
 # lr=300 diverges at step 7 of 12 (the schedule spans train.steps; 8 steps never diverge).
 STEPS = 12
-RUN = (*TINY, 'mesh.slice=1', 'train.plot=false', 'train.compile_cache=', f'train.steps={STEPS}',
+RUN = (*TINY, 'mesh.slice=1', 'train.compile_cache=', f'train.steps={STEPS}',
        'train.log_every=1', 'train.eval_every=0', 'snapshot.every=1',
        'optimizer.warmup_steps=0')
 
@@ -118,7 +118,7 @@ def test_a_failure_preset_that_applied_no_failure_says_so_last_and_in_the_report
     tmp_path, caplog):
   out = tmp_path / 'run'
   caplog.set_level(logging.INFO, 'mecefo')
-  assert cli.main(['--out', str(out), *TINY, 'mesh.slice=2', 'train.steps=3', 'train.plot=false',
+  assert cli.main(['--out', str(out), *TINY, 'mesh.slice=2', 'train.steps=3',
                    'train.compile_cache=', f'snapshot.dir={tmp_path}/shm',
                    '--failures', 'high']) == 0
   note = report(out)['failures_note']

@@ -25,7 +25,7 @@ from mecefo_jax.records.run_state import RUN_STATE, RunState, read_run_state, wr
 
 from procs import ROOT, TINY, error_lines, report
 
-RUN = (*TINY, 'train.log_every=1', 'train.plot=false', 'mesh.slice=1')
+RUN = (*TINY, 'train.log_every=1', 'mesh.slice=1')
 
 
 def train(launcher, out: Path, *args: str, cwd=ROOT, preexec=None) -> tuple[int, str]:

@@ -15,7 +15,7 @@ from mecefo_jax.records.run_state import read_run_state
 from procs import TINY, report, tree
 
 # One config for every run of this file (train.steps too): they share their programs.
-RUN = [*TINY, 'mesh.slice=2', 'train.steps=8', 'train.log_every=1', 'train.plot=false',
+RUN = [*TINY, 'mesh.slice=2', 'train.steps=8', 'train.log_every=1',
        'train.eval_batches=1', 'train.eval_every=2', 'train.compile_cache=']
 
 

@@ -28,7 +28,7 @@ from mecefo_jax.records.metrics import TrainRow
 from procs import TINY, error_lines, report, tree
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = [*TINY, 'mesh.slice=1', 'train.plot=false', 'train.log_every=1', 'train.eval_every=0']
+RUN = [*TINY, 'mesh.slice=1', 'train.log_every=1', 'train.eval_every=0']
 
 
 def _args(tmp_path, *more):

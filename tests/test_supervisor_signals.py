@@ -21,7 +21,7 @@ from mecefo_jax.records.run_state import read_run_state
 from mecefo_jax.run import rundir
 from procs import TINY, busy_core, kill, report, wait_for
 
-BASE = [*TINY, 'mesh.slice=2', 'train.log_every=1', 'train.eval_every=0', 'train.plot=false']
+BASE = [*TINY, 'mesh.slice=2', 'train.log_every=1', 'train.eval_every=0']
 
 
 def _events(path: Path) -> list[dict]:

@@ -27,7 +27,7 @@ TEXT_KINDS = KINDS[:5]  # files that are no JSON: .reached, stop_request, failur
 # A stopped run (3 of 4 steps) on a prepared token directory without eval rows (no eval
 # program to build): in-memory snapshots 2 and 3, durable checkpoint 2 (3 removed: the
 # in-memory 3 is the newest snapshot, and an older one is there when it is skipped).
-RUN = [*TINY, 'mesh.slice=2', 'train.steps=4', 'train.log_every=1', 'train.plot=false',
+RUN = [*TINY, 'mesh.slice=2', 'train.steps=4', 'train.log_every=1',
        'snapshot.every=1', 'snapshot.keep=2', 'snapshot.durable_every=2']
 # The key each JSON file's 'a required key missing' drops ('' for a list: its first item).
 KEYS = {RUN_STATE: 'run_id', 'report.json': 'failure_events', tokendir.META: 'vocab_size',
