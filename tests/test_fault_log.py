@@ -201,7 +201,7 @@ def test_a_run_of_a_node_log_records_the_node_each_slice_replays(tmp_path):
   seed = next(s for s in range(1, 50) if None in draw(s) and set(draw(s)) - {None})
   out = tmp_path / 'run'
   assert cli.main(['--out', str(out), '--failures', f'trace:{log}', *TINY, 'mesh.slice=2',
-                   'train.steps=2', 'train.eval_every=0', 'train.plot=false',
+                   'train.steps=2', 'train.eval_every=0',
                    'train.compile_cache=', f'snapshot.dir={tmp_path}/shm',
                    'faults.trace_nodes=4', f'train.seed={seed}']) == 0
   assert report(out)['trace_nodes_by_slice'] == draw(seed)

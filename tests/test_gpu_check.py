@@ -43,7 +43,8 @@ def test_every_part_runs_with_tiny_models_and_lands_in_one_json(launcher, tmp_pa
   result = _check(launcher, tmp_path / 'out', 600, GPU_CHECK_MODEL='configs/tiny.yaml',
                   GPU_CHECK_MODEL_1B='configs/tiny.yaml',
                   GPU_CHECK_MFU_OVERRIDES='model.seq_len=32',
-                  GPU_CHECK_OVERRIDES=' '.join(TINY), GPU_CHECK_QUICKSTART_ARGS='train.steps=20',
+                  GPU_CHECK_OVERRIDES=' '.join(TINY),
+                  GPU_CHECK_QUICKSTART_ARGS=' '.join(['train.steps=20', *TINY]),
                   GPU_CHECK_REPEATS='1', GPU_CHECK_LIMIT_NOTEBOOK='0')  # tests/test_notebook.py
   parts = result['parts']
   assert {n: p['status'] for n, p in parts.items()} == {**dict.fromkeys(PARTS, 'ok'),

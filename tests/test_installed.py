@@ -153,12 +153,12 @@ def test_an_installed_wheel_trains_and_launches_from_outside_the_checkout(tmp_pa
   refused = run(venv / 'bin' / 'mecefo-train', '--nope')
   assert refused.stderr.strip().endswith('(see mecefo-train --help)'), refused.stderr
   trained = run(venv / 'bin' / 'mecefo-train', '--config', 'tiny', '--out', 'X', *TINY,
-                'train.steps=20', 'train.plot=false', '--no-snapshots')
+                'train.steps=4', '--no-snapshots')
   assert trained.returncode == 0, trained.stderr[-3000:]
-  assert report(elsewhere / 'X')['steps'] == 20
+  assert report(elsewhere / 'X')['steps'] == 4
   job = run(venv / 'bin' / 'python', '-m', 'mecefo_jax.launch', '-n', '2', '--', '--out', 'Y',
-            *TINY, 'mesh.slice=2', 'train.steps=20', timeout=300)
+            *TINY, 'mesh.slice=2', 'train.steps=4', timeout=300)
   assert job.returncode == 0, job.stderr[-3000:]
   result = report(elsewhere / 'Y')
-  assert result['steps'] == 20 and result['mesh']['slice'] == 2
+  assert result['steps'] == 4 and result['mesh']['slice'] == 2
   assert sorted(os.listdir(ROOT)) == checkout  # no build/ or egg-info left in the checkout

@@ -78,7 +78,7 @@ def test_a_run_with_auto_measures_sets_and_reports_its_interval(tmp_path):
   from mecefo_jax.run.trainer import Trainer
   from procs import TINY, suite_store
   cfg = load_config(None, [*TINY, 'mesh.slice=2', 'train.steps=60', 'train.eval_every=0',
-                           'train.plot=false', 'snapshot.every=auto', 'snapshot.max_every=20',
+                           'snapshot.every=auto', 'snapshot.max_every=20',
                            f'snapshot.dir={tmp_path}/shm', 'snapshot.durable_every=0'])
   trainer = Trainer(cfg, tmp_path / 'run', progress='quiet',
                     start=StartMode(program_store=suite_store()))

@@ -175,11 +175,10 @@ def test_controller_restarts_the_usable_hosts_and_grows_back_on_fake_devices(lau
          '--events', events, '--', '--host-devices=1', '--out', run,
          f'snapshot.dir={tmp_path / "shm"}', 'mesh.slice=3', 'mesh.fsdp=1', *TINY,
          f'train.steps={steps}', 'train.log_every=1', 'snapshot.every=1', 'train.eval_every=0',
-         'train.plot=false',
          # No programs built ahead for failures that never come (none but the death here):
          # what the controller does is the same, at a fraction of the compiles.
          'faults.precompile=never']
-  env = launcher.env(compile_cache=False, **{TEST_DEATH_ENV: f'1:{death}'})
+  env = launcher.env(**{TEST_DEATH_ENV: f'1:{death}'})
   proc = launcher.start(cmd, env=env, stdout=open(tmp_path / 'out.log', 'wb'),
                         stderr=open(tmp_path / 'err.log', 'wb'))
   try:

@@ -194,7 +194,7 @@ def test_token_chunks_from_any_cursor_continue_the_stream(corpus):
 def test_train_py_reads_a_prepared_directory_on_fake_devices(corpus, tmp_path, capsys):
   _prepare(corpus, tmp_path / 'tok')
   args = ['--data', f'tokens:{tmp_path / "tok"}', '--out', str(tmp_path / 'run'), *TINY,
-          'mesh.slice=2', 'train.steps=3', 'train.eval_every=0', 'train.plot=false',
+          'mesh.slice=2', 'train.steps=3', 'train.eval_every=0',
           '--no-snapshots', 'train.compile_cache=']
   assert cli.main(args) == 0
   result = report(tmp_path / 'run')

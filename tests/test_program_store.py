@@ -240,7 +240,7 @@ def test_a_fresh_process_runs_a_mecefo_policys_programs_found_by_their_recipe(la
   trace.write_text('1 1 fail\n')
   env = launcher.env(compile_cache=False)  # one empty store: the first run compiles into it
   args = ['--host-devices', '2', f'--failures=trace:{trace}', *procs.TINY, 'mesh.slice=2',
-          'train.steps=3', 'train.eval_every=0', 'train.plot=false', 'snapshot.enabled=false',
+          'train.steps=3', 'train.eval_every=0', 'snapshot.enabled=false',
           'faults.takeover=spread']
   runs = [launcher.train('--out', tmp_path / name, *args, env=env) for name in ('cold', 'warm')]
   for run in runs:

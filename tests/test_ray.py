@@ -32,7 +32,7 @@ from procs import ROOT, TINY, error_lines, report, wait_for
 STEPS = 60
 # ordered_reduce: the params bit-identical to the one-process replay (docs/multiprocess.md).
 ARGS = ['mesh.slice=3', 'mesh.fsdp=1', 'mesh.ordered_reduce=true', *TINY, f'train.steps={STEPS}', 'train.log_every=1', 'snapshot.every=1',
-        'train.eval_every=0', 'train.plot=false']
+        'train.eval_every=0']
 
 
 def _events(path: Path) -> list[dict]:

@@ -38,7 +38,7 @@ def test_requeue_trains_each_sample_once_across_failures_a_stop_and_a_resume(tmp
   first = ['--out', 'run', *TINY, 'mesh.slice=4', '--host-devices', '4', '--takeover', 'requeue',
            '--failures', 'trace:trace.txt', 'train.steps=12', 'train.samples=192',
            'train.eval_every=0',
-           'train.log_every=1', 'train.plot=false', '--stop-after', '5', *common]
+           'train.log_every=1', '--stop-after', '5', *common]
   assert cli.main(first) == STOPPED
   assert cli.main(['--out', 'run', '--resume', *common]) == 0
   resumed_ids = dict(seen)

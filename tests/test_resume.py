@@ -215,7 +215,7 @@ def test_the_loop_runs_its_hooks_in_their_declared_order_a_users_hook_before_the
   from mecefo_jax.run import trainer as trainer_mod
   from mecefo_jax.run.hooks import Every, Hook
   cfg = load_config(None, [*TINY, 'mesh.slice=2', 'train.steps=3', f'snapshot.dir={tmp_path}/m',
-                           'train.plot=false', 'train.eval_every=1'])
+                           'train.eval_every=1'])
 
   class Dummy(Hook):  # a new hook: one object passed to Trainer, nothing else edited
     def __init__(self):

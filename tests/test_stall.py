@@ -213,7 +213,7 @@ def test_a_watch_at_zero_never_declares_one(tmp_path):
 
 STEPS = 14
 ARGS = [*TINY, 'mesh.slice=3', f'train.steps={STEPS}', 'train.log_every=1', 'snapshot.every=1',
-        'train.eval_every=0', 'train.plot=false']
+        'train.eval_every=0']
 
 
 def _events(path: Path) -> list[dict]:
@@ -279,7 +279,7 @@ def test_evals_snapshots_and_a_cold_compile_never_stall(launcher, tmp_path):
                        '--', '--out', run, f'snapshot.dir={tmp_path / "shm"}', *TINY,
                        'mesh.slice=2', 'train.steps=12', 'train.log_every=1', 'snapshot.every=1',
                        'train.eval_every=4', f'snapshot.durable_dir={tmp_path / "ckpt"}',
-                       'snapshot.durable_every=6', 'train.plot=false'], timeout=400,
+                       'snapshot.durable_every=6'], timeout=400,
                       env=launcher.env(compile_cache=False))
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
   assert [e['kind'] for e in _events(events)] == ['start', 'end']

@@ -98,7 +98,7 @@ def test_every_xla_compile_of_a_failure_run_is_in_its_report(tmp_path, cold_prog
     code = cli.main(['--out', str(tmp_path / 'D'), *TINY, 'mesh.slice=2', '--failures',
                      f'trace:{tmp_path / "T"}', '--takeover', 'spread', 'train.steps=6',
                      'train.eval_every=0',
-                     'train.plot=false', 'train.compile_cache='])
+                     'train.compile_cache='])
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   report = json.loads((tmp_path / 'D' / 'report.json').read_text())

@@ -20,8 +20,7 @@ from mecefo_jax.run.supervised import Watch
 from mecefo_jax.records.run_state import read_run_state
 from procs import TINY, busy_core, error_lines, wait_for
 
-BASE = ['mesh.slice=3', *TINY, 'train.log_every=1', 'snapshot.every=1', 'train.eval_every=0',
-        'train.plot=false']
+BASE = ['mesh.slice=3', *TINY, 'train.log_every=1', 'snapshot.every=1', 'train.eval_every=0']
 
 
 def _gone(pid: int) -> bool:

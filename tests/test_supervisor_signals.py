@@ -113,7 +113,7 @@ def test_a_start_up_stall_before_the_run_exists_starts_it_anew(launcher, tmp_pat
   log = tmp_path / 'launch.log'
   proc = _start(launcher, [sys.executable, '-m', 'mecefo_jax.launch', '-n', '3', '--stall-s', '5',
                            '--events', events, '--', '--out', run, 'train.steps=6', *TINY,
-                           'mesh.slice=3', 'train.eval_every=0', 'train.plot=false'], log)
+                           'mesh.slice=3', 'train.eval_every=0'], log)
   try:
     wait_for(lambda: _events(events), 60, 'the start line', proc)
     os.kill(_events(events)[0]['pids']['2'], signal.SIGSTOP)

@@ -10,11 +10,14 @@ from mecefo_jax.model import bases
 from mecefo_jax.run import cli
 from mecefo_jax.files import default_snapshot_dir
 from mecefo_jax.records.run_dir import run_name
-from procs import error_lines, report
+from procs import STEP_XLA_FLAGS, error_lines, report
 
 
 def test_train_py_loss_goes_down(launcher, tmp_path):
-  proc = launcher.train('train.steps=120', '--out', tmp_path, f'snapshot.dir={tmp_path}/shm')
+  # Its steps cost more than its compiles: XLA's first LLVM level (procs.STEP_XLA_FLAGS).
+  proc = launcher.train('train.steps=120', 'train.plot=false', '--out', tmp_path,
+                        f'snapshot.dir={tmp_path}/shm',
+                        env=launcher.env(XLA_FLAGS=STEP_XLA_FLAGS))
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = report(tmp_path)
   for key in ('steps', 'first_loss', 'final_loss', 'tokens', 'wall_s', 'params_sha256'):
