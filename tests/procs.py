@@ -106,7 +106,8 @@ class Launcher:
     args = [*map(str, args), '--json', str(json_path)]
     env = self.env(XLA_FLAGS='') if optimized else None
     proc = self.python('-m', f'benchmarks.{name}', *args, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, (f'exit {proc.returncode}\n' + proc.stdout[-4000:] +
+                                  proc.stderr[-4000:])
     result = json.loads(Path(json_path).read_text())
     assert result['command'] == shlex.join(['python', '-m', f'benchmarks.{name}', *args])
     assert result['commit'] is None or re.fullmatch(r'[0-9a-f]{40}(-dirty)?', result['commit'])

@@ -53,7 +53,7 @@ def test_step_trees_times_the_normal_and_degraded_step(launcher, tmp_path):
   for override in TINY:  # 'model.d_model=32' -> model: {d_model: 32}
     key, value = override.split('=')
     section, name = key.split('.')
-    sections.setdefault(section, {})[name] = int(value)
+    sections.setdefault(section, {})[name] = yaml.safe_load(value)
   config.write_text(yaml.safe_dump(sections))
   result = launcher.benchmark('step_trees', '--trees', '.', '--config', config, '--repeats', '1',
                               '--steps', '2', '--keep-xla-flags',
