@@ -68,9 +68,9 @@ def main(argv=None) -> dict:
   from benchmarks import common
   info = common.run_info(__spec__.name, argv)
   result = {**info, **pool({Path(f).name: json.loads(Path(f).read_text()) for f in args.files})}
-  e = result['eval_increase_pct']
+  e, ci = result['eval_increase_pct'], result['eval_increase_pct']['ci95']
   row = {'seeds': len(result['seeds']), 'mean %': e['mean'], 'std %': e['std'],
-         '95% interval %': f"[{e['ci95'][0]:+.3f}, {e['ci95'][1]:+.3f}]",
+         '95% interval %': f'[{ci[0]:+.3f}, {ci[1]:+.3f}]' if ci else 'none (one seed)',
          f"within ±{result['settings']['loss_bound_pct']}%": result['within_bound']}
   common.emit(result, common.markdown_table([row], list(row)), args.json)
   return result
