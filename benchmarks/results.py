@@ -148,14 +148,15 @@ def _quality_trace(d: dict) -> str:
 def _requeue_quality(d: dict) -> str:
   from benchmarks.quality_runs import t_interval
   s = d['summary']['requeue']
-  low, high = t_interval(s['eval_increase_pct']['per_seed'])
+  ci = t_interval(s['eval_increase_pct']['per_seed'])  # None for one seed
   steps = [v['runs']['requeue']['steps'] for v in d['per_seed'].values()]
   down = d['summary']['down_pct_per_seed']['in_steps']
-  return (f"{d['slices']} slices, fault-free {d['steps']} steps, {len(d['seeds'])} seeds paired, "
+  seeds = f"{len(d['seeds'])} seeds paired" if ci else f"seed {d['seeds'][0]}"
+  return (f"{d['slices']} slices, fault-free {d['steps']} steps, {seeds}, "
           f"{min(down):.1f}-{max(down):.1f}% of slice-steps down: requeue at equal samples "
           f"({min(steps)}-{max(steps)} steps, 0 rows degraded or dropped), eval loss vs "
-          f"fault-free {s['eval_increase_pct']['mean']:+.3f}%, 95% interval "
-          f"[{low:+.3f}, {high:+.3f}]%")
+          f"fault-free {s['eval_increase_pct']['mean']:+.3f}%"
+          + (f", 95% interval [{ci[0]:+.3f}, {ci[1]:+.3f}]%" if ci else ''))
 
 
 def _requeue_pool(d: dict) -> str:
