@@ -2,7 +2,11 @@
 tests/costs.py's lines; written into docs/development.md (`--write`) so that growth shows.
 
   MECEFO_TEST_COSTS=costs.jsonl python -m pytest -q --junitxml=suite.xml
-  python -m benchmarks.suite_table --junit suite.xml --costs costs.jsonl --write docs/development.md
+  python -m benchmarks.suite_table --junit suite.xml --costs costs.jsonl --write docs/development.md \
+      --order tests/file_order.json
+
+`--order` also writes each test file's seconds, which tests/conftest.py reads to hand the heaviest
+files to pytest-xdist first (tests/order.py).
 """
 from __future__ import annotations
 
@@ -41,9 +45,6 @@ def costs(path: Path | None) -> dict[str, dict]:
 
 def table(times: dict[str, float], wall_s: float, paid: dict[str, dict], top: int) -> dict:
   """The summary, the `top` slowest tests and the slowest files, as JSON."""
-  files = collections.Counter()
-  for test, seconds in times.items():
-    files[test.split('::')[0]] += seconds
   slowest = sorted(times.items(), key=lambda kv: -kv[1])[:top]
   return {
       'tests': len(times), 'test_s_total': round(sum(times.values()), 1), 'wall_s': wall_s,
@@ -51,7 +52,7 @@ def table(times: dict[str, float], wall_s: float, paid: dict[str, dict], top: in
       'slowest': [{'test': t, 's': round(s, 1), **{k: paid.get(t, {}).get(k) for k in
                                                    ('cpu_s', 'processes', 'compiles', 'compile_s')}}
                   for t, s in slowest],
-      'files': [{'file': f, 's': round(s, 1)} for f, s in files.most_common(10)]}
+      'files': [{'file': f, 's': s} for f, s in list(file_seconds(times).items())[:10]]}
 
 
 def markdown(result: dict) -> str:
@@ -75,6 +76,14 @@ def markdown(result: dict) -> str:
   return '\n'.join(lines)
 
 
+def file_seconds(times: dict[str, float]) -> dict[str, float]:
+  """{test file: its tests' seconds together}, heaviest first."""
+  files = collections.Counter()
+  for test, seconds in times.items():
+    files[test.split('::')[0]] += seconds
+  return {f: round(s, 1) for f, s in files.most_common()}
+
+
 def write_into(doc: Path, text: str, source: str) -> None:
   """`text` between doc's BEGIN and END lines (which must be there), with its source."""
   content = doc.read_text()
@@ -93,6 +102,8 @@ def main(argv=None) -> int:
   p.add_argument('--source', default='', help='where the figures come from (a line above them)')
   p.add_argument('--write', type=Path, default=None, help='the doc to write the table into')
   p.add_argument('--json', type=Path, default=None)
+  p.add_argument('--order', type=Path, default=None,
+                 help="each test file's seconds, for the suite's order (tests/file_order.json)")
   args = p.parse_args(argv)
   times, wall_s = durations(args.junit)
   result = table(times, wall_s, costs(args.costs), args.top)
@@ -102,6 +113,9 @@ def main(argv=None) -> int:
     args.json.write_text(json.dumps(result, indent=2) + '\n')
   if args.write:
     write_into(args.write, text, args.source)
+  if args.order:
+    args.order.write_text(json.dumps({'source': args.source, 'seconds': file_seconds(times)},
+                                     indent=1) + '\n')
   return 0
 
 

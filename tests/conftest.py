@@ -3,6 +3,7 @@ and the tiers: a test that starts a process (it takes `launcher`) is marked `slo
 import os
 from pathlib import Path
 
+import order
 from procs import SUITE_XLA_FLAGS, Launcher, pin_blas_kernels  # (procs imports no jax)
 
 pin_blas_kernels()
@@ -31,6 +32,12 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
   config.stash[COLLECTED_FILES] = {item.path for item in items}
   config.stash[FAST_FILES] = {item.path for item in items if not item.get_closest_marker('slow')}
+  # The heaviest files first (tests/order.py); a file's tests keep their order.
+  by_file: dict[str, list] = {}
+  for item in items:
+    by_file.setdefault(order.name(item.path), []).append(item)
+  items[:] = [item for f in order.heaviest_first(list(by_file), order.file_seconds())
+              for item in by_file[f]]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -235,7 +235,7 @@ def test_a_program_built_ahead_is_found_by_its_recipe_without_lowering(tmp_path,
 def test_a_fresh_process_runs_a_mecefo_policys_programs_found_by_their_recipe(launcher, tmp_path):
   """A degraded row's basis refresh calls LAPACK (QR, ops/basis.py), whose kernels jax readies
   only when it lowers a linalg op: a process that found the refresh by its recipe alone (no
-  lowering) ran it into a SIGSEGV (retarget._init_handlers). Its run equals the compiling one's."""
+  lowering) ran it into a SIGSEGV (retarget._init_lapack). Its run equals the compiling one's."""
   trace = tmp_path / 'trace.txt'
   trace.write_text('1 1 fail\n')
   env = launcher.env(compile_cache=False)  # one empty store: the first run compiles into it

@@ -3,6 +3,7 @@ tests/costs.py writes: each test's seconds, CPU seconds, processes and compiles.
 import json
 
 from benchmarks import suite_table
+import order
 import costs
 
 JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest" time="12.5">
@@ -31,3 +32,28 @@ def test_a_line_a_test_then_the_table_with_its_cpu_seconds(tmp_path, monkeypatch
   assert result['files'][0] == {'file': 'tests/test_a.py', 's': 9.5}
   text = suite_table.markdown(result)
   assert f"| 1 | `tests/test_a.py::test_slow` | 9 | {line['cpu_s']:.1f} | 0 |" in text
+
+
+def test_the_suite_hands_out_the_heaviest_files_first_and_unknown_ones_before_them(tmp_path):
+  (tmp_path / 'suite.xml').write_text(JUNIT)
+  path = tmp_path / 'order.json'
+  suite_table.main(['--junit', str(tmp_path / 'suite.xml'), '--order', str(path),
+                    '--source', 'a run'])
+  seconds = order.file_seconds(path)
+  assert seconds == {'tests/test_a.py': 9.5, 'tests/test_b.py': 3.0}
+  files = ['tests/test_b.py', 'tests/test_new.py', 'tests/test_a.py', 'tests/test_newer.py']
+  assert order.heaviest_first(files, seconds) == [
+      'tests/test_new.py', 'tests/test_newer.py', 'tests/test_a.py', 'tests/test_b.py']
+  assert order.heaviest_first(files, {}) == files and order.file_seconds(tmp_path / 'no') == {}
+  assert order.name(order.ROOT / 'tests' / 'test_a.py') == 'tests/test_a.py'
+
+
+def test_this_collection_runs_in_the_committed_order(request):
+  """conftest.py put the collected files in tests/file_order.json's order; that table names no
+  file that is gone (a file renamed since would go first, as a new one does, at any weight)."""
+  seconds = order.file_seconds()
+  collected = list(dict.fromkeys(order.name(item.path) for item in request.session.items))
+  assert collected == order.heaviest_first(collected, seconds)
+  gone = set(seconds) - {order.name(p) for p in order.ROOT.glob('tests/test_*.py')}
+  assert not gone, (f'tests/file_order.json names {sorted(gone)}: write it again with '
+                    'python -m benchmarks.suite_table --order (docs/development.md)')

@@ -68,21 +68,22 @@ class Serialized:
   def load_onto(self, devices: Sequence) -> jax.stages.Compiled:
     if len(devices) != len(self.device_ids):
       raise ValueError(f'a program of {len(self.device_ids)} devices cannot run on {len(devices)}')
-    _init_handlers(devices[0].platform)
+    if devices[0].platform == 'cpu' and b'lapack_' in self.payload:  # its calls' names
+      _init_lapack()
     unloaded, args_flat, no_kwargs = _Remapped(self.payload, self.device_ids, devices).load()
     return jax.stages.Compiled(unloaded.load(), [], self.in_tree.unflatten(args_flat),
                                self.out_tree, no_kwargs=no_kwargs)
 
 
 @functools.cache
-def _init_handlers(platform: str) -> None:
+def _init_lapack() -> None:
   """Readies the CPU's LAPACK kernels for a program this process never lowered. jax fills their
   function table when it lowers a linalg op (QR, SVD: the low-rank bases, ops/basis.py), so a
   program found in the store by its recipe alone would call an empty table: a SIGSEGV at its
-  first run. jax's own loader of exported programs does the same (jax._src.export)."""
-  if platform == 'cpu':
-    from jax._src.lax import linalg
-    linalg.initialize_lapack()
+  first run. jax's own loader of exported programs does the same (jax._src.export). Only for a
+  program that calls them: it imports scipy.linalg, a third of a second of every start."""
+  from jax._src.lax import linalg
+  linalg.initialize_lapack()
 
 
 def _tiny_program(mesh: Mesh):
