@@ -2,6 +2,7 @@
 import functools
 import logging
 import os
+import re
 import shutil
 import threading
 
@@ -232,21 +233,32 @@ def test_a_program_built_ahead_is_found_by_its_recipe_without_lowering(tmp_path,
     assert len(lowered) == n and _counts(user)[how] == 1
 
 
-def test_a_fresh_process_runs_a_mecefo_policys_programs_found_by_their_recipe(launcher, tmp_path):
-  """A degraded row's basis refresh calls LAPACK (QR, ops/basis.py), whose kernels jax readies
-  only when it lowers a linalg op: a process that found the refresh by its recipe alone (no
-  lowering) ran it into a SIGSEGV (retarget._init_lapack). Its run equals the compiling one's."""
-  trace = tmp_path / 'trace.txt'
+def test_train_py_fills_its_store_then_a_fresh_process_loads_every_program_by_recipe(launcher,
+                                                                                     tmp_path):
+  """train.compile_cache: the first run compiles every program into DIR/programs, the second
+  loads them all and ends bit-exact (JAX's own cache is off: an executable it loaded could not
+  be stored, its copy would fail to run). The programs of a MeCeFO policy: the degraded row's
+  basis refresh calls LAPACK (QR, ops/basis.py), whose kernels jax readies only when it lowers a
+  linalg op, so a process that found the refresh by its recipe alone (no lowering) ran it into a
+  SIGSEGV (retarget._init_lapack)."""
+  trace, cache = tmp_path / 'trace.txt', tmp_path / 'xla'
   trace.write_text('1 1 fail\n')
-  env = launcher.env(compile_cache=False)  # one empty store: the first run compiles into it
+  env = {k: v for k, v in launcher.env().items() if k != 'JAX_COMPILATION_CACHE_DIR'}
   args = ['--host-devices', '2', f'--failures=trace:{trace}', *procs.TINY, 'mesh.slice=2',
           'train.steps=3', 'train.eval_every=0', 'snapshot.enabled=false',
-          'faults.takeover=spread']
+          'faults.takeover=spread', f'train.compile_cache={cache}']
   runs = [launcher.train('--out', tmp_path / name, *args, env=env) for name in ('cold', 'warm')]
   for run in runs:
     assert run.returncode == 0, run.stderr[-3000:]
-  assert 'compiling the refresh_cold program' in runs[0].stderr, runs[0].stderr[-3000:]
-  assert 'loaded from the store the refresh_cold program' in runs[1].stderr, runs[1].stderr[-3000:]
+  # Both slices' step, the failed slice's refresh and step, the eval: compiled, then loaded.
+  built = [re.findall(rf'{how} the (\w+) program onto slices (\[[\d, ]+\])', run.stderr)
+           for how, run in zip(('compiling', 'loaded from the store'), runs)]
+  assert built[0] == built[1] == [('fused', '[0, 1]'), ('refresh_cold', '[0]'), ('fused', '[0]'),
+                                  ('eval', '[0]')], (built, runs[0].stderr[-3000:])
+  cold, warm = (procs.report(tmp_path / name)['programs'] for name in ('cold', 'warm'))
+  assert (cold['compiled'], cold['loaded'], warm['compiled'], warm['loaded']) == (4, 0, 0, 4)
+  assert warm['store'] == str(cache / 'programs') and [p.name for p in cache.iterdir()] == [
+      'programs']
   cold, warm = (procs.report(tmp_path / name) for name in ('cold', 'warm'))
   assert cold['samples']['degraded'] > 0 and warm['params_sha256'] == cold['params_sha256']
 
