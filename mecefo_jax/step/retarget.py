@@ -81,7 +81,7 @@ def _init_lapack() -> None:
   function table when it lowers a linalg op (QR, SVD: the low-rank bases, ops/basis.py), so a
   program found in the store by its recipe alone would call an empty table: a SIGSEGV at its
   first run. jax's own loader of exported programs does the same (jax._src.export). Only for a
-  program that calls them: it imports scipy.linalg, a third of a second of every start."""
+  program that calls them: it imports scipy.linalg (~0.1 s of every start, -X importtime)."""
   from jax._src.lax import linalg
   linalg.initialize_lapack()
 
