@@ -57,3 +57,17 @@ def test_this_collection_runs_in_the_committed_order(request):
   gone = set(seconds) - {order.name(p) for p in order.ROOT.glob('tests/test_*.py')}
   assert not gone, (f'tests/file_order.json names {sorted(gone)}: write it again with '
                     'python -m benchmarks.suite_table --order (docs/development.md)')
+
+
+def test_the_schedule_replay_hands_out_files_as_xdist_does():
+  """xdist gives a worker its next file once <= 2 of its tests are left: the file of three slow
+  tests, handed out last, runs after its worker's other files (35 s); first, 30 s."""
+  from benchmarks import suite_schedule
+  tests = {'a': [1.0] * 5, 'c': [1.0] * 5, 'd': [1.0] * 5, 'b': [10.0] * 3}
+  assert suite_schedule.replay(tests, ['a', 'c', 'd', 'b'], 2) == [10.0, 35.0]
+  assert suite_schedule.replay(tests, ['b', 'a', 'c', 'd'], 2) == [30.0, 15.0]
+  times = {f'tests/{f}.py::t{i}': s for f, ss in tests.items() for i, s in enumerate(ss)}
+  ends = suite_schedule.compare(times, 2, {'tests/a.py': 1.0})  # b, c, d unknown: first
+  assert ends['xdist: most tests first'] == [10.0, 35.0]
+  assert ends["heaviest first: this run's seconds"] == [30.0, 15.0]
+  assert ends['heaviest first: tests/file_order.json'] == [30.0, 15.0]
