@@ -255,11 +255,11 @@ def test_train_py_fills_its_store_then_a_fresh_process_loads_every_program_by_re
            for how, run in zip(('compiling', 'loaded from the store'), runs)]
   assert built[0] == built[1] == [('fused', '[0, 1]'), ('refresh_cold', '[0]'), ('fused', '[0]'),
                                   ('eval', '[0]')], (built, runs[0].stderr[-3000:])
-  cold, warm = (procs.report(tmp_path / name)['programs'] for name in ('cold', 'warm'))
-  assert (cold['compiled'], cold['loaded'], warm['compiled'], warm['loaded']) == (4, 0, 0, 4)
-  assert warm['store'] == str(cache / 'programs') and [p.name for p in cache.iterdir()] == [
-      'programs']
   cold, warm = (procs.report(tmp_path / name) for name in ('cold', 'warm'))
+  counts = [(r['programs']['compiled'], r['programs']['loaded']) for r in (cold, warm)]
+  assert counts == [(4, 0), (0, 4)], counts
+  assert warm['programs']['store'] == str(cache / 'programs')
+  assert [p.name for p in cache.iterdir()] == ['programs']
   assert cold['samples']['degraded'] > 0 and warm['params_sha256'] == cold['params_sha256']
 
 
