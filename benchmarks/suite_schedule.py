@@ -1,8 +1,8 @@
 """How long the suite's two workers take under pytest-xdist's `--dist loadfile` for an order of
 the test files, replayed from the per-test seconds of a run (--junitxml): xdist's own order (the
-most tests first) against tests/order.py's (the heaviest first).
+most tests first) against the heaviest first (tests/order.py, by tests/file_order.json).
 
-  python -m benchmarks.suite_schedule --junit suite.xml [--workers 2] [--json OUT]
+  python -m benchmarks.suite_schedule --junit suite.xml [--order FILE] [--workers 2] [--json OUT]
 
 A replay, not a run: each test takes the seconds it took in that run, whatever ran beside it.
 """
@@ -16,8 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.suite_table import durations, file_seconds
+from benchmarks.suite_table import durations, file_seconds, heaviest_first, read_order
 
+ORDER = Path(__file__).resolve().parents[1] / 'tests' / 'file_order.json'
 PENDING = 2  # xdist's loadscope: a worker is given its next file once <= 2 of its tests are left
 
 
@@ -44,7 +45,6 @@ def replay(tests_by_file: dict[str, list[float]], order: list[str], workers: int
 
 def compare(times: dict[str, float], workers: int, weights: dict[str, float]) -> dict:
   """{order name: each worker's end} for xdist's order and for the heaviest first (`weights`)."""
-  import order as test_order  # tests/order.py
   by_file: dict[str, list[float]] = {}
   for test in sorted(times):
     by_file.setdefault(test.split('::')[0], []).append(times[test])
@@ -52,22 +52,21 @@ def compare(times: dict[str, float], workers: int, weights: dict[str, float]) ->
   most_tests = sorted(files, key=lambda f: -len(by_file[f]))  # xdist's reorder (stable)
   return {name: [round(t, 1) for t in replay(by_file, o, workers)] for name, o in (
       ('xdist: most tests first', most_tests),
-      ('heaviest first: tests/file_order.json', test_order.heaviest_first(files, weights)),
-      ("heaviest first: this run's seconds", test_order.heaviest_first(files,
-                                                                        file_seconds(times))))}
+      ('heaviest first: tests/file_order.json', heaviest_first(files, weights)),
+      ("heaviest first: this run's seconds", heaviest_first(files, file_seconds(times))))}
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--junit', type=Path, required=True, help="pytest's --junitxml file of a run")
+  p.add_argument('--order', type=Path, default=ORDER,
+                 help='the files\' seconds (default: tests/file_order.json)')
   p.add_argument('--workers', type=int, default=2)
   p.add_argument('--json', type=Path, default=None)
   args = p.parse_args(argv)
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tests'))
-  import order as test_order
   times, wall_s = durations(args.junit)
   result = {'junit': str(args.junit), 'wall_s': wall_s, 'workers': args.workers,
-            'ends': compare(times, args.workers, test_order.file_seconds())}
+            'ends': compare(times, args.workers, read_order(args.order))}
   print('| order | workers end (s) | last (s) |\n|---|---|---|')
   for name, ends in result['ends'].items():
     print(f"| {name} | {', '.join(f'{t:g}' for t in ends)} | {max(ends):g} |")

@@ -2,8 +2,8 @@
 tests/costs.py's lines; written into docs/development.md (`--write`) so that growth shows.
 
   MECEFO_TEST_COSTS=costs.jsonl python -m pytest -q --junitxml=suite.xml
-  python -m benchmarks.suite_table --junit suite.xml --costs costs.jsonl --write docs/development.md \
-      --order tests/file_order.json
+  python -m benchmarks.suite_table --junit suite.xml --costs costs.jsonl \
+      --write docs/development.md --order tests/file_order.json
 
 `--order` also writes each test file's seconds, which tests/conftest.py reads to hand the heaviest
 files to pytest-xdist first (tests/order.py).
@@ -82,6 +82,18 @@ def file_seconds(times: dict[str, float]) -> dict[str, float]:
   for test, seconds in times.items():
     files[test.split('::')[0]] += seconds
   return {f: round(s, 1) for f, s in files.most_common()}
+
+
+def heaviest_first(files: list[str], seconds: dict[str, float]) -> list[str]:
+  """`files` (each once) by their seconds, most first; those not in `seconds` before all (a new
+  file's cost is unknown, and a heavy one last stretches the run), ties in their given order."""
+  unknown = max(seconds.values(), default=0.0) + 1.0
+  return sorted(files, key=lambda f: -seconds.get(f, unknown))  # (sorted is stable)
+
+
+def read_order(path: Path) -> dict[str, float]:
+  """{test file: seconds} of an `--order` file; {} where there is none."""
+  return json.loads(path.read_text())['seconds'] if path.exists() else {}
 
 
 def write_into(doc: Path, text: str, source: str) -> None:

@@ -9,8 +9,9 @@ what stretches the run.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from benchmarks import suite_table
 
 ORDER = Path(__file__).with_name('file_order.json')
 ROOT = ORDER.parents[1]
@@ -23,11 +24,7 @@ def name(path: Path) -> str:
 
 def file_seconds(path: Path = ORDER) -> dict[str, float]:
   """{test file (from the repository root): seconds} of the table; {} without one."""
-  return json.loads(path.read_text())['seconds'] if path.exists() else {}
+  return suite_table.read_order(path)
 
 
-def heaviest_first(files: list[str], seconds: dict[str, float]) -> list[str]:
-  """`files` (each once) by their seconds, most first; those not in `seconds` before all, and
-  ties in their given order."""
-  unknown = max(seconds.values(), default=0.0) + 1.0
-  return sorted(files, key=lambda f: -seconds.get(f, unknown))  # (sorted is stable)
+heaviest_first = suite_table.heaviest_first  # conftest.py's order of the files
