@@ -68,7 +68,7 @@ class Serialized:
   def load_onto(self, devices: Sequence) -> jax.stages.Compiled:
     if len(devices) != len(self.device_ids):
       raise ValueError(f'a program of {len(self.device_ids)} devices cannot run on {len(devices)}')
-    if devices[0].platform == 'cpu' and b'lapack_' in self.payload:  # its calls' names
+    if devices[0].platform == 'cpu':
       _init_lapack()
     unloaded, args_flat, no_kwargs = _Remapped(self.payload, self.device_ids, devices).load()
     return jax.stages.Compiled(unloaded.load(), [], self.in_tree.unflatten(args_flat),
@@ -80,8 +80,9 @@ def _init_lapack() -> None:
   """Readies the CPU's LAPACK kernels for a program this process never lowered. jax fills their
   function table when it lowers a linalg op (QR, SVD: the low-rank bases, ops/basis.py), so a
   program found in the store by its recipe alone would call an empty table: a SIGSEGV at its
-  first run. jax's own loader of exported programs does the same (jax._src.export). Only for a
-  program that calls them: it imports scipy.linalg (~0.1 s of every start, -X importtime)."""
+  first run. jax's own loader of exported programs does the same (jax._src.export). For every
+  program, not only those whose bytes name a LAPACK kernel: a guess at jax's kernel names that
+  would fail as a crash, for the ~0.1 s of importing scipy.linalg once per process."""
   from jax._src.lax import linalg
   linalg.initialize_lapack()
 
