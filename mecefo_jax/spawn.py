@@ -21,7 +21,10 @@ PRELOAD = ('jax', 'jax.numpy', 'flax.nnx', 'optax', 'orbax.checkpoint', 'yaml',
            'mecefo_jax.__main__', 'mecefo_jax.multihost', 'mecefo_jax.core.decider',
            'mecefo_jax.data.sources', 'mecefo_jax.records.progress_marks', 'mecefo_jax.run.parts',
            'mecefo_jax.run.trainer', 'mecefo_jax.run.report', 'mecefo_jax.run.rundir',
-           'mecefo_jax.run.stop', 'mecefo_jax.snapshot.capacity', 'mecefo_jax.step.program_store')
+           'mecefo_jax.run.stop', 'mecefo_jax.snapshot.capacity', 'mecefo_jax.step.program_store',
+           # jax's CPU LAPACK kernels, readied before a worker loads its first program
+           # (step/retarget.py _init_lapack): ~0.2 CPU s a worker start
+           'scipy.linalg')
 OPTIONAL = ('tensorboardX',)  # imported where installed (train.tensorboard)
 _POLL_S = 0.01
 _imported_with: dict[str, str] | None = None  # the JAX_ variables jax read at its import
