@@ -15,7 +15,8 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import contract, llama, train_state
 from mecefo_jax.step import program_store, retarget
-from mecefo_jax.core.programs import EVAL, ProgramKey
+from mecefo_jax.core.programs import EVAL, GROUP, REFRESH_COLD, REJOIN, UPDATE, ProgramKey
+from mecefo_jax.core.roles import Role
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.lowering import LOWER
 import procs
@@ -178,8 +179,8 @@ def test_the_least_recently_used_entries_are_evicted_above_the_size_limit(tmp_pa
   assert not list(tmp_path.glob(f'*{program_store.ALIAS}'))
 
 
-def _recipe(cfg, program=('eval', 2, None)):
-  return program_store.recipe(cfg, program, {'slice': 2, 'fsdp': 2, 'tensor': 1})
+def _recipe(cfg, program=('eval', 2, None), optimizer=True):
+  return program_store.recipe(cfg, program, {'slice': 2, 'fsdp': 2, 'tensor': 1}, optimizer)
 
 
 HOST_ONLY = ['train.out_dir=elsewhere', 'train.log_every=1', 'train.eval_every=3',
@@ -202,10 +203,29 @@ def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeyp
   assert _recipe(CFG) != base
 
 
+# The optimizer's numbers: a recipe leaves them out of the programs that do not apply it.
+OPTIMIZER_VALUES = ['train.steps=7', 'train.samples=99', 'optimizer.lr=0.5',
+                    'optimizer.warmup_steps=3', 'optimizer.min_lr_ratio=0.5', 'optimizer.b1=0.8',
+                    'optimizer.b2=0.9', 'optimizer.eps=1e-6', 'optimizer.weight_decay=0.3']
+
+
 def test_the_settings_a_recipe_leaves_out_leave_the_lowered_program_as_it_is():
-  """What lets a recipe find a program that runs: the settings it leaves out shape none."""
-  key = lambda cfg: _cache(None, cfg=cfg)._request(ProgramKey(EVAL, (0, 1)), False).store_key
+  """What lets a recipe find a program that runs: the settings it leaves out shape none; the
+  optimizer's numbers shape only the programs that apply it (a recipe's `optimizer`)."""
+  key = lambda cfg, kind=EVAL, variant=None: _cache(None, cfg=cfg)._request(
+      ProgramKey(kind, (0, 1), variant), False).store_key
   assert key(load_config(None, [*TINY, *HOST_ONLY])) == key(CFG)
+  other = load_config(None, [*TINY, *OPTIMIZER_VALUES])
+  for kind, variant in ((GROUP, Role(exact=4, degraded=4)), (REFRESH_COLD, None), (EVAL, None),
+                        (REJOIN, 0)):
+    assert not kind.optimizer and key(other, kind, variant) == key(CFG, kind, variant), kind
+  assert UPDATE.optimizer and key(other, UPDATE) != key(CFG, UPDATE)
+  init = lambda cfg: program_store.fingerprint(train_state.lower_init(cfg, SLICES.sub((0, 1))),
+                                               None, cfg.model.kind)
+  assert init(other) == init(CFG)  # the initializer's recipe leaves them out too
+  assert _recipe(other, optimizer=False) == _recipe(CFG, optimizer=False) != _recipe(CFG)
+  clipped = load_config(None, [*TINY, 'optimizer.grad_clip=0'])  # a transform less: kept
+  assert _recipe(clipped, optimizer=False) != _recipe(CFG, optimizer=False)
 
 
 def test_a_program_built_ahead_is_found_by_its_recipe_without_lowering(tmp_path, monkeypatch):

@@ -58,10 +58,14 @@ Rule = Callable[[Need], list[tuple[tuple[int, ...], Hashable]]]
 class Kind:
   """A kind of program. `stage`: 'step' (the step runs it), 'refresh' (the svd basis refresh,
   every mecefo.tau degraded steps), 'eval' (between steps) or 'copy' (state moves: not listed
-  by `programs_for`). Kinds compare by name, so keys agree across processes."""
+  by `programs_for`). `optimizer`: its program applies the optimizer, so the schedule's length
+  and AdamW's numbers are compiled into it (the others take the optimizer's state, whose tree
+  those numbers leave as it is: step/program_store.py recipe). Kinds compare by name, so keys
+  agree across processes."""
   name: str
   stage: str
   rule: Rule = dataclasses.field(compare=False, repr=False, default=lambda need: [])
+  optimizer: bool = dataclasses.field(compare=False, default=False)
 
   def __str__(self) -> str:
     return self.name
@@ -89,10 +93,12 @@ def _warm_refresh(need: Need) -> bool:
 # group is one program over its slices, not a one-slice program run on each: where a slice is
 # one device, XLA compiles a one-device program differently from one partitioned over several
 # (sums differ in the last bits), and results must not depend on how many slices share a role.
-FUSED = register(Kind('fused', 'step', lambda n: [(n.live, n.roles[n.live[0]])] if n.fused else []))
+FUSED = register(Kind('fused', 'step', lambda n: [(n.live, n.roles[n.live[0]])] if n.fused else [],
+                      optimizer=True))
 GROUP = register(Kind('group', 'step', lambda n: [] if n.fused else
                       [(slices, role) for role, slices in n.groups.items()]))
-UPDATE = register(Kind('update', 'step', lambda n: [] if n.fused else [(n.live, None)]))
+UPDATE = register(Kind('update', 'step', lambda n: [] if n.fused else [(n.live, None)],
+                       optimizer=True))
 # The first refresh of a run, or every one with mecefo.refresh=full.
 REFRESH_COLD = register(Kind('refresh_cold', 'refresh', lambda n: (
     [(n.live, None)] if n.run.refresh and n.degraded and not _warm_refresh(n) else [])))

@@ -256,7 +256,8 @@ class ProgramCache:
     program = key.shape if self.move else (key, [d.id for d in mesh.devices.flat])
     return Request(key, mesh, ahead, lambda: lowering.lower(key, self.cfg, mesh, self.graphdef),
                    store_devices=not self.move, model=self.cfg.model.kind,
-                   recipe=lambda: recipe(self.cfg, program, dict(mesh.shape)),
+                   recipe=lambda: recipe(self.cfg, program, dict(mesh.shape),
+                                         key.kind.optimizer),
                    by_recipe=covers_code(self.cfg.model.kind))
 
   def _build(self, request: Request):

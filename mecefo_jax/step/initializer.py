@@ -64,7 +64,8 @@ def create(cfg: Config, mesh: Mesh, program_store: ProgramStore | None = None,
   t0 = time.perf_counter()
   compiled, loaded = compile_or_load(
       lower, devices, program_store, cfg.model.kind,
-      recipe(cfg, ('init', [d.id for d in devices]), dict(mesh.shape)) if by_recipe else None)
+      recipe(cfg, ('init', [d.id for d in devices]), dict(mesh.shape), optimizer=False)
+      if by_recipe else None)
   t1 = time.perf_counter()
   state = jax.block_until_ready(compiled(train_state.init_seed(cfg, mesh)))
   if times is not None:

@@ -108,15 +108,30 @@ _HOST_ONLY = {'train': ('out_dir', 'log_every', 'eval_every', 'plot', 'compile_c
               'faults': None, 'snapshot': None}
 
 
-def recipe(cfg, program: tuple, mesh_shape: dict) -> str:
-  """What a program is made from, known without tracing it: the config's program settings,
-  `program` (its ProgramKey's shape, or its slices and devices where programs do not move), the
-  mesh's axes, the code that builds it (code_identity), jax's trace settings, and the versions,
-  backend and flags of its fingerprint: the key of its alias (ProgramStore.alias_of). Where it
-  covers all the code that traces the program (covers_code), ProgramStore.lookup finds the
-  program by it without lowering; else only by its lowered fingerprint."""
+# The optimizer's numbers: the schedule's length (train.steps, or the samples or tokens it ends
+# at) and AdamW's hyperparameters. Compiled into a program that applies the optimizer; any other
+# takes the optimizer's state, whose tree they leave as it is (optimizer.grad_clip does not: it
+# adds a transform and its state), so its recipe leaves them out and a run with another schedule
+# or learning rate finds its programs without lowering them.
+_OPTIMIZER_VALUES = {'train': ('steps', 'samples', 'tokens'),
+                     'optimizer': ('lr', 'warmup_steps', 'min_lr_ratio', 'b1', 'b2', 'eps',
+                                   'weight_decay')}
+
+
+def recipe(cfg, program: tuple, mesh_shape: dict, optimizer: bool = True) -> str:
+  """What a program is made from, known without tracing it: the config's program settings
+  (without the optimizer's numbers where the program does not apply the optimizer:
+  `optimizer=False`), `program` (its ProgramKey's shape, or its slices and devices where
+  programs do not move), the mesh's axes, the code that builds it (code_identity), jax's trace
+  settings, and the versions, backend and flags of its fingerprint: the key of its alias
+  (ProgramStore.alias_of). Where it covers all the code that traces the program (covers_code),
+  ProgramStore.lookup finds the program by it without lowering; else only by its lowered
+  fingerprint."""
   settings = dataclasses.asdict(cfg)
-  for section, fields in _HOST_ONLY.items():
+  left_out = dict(_HOST_ONLY)
+  for section, fields in ({} if optimizer else _OPTIMIZER_VALUES).items():
+    left_out[section] = left_out.get(section, ()) + fields
+  for section, fields in left_out.items():
     if fields is None:
       settings.pop(section)
     else:
