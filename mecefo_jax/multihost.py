@@ -114,13 +114,23 @@ def fetch(metrics: dict | None, mesh: Mesh, keys=METRIC_KEYS,
   return {**values, **({'stop': float(table[:, -1].max())} if flag else {})}
 
 
+def _padded_length(n: int) -> int:
+  """The length a payload of `n` bytes is sent at: a power of two from 64. Each length is a
+  collective program of its own, traced and compiled in every process, again in each process a
+  restart starts: so a few, not one per length of JSON sent (process 0 of a 3-process job
+  restarted after a death: 43 -> 35 compiles besides its programs, ~0.3 s less XLA compile)."""
+  return max(64, 1 << (n - 1).bit_length())
+
+
 def broadcast_bytes(data: bytes | None, source: int) -> bytes:
   """`data` of process `source` on every process (all processes call it)."""
   is_source = jax.process_index() == source
   size = np.array([len(data) if is_source else 0], np.int64)
   size = int(np.asarray(multihost_utils.broadcast_one_to_all(size, is_source=is_source))[0])
-  buf = np.frombuffer(data, np.uint8) if is_source else np.zeros(size, np.uint8)
-  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source)))
+  buf = np.zeros(_padded_length(size), np.uint8)
+  if is_source:
+    buf[:size] = np.frombuffer(data, np.uint8)
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))[:size])
 
 
 def on_chief(fn):
@@ -144,7 +154,7 @@ def allgather_json(value) -> list:
   """Every process's JSON-able `value`, by process id (all processes call it)."""
   data = np.frombuffer(json.dumps(value).encode(), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int64))).ravel()
-  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded = np.zeros(_padded_length(int(sizes.max())), np.uint8)
   padded[:len(data)] = data
   rows = np.asarray(multihost_utils.process_allgather(padded))
   return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes)]

@@ -93,7 +93,6 @@ def test_a_job_that_lost_every_tmpfs_resumes_from_its_durable_checkpoint(launche
     time.sleep(0.2)
   assert len(metrics.read_text().splitlines()) < STEPS, 'the run finished before it was killed'
   procs[1].send_signal(signal.SIGKILL)
-  t0 = time.monotonic()
   survivor = wait_all(procs[:1], 120)[0]
   # The survivor's next collective fails (gloo: the peer's connection is reset): it says so in
   # one line and exits at once; where it waited elsewhere, JAX's coordination service ends it
@@ -217,7 +216,11 @@ def test_fetch_and_gathers_in_one_process(slices):
   assert multihost.fetch(metrics, slices.mesh, keys=('loss', 'grad_norm'), stop=True) == {
       'loss': 2.5, 'grad_norm': 1.0, 'stop': 1.0}
   assert multihost.allgather_json({'a': [1]}) == [{'a': [1]}]
-  assert multihost.broadcast_bytes(b'run', 0) == b'run'
+  for data in (b'', b'run', bytes(range(64)), bytes(range(65)), b'x' * 1000):
+    assert multihost.broadcast_bytes(data, 0) == data  # sent padded, returned at its length
+  # Payloads of any length up to 64 bytes share one program, then one per power of two.
+  assert [multihost._padded_length(n) for n in (0, 1, 64, 65, 128, 129, 1000)] == [
+      64, 64, 64, 128, 128, 256, 1024]
 
 
 def test_a_job_whose_tmpfs_is_full_skips_its_parts_and_trains_on(launcher, reference, tmp_path):
