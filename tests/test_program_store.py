@@ -15,7 +15,8 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import contract, llama, train_state
 from mecefo_jax.step import program_store, retarget
-from mecefo_jax.core.programs import EVAL, GROUP, REFRESH_COLD, REJOIN, UPDATE, ProgramKey
+from mecefo_jax.core.programs import (EVAL, GROUP, REFRESH_COLD, REFRESH_WARM, REJOIN, UPDATE,
+                                      ProgramKey)
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.lowering import LOWER
@@ -216,8 +217,8 @@ def test_the_settings_a_recipe_leaves_out_leave_the_lowered_program_as_it_is():
       ProgramKey(kind, (0, 1), variant), False).store_key
   assert key(load_config(None, [*TINY, *HOST_ONLY])) == key(CFG)
   other = load_config(None, [*TINY, *OPTIMIZER_VALUES])
-  for kind, variant in ((GROUP, Role(exact=4, degraded=4)), (REFRESH_COLD, None), (EVAL, None),
-                        (REJOIN, 0)):
+  for kind, variant in ((GROUP, Role(exact=4, degraded=4)), (REFRESH_COLD, None),
+                        (REFRESH_WARM, None), (EVAL, None), (REJOIN, 0)):
     assert not kind.optimizer and key(other, kind, variant) == key(CFG, kind, variant), kind
   assert UPDATE.optimizer and key(other, UPDATE) != key(CFG, UPDATE)
   init = lambda cfg: program_store.fingerprint(train_state.lower_init(cfg, SLICES.sub((0, 1))),
