@@ -75,18 +75,18 @@ def remove_node(cluster, node_id: str, graceful: bool = True, wait_s: float = 30
   shm = cluster.dirs[node_id]
   cluster.remove_node(node, allow_graceful=graceful)
   deadline = time.monotonic() + wait_s
-  while (left := _processes_of(shm)) and time.monotonic() < deadline:
+  while (left := node_processes(shm)) and time.monotonic() < deadline:
     time.sleep(0.1)
   for pid in left:
     with contextlib.suppress(ProcessLookupError):
       os.kill(pid, signal.SIGKILL)
-  while _processes_of(shm) and time.monotonic() < deadline + 10:
+  while node_processes(shm) and time.monotonic() < deadline + 10:
     time.sleep(0.1)
   for folders in (cluster.dirs, cluster.tmps):
     shutil.rmtree(folders.pop(node_id), ignore_errors=True)
 
 
-def _processes_of(shm: Path) -> list[int]:
+def node_processes(shm: Path) -> list[int]:
   """This machine's live processes of the node whose snapshot directory is `shm` (its raylet,
   its workers and their trainers carry it in their environment); zombies are gone already."""
   mark = f'{NODE_SNAPSHOT_DIR_ENV}={shm}'.encode()
