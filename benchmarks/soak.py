@@ -25,10 +25,10 @@ cluster is shut down and none of its processes or its actors' marks may be left.
 Its own log of what it injected is the ground truth: every fault must show in history.jsonl
 with its kind, and no fault record may show that it did not inject (`disagreements`). Its own
 watchdog counts a hang where no step is logged for 3x the stall watch's start-up floor
-(watch.START_FLOOR_S: the largest deadline short of a cold start's); the job is then killed and
-started again by the same command. At the end: a Ctrl-C, then `params_sha256` and samples
-against the one-process replay of failures.txt (--stop-after the step it stopped at), the
-records against each other (report samples = metrics rows' tokens / seq_len,
+(records/deadlines.py START_FLOOR_S: the largest deadline short of a cold start's); the job is
+then killed and started again by the same command. At the end: a Ctrl-C, then `params_sha256`
+and samples against the one-process replay of failures.txt (--stop-after the step it stopped
+at), the records against each other (report samples = metrics rows' tokens / seq_len,
 steps_lost_total = the thrown_away lines, failures.txt = the report's failure events,
 run_state status = the exit), nothing left behind (a process of the job, a tmpfs part of no
 host, an unfinished save), what grew, and how each restart got its programs (compiled,
@@ -60,7 +60,7 @@ from benchmarks.soak_faults import KINDS, RAY_KINDS, Injected
 from mecefo_jax.records import history
 from mecefo_jax.records.history import HistoryLine, Kind
 from mecefo_jax.run.hooks import TEST_POISON_ENV
-from mecefo_jax.watch import START_FLOOR_S
+from mecefo_jax.records.deadlines import START_FLOOR_S
 
 HANG_S = 3 * START_FLOOR_S
 WAIT_LIMIT_S = 3 * HANG_S  # a fault's outcome that never comes (the job trains on regardless)

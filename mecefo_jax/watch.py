@@ -2,16 +2,8 @@
 on the job itself has stalled; the process that stopped first is named where one can be.
 
 Read by the supervisor (supervisor.py) every poll, without JAX: the marks are files
-(records/progress_marks.py). A deadline is the largest allowance of the phases the processes are in:
-
-  training    STEP_FACTOR x the longest recent step (dispatch to dispatch), at least STEP_FLOOR_S;
-              the start-up allowance until STEPS_TIMED steps are timed
-  compiling, evaluating, saving (each kind of save apart)
-              PHASE_FACTOR x the longest this job spent in it, at least PHASE_FLOOR_S;
-              PHASE_FIRST_S until one has ended
-  start-up    (starting, compiling before the first step) START_FACTOR x the longest start-up
-              of an earlier start of this job, at least START_FLOOR_S; START_FIRST_S at the first
-  a wait for the saves or builds in flight, the run's end (NOT_MEASURED): PHASE_FIRST_S
+(records/progress_marks.py). A deadline is the largest allowance of the phases the processes are in
+(records/deadlines.py: a multiple of what the job measured of each phase, with floors).
 
 A process in a working phase (WORKING: starting, i.e. its imports and set-up; compiling;
 evaluating) that uses CPU makes progress though it writes no mark: each CPU_WINDOW_S (half the
@@ -32,16 +24,11 @@ import time
 from pathlib import Path
 from typing import Container
 
+from mecefo_jax.records import deadlines
+from mecefo_jax.records.deadlines import allowance
 from mecefo_jax.records.job import cpu_seconds, process_state
 from mecefo_jax.records.progress_marks import ProgressMark, mark_path, read_mark
 
-STEP_FACTOR, STEP_FLOOR_S, STEPS_TIMED = 10.0, 10.0, 3
-PHASE_FACTOR, PHASE_FLOOR_S, PHASE_FIRST_S = 5.0, 10.0, 300.0
-START_FACTOR, START_FLOOR_S, START_FIRST_S = 3.0, 60.0, 900.0
-# Phases whose length no earlier one bounds: a wait for the saves or builds in flight (`*/wait`:
-# an async durable write of any size, background compiles), the run's end (the final save, the
-# report, the plot).
-NOT_MEASURED = ('ending',)
 WORKING = ('starting', 'compiling', 'evaluating')
 # 2% of a core: a compile starved on a 2-core machine at load 25 still gets ~8%; a process
 # waiting in jax.distributed.initialize for a peer that never comes used 0.5% (5 ticks in 10 s,
@@ -110,26 +97,6 @@ def _seen(mark: ProgressMark | None) -> dict:
   if mark is None:
     return dict.fromkeys(('phase', 'detail', 'step', 'pid'))
   return {'phase': mark.phase, 'detail': mark.detail, 'step': mark.step, 'pid': mark.pid}
-
-
-def allowance(key: str, measured: dict[str, float], step_s: float | None,
-              stall_s: float | None) -> tuple[float, str]:
-  """(The seconds a process may stay in phase `key` without a new mark, what set them):
-  `measured`: the job's longest time in each phase key; `step_s`: its longest recent step,
-  None until timed."""
-  if stall_s:
-    return stall_s, '--stall-s'
-  if key == 'training':
-    if step_s is not None:
-      return max(STEP_FLOOR_S, STEP_FACTOR * step_s), 'measured'
-    key = 'start-up'  # the first steps: their programs may still be loading
-  if key in ('starting', 'compiling/start-up', 'start-up'):
-    seen = measured.get('start-up')
-    return ((max(START_FLOOR_S, START_FACTOR * seen), 'measured') if seen else
-            (START_FIRST_S, 'first'))
-  seen = None if key in NOT_MEASURED or key.endswith('/wait') else measured.get(key)
-  return ((max(PHASE_FLOOR_S, PHASE_FACTOR * seen), 'measured') if seen else
-          (PHASE_FIRST_S, 'first'))
 
 
 class LocalMarks:
@@ -223,18 +190,9 @@ class StallWatch:
 
   def deadline(self) -> tuple[float, str]:
     """The largest allowance of the phases the processes are in now."""
-    timed = [m.step_s for m in self.marks.values() if m.steps_timed >= STEPS_TIMED]
-    step_s = max(timed) if timed else None
-    keys = [self._key(self.marks.get(h)) for h in self.pids] or ['starting']
-    return max(allowance(k, self.measured, step_s, self.stall_s) for k in keys)
-
-  @staticmethod
-  def _key(mark: ProgressMark | None) -> str:
-    if mark is None:
-      return 'starting'
-    if mark.step < 0 and mark.phase == 'compiling':
-      return 'compiling/start-up'
-    return mark.key
+    timed = [t for m in self.marks.values() if (t := deadlines.step_s(m)) is not None]
+    keys = [deadlines.phase_key(self.marks.get(h)) for h in self.pids] or ['starting']
+    return max(allowance(k, self.measured, max(timed, default=None), self.stall_s) for k in keys)
 
   def stopped_peer(self, exited: Container[int]) -> Stall | None:
     """The stall of a host still running whose process is stopped (SIGSTOP) while others have

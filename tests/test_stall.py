@@ -11,10 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from mecefo_jax import watch
-from mecefo_jax.records import history, progress_marks
+from mecefo_jax.records import deadlines, history, progress_marks
 from mecefo_jax.records.history import HistoryLine, Kind
 from mecefo_jax.records.progress_marks import MARK_BYTES, Marks, mark_path, read_mark
 from mecefo_jax.run import rundir
@@ -55,21 +53,64 @@ def test_without_a_supervisor_marks_are_not_written(tmp_path, monkeypatch):
 
 def test_deadlines_follow_what_was_measured():
   # A step of 0.3 s: 10x, at least 10 s; 2 s: 20 s.
-  assert watch.allowance('training', {}, 0.3, None) == (10.0, 'measured')
-  assert watch.allowance('training', {}, 2.0, None) == (20.0, 'measured')
+  assert deadlines.allowance('training', {}, 0.3, None) == (10.0, 'measured')
+  assert deadlines.allowance('training', {}, 2.0, None) == (20.0, 'measured')
   # Steps not timed yet: the start-up's allowance; the first start's is the default.
-  assert watch.allowance('training', {}, None, None) == (watch.START_FIRST_S, 'first')
-  assert watch.allowance('training', {'start-up': 40.0}, None, None) == (120.0, 'measured')
+  assert deadlines.allowance('training', {}, None, None) == (deadlines.START_FIRST_S, 'first')
+  assert deadlines.allowance('training', {'start-up': 40.0}, None, None) == (120.0, 'measured')
   # An eval or a durable save: 5x the longest seen, each kind of save apart.
   measured = {'evaluating': 6.0, 'saving/in-memory': 0.05}
-  assert watch.allowance('evaluating', measured, 0.3, None) == (30.0, 'measured')
-  assert watch.allowance('saving/in-memory', measured, 0.3, None) == (10.0, 'measured')
-  assert watch.allowance('saving/durable', measured, 0.3, None) == (watch.PHASE_FIRST_S,
+  assert deadlines.allowance('evaluating', measured, 0.3, None) == (30.0, 'measured')
+  assert deadlines.allowance('saving/in-memory', measured, 0.3, None) == (10.0, 'measured')
+  assert deadlines.allowance('saving/durable', measured, 0.3, None) == (deadlines.PHASE_FIRST_S,
                                                                     'first')
-  assert watch.allowance('saving/durable', measured, 0.3, 7.0) == (7.0, '--stall-s')
+  assert deadlines.allowance('saving/durable', measured, 0.3, 7.0) == (7.0, '--stall-s')
   # A wait for the saves in flight is never bounded by an earlier one (a write of any size).
-  assert watch.allowance('saving/wait', {'saving/wait': 0.01}, 0.3, None) == (
-      watch.PHASE_FIRST_S, 'first')
+  assert deadlines.allowance('saving/wait', {'saving/wait': 0.01}, 0.3, None) == (
+      deadlines.PHASE_FIRST_S, 'first')
+
+
+def _mark(phase='training', since=None, step_s=0.3, steps_timed=5, longest=None, step=7):
+  return progress_marks.ProgressMark(
+      pid=os.getpid(), step=step, in_step=0, phase=phase, key=phase, detail='',
+      since=time.time() if since is None else since, step_s=step_s, steps_timed=steps_timed,
+      longest=longest or {})
+
+
+def test_a_process_alone_allows_itself_what_its_own_mark_measured():
+  assert deadlines.own_deadline(_mark(step_s=2.0)) == 20.0
+  assert deadlines.own_deadline(_mark(steps_timed=2, longest={'start-up': 40.0})) == 120.0
+  assert deadlines.own_deadline(_mark('ending')) == deadlines.PHASE_FIRST_S
+  assert deadlines.own_deadline(None) == deadlines.START_FIRST_S  # no marks asked for
+
+
+def test_a_process_whose_supervisor_is_gone_ends_only_once_stuck_past_its_deadline(monkeypatch):
+  """The watch of run/supervised.py, after the supervisor's end: a process whose mark moves
+  goes on (the stop request ends it); one whose mark stands still past its deadline is ended;
+  nothing is ended while the supervisor runs."""
+  from mecefo_jax.records.job import Handoff
+  from mecefo_jax.run.supervised import Watch
+  monkeypatch.setattr(deadlines, 'own_deadline', lambda mark: 1.0)
+  still, moving = _mark(since=time.time() - 60), [True]
+  watches = {'moving': lambda: _mark() if moving[0] else still, 'still': lambda: still,
+             'supervised': lambda: still}
+  seen = {name: ([], []) for name in watches}
+  ends = {}
+  for name, mark in watches.items():
+    read_fd, ends[name] = os.pipe()
+    Watch(Handoff(read_fd, os.getpid()), *(l.append for l in seen[name]), mark=mark)
+  os.close(ends['moving'])
+  os.close(ends['still'])
+  wait_for(lambda: seen['still'][1], 10, 'the still process ended')
+  time.sleep(1.5)  # the moving one's deadline, passed since the supervisor's end
+  [stuck] = seen['still'][1]
+  assert stuck.startswith(f'the supervisor (pid {os.getpid()}) is gone and this process has '
+                          'made no progress for '), stuck
+  assert stuck.endswith('(in training at step 7; its own deadline 1 s)'), stuck
+  assert seen['moving'] == ([f'the supervisor (pid {os.getpid()}) is gone'], [])
+  assert seen['supervised'] == ([], [])
+  os.close(ends['supervised'])
+  moving[0] = False  # the watches' threads end too (past the real deadline: 10 s)
 
 
 def _job(tmp_path, hosts=3) -> tuple[watch.StallWatch, list[Marks]]:
@@ -104,7 +145,7 @@ def test_a_stopped_process_that_its_peers_lost_is_their_stall_before_its_deadlin
   from mecefo_jax.supervisor import Supervisor
   sw = watch.StallWatch(tmp_path, reader=_States())
   sw.start({0: 100, 1: 101, 2: 102})
-  assert sw.deadline()[0] >= watch.START_FLOOR_S  # far off: nothing measured yet
+  assert sw.deadline()[0] >= deadlines.START_FLOOR_S  # far off: nothing measured yet
   stall = sw.stopped_peer({0: PEER_LOST, 2: PEER_LOST})
   assert stall.host == 1 and stall.stopped == (1,) and stall.deadline_from == 'its peers lost it'
   assert 'host 1 stopped first' in stall.line() and 'SIGSTOP' in stall.line()
@@ -146,9 +187,9 @@ def test_a_long_eval_has_its_own_allowance_and_a_tie_names_no_one(tmp_path):
     m.enter('evaluating', 'after step 0')
   t = time.monotonic()
   assert sw.look(t) is None
-  assert sw.deadline() == (watch.PHASE_FIRST_S, 'first')  # no eval has ended yet
+  assert sw.deadline() == (deadlines.PHASE_FIRST_S, 'first')  # no eval has ended yet
   assert sw.look(t + 100) is None
-  stall = sw.look(t + watch.PHASE_FIRST_S + 1)
+  stall = sw.look(t + deadlines.PHASE_FIRST_S + 1)
   assert stall.host is None and 'no process could be singled out' in stall.line()
   assert 'restarting the whole job from its last snapshot' in stall.line()
 
@@ -160,7 +201,7 @@ def test_a_start_up_that_hangs_is_named_with_its_phase(tmp_path):
   marks[1].enter('starting', 'the run: data, snapshots, state')  # host 0 never got past it
   t = time.monotonic()
   sw.look(t)
-  stall = sw.look(t + watch.START_FIRST_S + 1)
+  stall = sw.look(t + deadlines.START_FIRST_S + 1)
   assert stall.start_up and stall.host == 0
   assert stall.line().startswith('the job hung in start-up: no progress for ')
   assert 'host 0 stopped first, in starting (jax.distributed.initialize)' in stall.line()

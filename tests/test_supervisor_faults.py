@@ -14,6 +14,7 @@ from mecefo_jax.supervisor import free_port as launch_port
 from mecefo_jax.records import history, recovery
 from mecefo_jax.records.history import HistoryLine, Kind, SupervisorPart
 from mecefo_jax.records.job import PEER_LOST, Handoff, process_state
+from mecefo_jax.records.progress_marks import mark_path, read_mark
 from mecefo_jax.records.run_dir import LOCK
 from mecefo_jax.run import ending, recovery_time
 from mecefo_jax.run.supervised import Watch
@@ -67,10 +68,41 @@ def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_
   assert report['preempted'] and report['steps'] == stop.step
 
 
+def test_a_killed_supervisors_workers_stuck_in_a_step_end_past_their_own_deadline(launcher,
+                                                                                 tmp_path):
+  """Host 1 blocks inside step 4 for ever (its peer waits for it in that step's collective),
+  then the supervisor is SIGKILLed: no step ends, so the stop request never comes due; each
+  worker ends by itself once its mark has stood still for its own deadline (10 s: the floor of
+  a step's), exit 8, in one line each."""
+  run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
+  out = open(tmp_path / 'supervisor.log', 'wb')  # worker 0 writes here after the supervisor died
+  sup = launcher.start([sys.executable, '-m', 'mecefo_jax.launch', '-n', '2', '--events',
+                        events, '--stall-s', '600', '--', '--out', run,
+                        f'snapshot.dir={tmp_path / "shm"}', 'train.steps=100000', *BASE[1:],
+                        'mesh.slice=2'], env=launcher.env(MECEFO_TEST_BLOCK='1:4'), stdout=out,
+                       stderr=subprocess.STDOUT)
+  out.close()
+  mark = lambda: read_mark(mark_path(run / 'logs' / 'marks', 0))
+  wait_for(lambda: getattr(mark(), 'step', -1) >= 4, 240, 'host 0 in step 4', sup)
+  pids = [e for e in _events(events) if e['kind'] == 'start'][-1]['pids']
+  os.kill(sup.pid, signal.SIGKILL)
+  sup.wait()
+  t0 = time.monotonic()
+  wait_for(lambda: all(_gone(p) for p in pids.values()), 120, 'the workers to end')
+  assert time.monotonic() - t0 >= 10.0  # not before its deadline
+  logs = [(tmp_path / 'supervisor.log').read_text(), (run / 'logs' / 'host1.log').read_text()]
+  for host, log in enumerate(logs):
+    [line] = error_lines(log)
+    assert line.startswith(f'error: the supervisor (pid {sup.pid}) is gone and this process has '
+                           'made no progress for '), (host, log[-3000:])
+    assert f'(in training at step {3 + (host == 0)}; its own deadline 10 s): exit 8 ' in line
+  assert read_run_state(run).status != 'stopped'  # no agreed stop: none was reached
+
+
 def test_the_watch_sees_a_closed_pipe_and_a_stopped_supervisor(launcher):
   seen = []
   read_fd, write_fd = os.pipe()
-  Watch(Handoff.from_env(f'fd:{read_fd}:{os.getpid()}'), seen.append)
+  Watch(Handoff.from_env(f'fd:{read_fd}:{os.getpid()}'), seen.append, seen.append)
   time.sleep(1.5)
   assert seen == []  # an open pipe and a running supervisor: nothing
   os.close(write_fd)
@@ -81,7 +113,7 @@ def test_the_watch_sees_a_closed_pipe_and_a_stopped_supervisor(launcher):
   stand_in = launcher.start(['sleep', '60'])
   read_fd, write_fd = os.pipe()
   stopped = []
-  Watch(Handoff(read_fd, stand_in.pid, stopped_s=2.0), stopped.append)
+  Watch(Handoff(read_fd, stand_in.pid, stopped_s=2.0), stopped.append, stopped.append)
   os.kill(stand_in.pid, signal.SIGSTOP)
   time.sleep(1.0)
   assert stopped == []

@@ -20,6 +20,9 @@ DIVERGED = 4  # a non-finite training loss
 CHECKPOINTS_FAILING = 5  # durable saves kept failing: stopped, resumable from in-memory snapshots
 OUTPUTS_FAILING = 6  # a run-directory write failed (a full disk): stopped after its step, resumable
 PEER_LOST = 7  # a collective failed: a peer process of the job is gone (one `error:` line)
+# The supervisor gone and this process without a new progress mark past its own deadline (stuck
+# in a collective with a stopped peer): it ends where it is, its last snapshot stands.
+ABANDONED = 8
 STOPPED = 128 + signal.SIGTERM  # SIGTERM or Ctrl-C: checkpointed at the end of a step, resumable
 INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C without a final snapshot (too early, or twice)
 # train.py's own stops: every process of a job exits with them alike, so none is a death.

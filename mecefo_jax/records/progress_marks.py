@@ -144,6 +144,11 @@ def open_marks(host: int) -> None:
     _marks = Marks(mark_path(Path(directory), host))
 
 
+def current() -> ProgressMark | None:
+  """This process's mark as it stands (None where its supervisor asked for none); any thread."""
+  return _marks.mark() if _marks is not None else None
+
+
 def _main_thread() -> bool:
   return threading.current_thread() is threading.main_thread()
 

@@ -9,7 +9,9 @@ controller) ending re-parents it, which it sees by its parent pid. Either way a 
 stays stopped (SIGSTOP, a suspended terminal) for its S seconds (STOPPED_S) counts as gone: it
 would see no death and restart nothing. What follows is the stop request's (run/stop.py): every
 process votes with the step's metrics, so all stop after the same step, snapshotted, with
-run_state.json `stopped`.
+run_state.json `stopped`. A process that makes no progress after that (blocked in a collective
+whose peer is stopped or gone unreported) ends by itself past its own stall deadline
+(records/deadlines.py) with exit ABANDONED: nothing would ever end it otherwise.
 """
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ import logging
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from typing import Callable
 
-from mecefo_jax.records.job import SUPERVISOR_ENV, Handoff, process_state
+from mecefo_jax.records import deadlines, progress_marks
+from mecefo_jax.records.job import ABANDONED, SUPERVISOR_ENV, Handoff, process_state
+from mecefo_jax.records.progress_marks import ProgressMark
 
 log = logging.getLogger('mecefo')
 _LOOK_S = 1.0
@@ -29,10 +34,14 @@ _LOOK_S = 1.0
 
 class Watch:
   """A daemon thread that calls `on_gone(reason)` once when the supervisor `handoff` names is
-  gone or stays stopped for its `stopped_s`."""
+  gone or stays stopped for its `stopped_s`, then `on_stuck(why)` if this process's progress
+  mark (`mark()`) stays unchanged past its own deadline."""
 
-  def __init__(self, handoff: Handoff, on_gone: Callable[[str], None]):
-    self.on_gone, self.fd, self.stopped_s = on_gone, handoff.fd, handoff.stopped_s
+  def __init__(self, handoff: Handoff, on_gone: Callable[[str], None],
+               on_stuck: Callable[[str], None],
+               mark: Callable[[], ProgressMark | None] = progress_marks.current):
+    self.on_gone, self.on_stuck, self.mark = on_gone, on_stuck, mark
+    self.fd, self.stopped_s = handoff.fd, handoff.stopped_s
     self.pid = os.getppid() if handoff.fd is None else handoff.pid
     self._thread = threading.Thread(target=self._run, daemon=True, name='mecefo-supervisor')
     self._thread.start()
@@ -50,6 +59,10 @@ class Watch:
     return None
 
   def _run(self) -> None:
+    self.on_gone(reason := self._wait_until_gone())
+    self._end_when_stuck(reason)
+
+  def _wait_until_gone(self) -> str:
     stopped_since = None
     while True:
       reason = self._gone()
@@ -61,7 +74,22 @@ class Watch:
       elif reason is None:
         stopped_since = None
       if reason is not None:
-        self.on_gone(reason)
+        return reason
+
+  def _end_when_stuck(self, reason: str) -> None:
+    """Once asked to stop, the process is its own stall watch: no new progress mark for its own
+    deadline (records/deadlines.py), counted from the later of its last mark and the
+    supervisor's end, calls `on_stuck` (a peer it waits for in a collective may never come:
+    stopped, or gone with a host whose death no one will report)."""
+    gone_at = time.time()
+    while True:
+      time.sleep(_LOOK_S)
+      mark = self.mark()
+      quiet_s = time.time() - max(gone_at, mark.since if mark else gone_at)
+      if quiet_s > (deadline_s := deadlines.own_deadline(mark)):
+        where = (f'{mark.phase} at step {mark.step}' if mark else 'its start-up')
+        self.on_stuck(f'{reason} and this process has made no progress for {quiet_s:.0f} s '
+                      f'(in {where}; its own deadline {deadline_s:.0f} s)')
         return
 
 
@@ -84,4 +112,9 @@ def watch_supervisor(stop_request) -> Watch | None:
     log.warning('%s: stopping the job after its next step (snapshotted, resumable with the '
                 "supervisor's command)", why)
     stop_request.request(why)
-  return Watch(Handoff.from_env(spec), gone) if spec else None
+
+  def stuck(why: str) -> None:
+    print(f'error: {why}: exit {ABANDONED} without a final snapshot (its last one stands: '
+          "resume with the supervisor's command)", file=sys.stderr, flush=True)
+    os._exit(ABANDONED)  # the main thread may be inside a collective that never returns
+  return Watch(Handoff.from_env(spec), gone, stuck) if spec else None
