@@ -66,6 +66,10 @@ class Launcher:
     --host-devices sets them); the suite's compilation cache, or with `compile_cache=False` an
     empty one."""
     env = dict(os.environ, XLA_FLAGS=SUITE_XLA_FLAGS, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+    # Python's default: a process writes the bytecode of what it compiled (__pycache__, ignored
+    # by git) and the next reads it. A sandbox's PYTHONDONTWRITEBYTECODE=1 made each of the
+    # suite's processes compile this package and the benchmarks from source: ~0.5 CPU s each.
+    env.pop('PYTHONDONTWRITEBYTECODE', None)
     if compile_cache:  # every program, however fast it compiled: runs repeat the tiny model's
       env.update(JAX_COMPILATION_CACHE_DIR=str(self.compile_cache),
                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
