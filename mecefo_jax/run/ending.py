@@ -64,6 +64,13 @@ def lost_peer(host: int, err: BaseException) -> int:
 SERVICE_LINGER_S = 10.0
 
 
+def hosts_service() -> bool:
+  """Whether this process holds its job's coordination service (process 0 of a job started by
+  jax.distributed.initialize). Any thread, at any time: it never starts a backend."""
+  distributed = sys.modules.get('jax._src.distributed')
+  return getattr(getattr(distributed, 'global_state', None), 'service', None) is not None
+
+
 def _linger_if_service_host() -> None:
   """Process 0 of a job of 3 or more waits SERVICE_LINGER_S (SIGTERM ends it) before exiting,
   so that every other survivor reports its own lost peer first."""

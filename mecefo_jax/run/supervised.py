@@ -27,6 +27,7 @@ from typing import Callable
 from mecefo_jax.records import deadlines, progress_marks
 from mecefo_jax.records.job import ABANDONED, SUPERVISOR_ENV, Handoff, process_state
 from mecefo_jax.records.progress_marks import ProgressMark
+from mecefo_jax.run import ending
 
 log = logging.getLogger('mecefo')
 _LOOK_S = 1.0
@@ -82,11 +83,14 @@ class Watch:
     supervisor's end, calls `on_stuck` (a peer it waits for in a collective may never come:
     stopped, or gone with a host whose death no one will report)."""
     gone_at = time.time()
+    # The process holding the job's coordination service ends last: its end would make jax
+    # abort the others (a C++ trace) before they could say their line (seen in the suite).
+    grace_s = ending.SERVICE_LINGER_S if ending.hosts_service() else 0.0
     while True:
       time.sleep(_LOOK_S)
       mark = self.mark()
       quiet_s = time.time() - max(gone_at, mark.since if mark else gone_at)
-      if quiet_s > (deadline_s := deadlines.own_deadline(mark)):
+      if quiet_s > (deadline_s := deadlines.own_deadline(mark) + grace_s):
         where = (f'{mark.phase} at step {mark.step}' if mark else 'its start-up')
         self.on_stuck(f'{reason} and this process has made no progress for {quiet_s:.0f} s '
                       f'(in {where}; its own deadline {deadline_s:.0f} s)')
