@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Container
 
 from mecefo_jax.records import deadlines
-from mecefo_jax.records.deadlines import allowance
 from mecefo_jax.records.job import cpu_seconds, process_state
 from mecefo_jax.records.progress_marks import ProgressMark, mark_path, read_mark
 
@@ -192,7 +191,8 @@ class StallWatch:
     """The largest allowance of the phases the processes are in now."""
     timed = [t for m in self.marks.values() if (t := deadlines.step_s(m)) is not None]
     keys = [deadlines.phase_key(self.marks.get(h)) for h in self.pids] or ['starting']
-    return max(allowance(k, self.measured, max(timed, default=None), self.stall_s) for k in keys)
+    step_s = max(timed, default=None)
+    return max(deadlines.allowance(k, self.measured, step_s, self.stall_s) for k in keys)
 
   def stopped_peer(self, exited: Container[int]) -> Stall | None:
     """The stall of a host still running whose process is stopped (SIGSTOP) while others have
