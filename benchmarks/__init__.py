@@ -19,9 +19,11 @@ _DEVICE_COUNT = re.compile(r'\s*--xla_force_host_platform_device_count=\S+')
 
 def fake_cpu_devices(n: int) -> None:
   """n fake CPU devices (one per simulated slice), for a benchmark that knows n only after
-  parsing its arguments; it must call this before it imports jax. No effect once jax is
-  imported (under pytest, the test setup has already chosen the device count)."""
+  parsing its arguments; it must call this before jax starts its backend (XLA reads the flag
+  then). No effect once it has (under pytest, the test setup has already chosen the count)."""
   if 'jax' in sys.modules:
-    return
+    from jax._src import xla_bridge  # (imported: jax is)
+    if xla_bridge.backends_are_initialized():
+      return
   flags = _DEVICE_COUNT.sub('', os.environ.get('XLA_FLAGS', ''))
   os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={n}'.strip()

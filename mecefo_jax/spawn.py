@@ -6,6 +6,7 @@ import atexit
 import importlib
 import importlib.util
 import io
+import logging
 import os
 import signal
 import subprocess
@@ -110,34 +111,42 @@ def fork(cmd: list[str], env: dict[str, str], stdout: int | None = None,
   if pid == 0:
     code = 1
     try:
-      _become_worker(cmd, env, stdout, stderr, pass_fds)
-      code = _run_worker()
+      become(env, argv=[sys.modules['mecefo_jax.__main__'].__file__, *cmd[3:]],
+             path_head=os.getcwd(), stdout=stdout, stderr=stderr, pass_fds=pass_fds)
+      code = run_as_program(_worker_main)
     finally:
       os._exit(code)  # never back into the supervisor's code, none of its exit handlers
   return Forked(pid, cmd)
 
 
-def _become_worker(cmd, env, stdout, stderr, pass_fds) -> None:
-  """This fork made what exec would make of it: the streams, the descriptors, the signals,
-  the environment, sys.path and sys.argv of `python -m mecefo_jax`."""
-  if stdout is not None:
-    os.dup2(stdout, 1)
+def become(env: dict[str, str], argv: list[str], path_head: str, stdin: int | None = None,
+           stdout: int | None = None, stderr: int | None = None,
+           pass_fds: tuple[int, ...] = ()) -> None:
+  """This fork made what exec would make of it: the streams, the descriptors, the signals, the
+  environment, and sys.path (`path_head` first: a script's directory, or the cwd of `-m`) and
+  sys.argv of a new interpreter started with `env`."""
+  for fd, given in ((0, stdin), (1, stdout)):
+    if given is not None:
+      os.dup2(given, fd)
   if stderr is not None:
     os.dup2(1 if stderr == subprocess.STDOUT else stderr, 2)
   keep = sorted({0, 1, 2, *pass_fds})
   for lo, hi in zip(keep, keep[1:] + [os.sysconf('SC_OPEN_MAX')]):
-    os.closerange(lo + 1, hi)  # as exec with close_fds: the supervisor's pipes are its own
+    os.closerange(lo + 1, hi)  # as exec with close_fds: the parent's pipes are its own
   for sig in signal.valid_signals():
     handler = signal.getsignal(sig)
     if callable(handler) and handler is not signal.default_int_handler:
-      signal.signal(sig, signal.SIG_DFL)  # the supervisor's handlers (launch.serve)
+      signal.signal(sig, signal.SIG_DFL)  # the parent's handlers (launch.serve)
   signal.signal(signal.SIGINT, signal.default_int_handler)
   sys.path[:] = worker_path(sys.path, os.environ.get('PYTHONPATH', ''),
-                            env.get('PYTHONPATH', ''), os.getcwd())
+                            env.get('PYTHONPATH', ''), path_head)
   os.environ.clear()
   os.environ.update(env)
+  # A new interpreter's root logger has no handler until its main sets one (cli.py); this
+  # one may have one on the parent's stderr (orbax logs through it as it is imported).
+  logging.root.handlers.clear()
   _streams(unbuffered=bool(env.get('PYTHONUNBUFFERED')))
-  sys.argv = [sys.modules['mecefo_jax.__main__'].__file__, *cmd[3:]]
+  sys.argv = list(argv)
 
 
 def worker_path(path: list[str], own: str, given: str, cwd: str) -> list[str]:
@@ -163,12 +172,18 @@ def _stream(old: io.TextIOWrapper, fd: int, buffered: bool, line: bool) -> io.Te
                           errors=old.errors, write_through=not buffered, line_buffering=line)
 
 
-def _run_worker() -> int:
-  """Runs the worker's main as the interpreter would run it; its exit code."""
+def _worker_main() -> int | None:
+  from mecefo_jax.__main__ import main
+  return main(started=time.time())
+
+
+def run_as_program(main) -> int:
+  """Runs `main()` as the interpreter runs a program, and ends as it ends one (its threads
+  joined, then atexit's handlers, the streams flushed; an uncaught Ctrl-C ends it by SIGINT):
+  the exit code, for os._exit."""
   code = 0
   try:
-    from mecefo_jax.__main__ import main
-    code = main(started=time.time())
+    code = main()
   except SystemExit as end:
     code = end.code
   except KeyboardInterrupt:

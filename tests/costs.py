@@ -11,15 +11,16 @@ import resource
 import time
 
 from mecefo_jax.step.program_store import compile_counts
-from procs import Launcher
+from procs import Launcher, forked_cpu_s
 
 COSTS_ENV = 'MECEFO_TEST_COSTS'
 
 
 def _cpu_s() -> float:
-  """CPU seconds (user + system) of this process and of every descendant it has waited for."""
-  return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                               resource.getrusage(resource.RUSAGE_CHILDREN)))
+  """CPU seconds (user + system) of this process and of every descendant it has waited for,
+  the fork server's children among them (tests/forkserver.py)."""
+  return forked_cpu_s() + sum(u.ru_utime + u.ru_stime for u in (
+      resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def mark() -> tuple[float, int, float, int, float]:

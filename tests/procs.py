@@ -8,6 +8,7 @@ a cold start. Never the user's home.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 # The suite's XLA flags, in-process (tests/conftest.py) and in every process it starts: LLVM's
@@ -51,6 +54,24 @@ TINY = ('model.d_model=32', 'model.n_heads=2', 'model.ffn_dim=48', 'model.seq_le
         'model.n_layers=1', 'train.micro_batch=4', 'train.plot=false')
 
 
+FORK_ENV = 'MECEFO_TEST_FORK'  # 0: every process a new interpreter (no fork server)
+_server: forkserver.ForkServer | None = None
+
+
+def _fork_server(env: dict[str, str]) -> forkserver.ForkServer:
+  """This pytest process's fork server, started on first use with the launcher's `env`."""
+  global _server
+  if _server is None:
+    _server = forkserver.ForkServer(env)
+    atexit.register(_server.close)
+  return _server
+
+
+def forked_cpu_s() -> float:
+  """CPU seconds of the fork server's children whose end was read (tests/costs.py)."""
+  return _server.cpu_s if _server else 0.0
+
+
 class Launcher:
   """Starts processes in sessions of their own, so that each is killed with its children."""
   starts = 0  # processes started by this pytest process (tests/costs.py counts them per test)
@@ -65,7 +86,10 @@ class Launcher:
     """This environment with the suite's XLA flags but not conftest's 8 fake devices (train.py's
     --host-devices sets them); the suite's compilation cache, or with `compile_cache=False` an
     empty one."""
-    env = dict(os.environ, XLA_FLAGS=SUITE_XLA_FLAGS, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+    # OpenBLAS single-threaded, as the benchmarks set it (benchmarks/__init__.py): numpy's and
+    # scipy's read it as they load, which a forked child (tests/forkserver.py) did before it.
+    env = dict(os.environ, XLA_FLAGS=SUITE_XLA_FLAGS, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
+               OPENBLAS_NUM_THREADS='1')
     # Python's default: a process writes the bytecode of what it compiled (__pycache__, ignored
     # by git) and the next reads it. A sandbox's PYTHONDONTWRITEBYTECODE=1 made each of the
     # suite's processes compile this package and the benchmarks from source: ~0.5 CPU s each.
@@ -79,8 +103,12 @@ class Launcher:
     return {**env, **extra}
 
   def start(self, args, *, cwd=ROOT, env=None, **popen) -> subprocess.Popen:
-    proc = subprocess.Popen([str(a) for a in args], cwd=cwd, env=env or self.env(),
-                            start_new_session=True, **popen)
+    """`args` started in `cwd` with `env` (this launcher's by default): forked from the fork
+    server where it can run them (tests/forkserver.py), else a new process."""
+    args, env = [str(a) for a in args], env or self.env()
+    server = _fork_server(self.env()) if os.environ.get(FORK_ENV, '1') != '0' else None
+    proc = (server and server.start(args, cwd=cwd, env=env, **popen) or
+            subprocess.Popen(args, cwd=cwd, env=env, start_new_session=True, **popen))
     self.started.append(proc)
     Launcher.starts += 1
     return proc
