@@ -64,7 +64,25 @@ def forkable(cmd: list[str], env: dict[str, str]) -> bool:
   return _imported_with is None or jax_env(env) == _imported_with
 
 
-class Forked:
+class Signaled:
+  """Popen's signal methods, for a child with a `pid` and `poll`."""
+  pid: int
+
+  def poll(self) -> int | None:
+    raise NotImplementedError
+
+  def send_signal(self, sig: int) -> None:
+    if self.poll() is None:
+      os.kill(self.pid, sig)
+
+  def terminate(self) -> None:
+    self.send_signal(signal.SIGTERM)
+
+  def kill(self) -> None:
+    self.send_signal(signal.SIGKILL)
+
+
+class Forked(Signaled):
   """A forked worker, answering as a subprocess.Popen does."""
 
   def __init__(self, pid: int, args: list[str]):
@@ -87,15 +105,6 @@ class Forked:
       time.sleep(_POLL_S)
     return self.returncode
 
-  def send_signal(self, sig: int) -> None:
-    if self.poll() is None:
-      os.kill(self.pid, sig)
-
-  def terminate(self) -> None:
-    self.send_signal(signal.SIGTERM)
-
-  def kill(self) -> None:
-    self.send_signal(signal.SIGKILL)
 
 
 def fork(cmd: list[str], env: dict[str, str], stdout: int | None = None,

@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from mecefo_jax import spawn  # (it imports no jax)
+
 ROOT = Path(__file__).resolve().parents[1]
 # What a new interpreter or a library reads once, at its start or its import: a process whose
 # values differ from the server's is started as a new interpreter. (spawn.become sets the
@@ -141,7 +143,7 @@ def _stdio(stdin, stdout, stderr):
   return keep, send, own
 
 
-class Served:
+class Served(spawn.Signaled):
   """A forked child of the server, answering as a subprocess.Popen."""
 
   def __init__(self, server: ForkServer, pid: int, args, stdin, stdout, stderr, text: bool):
@@ -203,20 +205,9 @@ class Served:
     f.close()
     return io.TextIOWrapper(io.BytesIO(data)).read() if self.text else data
 
-  def send_signal(self, sig: int) -> None:
-    if self.poll() is None:
-      os.kill(self.pid, sig)
-
-  def terminate(self) -> None:
-    self.send_signal(signal.SIGTERM)
-
-  def kill(self) -> None:
-    self.send_signal(signal.SIGKILL)
-
 
 def serve(fd: int) -> None:
   """The server: forks a child per request, and says when each started and how it ended."""
-  from mecefo_jax import spawn
   sock = socket.socket(fileno=fd)
   spawn.preload(dict(os.environ))
   for name in PRELOAD:
@@ -264,7 +255,6 @@ def _reap(sock: socket.socket) -> None:
 def _fork(request: dict, fds: list[int], servers: tuple[int, ...]) -> int:
   """A child running `request` in a session of its own; answers once it is in it (so that a
   signal to its group reaches it)."""
-  from mecefo_jax import spawn
   ready_r, ready_w = os.pipe()
   sys.stdout.flush()
   sys.stderr.flush()
