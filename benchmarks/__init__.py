@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-import sys
+
+from mecefo_jax import spawn  # (it imports no jax)
 
 # jaxlib's CPU QR/SVD (the svd refresh) call a threaded OpenBLAS whose threads spin against XLA's
 # own pool on a small shared CPU: the llama_60m refresh measured 5.2 s threaded vs 1.15 s single.
@@ -21,9 +22,7 @@ def fake_cpu_devices(n: int) -> None:
   """n fake CPU devices (one per simulated slice), for a benchmark that knows n only after
   parsing its arguments; it must call this before jax starts its backend (XLA reads the flag
   then). No effect once it has (under pytest, the test setup has already chosen the count)."""
-  if 'jax' in sys.modules:
-    from jax._src import xla_bridge  # (imported: jax is)
-    if xla_bridge.backends_are_initialized():
-      return
+  if spawn.jax_backend_up():
+    return
   flags = _DEVICE_COUNT.sub('', os.environ.get('XLA_FLAGS', ''))
   os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={n}'.strip()

@@ -58,10 +58,18 @@ def forkable(cmd: list[str], env: dict[str, str]) -> bool:
     return False
   if 'jax' not in sys.modules:
     return True
-  from jax._src import xla_bridge  # (imported: jax is)
-  if xla_bridge.backends_are_initialized():
+  if jax_backend_up():
     return False
   return _imported_with is None or jax_env(env) == _imported_with
+
+
+def jax_backend_up() -> bool:
+  """Whether jax has started a backend in this process (XLA has read its flags then); never
+  imports jax itself."""
+  if 'jax' not in sys.modules:
+    return False
+  from jax._src import xla_bridge  # (imported: jax is)
+  return xla_bridge.backends_are_initialized()
 
 
 class Signaled:
@@ -104,7 +112,6 @@ class Forked(Signaled):
         raise subprocess.TimeoutExpired(self.args, timeout)
       time.sleep(_POLL_S)
     return self.returncode
-
 
 
 def fork(cmd: list[str], env: dict[str, str], stdout: int | None = None,
@@ -159,9 +166,9 @@ def become(env: dict[str, str], argv: list[str], path_head: str, stdin: int | No
 
 
 def worker_path(path: list[str], own: str, given: str, cwd: str) -> list[str]:
-  """The sys.path of `python -m mecefo_jax` run in `cwd` with PYTHONPATH `given`, from this
-  process's `path` (its script's directory or its cwd first, then its own PYTHONPATH's
-  entries, then the installation's)."""
+  """The sys.path of a new interpreter whose first entry is `cwd` (its script's directory, or
+  its cwd for `-m`) with PYTHONPATH `given`, from this process's `path` (its own first entry,
+  then its own PYTHONPATH's entries, then the installation's)."""
   own_entries = [p for p in own.split(os.pathsep) if p]
   given_entries = [p for p in given.split(os.pathsep) if p]
   rest = [p for p in path[1:] if p not in own_entries and p not in given_entries]
