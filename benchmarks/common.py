@@ -43,6 +43,16 @@ def add_keep_xla_flags(p: argparse.ArgumentParser) -> None:
                  "compiles) instead of XLA's defaults")
 
 
+def add_keep_cache(p: argparse.ArgumentParser) -> None:
+  """`--keep-cache`: a benchmark's jobs take the caller's XLA_FLAGS and
+  $JAX_COMPILATION_CACHE_DIR (a test suite's: its compiles shared) where cold programs are no
+  part of what it measures."""
+  p.add_argument('--keep-cache', action='store_true',
+                 help="the jobs take this environment's XLA_FLAGS and $JAX_COMPILATION_CACHE_DIR "
+                 "(a test suite's: its compiles shared) instead of XLA's defaults and an empty "
+                 'cache')
+
+
 def job_env(keep_xla_flags: bool = False, keep_cache: bool = False, **extra: str) -> dict:
   """This environment for a benchmark's job: without XLA_FLAGS (XLA's defaults) unless
   `keep_xla_flags`, without $JAX_COMPILATION_CACHE_DIR (an empty program store, or the one

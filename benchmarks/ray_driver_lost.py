@@ -1,7 +1,7 @@
 """A Ray driver SIGKILLed mid-run: the actors' lease stops the job at a step; the command resumes it.
 
 Run: python -m benchmarks.ray_driver_lost [--processes 3] [--steps 1000] [--kill-at 10]
-    [--stopped-s 30] [--json OUT] [overrides...]
+    [--stopped-s 30] [--keep-cache] [--json OUT] [overrides...]
 
 On a Ray cluster of this machine (benchmarks/ray_cluster.py: a 0-CPU head, one 1-CPU node per
 host), `mecefo-launch --backend ray -n 3 --stopped-s S -- --config tiny mesh.slice=3
@@ -40,6 +40,7 @@ def _args(argv):
   p.add_argument('--steps', type=int, default=1000, help='more than the job trains here')
   p.add_argument('--kill-at', type=int, default=10, help='the step after which the driver dies')
   p.add_argument('--stopped-s', type=float, default=30.0, help="the actors' lease")
+  common.add_keep_cache(p)  # the lease and the resume are timed, not the compiles
   return p.parse_intermixed_args(argv)
 
 
@@ -48,9 +49,8 @@ class Job(common.JobOutput):
 
   def __init__(self, args, tmp: Path, cluster, name: str, more: tuple[str, ...] = ()):
     self.out, self.events_path = tmp / 'run', tmp / f'{name}-events.jsonl'
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
-    env.update(HOME=str(tmp / 'home'), PYTHONUNBUFFERED='1')
+    env = common.job_env(args.keep_cache, args.keep_cache, HOME=str(tmp / 'home'),
+                         PYTHONUNBUFFERED='1')
     n = args.processes
     self.start([sys.executable, '-m', 'mecefo_jax.launch', '--backend', 'ray', '--address',
                 cluster.address, '-n', str(n), '--stopped-s', f'{args.stopped_s:g}',

@@ -59,10 +59,7 @@ def _args(argv):
   p.add_argument('--kill', action='store_true',
                  help='SIGKILL instead of SIGSTOP: a death, its restart for comparison')
   p.add_argument('--timeout', type=float, default=1800.0, help='seconds the job may take')
-  p.add_argument('--keep-cache', action='store_true',
-                 help="the job takes this environment's XLA_FLAGS and $JAX_COMPILATION_CACHE_DIR "
-                 "(a test suite's: its compiles shared) instead of XLA's defaults and an empty "
-                 'cache')
+  common.add_keep_cache(p)
   p.add_argument('--clean-runs', type=int, default=0,
                  help="run the README's multi-process example this many times, no fault")
   return p.parse_intermixed_args(argv)
