@@ -1,12 +1,19 @@
 """Test setup: 8 fake CPU devices (set before jax is imported anywhere), the process launcher,
 and the tiers: a test that starts a process (it takes `launcher`) is marked `slow` here."""
 import os
+import signal
 from pathlib import Path
 
 import order
 from procs import SUITE_XLA_FLAGS, Launcher, pin_blas_kernels  # (procs imports no jax)
 
 pin_blas_kernels()
+# A suite started as a shell's background job (`pytest &`, nohup) inherits SIGINT ignored, and
+# so would every process its tests start anew (a fork server's children get Python's handler
+# whatever their parent's: spawn.become); its tests then depended on which test ran first in
+# a worker. Every pytest process handles SIGINT as one started from a terminal does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            f' --xla_force_host_platform_device_count=8 {SUITE_XLA_FLAGS}').strip()

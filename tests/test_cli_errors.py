@@ -321,17 +321,11 @@ def test_a_benchmark_run_as_a_file_says_in_one_line_to_run_it_as_a_module(monkey
 
 # ---- Ctrl-C (train.py's SIGTERM and Ctrl-C stops share one handler: tests/test_recovery.py) --
 
-def _default_sigint():
-  # A test runner started in the background may ignore SIGINT, and children inherit that.
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_without_snapshots_is_one_line(launcher, tmp_path):
   out = tmp_path / 'run'
   proc = launcher.start([sys.executable, 'train.py', '--out', out, *TINY, 'mesh.slice=1',
                          '--no-snapshots', 'train.steps=100000', 'train.log_every=1'],
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                        preexec_fn=_default_sigint)
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   metrics = out / 'metrics.jsonl'
   wait_for(lambda: metrics.is_file() and '"step": 2,' in metrics.read_text(), 180, 'step 2', proc)
   proc.send_signal(signal.SIGINT)
@@ -341,9 +335,8 @@ def test_ctrl_c_without_snapshots_is_one_line(launcher, tmp_path):
 
 
 def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplog, tmp_path):
-  # Python's own SIGINT handler first: the suite started as a shell's background job inherits
-  # SIGINT ignored, which install() keeps ignored (by design), and nothing would be handled.
-  inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+  # Python's own SIGINT handler is there to be replaced (tests/conftest.py: a suite started in
+  # the background inherits SIGINT ignored, which install() keeps ignored, by design).
   request = stop.StopRequest(out_dir=tmp_path)
   request.install()
   try:
@@ -357,7 +350,6 @@ def test_first_ctrl_c_stops_after_the_step_and_a_second_interrupts_at_once(caplo
       time.sleep(5)
   finally:
     request.uninstall()
-    signal.signal(signal.SIGINT, inherited)
 
 
 def test_a_stop_comes_from_stop_after_or_the_request_file_once(tmp_path):

@@ -29,8 +29,9 @@ RUN = (*TINY, 'train.log_every=1', 'mesh.slice=1')
 
 
 def train(launcher, out: Path, *args: str, cwd=ROOT, preexec=None) -> tuple[int, str]:
+  # Only where given: a preexec_fn (even None) makes it a new process, not a fork server's.
   proc = launcher.train('-q', *(('--out', out) if out else ()), *RUN, *args, cwd=cwd,
-                        preexec_fn=preexec)
+                        **({'preexec_fn': preexec} if preexec else {}))
   return proc.returncode, proc.stdout + proc.stderr
 
 
