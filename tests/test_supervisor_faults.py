@@ -278,6 +278,11 @@ def test_a_collectives_failure_is_a_lost_peer_in_one_line(capsys):
   gloo = JaxRuntimeError('[external/gloo/pair.cc:589] Gloo AllGather failed: Read error '
                          '[127.0.0.1]:40604: Connection reset by peer\nmore lines')
   assert ending.peer_lost(gloo) and not ending.peer_lost(ValueError(str(gloo)))
+  # The metrics' fetch (process_allgather) raises the runtime's status as a ValueError (seen
+  # beside a busy core: host 0 printed its traceback, not its line); a user's ValueError is not.
+  allgather = ValueError('UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/'
+                         'pair.cc:547] Connection closed by peer [127.0.0.1]:17796')
+  assert ending.peer_lost(allgather) and not ending.peer_lost(ValueError('UNKNOWN: a bad value'))
   assert not ending.peer_lost(JaxRuntimeError('RESOURCE_EXHAUSTED: out of memory'))
   assert ending.lost_peer(2, gloo) == PEER_LOST
   [line] = capsys.readouterr().err.splitlines()

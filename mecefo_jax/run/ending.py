@@ -21,9 +21,13 @@ if TYPE_CHECKING:  # (no jax here: train.py imports this module before jax)
   from mecefo_jax.run.startup import Startup
 
 # What a collective's failure says when a peer process of the job is gone (gloo on CPU, NCCL
-# on GPU, the coordination service anywhere); jax raises it as a JaxRuntimeError.
+# on GPU, the coordination service anywhere); jax raises it as a JaxRuntimeError, or, from
+# multihost_utils.process_allgather (the metrics' fetch), as a ValueError that holds the
+# runtime's status ('UNKNOWN: Gloo AllGather failed: ... Connection closed by peer', jax 0.10.2).
 _PEER_LOSS = ('Gloo', 'NCCL', 'Connection reset by peer', 'Connection closed by peer',
               'coordination service', 'heartbeat')
+_RUNTIME_STATUS = re.compile(r'(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|'
+                             r'DEADLINE_EXCEEDED|FAILED_PRECONDITION): ')
 # Where a start-up was: the first of these that the innermost frame of the package it was
 # running starts with (`module:function`).
 _PHASES = (('mecefo_jax.run.cli:_no_jax_cache', 'importing jax'),
@@ -42,8 +46,9 @@ _PHASES = (('mecefo_jax.run.cli:_no_jax_cache', 'importing jax'),
 
 def peer_lost(err: BaseException) -> bool:
   """Whether `err` is a collective's failure because a peer process of the job is gone."""
-  return (type(err).__name__ in ('JaxRuntimeError', 'XlaRuntimeError') and
-          any(mark in str(err) for mark in _PEER_LOSS))
+  runtime = (type(err).__name__ in ('JaxRuntimeError', 'XlaRuntimeError') or
+             type(err) is ValueError and _RUNTIME_STATUS.match(str(err)))
+  return bool(runtime) and any(mark in str(err) for mark in _PEER_LOSS)
 
 
 def lost_peer(host: int, err: BaseException) -> int:
