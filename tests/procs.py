@@ -134,7 +134,8 @@ class Launcher:
     from the repository root (it must exit 0), with the run metadata every result carries.
     `optimized`: XLA's own flags instead of the suite's, for a benchmark whose training steps
     cost more than its compiles (quality's 2 x 300 steps: 47 s against 71 s alone, the same
-    losses; its preset and trace runs, compiles mostly, took longer so)."""
+    losses; at 2 x 150 steps 47-49 CPU s against 58-61; its preset and trace runs, compiles
+    mostly, took longer so)."""
     args = [*map(str, args), '--json', str(json_path)]
     env = self.env(XLA_FLAGS='') if optimized else None
     proc = self.python('-m', f'benchmarks.{name}', *args, timeout=900, env=env)

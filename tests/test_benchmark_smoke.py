@@ -30,13 +30,6 @@ def test_gradient_error_of_a_low_rank_basis_is_between_zero_and_one(launcher, tm
   assert 0 < error < 1 and len(result['rows']) == 2, result['mean']
 
 
-def test_compile_autotune_compiles_the_degraded_step(launcher, tmp_path):
-  result = launcher.benchmark('compile_autotune', '--cache', tmp_path / 'autotune', '--mode',
-                              'empty', *TINY, json_path=tmp_path / 'autotune.json')
-  [row] = result['rows']
-  assert row['mode'] == 'empty' and row['compile_s'] > 0 and row['temp_bytes'] > 0, row
-
-
 def test_compile_depth_times_a_cold_run_of_this_tree(launcher, tmp_path):
   # Cold still (an empty HOME), at the suite's XLA flags: its compiles take less time.
   result = launcher.benchmark('compile_depth', '--trees', '.', '--layers', '1', '--repeats', '1',

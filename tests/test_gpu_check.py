@@ -67,8 +67,9 @@ def test_every_part_runs_with_tiny_models_and_lands_in_one_json(launcher, tmp_pa
   assert set(cost['temp_bytes']) == {'normal_1', 'degraded_2', 'naive_2'} and cost['time_ratio'] > 0
   assert parts['snapshot']['figures']['overhead_pct'] is not None
   modes = [parts[f'compile_degraded_{m}']['figures'] for m in ('empty', 'warm', 'off')]
-  assert [f['mode'] for f in modes] == ['empty', 'warm', 'off'] and all(f['compile_s'] > 0
-                                                                          for f in modes)
+  # (merged here: test_benchmark_smoke.py's compile_autotune run of mode `empty`, these asserts)
+  assert [f['mode'] for f in modes] == ['empty', 'warm', 'off']
+  assert all(f['compile_s'] > 0 and f['temp_bytes'] > 0 for f in modes), modes
   assert parts['quickstart']['figures']['steps'] == 20
 
 
