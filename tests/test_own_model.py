@@ -14,7 +14,7 @@ import pytest
 
 from mecefo_jax.config import load_config
 from mecefo_jax.model import bases, models
-from mecefo_jax.run import cli
+from mecefo_jax.run import cli, hints
 from mecefo_jax.records.job import BAD_INPUT
 from mecefo_jax.run.stop import TEST_DEATH_ENV
 from procs import ROOT, TINY, error_lines, report
@@ -94,12 +94,10 @@ def test_the_built_in_second_model_trains_through_failures_as_its_replay(tmp_pat
   result = report(folder / 'run')
   assert result['config']['model']['kind'] == 'gpt2'
   assert result['samples']['degraded'] > 0 and result['samples']['dropped'] == 0
-  # As the trainer was last entered in this process (hints.entered): train.py or -m mecefo_jax.
-  replay_cmd = _replay_command(folder / 'run')
-  program = 3 if replay_cmd[1] == '-m' else 2
-  assert replay_cmd[:program] in (['python', 'train.py'], ['python', '-m', 'mecefo_jax']), \
-      replay_cmd
-  assert cli.main(replay_cmd[program:]) == 0
+  # The command as the trainer was last entered in this process (hints.entered).
+  replay_cmd, program = _replay_command(folder / 'run'), shlex.split(hints.train_command())
+  assert replay_cmd[:len(program)] == program, replay_cmd
+  assert cli.main(replay_cmd[len(program):]) == 0
   _assert_replayed(folder, 'gpt2')
 
 

@@ -38,15 +38,6 @@ def _rows(run: Path) -> int:
   return path.read_text().count('"step"') if path.exists() else 0
 
 
-def _copied(path: Path, done, timeout: float = 30.0) -> str:
-  """`path`'s text once `done(text)`, or at `timeout`: worker 0's lines reach the supervisor's
-  log through its tee (job_rules.spawn_logged), which may copy them after the worker ended."""
-  deadline = time.monotonic() + timeout
-  while not done(text := path.read_text()) and time.monotonic() < deadline:
-    time.sleep(0.05)
-  return text
-
-
 def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_path):
   run, events, shm = tmp_path / 'run', tmp_path / 'events.jsonl', tmp_path / 'shm'
   out = open(tmp_path / 'supervisor.log', 'wb')  # worker 0 writes here after the supervisor died
@@ -67,7 +58,11 @@ def test_a_killed_supervisor_stops_its_workers_at_one_agreed_step(launcher, tmp_
   why = f'the supervisor (pid {sup.pid}) is gone'
   assert stop.why == why, stop
   said = f'stopped by {why} after {stop.step} steps'
-  logs = [_copied(tmp_path / 'supervisor.log', lambda text: said in text)] + [
+  # Worker 0's lines reach the supervisor's log through its tee (job_rules.spawn_logged),
+  # which may copy them after the worker ended.
+  sup_log = tmp_path / 'supervisor.log'
+  wait_for(lambda: said in sup_log.read_text(), 30, f'{said!r} in {sup_log}')
+  logs = [sup_log.read_text()] + [
       (run / 'logs' / f'host{h}.log').read_text() for h in (1, 2)]
   assert all(said in log for log in logs), [log[-2000:] for log in logs]
   # Every host's part of that step's in-memory snapshot, and the report of a stopped run.
@@ -105,7 +100,9 @@ def test_a_killed_supervisors_workers_stuck_in_a_step_end_past_their_own_deadlin
   [line] = error_lines((run / 'logs' / 'host1.log').read_text())
   assert line.startswith(gone) and '(in training at step 3; its own deadline 10 s): exit 8 ' \
       'without a final snapshot' in line, line
-  [line] = error_lines(_copied(tmp_path / 'supervisor.log', error_lines))
+  sup_log = tmp_path / 'supervisor.log'  # copied by worker 0's tee, maybe after it ended
+  wait_for(lambda: error_lines(sup_log.read_text()), 30, f'an error line in {sup_log}')
+  [line] = error_lines(sup_log.read_text())
   assert line.startswith('error: host 0: a collective failed, a peer process of the job is gone') \
       or line.startswith(gone) and '(in training at step 4; its own deadline 20 s): exit 8' in line
   assert read_run_state(run).status != 'stopped'  # no agreed stop: none was reached
