@@ -148,7 +148,7 @@ def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
   """NamedShardings of the state: replicated across slices, sharded inside a slice by the rules."""
   model = models.spec(cfg.model)
   param_shapes, param_axes = model.shapes, model.axes
-  shapes = jax.eval_shape(lambda: init_state(cfg))
+  shapes = abstract_state(cfg)  # traced once per config, not once per (sub)mesh
   param_sh = tree_shardings(param_axes, param_shapes, mesh)
   # Each partition's moments hold MaskedNode where the other partition's params are: kept as is.
   masked = lambda x: isinstance(x, optax.MaskedNode)
