@@ -9,6 +9,10 @@ end reaped beyond what was seen) and of counting the machine's other work;
 it books each process under a kind read from its command line and its parents'."""
 from __future__ import annotations
 
+if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
+  raise SystemExit('error: run it from the repository root as python -m benchmarks.'
+                   'suite_processes')
+
 import argparse
 import json
 import os
