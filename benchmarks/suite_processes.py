@@ -4,9 +4,9 @@ while the command runs (`python -m benchmarks.suite_processes --json OUT -- bash
 tests/costs.py counts what each pytest process and the processes it waited for used; processes
 nobody waits for (a Ray cluster's workers and the trainers its actors start, whatever a killed
 parent left) escape it. This sampler sees every process, whoever its parent, at the price of
-missing each one's last interval (0.25 s by default; a line adds what parents alive at the
-end reaped beyond what was seen) and of counting the machine's other work;
-it books each process under a kind read from its command line and its parents'."""
+missing each one's last interval (0.25 s by default; a line adds what parents alive at the end
+reaped beyond what was seen) and of counting the machine's other work. It books each process
+under a kind read from its command line and its parents'."""
 from __future__ import annotations
 
 if not __package__:  # `python benchmarks/NAME.py`: benchmarks/, not the repository, is on sys.path
@@ -51,7 +51,7 @@ def command_line(pid: int | str) -> str:
 
 class Sampler:
   """Every process's CPU seconds as last seen, keyed by (pid, start time): a pid reused is
-  another process. Processes that ran before `start` count from their CPU then."""
+  another process. One that ran before the sampling began counts from its CPU then."""
 
   def __init__(self, interval_s: float):
     self.interval_s, self.seen, self.stop = interval_s, {}, threading.Event()
@@ -101,7 +101,7 @@ def kind(entry: dict, by_pid: dict[int, dict]) -> str:
     if FORK_SERVER in grandparent.get('cmd', ''):
       return "forked by a fork server's child (a supervisor's worker)"
     return "forked by a fork server (a test's process)"
-  if '/ray/' in cmd:
+  if '/ray/' in cmd or cmd.startswith('ray::'):  # (Ray names a busy worker by its task)
     return 'Ray (its daemons and workers)'
   if 'import ctypes, os, sys' in cmd:  # ray_host.py's trainer before it execs
     return 'new interpreter: -m mecefo_jax'

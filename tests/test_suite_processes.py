@@ -17,7 +17,7 @@ def test_each_process_is_booked_by_its_command_and_for_a_fork_by_its_parents():
              _entry(6, 5, 'python -m mecefo_jax.launch -n 2 -- x'),
              _entry(7, 1, '/venv/bin/python /venv/lib/ray/_private/workers/default_worker.py'),
              _entry(8, 1, 'python train.py --out x'), _entry(9, 1, 'python -m pip install x'),
-             _entry(10, 1, ''), _entry(11, 1, 'tee -a log')]
+             _entry(10, 1, ''), _entry(11, 1, 'tee -a log'), _entry(12, 1, 'ray::Host.start')]
   by_pid = {e['pid']: e for e in entries}
   assert [sp.kind(e, by_pid) for e in entries] == [
       'pytest-xdist worker (in-process tests)', 'fork server (tests/forkserver.py)',
@@ -25,7 +25,8 @@ def test_each_process_is_booked_by_its_command_and_for_a_fork_by_its_parents():
       "forked by a fork server's child (a supervisor's worker)",
       'new interpreter: -m mecefo_jax.launch', 'forked by -m mecefo_jax.launch (its workers)',
       'Ray (its daemons and workers)', 'new interpreter: train.py', 'pip',
-      'kernel threads and processes gone before their first sample', 'tee']
+      'kernel threads and processes gone before their first sample', 'tee',
+      'Ray (its daemons and workers)']
 
 
 def test_what_a_live_parent_reaped_beyond_what_was_seen_is_the_missed_tail():
