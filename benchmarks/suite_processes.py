@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from mecefo_jax.records.job import stat_fields  # (standard library only: no jax)
+
 REPO = Path(__file__).resolve().parents[1]
 
 FORK_SERVER = 'forkserver.serve'  # tests/forkserver.py's command line, which its forks keep
@@ -32,9 +34,8 @@ TAILS = 'between samples (reaped by parents alive at the end)'
 def read_proc(pid: str) -> tuple[int, str, float, float] | None:
   """(parent pid, start time in ticks, CPU seconds, CPU seconds of the children it reaped) of
   process `pid`, or None if it is gone."""
-  try:
-    fields = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
-  except (OSError, IndexError):
+  fields = stat_fields(pid)
+  if not fields:
     return None
   ticks = os.sysconf('SC_CLK_TCK')
   own, reaped = (int(fields[i]) + int(fields[i + 1]) for i in (11, 13))

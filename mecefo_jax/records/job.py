@@ -109,7 +109,7 @@ class HostLook:
 
 # ---- what the supervisor reads of a process in /proc -------------------------------------------
 
-def _stat_fields(pid: int) -> list[str] | None:
+def stat_fields(pid: int) -> list[str] | None:
   """The fields of /proc/PID/stat after the command name (the state first), None where it
   cannot be read (the process is gone, or this is no Linux)."""
   try:
@@ -120,14 +120,14 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 def process_state(pid: int) -> str | None:
   """The state letter of /proc/PID/stat ('T': stopped), None where it cannot be read."""
-  fields = _stat_fields(pid)
+  fields = stat_fields(pid)
   return fields[0] if fields else None
 
 
 def cpu_seconds(pid: int) -> float | None:
   """The CPU time process `pid` has used (user + system, all its threads), None where it
   cannot be read."""
-  fields = _stat_fields(pid)
+  fields = stat_fields(pid)
   if not fields or len(fields) < 13:
     return None
   return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')  # utime, stime
