@@ -58,6 +58,10 @@ def is_multiprocess() -> bool:
   return jax.process_count() > 1
 
 
+def is_chief() -> bool:
+  return jax.process_index() == 0
+
+
 def is_local(mesh: Mesh) -> bool:
   """True if this process owns devices of `mesh` (and so must run its programs)."""
   me = jax.process_index()

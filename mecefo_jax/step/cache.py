@@ -3,9 +3,11 @@ program of the same shape (step/retarget.py), loaded from the program store (ste
 or compiled."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -145,26 +147,79 @@ class _WithStore:
   def __init__(self, program_store: ProgramStore | None, moved: Moved):
     self.store, self.moved = program_store, moved
 
+  def load(self, entry: retarget.Serialized | None, request: Request) -> Built | None:
+    """`entry` loaded onto the request's devices (kept for moves); None: no entry, or it
+    does not load."""
+    program = entry and self.moved.load(entry, request)
+    if program is None:
+      return None
+    self.moved.keep(request.key, entry)
+    return Built(program, 'loaded')
+
 
 class Stored(_WithStore):
   """Programs in the program store, loaded where every process has one."""
-  how = 'loaded'
+
+  def __init__(self, program_store: ProgramStore | None, moved: Moved,
+               shared: Callable[[], bool]):
+    super().__init__(program_store, moved)
+    self.shared = shared  # whether the job's processes share this store (shares_store)
 
   def build(self, request: Request) -> Built | None:
     if self.store is None:
       return None
     recipe_key = request.recipe() if request.by_recipe else None  # (lookup takes str | None)
-    entry = self.store.lookup(recipe_key, lambda: request.store_key)
-    if multihost.is_multiprocess():
-      # All processes load or none does, so that no process reaches a collective a compile
-      # ahead of the others; no vote off the training thread (processes vote in step).
-      if request.ahead or not all(multihost.allgather_json(entry is not None)):
-        return None
-    program = entry and self.moved.load(entry, request)
-    if program is None:
+    if not multihost.is_multiprocess():
+      return self.load(self.store.lookup(recipe_key, lambda: request.store_key), request)
+    if request.ahead:  # no vote off the training thread (processes vote in step)
       return None
-    self.moved.keep(request.key, entry)
-    return Built(program, self.how)
+    # A program no alias names is left to Shared where the processes share the store: one of
+    # them lowers it, not each.
+    by_key = None if recipe_key and self.shared() else lambda: request.store_key
+    entry = self.store.lookup(recipe_key, by_key)
+    # All processes load or none does, so that no process reaches a collective a compile
+    # ahead of the others.
+    return self.load(entry, request) if all(multihost.allgather_json(entry is not None)) else None
+
+
+class Shared(_WithStore):
+  """A program none of a job's processes has, where they share one program store (a local
+  job's do): process 0 lowers and compiles it into the store, the others then load it, instead
+  of each lowering and compiling the same program at the same time."""
+
+  def __init__(self, stored: Stored, compiled: 'Compiled'):
+    super().__init__(stored.store, stored.moved)
+    self.shared, self.compiled = stored.shared, compiled
+
+  def build(self, request: Request) -> Built | None:
+    if not (self.store and multihost.is_multiprocess() and request.by_recipe and self.shared()):
+      return None
+    built = None
+    if multihost.is_chief():
+      entry = self.store.read(request.store_key)  # lowered: another recipe's may be it
+      built = self.load(entry, request) if entry else None
+      built = built or self.compiled.build(request)
+      self.store.set_alias(request.recipe(), request.store_key)
+    multihost.allgather_json(True)  # its alias is written
+    built = built or self.load(self.store.lookup(request.recipe(), None), request)
+    if not all(multihost.allgather_json(built is not None)):
+      log.warning('the %s was not in the program store for every process: those without it '
+                  'compile it', request)
+    return built
+
+
+def shares_store(program_store: ProgramStore) -> bool:
+  """Whether every process of the job sees one program store (all processes call it): process
+  0 leaves a mark in its directory, the others look for it."""
+  mark = program_store.dir / f'.job-{os.getpid()}-{time.time_ns()}'
+  if multihost.is_chief():
+    with contextlib.suppress(OSError):  # a store it cannot write: not shared
+      mark.touch()
+  name = multihost.allgather_json(mark.name)[0]
+  seen = multihost.allgather_json((program_store.dir / name).exists())
+  if multihost.is_chief():
+    mark.unlink(missing_ok=True)
+  return all(seen)
 
 
 class Compiled(_WithStore):
@@ -182,7 +237,7 @@ class Compiled(_WithStore):
         self.moved.keep(request.key, serialized)
       if self.store:
         self.store.write(request.store_key, serialized)
-    return Built(program, Stored.how if from_jax_cache else self.how)
+    return Built(program, 'loaded' if from_jax_cache else self.how)
 
 
 def compile_lowered(lowered, devices, program_store, serialize: bool):
@@ -215,7 +270,8 @@ class ProgramCache:
     self.store = program_store
     self.moved = Moved(move)
     self.compiled = Compiled(program_store, self.moved)
-    self.sources = (self.moved, Stored(program_store, self.moved), self.compiled)
+    stored = Stored(program_store, self.moved, functools.cache(lambda: shares_store(self.store)))
+    self.sources = (self.moved, stored, Shared(stored, self.compiled), self.compiled)
     self.stats = BuildStats()
     self._programs: dict = {}
     self.ahead: set[ProgramKey] = set()  # built ahead of need, not yet asked for by a step
@@ -279,22 +335,24 @@ class ProgramCache:
   def prepare(self, key: ProgramKey, give_up=None) -> bool:
     """Compiles `key` into the program store only, unless the store or this cache has one of
     its shape: for a later process (a restart), not this one, so no process vote; and outside
-    the lock, so that the training thread never waits for it. One that a peer process claimed
-    is left to it: False, unless `give_up` is given (ProgramStore.fill waits for the peer).
-    One whose recipe's alias names an entry in the store is not lowered (ProgramStore.alias_of)."""
+    the lock, so that the training thread never waits for it. The claim is its recipe's, taken
+    before lowering: a job's processes want the same programs at the same time, and only the
+    one that claims a program lowers it (the others found it by the alias it leaves). One that
+    a peer process claimed is left to it: False, unless `give_up` is given (ProgramStore.fill
+    waits for the peer)."""
     if self.store is None or not self.move or self.moved.has(key):
       return True
     t0 = time.perf_counter()
     request = self._request(key, ahead=True)
-    if self.store.alias_of(request.recipe()):  # its entry is there: no lowering for its key
-      return True
+    recipe_key = request.recipe()
 
-    def compile_into() -> None:
-      built = self.compiled.build(request, keep=False)  # logs 'compiling the ... (background)'
-      self._book(built.how, time.perf_counter() - t0, True)
-    done = self.store.fill(request.store_key, compile_into, give_up)
-    self.store.set_alias(request.recipe(), request.store_key)
-    return done
+    def build_into() -> None:  # under the recipe's claim
+      if not self.store.path(request.store_key).exists():  # another recipe's entry may be it
+        built = self.compiled.build(request, keep=False)  # logs 'compiling the ... (background)'
+        self._book(built.how, time.perf_counter() - t0, True)
+      self.store.set_alias(recipe_key, request.store_key)
+    return self.store.fill(recipe_key, build_into, give_up,
+                           present=lambda: self.store.alias_of(recipe_key) is not None)
 
   def evict_ahead(self, keep: set[ProgramKey]) -> int:
     """Drops the programs built ahead of need that are not in `keep`; how many."""

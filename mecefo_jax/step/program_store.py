@@ -241,14 +241,18 @@ class ProgramStore:
         path.unlink(missing_ok=True)
 
   def fill(self, key: str, compile_into: Callable[[], None],
-           give_up: Callable[[], bool] | None = None) -> bool:
-    """Sees that entry `key` gets into the store: `compile_into()` here, unless a live process
-    of this machine holds its claim; then (`give_up` given) waits until that process's entry
-    is written, or its claim is released or goes stale (this process then takes it over), or
-    `give_up()`. Whether the entry is there, or compiled here, when it returns: a job's
-    processes split a restart's programs among themselves by claims, and a process that dies
-    holding one must not leave the others to report their builds done without it."""
-    while not self.path(key).exists():
+           give_up: Callable[[], bool] | None = None,
+           present: Callable[[], bool] | None = None) -> bool:
+    """Sees that entry `key` gets into the store (`present()`, default: its file exists):
+    `compile_into()` here, unless a live process of this machine holds `key`'s claim; then
+    (`give_up` given) waits until it is present, or the claim is released or goes stale (this
+    process then takes it over), or `give_up()`. Whether it is present, or compiled here, when
+    it returns: a job's processes split a restart's programs among themselves by claims, and a
+    process that dies holding one must not leave the others to report their builds done
+    without it. `key` may be a recipe (ProgramCache.prepare): the claim is then taken before
+    the program is lowered, and `present` reads its alias."""
+    present = present or (lambda: self.path(key).exists())
+    while not present():
       with self.claim(key) as mine:
         if mine:
           compile_into()
@@ -281,13 +285,13 @@ class ProgramStore:
       tmp.unlink(missing_ok=True)
 
   def lookup(self, recipe: str | None,
-             key: Callable[[], str]) -> retarget.Serialized | None:
+             key: Callable[[], str] | None) -> retarget.Serialized | None:
     """A program's entry: by `recipe`'s alias where given (nothing lowered; the caller passes
     a recipe only where it covers the program's code, covers_code), else, or where the alias
-    names no usable entry, by `key()`, its lowered fingerprint."""
+    names no usable entry, by `key()`, its lowered fingerprint (None: by the alias only)."""
     alias = self.alias_of(recipe) if recipe else None
     entry = self.read(alias) if alias else None
-    return entry if entry is not None else self.read(key())
+    return entry if entry is not None or key is None else self.read(key())
 
   def read(self, key: str) -> retarget.Serialized | None:
     """The entry under `key`, checked; None if there is none or it is unusable (warned)."""
