@@ -185,8 +185,8 @@ def _recipe(cfg, program=('eval', 2, None), optimizer=True):
 
 
 HOST_ONLY = ['train.out_dir=elsewhere', 'train.log_every=1', 'train.eval_every=3',
-             'snapshot.every=1', 'snapshot.durable_every=3', 'faults.precompile=never',
-             'faults.takeover=spread']
+             'train.seed=5', 'snapshot.every=1', 'snapshot.durable_every=3',
+             'faults.precompile=never', 'faults.takeover=spread']
 
 
 def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeypatch):
@@ -215,15 +215,18 @@ def test_the_settings_a_recipe_leaves_out_leave_the_lowered_program_as_it_is():
   optimizer's numbers shape only the programs that apply it (a recipe's `optimizer`)."""
   key = lambda cfg, kind=EVAL, variant=None: _cache(None, cfg=cfg)._request(
       ProgramKey(kind, (0, 1), variant), False).store_key
-  assert key(load_config(None, [*TINY, *HOST_ONLY])) == key(CFG)
+  host_only = load_config(None, [*TINY, *HOST_ONLY])
+  every_kind = ((GROUP, Role(exact=4, degraded=4)), (REFRESH_COLD, None), (REFRESH_WARM, None),
+                (EVAL, None), (REJOIN, 0), (UPDATE, None))
+  for kind, variant in every_kind:
+    assert key(host_only, kind, variant) == key(CFG, kind, variant), kind
   other = load_config(None, [*TINY, *OPTIMIZER_VALUES])
-  for kind, variant in ((GROUP, Role(exact=4, degraded=4)), (REFRESH_COLD, None),
-                        (REFRESH_WARM, None), (EVAL, None), (REJOIN, 0)):
+  for kind, variant in every_kind[:-1]:
     assert not kind.optimizer and key(other, kind, variant) == key(CFG, kind, variant), kind
   assert UPDATE.optimizer and key(other, UPDATE) != key(CFG, UPDATE)
   init = lambda cfg: program_store.fingerprint(train_state.lower_init(cfg, SLICES.sub((0, 1))),
                                                None, cfg.model.kind)
-  assert init(other) == init(CFG)  # the initializer's recipe leaves them out too
+  assert init(other) == init(CFG) == init(host_only)  # the initializer's recipe leaves them out
   assert _recipe(other, optimizer=False) == _recipe(CFG, optimizer=False) != _recipe(CFG)
   clipped = load_config(None, [*TINY, 'optimizer.grad_clip=0'])  # a transform less: kept
   assert _recipe(clipped, optimizer=False) != _recipe(CFG, optimizer=False)

@@ -192,7 +192,8 @@ class Shared(_WithStore):
     self.shared, self.compiled = stored.shared, compiled
 
   def build(self, request: Request) -> Built | None:
-    if not (self.store and multihost.is_multiprocess() and request.by_recipe and self.shared()):
+    if not (self.store and multihost.is_multiprocess() and request.by_recipe and not request.ahead
+            and self.shared()):
       return None
     built = None
     if multihost.is_chief():

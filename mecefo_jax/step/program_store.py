@@ -101,10 +101,11 @@ def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None, model: st
   return h.hexdigest()
 
 
-# Settings that shape no program: where and how often the host writes, logs and saves, and the
-# host-side failure policy (a program's kind and variant are in its ProgramKey).
+# Settings that shape no program: where and how often the host writes, logs and saves, the seed
+# (the initializer's argument, the host's data order) and the host-side failure policy (a
+# program's kind and variant are in its ProgramKey).
 _HOST_ONLY = {'train': ('out_dir', 'log_every', 'eval_every', 'plot', 'compile_cache',
-                        'program_store_mb', 'move_programs'),
+                        'program_store_mb', 'move_programs', 'seed'),
               'faults': None, 'snapshot': None}
 
 
