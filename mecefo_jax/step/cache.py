@@ -184,8 +184,10 @@ class Stored(_WithStore):
 
 class Shared(_WithStore):
   """A program none of a job's processes has, where they share one program store (a local
-  job's do): process 0 lowers and compiles it into the store, the others then load it, instead
-  of each lowering and compiling the same program at the same time."""
+  job's do): the process that takes its recipe's claim lowers and compiles it into the store
+  and the others load it once its alias is there, instead of each lowering and compiling the
+  same program at the same time. They wait on the claim, not in a collective: a long compile
+  is no collective's timeout, and a claimer that fails leaves the claim to the next."""
 
   def __init__(self, stored: Stored, compiled: 'Compiled'):
     super().__init__(stored.store, stored.moved)
@@ -195,14 +197,16 @@ class Shared(_WithStore):
     if not (self.store and multihost.is_multiprocess() and request.by_recipe and not request.ahead
             and self.shared()):
       return None
-    built = None
-    if multihost.is_chief():
+    recipe_key, built = request.recipe(), None
+
+    def build_into() -> None:  # under the recipe's claim
+      nonlocal built
       entry = self.store.read(request.store_key)  # lowered: another recipe's may be it
-      built = self.load(entry, request) if entry else None
-      built = built or self.compiled.build(request)
-      self.store.set_alias(request.recipe(), request.store_key)
-    multihost.allgather_json(True)  # its alias is written
-    built = built or self.load(self.store.lookup(request.recipe(), None), request)
+      built = (self.load(entry, request) if entry else None) or self.compiled.build(request)
+      self.store.set_alias(recipe_key, request.store_key)
+    self.store.fill(recipe_key, build_into, give_up=lambda: False,
+                    present=lambda: self.store.alias_of(recipe_key) is not None)
+    built = built or self.load(self.store.lookup(recipe_key, None), request)
     if not all(multihost.allgather_json(built is not None)):
       log.warning('the %s was not in the program store for every process: those without it '
                   'compile it', request)
