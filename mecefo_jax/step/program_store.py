@@ -102,8 +102,7 @@ def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None, model: st
 
 
 # Settings that shape no program: where and how often the host writes, logs and saves, the seed
-# (the initializer's argument, the host's data order) and the host-side failure policy (a
-# program's kind and variant are in its ProgramKey).
+# (an argument), the host-side failure policy (a program's kind and variant: its ProgramKey).
 _HOST_ONLY = {'train': ('out_dir', 'log_every', 'eval_every', 'plot', 'compile_cache',
                         'program_store_mb', 'move_programs', 'seed'),
               'faults': None, 'snapshot': None}
@@ -250,8 +249,8 @@ class ProgramStore:
     process then takes it over), or `give_up()`. Whether it is present, or compiled here, when
     it returns: a job's processes split a restart's programs among themselves by claims, and a
     process that dies holding one must not leave the others to report their builds done
-    without it. `key` may be a recipe (ProgramCache.prepare): the claim is then taken before
-    the program is lowered, and `present` reads its alias."""
+    without it. A recipe's claim (ProgramCache) is taken before lowering; `present` reads
+    its alias."""
     present = present or (lambda: self.path(key).exists())
     while not present():
       with self.claim(key) as mine:
