@@ -63,7 +63,8 @@ def measure(cfg, repeats: int, warmup: int) -> dict:
   if bases.kind(cfg).refresh is not None:
     state = train_step.lower_refresh(cfg, mesh).compile()(state)
   states = {n: jax.tree.map(lambda x: x.copy(), state) for n in VARIANTS}
-  runners = common.donating_runners(programs, states, common.random_tokens(cfg, roles))
+  runners = common.donating_runners(programs, states, common.random_tokens(cfg, roles),
+                                    train_state.schedule_on(cfg, mesh))
   times = common.interleaved_times(runners, repeats, warmup)
   memory = {n: train_step.memory_summary(p) for n, p in programs.items()}
   flops = {n: common.unrolled_flops(lambda n=n: train_step.lower_step(

@@ -167,14 +167,15 @@ def random_tokens(cfg, roles: dict) -> dict:
                          jnp.int32) for k, r in roles.items()}
 
 
-def donating_runners(programs: dict, states: dict, tokens: dict,
+def donating_runners(programs: dict, states: dict, tokens: dict, schedule,
                      state_of: Callable[[object], object] = lambda name: name) -> dict:
-  """name -> one call of programs[name] on states[state_of(name)] and tokens[name]; the programs
-  donate their state, so each call stores the new one in its place."""
+  """name -> one call of the step programs[name] on states[state_of(name)], tokens[name] and
+  `schedule` (train_state.schedule_on); the programs donate their state, so each call stores
+  the new one in its place."""
   def runner(name):
     def run():
       key = state_of(name)
-      states[key], metrics = programs[name](states[key], tokens[name])
+      states[key], metrics = programs[name](states[key], tokens[name], schedule)
       return metrics
     return run
   return {name: runner(name) for name in programs}

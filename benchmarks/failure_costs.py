@@ -60,15 +60,16 @@ def measure(cfg, roles: set[Role], repeats: int, warmup: int) -> dict:
     states['group'], states['refresh'] = full(states['group']), full(states['refresh'])
   tokens = common.random_tokens(cfg, {r: r for r in {*roles, Role(b)}})
   sums = groups[Role(b)](states['group'], tokens[Role(b)])
+  schedule = train_state.schedule_on(cfg, mesh)
   # A real host copy (device_get may alias device memory on CPU, docs/algorithm.md §8).
   host_state = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(states['group']))
 
   def run_fused():
-    states['fused'], metrics = fused(states['fused'], tokens[Role(b)])
+    states['fused'], metrics = fused(states['fused'], tokens[Role(b)], schedule)
     return metrics
 
   def run_update():
-    states['update'], metrics = update(states['update'], sums)
+    states['update'], metrics = update(states['update'], sums, schedule)
     return metrics
 
   def run_refresh(name, program):

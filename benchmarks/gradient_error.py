@@ -65,6 +65,7 @@ def main(argv=None) -> dict:
   b = cfg.train.micro_batch
   corpus = SyntheticCorpus(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
   normal = train_step.lower_step(cfg, mesh, Role(exact=b), graphdef).compile()
+  schedule = train_state.schedule_on(cfg, mesh)
   state = train_state.create_sharded(cfg, mesh)
   fractions = [float(f) for f in args.fractions.split(',')]
   kinds = [k.strip() for k in args.bases.split(',')]
@@ -84,7 +85,7 @@ def main(argv=None) -> dict:
     if step % args.every == 0 or step == cfg.train.steps - 1:
       rows.append(_measure(step, state.params, bases, tokens, exact_fn, cut_fn, grad_fns,
                            models.spec(cfg.model)))
-    state, _ = normal(state, jnp.asarray(tokens)[None])
+    state, _ = normal(state, jnp.asarray(tokens)[None], schedule)
   result = {**common.run_info(__spec__.name, argv), 'config': args.config,
             'overrides': args.overrides, 'tau': args.tau, 'rows': rows, 'mean': _means(rows, variants)}
   table = [{'basis': k, 'rank_fraction': f, **{m: result['mean'][f'{k}:{f}'][m]

@@ -57,7 +57,7 @@ def measure(cfg: Config, micro_batches: list[int], repeats: int) -> dict:
   compiled = {b: train_step.lower_step(cfg, mesh, r, graphdef).compile() for b, r in roles.items()}
   states = {'shared': train_state.create_sharded(cfg, mesh)}
   runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles),
-                                    state_of=lambda b: 'shared')
+                                    train_state.schedule_on(cfg, mesh), state_of=lambda b: 'shared')
   times = common.interleaved_times(runners, repeats)
   return {b: {'time': times[b], 'memory': train_step.memory_summary(compiled[b]),
               'xla_flops': common.unrolled_flops(

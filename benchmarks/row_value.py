@@ -95,6 +95,7 @@ class Mode:
         'optimizer.min_lr_ratio=1.0'])
     self.mesh = sharding.make_mesh(self.cfg.mesh, jax.devices()[:1])
     self.graphdef = models.spec(self.cfg.model).graphdef
+    self.schedule = train_state.schedule_on(self.cfg, self.mesh)
     self.roles = {'none': Role(a.rows), **{f'degraded_{k}': Role(a.rows - k, k) for k in self.ks},
                   **{f'dropped_{k}': Role(a.rows - k) for k in self.ks}}
     self.programs = {arm: self.lower(role).compile() for arm, role in self.roles.items()}
@@ -128,7 +129,7 @@ class Mode:
         warm = refreshed is not None and self.cfg.mecefo.refresh == 'warm'
         state, refreshed = self.refresh[warm](state), t
       tokens = global_batch(corpus, t, 1, a.rows)[:, :role.rows]
-      state, _ = self.programs[arm](state, tokens)
+      state, _ = self.programs[arm](state, tokens, self.schedule)
       if (t + 1) % a.eval_every == 0:
         evals.append((t + 1, self.eval_loss(state, eval_set)))
         if target is not None and evals[-1][1] <= target and t + 1 >= a.steps:
@@ -148,7 +149,8 @@ class Mode:
       state = self.refresh[0](state)
     states = {arm: jax.tree.map(lambda x: x.copy(), state) for arm in self.roles}
     times = common.interleaved_times(common.donating_runners(
-        self.programs, states, common.random_tokens(self.cfg, self.roles)), self.a.time_repeats)
+        self.programs, states, common.random_tokens(self.cfg, self.roles), self.schedule),
+        self.a.time_repeats)
     t = {arm: v['median_s'] for arm, v in times.items()}
     row = lambda c, k: (c['none'] - c[f'dropped_{k}']) / k  # an exact row
     return {k: {'d_flops': (flops[f'degraded_{k}'] - flops[f'dropped_{k}']) / k / row(flops, k),

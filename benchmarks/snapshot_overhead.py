@@ -66,6 +66,7 @@ class Bench:
     graphdef = models.spec(cfg.model).graphdef
     role = Role(exact=cfg.train.micro_batch)
     self.step = train_step.lower_step(cfg, self.mesh, role, graphdef).compile()
+    self.schedule = train_state.schedule_on(cfg, self.mesh)
     self.states = {mode: train_state.create_sharded(cfg, self.mesh)
                    for mode in ('no_snapshot', 'snapshot')}
     rng = np.random.default_rng(0)
@@ -78,7 +79,7 @@ class Bench:
     return slice_steps.state_view(self.cfg, state, sharding.submesh(self.mesh, (0,)))
 
   def iteration(self, mode: str) -> None:
-    state, metrics = self.step(self.states[mode], self.tokens)
+    state, metrics = self.step(self.states[mode], self.tokens, self.schedule)
     self.states[mode] = state
     jax.block_until_ready(metrics)  # as a logged step
     if mode == 'snapshot':

@@ -35,7 +35,8 @@ def main(argv=None):
   states = {n: train_state.create_sharded(cfg, mesh) for n in roles}
   if bases.kind(cfg).refresh is not None:
     states['degraded_2'] = train_step.lower_refresh(cfg, mesh).compile()(states['degraded_2'])
-  runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles))
+  runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles),
+                                    train_state.schedule_on(cfg, mesh))
   times = common.interleaved_times(runners, args.repeats)
   mem = {n: train_step.memory_summary(c) for n, c in compiled.items()}
   temp = {n: m.get('temp_bytes', 0) for n, m in mem.items()}

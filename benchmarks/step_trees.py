@@ -41,7 +41,8 @@ compiled = {n: train_step.lower_step(cfg, mesh, r, graphdef).compile() for n, r 
 states = {n: train_state.create_sharded(cfg, mesh) for n in roles}
 if bases.kind(cfg).refresh is not None:
   states['degraded_2'] = train_step.lower_refresh(cfg, mesh).compile()(states['degraded_2'])
-runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles))
+runners = common.donating_runners(compiled, states, common.random_tokens(cfg, roles),
+                                  train_state.schedule_on(cfg, mesh))
 res = {n: {'wall_s': [], 'cpu_s': []} for n in roles}
 for i in range(int(sys.argv[2]) + 1):
   for n, run in runners.items():

@@ -66,7 +66,7 @@ def test_attention_averages_over_every_row_that_gave_it_a_gradient(exact):
 def test_fused_step_with_attention_backward_on_averages_over_every_row():
   cfg, state, graphdef, tokens = _one_slice()
   step = train_step.make_step_fn(cfg, Role(2, 2), graphdef, ATTENTION_ON)
-  _, metrics = jax.jit(step)(state, jnp.asarray(tokens)[None])
+  _, metrics = jax.jit(step)(state, jnp.asarray(tokens)[None], train_state.schedule_numbers(cfg))
   want = _grad_sum(state.params, tokens, cfg.model, False)
   np.testing.assert_allclose(metrics['grad_norm'], optax.tree.norm(want) / (4 * L), rtol=1e-5)
 

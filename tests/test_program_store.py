@@ -15,8 +15,8 @@ from mecefo_jax import sharding
 from mecefo_jax.config import load_config
 from mecefo_jax.model import contract, llama, train_state
 from mecefo_jax.step import program_store, retarget
-from mecefo_jax.core.programs import (EVAL, GROUP, REFRESH_COLD, REFRESH_WARM, REJOIN, UPDATE,
-                                      ProgramKey)
+from mecefo_jax.core.programs import (EVAL, FUSED, GROUP, REFRESH_COLD, REFRESH_WARM, REJOIN,
+                                      UPDATE, ProgramKey)
 from mecefo_jax.core.roles import Role
 from mecefo_jax.step.cache import ProgramCache
 from mecefo_jax.step.lowering import LOWER
@@ -186,14 +186,16 @@ def _recipe(cfg, program=('eval', 2, None), optimizer=True):
 
 HOST_ONLY = ['train.out_dir=elsewhere', 'train.log_every=1', 'train.eval_every=3',
              'train.seed=5', 'snapshot.every=1', 'snapshot.durable_every=3',
-             'faults.precompile=never', 'faults.takeover=spread']
+             'faults.precompile=never', 'faults.takeover=spread',
+             # the schedule (an argument of the programs that apply the optimizer) and the end
+             'train.steps=7', 'train.samples=99', 'optimizer.lr=0.5', 'optimizer.warmup_steps=3',
+             'optimizer.min_lr_ratio=0.5']
 
 
 def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeypatch):
   base = _recipe(CFG)
   assert _recipe(load_config(None, [*TINY, *HOST_ONLY])) == base
-  assert _recipe(load_config(None, [*TINY, 'optimizer.lr=0.5'])) != base
-  assert _recipe(load_config(None, [*TINY, 'train.steps=7'])) != base  # the schedule's length
+  assert _recipe(load_config(None, [*TINY, 'optimizer.b1=0.8'])) != base
   assert _recipe(CFG, ('eval', 4, None)) != base
   with jax.default_matmul_precision('float32'):  # a jax setting a trace reads
     assert _recipe(CFG) != base
@@ -204,21 +206,21 @@ def test_a_recipe_follows_what_shapes_a_program_not_where_the_run_writes(monkeyp
   assert _recipe(CFG) != base
 
 
-# The optimizer's numbers: a recipe leaves them out of the programs that do not apply it.
-OPTIMIZER_VALUES = ['train.steps=7', 'train.samples=99', 'optimizer.lr=0.5',
-                    'optimizer.warmup_steps=3', 'optimizer.min_lr_ratio=0.5', 'optimizer.b1=0.8',
-                    'optimizer.b2=0.9', 'optimizer.eps=1e-6', 'optimizer.weight_decay=0.3']
+# AdamW's numbers: a recipe leaves them out of the programs that do not apply the optimizer.
+OPTIMIZER_VALUES = ['optimizer.b1=0.8', 'optimizer.b2=0.9', 'optimizer.eps=1e-6',
+                    'optimizer.weight_decay=0.3']
 
 
 def test_the_settings_a_recipe_leaves_out_leave_the_lowered_program_as_it_is():
   """What lets a recipe find a program that runs: the settings it leaves out shape none; the
-  optimizer's numbers shape only the programs that apply it (a recipe's `optimizer`)."""
+  AdamW's numbers shape only the programs that apply it (a recipe's `optimizer`); the
+  schedule's, none (an argument)."""
   key = lambda cfg, kind=EVAL, variant=None: _cache(None, cfg=cfg)._request(
       ProgramKey(kind, (0, 1), variant), False).store_key
   host_only = load_config(None, [*TINY, *HOST_ONLY])
   every_kind = ((GROUP, Role(exact=4, degraded=4)), (REFRESH_COLD, None), (REFRESH_WARM, None),
                 (EVAL, None), (REJOIN, 0), (UPDATE, None))
-  for kind, variant in every_kind:
+  for kind, variant in (*every_kind, (FUSED, Role(exact=4))):
     assert key(host_only, kind, variant) == key(CFG, kind, variant), kind
   other = load_config(None, [*TINY, *OPTIMIZER_VALUES])
   for kind, variant in every_kind[:-1]:

@@ -98,7 +98,7 @@ def test_normal_step_equals_jax_grad_and_optax(devices):
   state = _state(cfg, mesh)
   params0 = jax.device_get(state.params)
   tokens = _tokens(cfg, (4, 4, cfg.model.seq_len + 1))
-  new_state, metrics = step(state, tokens)
+  new_state, metrics = step(state, tokens, train_state.schedule_on(cfg, mesh))
 
   def mean_loss(p):
     logits = llama.forward(graphdef, p, tokens.reshape(16, -1)[:, :-1])
@@ -133,11 +133,11 @@ def _run(cfg, mesh, n_steps):
   graphdef, _, _ = llama.abstract(cfg.model)
   normal = _compiled(train_step.lower_step(cfg, mesh, Role(exact=8 // mesh.shape['slice']),
                                            graphdef), mesh)
-  state = _state(cfg, mesh)
+  state, schedule = _state(cfg, mesh), train_state.schedule_on(cfg, mesh)
   for t in range(n_steps):
     tokens = _tokens(cfg, (8, cfg.model.seq_len + 1), seed=t).reshape(mesh.shape['slice'], -1,
                                                                        cfg.model.seq_len + 1)
-    state, _ = normal(state, tokens)
+    state, _ = normal(state, tokens, schedule)
   return jax.device_get(state.params)
 
 
@@ -160,11 +160,12 @@ def test_group_programs_and_the_update_equal_the_fused_step(devices):
   role = Role(exact=4)
   tokens = _tokens(cfg, (2, 4, cfg.model.seq_len + 1))
   fused_step = _compiled(train_step.lower_step(cfg, mesh, role, graphdef), mesh)
-  fused_state, fused = fused_step(_state(cfg, mesh), tokens)
+  schedule = train_state.schedule_on(cfg, mesh)
+  fused_state, fused = fused_step(_state(cfg, mesh), tokens, schedule)
   state = _state(cfg, mesh)
   sums = _compiled(slice_steps.lower_group(cfg, mesh, role, graphdef), mesh)(state, tokens)
   stacked = slice_steps.stack_groups([sums], cfg, mesh)
-  state, metrics = _compiled(slice_steps.lower_update(cfg, mesh), mesh)(state, stacked)
+  state, metrics = _compiled(slice_steps.lower_update(cfg, mesh), mesh)(state, stacked, schedule)
   np.testing.assert_allclose(metrics['loss'], fused['loss'], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(fused_state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -179,7 +180,7 @@ def test_steps_share_state_shardings_and_degraded_memory_fits(devices):
   expected = jax.tree.leaves(train_state.state_shardings(cfg, mesh))
   ndims = [leaf.ndim for leaf in jax.tree.leaves(train_state.abstract_state(cfg))]
   for compiled in (normal, degraded):
-    (state_in, _), _ = compiled.input_shardings
+    (state_in, *_), _ = compiled.input_shardings
     state_out, _ = compiled.output_shardings
     for got_in, got_out, want, ndim in zip(jax.tree.leaves(state_in), jax.tree.leaves(state_out),
                                            expected, ndims):

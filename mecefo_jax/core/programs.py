@@ -58,10 +58,10 @@ Rule = Callable[[Need], list[tuple[tuple[int, ...], Hashable]]]
 class Kind:
   """A kind of program. `stage`: 'step' (the step runs it), 'refresh' (the svd basis refresh,
   every mecefo.tau degraded steps), 'eval' (between steps) or 'copy' (state moves: not listed
-  by `programs_for`). `optimizer`: its program applies the optimizer, so the schedule's length
-  and AdamW's numbers are compiled into it (the others take the optimizer's state, whose tree
-  those numbers leave as it is: step/program_store.py recipe). Kinds compare by name, so keys
-  agree across processes."""
+  by `programs_for`). `optimizer`: its program applies the optimizer, so AdamW's numbers are
+  compiled into it, and it takes the learning rate's schedule as an argument (the others take
+  the optimizer's state, whose tree those numbers leave as it is: step/program_store.py
+  recipe). Kinds compare by name, so keys agree across processes."""
   name: str
   stage: str
   rule: Rule = dataclasses.field(compare=False, repr=False, default=lambda need: [])

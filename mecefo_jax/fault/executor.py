@@ -15,7 +15,7 @@ from mecefo_jax.core.roles import Role
 from mecefo_jax.core.takeover import SliceWork
 from mecefo_jax.data import order
 from mecefo_jax.model.train_state import (at_schedule_count, params_sha256, schedule_count,
-                                          state_shardings)
+                                          schedule_on, state_shardings)
 from mecefo_jax.step import slice_steps, train_step
 from mecefo_jax.step.cache import ProgramCache
 
@@ -36,6 +36,7 @@ class Executor:
     self.state, self.state_slices = state, slices.ids
     self._book = book
     self._schedule_at: int | None = None  # the schedule's count now, where this process knows it
+    self._schedule: tuple = (None, None)  # (live set, the numbers on its devices)
 
   def place(self, live: tuple[int, ...]) -> None:
     """Moves the state onto exactly the live slices: a view when shrinking, a copy on rejoin."""
@@ -84,8 +85,16 @@ class Executor:
     if not local:
       return None  # multi-process: the processes holding the live slices run it
     role = plan.roles[live[0]]
-    self.state, metrics = programs.fused(self.state, self._batch(ids_SxB, work, live, role))
+    self.state, metrics = programs.fused(self.state, self._batch(ids_SxB, work, live, role),
+                                         self._schedule_on(live))
     return metrics
+
+  def _schedule_on(self, live: tuple[int, ...]):
+    """The learning rate's numbers, an argument of the programs that apply the optimizer, on
+    the devices of `live` (placed again when the live set changes)."""
+    if self._schedule[0] != live:
+      self._schedule = (live, schedule_on(self.cfg, self.submesh(live)))
+    return self._schedule[1]
 
   def _schedule_by_samples(self, first_id: int, local: bool) -> None:
     """`requeue`: the learning-rate schedule at the samples trained, in global batches of every
@@ -114,7 +123,7 @@ class Executor:
       return None
     # Each slice's sums stay on its devices; the stack over the live mesh places them by device.
     sums = slice_steps.stack_groups(outputs, self.cfg, self.submesh(live))
-    self.state, metrics = programs.update(self.state, sums)
+    self.state, metrics = programs.update(self.state, sums, self._schedule_on(live))
     return metrics
 
   def _batch(self, ids_SxB, work, slices, role: Role) -> jax.Array:

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from mecefo_jax.config import Config
 from mecefo_jax.model import bases, models
+from mecefo_jax.ops.schedule import Schedule, learning_rate, schedule_of
 from mecefo_jax.sharding import replicated, tree_shardings
 
 
@@ -44,28 +45,40 @@ def decays(path, leaf, model: models.Spec) -> bool:
   return leaf.ndim - model.is_stacked(path) >= 2
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config, schedule: Schedule | None = None) -> optax.GradientTransformation:
   """AdamW with linear warmup and cosine decay; weight decay only on matrices.
 
-  Attention-branch params get their own AdamW (same hyperparameters) so that a step which
-  freezes them can keep their count too: their bias correction and schedule then follow their
-  own updates. Both counts move together without failures, so that path is plain AdamW.
+  `schedule`: the schedule's numbers, traced where a program takes them as an argument
+  (schedule_numbers; default: cfg's, as constants). Attention-branch params get their own
+  AdamW (same hyperparameters) so that a step which freezes them can keep their count too:
+  their bias correction and schedule then follow their own updates. Both counts move together
+  without failures, so that path is plain AdamW.
   """
   o = cfg.optimizer
-  warmup = min(o.warmup_steps, cfg.train.steps)
-  # Start at lr/(warmup+1), not 0, so that step 0 already trains.
-  schedule = optax.warmup_cosine_decay_schedule(
-      o.lr / (warmup + 1), o.lr, warmup, max(cfg.train.steps, warmup + 1),
-      end_value=o.lr * o.min_lr_ratio)
+  schedule = schedule_numbers(cfg) if schedule is None else schedule
   model = models.spec(cfg.model)
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, leaf: decays(path, leaf, model), params)
-  adamw = lambda: optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                              mask=decay_mask)
+  adamw = lambda: optax.adamw(lambda count: learning_rate(count, schedule), b1=o.b1, b2=o.b2,
+                              eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
   parts = optax.multi_transform({ATTENTION: adamw(), REST: adamw()},
                                 lambda params: partition_labels(params, model))
   # Clipping stays outside the partitions: one global norm over every gradient.
   return optax.chain(optax.clip_by_global_norm(o.grad_clip), parts) if o.grad_clip > 0 else parts
+
+
+def schedule_numbers(cfg: Config) -> Schedule:
+  """The learning-rate schedule's numbers (host scalars): warmup, then cosine decay over
+  train.steps; step 0 starts at lr / (warmup + 1), not 0, so that it already trains."""
+  o = cfg.optimizer
+  return schedule_of(o.lr, o.warmup_steps, cfg.train.steps, o.min_lr_ratio)
+
+
+def schedule_on(cfg: Config, mesh: Mesh) -> Schedule:
+  """cfg's schedule numbers on every device of `mesh`, the argument of its step programs (each
+  process places its own copies)."""
+  put = lambda v: jax.make_array_from_callback((), replicated(mesh), lambda _: np.asarray(v))
+  return jax.tree.map(put, schedule_numbers(cfg))
 
 
 def _is_schedule(x) -> bool:

@@ -102,25 +102,23 @@ def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None, model: st
 
 
 # Settings that shape no program: where and how often the host writes, logs and saves, the seed
-# (an argument), the host-side failure policy (a program's kind and variant: its ProgramKey).
+# and the learning rate's schedule (arguments: ops/schedule.py), where the run ends, the
+# host-side failure policy (a program's kind and variant: its ProgramKey).
 _HOST_ONLY = {'train': ('out_dir', 'log_every', 'eval_every', 'plot', 'compile_cache',
-                        'program_store_mb', 'move_programs', 'seed'),
+                        'program_store_mb', 'move_programs', 'seed', 'steps', 'samples', 'tokens'),
+              'optimizer': ('lr', 'warmup_steps', 'min_lr_ratio'),
               'faults': None, 'snapshot': None}
 
 
-# The optimizer's numbers: the schedule's length (train.steps, or the samples or tokens it ends
-# at) and AdamW's hyperparameters. Compiled into a program that applies the optimizer; any other
-# takes the optimizer's state, whose tree they leave as it is (optimizer.grad_clip does not: it
-# adds a transform and its state), so its recipe leaves them out and a run with another schedule
-# or learning rate finds its programs without lowering them.
-_OPTIMIZER_VALUES = {'train': ('steps', 'samples', 'tokens'),
-                     'optimizer': ('lr', 'warmup_steps', 'min_lr_ratio', 'b1', 'b2', 'eps',
-                                   'weight_decay')}
+# AdamW's numbers: compiled into a program that applies the optimizer; any other takes the
+# optimizer's state, whose tree they leave as it is (optimizer.grad_clip does not: it adds a
+# transform and its state), so its recipe leaves them out.
+_OPTIMIZER_VALUES = {'optimizer': ('b1', 'b2', 'eps', 'weight_decay')}
 
 
 def recipe(cfg, program: tuple, mesh_shape: dict, optimizer: bool = True) -> str:
   """What a program is made from, known without tracing it: the config's program settings
-  (without the optimizer's numbers where the program does not apply the optimizer:
+  (without AdamW's numbers where the program does not apply the optimizer:
   `optimizer=False`), `program` (its ProgramKey's shape, or its slices and devices where
   programs do not move), the mesh's axes, the code that builds it (code_identity), jax's trace
   settings, and the versions, backend and flags of its fingerprint: the key of its alias

@@ -19,6 +19,7 @@ from mecefo_jax.config import Config
 from mecefo_jax.model import models
 from mecefo_jax.model.train_state import TrainState, abstract_state, make_optimizer, state_shardings
 from mecefo_jax.core.roles import Role
+from mecefo_jax.ops.schedule import Schedule
 from mecefo_jax.sharding import batch_sharding, replicated
 from mecefo_jax.step import train_step
 
@@ -71,20 +72,22 @@ def lower_group(cfg: Config, mesh: Mesh, role: Role, graphdef) -> jax.stages.Low
 
 
 def lower_update(cfg: Config, mesh: Mesh) -> jax.stages.Lowered:
-  """`(state, stacked sums) -> (state, metrics)`: reduce across slices, §3 rule, optimizer."""
-  tx = make_optimizer(cfg)
+  """`(state, stacked sums, schedule) -> (state, metrics)`: reduce across slices, §3 rule,
+  optimizer (`schedule`: train_state.schedule_numbers)."""
   sums_sh = sums_shardings(cfg, mesh)
 
-  def update(state: TrainState, sums):
+  def update(state: TrainState, sums, schedule: Schedule):
     if cfg.mesh.ordered_reduce:  # every device gets all slices' sums, adds them in slice order
       sums = jax.tree.map(lambda x, sh: jax.lax.with_sharding_constraint(
           x, NamedSharding(mesh, P(None, *sh.spec[1:]))), sums, sums_sh)
-    return train_step.finish_step(state, jax.tree.map(lambda x: x.sum(0), sums), tx,
-                                  models.spec(cfg.model))
+    return train_step.finish_step(state, jax.tree.map(lambda x: x.sum(0), sums),
+                                  make_optimizer(cfg, schedule), models.spec(cfg.model))
 
-  jitted = jax.jit(update, donate_argnums=0, in_shardings=(state_shardings(cfg, mesh), sums_sh),
+  jitted = jax.jit(update, donate_argnums=0,
+                   in_shardings=(state_shardings(cfg, mesh), sums_sh, replicated(mesh)),
                    out_shardings=(state_shardings(cfg, mesh), replicated(mesh)))
-  return jitted.lower(abstract_state(cfg), _abstract_sums(cfg, mesh.shape['slice']))
+  return jitted.lower(abstract_state(cfg), _abstract_sums(cfg, mesh.shape['slice']),
+                      train_step.abstract_schedule())
 
 
 def _abstract_sums(cfg: Config, n_slices: int):

@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -14,6 +15,7 @@ from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.model.contract import FULL, Degrade
 from mecefo_jax.model.train_state import (ATTENTION, TrainState, abstract_state, make_optimizer,
                                           state_shardings)
+from mecefo_jax.ops.schedule import Schedule, schedule_of
 from mecefo_jax.core.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
 
@@ -124,19 +126,19 @@ def _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg, degrade):
 
 
 def make_step_fn(cfg: Config, role: Role, graphdef, degrade: Degrade = FULL):
-  """The pure step `(state, tokens_SxRxL1) -> (state, metrics)`: every slice plays `role`.
+  """The pure step `(state, tokens_SxRxL1, schedule) -> (state, metrics)`: every slice plays
+  `role`; `schedule`: the learning rate's numbers (train_state.schedule_numbers).
 
   Role(exact=B) is the normal step; Role(degraded=k*B) a slice doing its own and k-1 extra
   micro-batches degraded. Slices with different roles run separate per-slice programs
   (a collective inside a per-slice branch of one SPMD program deadlocks, docs/algorithm.md §8).
   `degrade` narrows the degraded rows' techniques for the ablation benchmark.
   """
-  tx = make_optimizer(cfg)
-
-  def step(state: TrainState, tokens_SxRxL1):
+  def step(state: TrainState, tokens_SxRxL1, schedule: Schedule):
     key = jax.random.fold_in(state.rng, state.step)
     sums = _uniform_sums(state, tokens_SxRxL1, key, role, graphdef, cfg, degrade)
-    return finish_step(state, sums, tx, models.spec(cfg.model), degrade)
+    return finish_step(state, sums, make_optimizer(cfg, schedule), models.spec(cfg.model),
+                       degrade)
 
   return step
 
@@ -164,10 +166,16 @@ def lower_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
   """The step for `role` on `mesh`, lowered: state donated, identical state in/out shardings."""
   state_sh = state_shardings(cfg, mesh)
   jitted = jax.jit(make_step_fn(cfg, role, graphdef, degrade), donate_argnums=0,
-                   in_shardings=(state_sh, batch_sharding(mesh)),
+                   in_shardings=(state_sh, batch_sharding(mesh), replicated(mesh)),
                    out_shardings=(state_sh, replicated(mesh)))
   tokens = jax.ShapeDtypeStruct(batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
-  return jitted.lower(abstract_state(cfg), tokens)
+  return jitted.lower(abstract_state(cfg), tokens, abstract_schedule())
+
+
+def abstract_schedule() -> Schedule:
+  """The schedule argument's shapes and dtypes (scalars; the same for every config)."""
+  return Schedule(*(jax.ShapeDtypeStruct((), np.asarray(v).dtype)
+                    for v in schedule_of(1.0, 1, 2, 0.0)))
 
 
 def lower_eval(cfg: Config, mesh: Mesh, rows: int, graphdef) -> jax.stages.Lowered:
