@@ -16,7 +16,7 @@ from mecefo_jax import files
 from mecefo_jax.config import Config, to_dict
 from mecefo_jax.records.run_dir import run_name
 from mecefo_jax.run import cli, plot
-from mecefo_jax.step import train_step
+from mecefo_jax.ops.schedule import abstract_schedule
 
 FIXTURE = Path(__file__).parent / 'fixtures' / 'run_records'
 GOLDEN = json.loads((FIXTURE / 'golden.json').read_text())
@@ -130,7 +130,7 @@ def _with_the_schedules_argument_bytes(golden: dict) -> None:
   memory = golden['report.json'].get('step_memory') or {}
   if 'argument_bytes' in memory:
     memory['argument_bytes'] += sum(np.dtype(x.dtype).itemsize
-                                    for x in train_step.abstract_schedule())
+                                    for x in abstract_schedule())
 
 
 def _assert_same(stage: str, run: Path, run_id: str, work: Path) -> None:

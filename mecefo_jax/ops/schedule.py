@@ -37,6 +37,12 @@ def schedule_of(lr: float, warmup_steps: int, steps: int, min_lr_ratio: float) -
       turn=f32(np.pi) * (f32(1) / decay_len), floor=f32(floor), half_keep=f32(0.5) * f32(1 - floor))
 
 
+def abstract_schedule() -> Schedule:
+  """The argument's shapes and dtypes: scalars, the same for every schedule."""
+  return Schedule(*(jax.ShapeDtypeStruct((), np.asarray(v).dtype)
+                    for v in schedule_of(1.0, 1, 2, 0.0)))
+
+
 def learning_rate(count: jax.Array, s: Schedule) -> jax.Array:
   """The rate at optimizer step `count` (int32). The operations are those XLA leaves of optax's
   schedule once it has folded the constants (divisions become products by reciprocals, the

@@ -19,7 +19,7 @@ from mecefo_jax.config import Config
 from mecefo_jax.model import models
 from mecefo_jax.model.train_state import TrainState, abstract_state, make_optimizer, state_shardings
 from mecefo_jax.core.roles import Role
-from mecefo_jax.ops.schedule import Schedule
+from mecefo_jax.ops.schedule import Schedule, abstract_schedule
 from mecefo_jax.sharding import batch_sharding, replicated
 from mecefo_jax.step import train_step
 
@@ -87,7 +87,7 @@ def lower_update(cfg: Config, mesh: Mesh) -> jax.stages.Lowered:
                    in_shardings=(state_shardings(cfg, mesh), sums_sh, replicated(mesh)),
                    out_shardings=(state_shardings(cfg, mesh), replicated(mesh)))
   return jitted.lower(abstract_state(cfg), _abstract_sums(cfg, mesh.shape['slice']),
-                      train_step.abstract_schedule())
+                      abstract_schedule())
 
 
 def _abstract_sums(cfg: Config, n_slices: int):

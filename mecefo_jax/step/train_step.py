@@ -5,7 +5,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -15,7 +14,7 @@ from mecefo_jax.model.bases import kind as basis_kind
 from mecefo_jax.model.contract import FULL, Degrade
 from mecefo_jax.model.train_state import (ATTENTION, TrainState, abstract_state, make_optimizer,
                                           state_shardings)
-from mecefo_jax.ops.schedule import Schedule, schedule_of
+from mecefo_jax.ops.schedule import Schedule, abstract_schedule
 from mecefo_jax.core.roles import Role
 from mecefo_jax.sharding import batch_sharding, replicated
 
@@ -170,12 +169,6 @@ def lower_step(cfg: Config, mesh: Mesh, role: Role, graphdef,
                    out_shardings=(state_sh, replicated(mesh)))
   tokens = jax.ShapeDtypeStruct(batch_shape(cfg, mesh.shape['slice'], role), jnp.int32)
   return jitted.lower(abstract_state(cfg), tokens, abstract_schedule())
-
-
-def abstract_schedule() -> Schedule:
-  """The schedule argument's shapes and dtypes (scalars; the same for every config)."""
-  return Schedule(*(jax.ShapeDtypeStruct((), np.asarray(v).dtype)
-                    for v in schedule_of(1.0, 1, 2, 0.0)))
 
 
 def lower_eval(cfg: Config, mesh: Mesh, rows: int, graphdef) -> jax.stages.Lowered:
