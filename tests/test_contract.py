@@ -221,6 +221,20 @@ def test_a_models_logical_axes_shard_its_state_and_its_bases(devices):
   assert shardings.bases['h']['mlp']['inner']['proj'].spec == P(None, 'tensor', None)
 
 
+@pytest.mark.parametrize('kind, extra', [('llama', ()), ('gpt2', ()),
+                                         ('llama', ('optimizer.grad_clip=0',))])
+def test_the_abstract_state_is_the_initialisers_to_the_dtype_and_weak_type(kind, extra):
+  """train_state.abstract_state builds it from the spec's parameter shapes, not by tracing the
+  model's initialisers again: the same tree, shapes, dtypes and weak types."""
+  from mecefo_jax.model import train_state
+  cfg = load_config(None, [*TINY, f'model.kind={kind}', *extra])
+  want = jax.eval_shape(lambda: train_state.init_state(cfg))
+  got = train_state.abstract_state(cfg)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  key = lambda x: (x.shape, x.dtype, x.weak_type)
+  assert [key(x) for x in jax.tree.leaves(got)] == [key(x) for x in jax.tree.leaves(want)]
+
+
 def test_train_py_refuses_a_broken_model_in_one_error_line_and_leaves_nothing(capsys, tmp_path):
   from mecefo_jax.run import cli
   from mecefo_jax.records.job import BAD_INPUT

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 
+from mecefo_jax.data import philox
 from mecefo_jax.data.order import global_batch, sample_ids
 from mecefo_jax.data.synthetic import SyntheticCorpus
 
@@ -101,6 +102,19 @@ def test_log_probs_of_impossible_transition_is_minus_inf(corpus):
   nxt = tokens_NxL1[0, 1]
   tokens_NxL1[0, 1] = next(a for a in range(256) if a not in corpus.succ_VxK[tokens_NxL1[0, 0]])
   assert corpus.log_probs(tokens_NxL1)[0, 0] == -np.inf and nxt != tokens_NxL1[0, 1]
+
+
+@pytest.mark.parametrize('n', [1, 4, 5, 33, 129])
+def test_rows_draw_numpys_philox_stream_keyed_by_seed_and_id(n):
+  """data/philox.py runs every row's Philox at once: each row is still the stream of numpy's
+  Generator(Philox(key=(seed, id))), to the bit (a seed or id past 2**63, a partial block)."""
+  seeds = np.array([0, 1, 7, (1 << 63) + 5, (1 << 64) - 1], np.uint64)
+  ids = np.array([0, 3, 1 << 62, (1 << 63) + 11, (1 << 64) - 1], np.uint64)
+  keys_Nx2 = np.stack(np.meshgrid(seeds, ids, indexing='ij'), axis=-1).reshape(-1, 2)
+  want = [np.random.Generator(np.random.Philox(key=key)).random(n) for key in keys_Nx2]
+  np.testing.assert_array_equal(philox.uniforms(keys_Nx2, n), np.stack(want))
+  corpus = SyntheticCorpus(vocab_size=256, seq_len=max(2, (n - 1) // 2), seed=7)
+  np.testing.assert_array_equal(corpus._uniforms(ids)[:, :n], np.stack(want[10:15])[:, :n])
 
 
 def test_generation_is_vectorised_over_rows():

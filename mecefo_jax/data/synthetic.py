@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from mecefo_jax.data import philox
 from mecefo_jax.data.order import check_int, check_sample_ids
 
 _FLOOR_BASE = 1 << 63  # floor-estimate rows use [2^63, 2^64), never seen in training or eval
@@ -117,13 +118,9 @@ class SyntheticCorpus:
   def _uniforms(self, sample_ids: np.ndarray) -> np.ndarray:
     """float64 [N, 2 * seq_len + 1] from one Philox stream per row, keyed by (seed, id)."""
     ids = check_sample_ids(sample_ids)
-    n = 2 * self.seq_len + 1
     # Explicit uint64 keys: a list holding ints >= 2**63 would go through float64 and collide.
     keys_Nx2 = np.stack([np.full(len(ids), self.seed, np.uint64), ids.astype(np.uint64)], axis=1)
-    out_NxU = np.empty((len(ids), n))
-    for i in range(len(ids)):
-      out_NxU[i] = np.random.Generator(np.random.Philox(key=keys_Nx2[i])).random(n)
-    return out_NxU
+    return philox.uniforms(keys_Nx2, 2 * self.seq_len + 1)  # numpy's Philox, all rows at once
 
   def _rollout(self, u_NxU: np.ndarray | None, tokens_NxL1: np.ndarray | None = None,
                score: bool = False):
