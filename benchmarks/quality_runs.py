@@ -23,9 +23,14 @@ def train(args, policy: str, schedule, extra: tuple[str, ...] = ()) -> dict:
   from mecefo_jax.run.parts import StartMode
   from mecefo_jax.run.trainer import Trainer
   from mecefo_jax.step.program_store import open_store
+  import jax
   cfg = _cfg(args, policy, extra)
   # The program store train.py opens: the runs of one invocation (policies, seeds) and of the
-  # next load the programs they share instead of compiling them again.
+  # next load the programs they share instead of compiling them again. And, as train.py leaves
+  # it, JAX's own persistent cache off: a program that cache gave is neither stored nor aliased
+  # (step/cache.py compile_lowered), so every run of this process lowered it again (the suite's
+  # trace-mode test: each of its 2 seeds x 3 runs lowered the same 4-slice program).
+  jax.config.update('jax_enable_compilation_cache', False)
   start = StartMode(program_store=open_store(cfg.train.compile_cache, cfg.train.program_store_mb))
   with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(cfg, Path(out), schedule, start=start)
