@@ -109,12 +109,14 @@ def test_rows_draw_numpys_philox_stream_keyed_by_seed_and_id(n):
   """data/philox.py runs every row's Philox at once: each row is still the stream of numpy's
   Generator(Philox(key=(seed, id))), to the bit (a seed or id past 2**63, a partial block)."""
   seeds = np.array([0, 1, 7, (1 << 63) + 5, (1 << 64) - 1], np.uint64)
-  ids = np.array([0, 3, 1 << 62, (1 << 63) + 11, (1 << 64) - 1], np.uint64)
+  ids = np.array([0, 3, 4, 9, 1 << 62, (1 << 63) + 11, (1 << 64) - 2, (1 << 64) - 1], np.uint64)
   keys_Nx2 = np.stack(np.meshgrid(seeds, ids, indexing='ij'), axis=-1).reshape(-1, 2)
-  want = [np.random.Generator(np.random.Philox(key=key)).random(n) for key in keys_Nx2]
-  np.testing.assert_array_equal(philox.uniforms(keys_Nx2, n), np.stack(want))
+  want = np.stack([np.random.Generator(np.random.Philox(key=key)).random(n) for key in keys_Nx2])
+  assert len(keys_Nx2) >= philox._FEW  # all rows through the rounds; a few, one by one
+  np.testing.assert_array_equal(philox.uniforms(keys_Nx2, n), want)
+  np.testing.assert_array_equal(philox.uniforms(keys_Nx2[:3], n), want[:3])
   corpus = SyntheticCorpus(vocab_size=256, seq_len=max(2, (n - 1) // 2), seed=7)
-  np.testing.assert_array_equal(corpus._uniforms(ids)[:, :n], np.stack(want[10:15])[:, :n])
+  np.testing.assert_array_equal(corpus._uniforms(ids)[:, :n], want[16:24])
 
 
 def test_generation_is_vectorised_over_rows():
