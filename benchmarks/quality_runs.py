@@ -20,10 +20,11 @@ def _cfg(args, policy: str, extra: tuple[str, ...] = ()):
 def train(args, policy: str, schedule, extra: tuple[str, ...] = ()) -> dict:
   """One run (`extra`: overrides after the policy's); its final params evaluated on the fixed
   held-out set."""
+  import jax
+
   from mecefo_jax.run.parts import StartMode
   from mecefo_jax.run.trainer import Trainer
   from mecefo_jax.step.program_store import open_store
-  import jax
   cfg = _cfg(args, policy, extra)
   # The program store train.py opens: the runs of one invocation (policies, seeds) and of the
   # next load the programs they share instead of compiling them again. And, as train.py leaves

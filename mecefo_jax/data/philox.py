@@ -3,9 +3,10 @@
 
 Why: the synthetic corpus draws each sample from its own Philox stream keyed by (seed, id); one
 Generator per row cost ~40 us, which made a 4,096-row floor estimate 0.16 CPU s in every process
-that builds the corpus (and ~1 ms a step). Here every row's blocks run through the 10 rounds as
+that builds the corpus. Here every row's blocks run through the 10 rounds as
 uint64 arrays (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; numpy's
 constants and counter order: the first block is counter 1, numpy increments before it draws).
+Fewer than _FEW rows still take a Generator each: the rounds' array passes cost more then.
 """
 from __future__ import annotations
 
