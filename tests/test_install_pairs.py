@@ -126,8 +126,8 @@ def test_the_checker_finds_the_pins_that_broke_python_3_12():
 def test_colab_cell_on_python_3_12_with_jax_0_11_2_and_flax_0_12_8_installs_flax_0_12_10():
   """The runtime of the failure: the install cell (install.to_install) on Python 3.12."""
   installed = {'jax': '0.11.2', 'jaxlib': '0.11.2', 'flax': '0.12.8', 'optax': '0.2.8',
-               'orbax-checkpoint': '0.12.8', 'numpy': '2.1.0', 'pyyaml': '6.0.1',
-               'xxhash': '3.5.0', 'tqdm': '4.67.0', 'matplotlib': '3.9.0',
+               'orbax-checkpoint': '0.12.8', 'numpy': '2.1.0', 'ml-dtypes': '0.5.1',
+               'pyyaml': '6.0.1', 'xxhash': '3.5.0', 'tqdm': '4.67.0', 'matplotlib': '3.9.0',
                'tensorboardx': '2.6.2', 'jax-cuda12-plugin': '0.11.2'}
   text = (ROOT / 'requirements.txt').read_text()
   assert install.to_install(text, installed.get, install.python_environment('3.12')) == [
