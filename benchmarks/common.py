@@ -232,6 +232,11 @@ class JobOutput:
     """The pid of `host`'s process in the job started last."""
     return [e for e in self.events() if e['kind'] == 'start'][-1]['pids'][str(host)]
 
+  def left(self) -> list[int]:
+    """The pids of the processes the job started (its start events') still running."""
+    pids = [p for e in self.events() if e['kind'] == 'start' for p in e['pids'].values()]
+    return [p for p in pids if p > 0 and Path(f'/proc/{p}').exists()]
+
   def wait_for(self, condition, timeout: float, what: str):
     """Polls `condition` until it returns a true value, which it returns; raises with the
     output's tail where the job ends or `timeout` seconds pass first."""

@@ -110,6 +110,7 @@ def run(args, tmp: Path) -> dict:
     if not args.block:
       os.kill(job.host_pid(args.host), signal.SIGKILL if args.kill else signal.SIGSTOP)
     code = job.wait(args.timeout)
+    left = job.left()  # before the kill below ends them
   finally:
     job.kill()
   assert code == 0, job.tail()
@@ -128,8 +129,12 @@ def run(args, tmp: Path) -> dict:
           'restart_s': start['t'] - stall['t'], 'first_step_s': first - start['t'],
           'deadline_s': stall.get('deadline_s'), 'deadline_from': stall.get('deadline_from'),
           'named_host': record.host, 'why': record.why, 'phases': record.phases,
+          'stopped': record.stopped, 'waited_s': record.waited_s, 'note': record.note,
+          'events': [e['kind'] for e in events], 'left': left,
           'samples': report['samples'], 'steps_lost_total': report['steps_lost_total'],
           'cold_start_s': job.first_after(job.t0)[0] - job.t0,
+          'supervisor_lines': [line for _, line in job.lines if ' stopped first, in ' in line
+                               or 'death(s)' in line],
           'failures_txt': (job.out / 'failures.txt').read_text().splitlines()[:3]}
 
 

@@ -3,16 +3,30 @@ root: it exits 0 and writes its JSON with the run's metadata and sane figures (w
 measures is its own business: docs/benchmarks.md; these only keep them runnable)."""
 import yaml
 
+from mecefo_jax.records import progress_marks
 from procs import TINY
 
 
 def test_stall_recovery_names_the_stopped_host_and_drops_nothing(launcher, tmp_path):
+  """The suite's one job with a SIGSTOPped worker under the local supervisor (it was also
+  tests/test_stall.py's): the stall's record, the supervisor's lines, the job retrained to the
+  end without the stopped process, nothing dropped and no process left."""
   # --keep-cache: the suite's XLA flags and program store (an empty one is no part of a stall).
   result = launcher.benchmark('stall_recovery', '--processes', '3', '--steps', '8',
                               '--stop-at', '3', '--no-wait-builds', '--keep-cache', *TINY,
                               json_path=tmp_path / 'stall.json')
-  assert result['named_host'] == result['host'] == 1, result
+  assert result['named_host'] == result['host'] == 1 and result['stopped'] == [1], result
   assert result['detect_s'] > result['deadline_s'] > 0 and result['samples']['dropped'] == 0
+  assert result['why'] == 'its process is stopped (SIGSTOP)'
+  assert result['deadline_from'] == 'measured', result  # on the steps timed: 10x, >= 10 s
+  assert result['waited_s'] >= result['deadline_s'], result  # named once the deadline ran out
+  assert set(result['phases']) == {'0', '1', '2'}
+  assert all(p['phase'] in progress_marks.PHASES for p in result['phases'].values()), result
+  assert result['events'] == ['start', 'stall', 'start', 'end'] and result['left'] == []
+  assert f"# stall: {result['note']}" in result['failures_txt'], result['failures_txt']
+  said = ' '.join(result['supervisor_lines'])
+  assert 'host 1 stopped first, in ' in said and '(its process is stopped (SIGSTOP))' in said
+  assert 'after 0 death(s), 1 stall(s), 0 rejoin(s), 1 restart(s)' in said, said
 
 
 def test_stop_time_saves_both_tiers_and_exits_143(launcher, tmp_path):
