@@ -23,6 +23,28 @@ def test_the_probe_passes_on_cpu_and_auto_is_off_on_tpu():
     retarget.enabled('sometimes', 'cpu')
 
 
+def test_a_probes_verdict_is_kept_for_this_runtime_and_probed_again_for_another(
+    tmp_path, monkeypatch, caplog):
+  """A process with a program store probes once per runtime: a later one reads the verdict (a
+  failed one too, and warns of it); another runtime's (here: other XLA flags), a torn file or
+  no store probes again."""
+  probed = []
+  monkeypatch.setattr(retarget, 'probe', lambda platform: probed.append(platform) or None)
+  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu']
+  [kept] = tmp_path.glob('move-probe-*.json')
+  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu']
+  kept.write_text('{"why_not": "a moved program gave another output"}')
+  assert not retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu']
+  assert 'failed its probe on cpu: a moved program gave another output' in caplog.text
+  kept.write_text('{"why_n')
+  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 2
+  assert retarget.enabled('auto', 'cpu') and probed == ['cpu'] * 3
+  monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=false')
+  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 4
+  assert len(list(tmp_path.glob('move-probe-*.json'))) == 2
+  assert not list(tmp_path.glob('.*.tmp'))
+
+
 def test_a_moved_group_program_gives_the_direct_compiles_output_bit_for_bit():
   cfg = load_config(None, TINY)
   slices = sharding.PresentSlices(sharding.make_mesh(cfg.mesh), (0, 1, 2, 3))

@@ -67,9 +67,10 @@ class Controller:
     self.decider = Decider(planner, run, schedule, cfg.mecefo.tau, present)
     self.decider.bases_step = _host_int(state.bases_step)
     slices = sharding.PresentSlices(mesh, present)
+    move = retarget.enabled(cfg.train.move_programs,
+                            verdicts=program_store.dir if program_store else None)
     self.programs = ProgramCache(cfg, slices, graphdef, lambda s: self._ledger.book('compile', s),
-                                 move=retarget.enabled(cfg.train.move_programs),
-                                 program_store=program_store)
+                                 move=move, program_store=program_store)
     self.executor = Executor(cfg, slices, self.programs, corpus, self.n_slices, state,
                              lambda bucket, s: self._ledger.book(bucket, s))
     # Host-side checks (slice, step) before a step's dispatch; an exception fails that slice.

@@ -94,7 +94,7 @@ def fingerprint(lowered: jax.stages.Lowered, devices: Sequence | None, model: st
   cannot be moved between device sets."""
   h = hashlib.sha256()
   for part in (model, lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree), str(FORMAT),
-               jax.__version__, jaxlib.__version__, *_compile_environment(),
+               jax.__version__, jaxlib.__version__, *retarget.compile_environment(),
                'any' if devices is None else ','.join(str(d.id) for d in devices)):
     h.update(part.encode())
     h.update(b'\0')
@@ -135,7 +135,7 @@ def recipe(cfg, program: tuple, mesh_shape: dict, optimizer: bool = True) -> str
     else:
       settings[section] = {k: v for k, v in settings[section].items() if k not in fields}
   parts = (str(FORMAT), repr(settings), repr(program), repr(sorted(mesh_shape.items())),
-           code_identity(cfg.model.kind), *_trace_settings(), *_compile_environment())
+           code_identity(cfg.model.kind), *_trace_settings(), *retarget.compile_environment())
   return hashlib.sha256('\0'.join(parts).encode()).hexdigest()
 
 
@@ -175,14 +175,6 @@ def _trace_settings() -> tuple[str, ...]:
     names, values = zip(*sorted(jax.config.values.items()))
   return tuple(f'{n}={v!r}' for n, v in zip(names, values) if n != 'axis_env_state') + (
       f'scan_unroll={contract.scan_unroll()!r}',)
-
-
-def _compile_environment() -> tuple[str, ...]:
-  """What shapes a compile besides its program: the backend and its version, the XLA and
-  libtpu flags."""
-  backend = jax.extend.backend.get_backend()
-  return (backend.platform, backend.platform_version,
-          os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', ''))
 
 
 # XLA's per-fusion autotune results (GPU GEMM and fusion configs) kept across compiles; jax

@@ -5,8 +5,9 @@ executable's device assignment and the shardings' device ids do. A move serializ
 executable and loads it back with a device assignment of the new devices, every recorded
 device id mapped old -> new (in mesh order). This uses private and experimental JAX APIs
 (jax._src.compiler, the unpickler of jax.experimental.serialize_executable): it is tested with
-jax 0.10 to 0.11 (requirements.txt), checked once per process by `probe()` on a tiny program
-(output compared with a direct compile), and never used where the probe fails or on TPU
+jax 0.10 to 0.11 (requirements.txt), checked by `probe()` on a tiny program (output compared
+with a direct compile) once per process, or once per runtime where a program store keeps its
+verdict (kept_verdict), and never used where the probe fails or on TPU
 (jax issue #38004: a cached program loaded on a device subset without device 0 can halt the
 runtime, and a probe on one subset does not vouch for another).
 """
@@ -14,12 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import io
+import json
 import logging
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -126,10 +133,12 @@ def _compare(moved, direct, devices) -> str | None:
   return None if same else 'a moved program gave another output than a direct compile'
 
 
-def enabled(mode: str, platform: str | None = None) -> bool:
+def enabled(mode: str, platform: str | None = None, verdicts: Path | None = None) -> bool:
   """Whether programs are moved between device sets: `mode` always/never, or auto (every backend
   but TPU, where it is not measured yet), and only where the probe passes (logged if not).
-  With several processes, every process must call it (the probe runs on the job's devices)."""
+  `verdicts`: a directory (the program store's) where the probe's verdict is kept for this
+  runtime (kept_verdict). With several processes, every process must call it (the probe runs
+  on the job's devices)."""
   if mode not in AUTO_MODES:
     raise ValueError(f'move_programs must be one of {AUTO_MODES}, got {mode!r}')
   platform = platform or jax.default_backend()
@@ -137,9 +146,63 @@ def enabled(mode: str, platform: str | None = None) -> bool:
     return False
   if len(jax.devices(backend=platform)) < 2:
     return False  # one device: nothing to move between
-  why_not = probe(platform)
+  why_not = kept_verdict(platform, verdicts)
   if why_not is not None:
     log.warning('programs are compiled for each set of devices (moving them between sets '
                 'failed its probe on %s: %s)', platform, why_not)
     return False
   return True
+
+
+def kept_verdict(platform: str, directory: Path | None) -> str | None:
+  """probe(platform), or the verdict an earlier process's probe of this runtime kept in
+  `directory` (a later start of a job, a replay: ~0.4 CPU s less a process on CPU). Its file
+  is named after what the probe's outcome depends on (verdict_key); with several processes
+  all probe unless each of them has the verdict kept, and all keep the agreed one."""
+  path = directory / f'move-probe-{verdict_key(platform)}.json' if directory else None
+  kept = _read_verdict(path)
+  if jax.process_count() > 1:
+    votes = multihost.allgather_json(kept)
+    kept = None if None in votes else next((v for v in votes if v['why_not']), votes[0])
+  if kept is not None:
+    return kept['why_not']
+  why_not = probe(platform)
+  if path is not None:
+    _write_verdict(path, {'why_not': why_not})
+  return why_not
+
+
+def verdict_key(platform: str) -> str:
+  """A digest of what a probe's outcome depends on: this module's code (the loader it tests),
+  jax's and jaxlib's versions, the backend, its version and flags (compile_environment), the
+  devices' kind and number, the process count."""
+  devices = jax.devices(backend=platform)
+  parts = (Path(__file__).read_text(), jax.__version__, jaxlib.__version__,
+           *compile_environment(), platform, devices[0].device_kind, str(len(devices)),
+           str(jax.process_count()))
+  return hashlib.sha256('\0'.join(parts).encode()).hexdigest()[:32]
+
+
+def compile_environment() -> tuple[str, ...]:
+  """What shapes a compile besides its program: the backend and its version, the XLA and
+  libtpu flags."""
+  backend = jax.extend.backend.get_backend()
+  return (backend.platform, backend.platform_version,
+          os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', ''))
+
+
+def _read_verdict(path: Path | None) -> dict | None:
+  try:
+    kept = json.loads(path.read_text()) if path else None
+  except (OSError, ValueError):
+    return None  # none kept, or torn: probe again
+  return kept if isinstance(kept, dict) and 'why_not' in kept else None
+
+
+def _write_verdict(path: Path, verdict: dict) -> None:
+  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+  try:
+    tmp.write_text(json.dumps(verdict))
+    os.replace(tmp, path)  # atomic: a reader sees the whole verdict or none
+  except OSError:
+    tmp.unlink(missing_ok=True)  # a full or read-only store: the next process probes again
