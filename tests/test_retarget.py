@@ -1,4 +1,6 @@
 """Compiled programs moved onto other devices of the same shape: bit-identical, no compile."""
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -23,26 +25,30 @@ def test_the_probe_passes_on_cpu_and_auto_is_off_on_tpu():
     retarget.enabled('sometimes', 'cpu')
 
 
-def test_a_probes_verdict_is_kept_for_this_runtime_and_probed_again_for_another(
-    tmp_path, monkeypatch, caplog):
-  """A process with a program store probes once per runtime: a later one reads the verdict (a
-  failed one too, and warns of it); another runtime's (here: other XLA flags), a torn file or
-  no store probes again."""
+def test_a_probes_pass_is_kept_for_this_runtime_and_probed_again_for_another(tmp_path,
+                                                                             monkeypatch):
+  """A process with a program store probes once per runtime: a later one reads the pass.
+  A failure is not kept; another runtime (here: other XLA flags), or no store, probes again."""
+  verdicts = [None]
   probed = []
-  monkeypatch.setattr(retarget, 'probe', lambda platform: probed.append(platform) or None)
+  monkeypatch.setattr(retarget, 'probe', lambda platform: probed.append(platform) or verdicts[-1])
   assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu']
-  [kept] = tmp_path.glob('move-probe-*.json')
+  [kept] = tmp_path.glob('move-probe-*.passed')
   assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu']
-  kept.write_text('{"why_not": "a moved program gave another output"}')
-  assert not retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu']
-  assert 'failed its probe on cpu: a moved program gave another output' in caplog.text
-  kept.write_text('{"why_n')
-  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 2
-  assert retarget.enabled('auto', 'cpu') and probed == ['cpu'] * 3
-  monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=false')
-  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 4
-  assert len(list(tmp_path.glob('move-probe-*.json'))) == 2
-  assert not list(tmp_path.glob('.*.tmp'))
+  assert retarget.enabled('auto', 'cpu') and probed == ['cpu'] * 2
+  kept.unlink()
+  verdicts.append('a moved program gave another output')
+  assert not retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 3
+  assert not retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 4
+  assert list(tmp_path.iterdir()) == []
+  verdicts.append(None)
+  flags = os.environ.get('XLA_FLAGS', '')
+  monkeypatch.setenv('XLA_FLAGS', f'{flags} --xla_cpu_enable_fast_math=false')
+  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 5
+  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 5
+  monkeypatch.setenv('XLA_FLAGS', flags)
+  assert retarget.enabled('auto', 'cpu', verdicts=tmp_path) and probed == ['cpu'] * 6
+  assert len(list(tmp_path.glob('move-probe-*.passed'))) == 2
 
 
 def test_a_moved_group_program_gives_the_direct_compiles_output_bit_for_bit():

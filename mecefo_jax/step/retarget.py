@@ -7,17 +7,17 @@ device id mapped old -> new (in mesh order). This uses private and experimental 
 (jax._src.compiler, the unpickler of jax.experimental.serialize_executable): it is tested with
 jax 0.10 to 0.11 (requirements.txt), checked by `probe()` on a tiny program (output compared
 with a direct compile) once per process, or once per runtime where a program store keeps its
-verdict (kept_verdict), and never used where the probe fails or on TPU
+pass (kept_verdict), and never used where the probe fails or on TPU
 (jax issue #38004: a cached program loaded on a device subset without device 0 can halt the
 runtime, and a probe on one subset does not vouch for another).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import io
-import json
 import logging
 import os
 from pathlib import Path
@@ -136,7 +136,7 @@ def _compare(moved, direct, devices) -> str | None:
 def enabled(mode: str, platform: str | None = None, verdicts: Path | None = None) -> bool:
   """Whether programs are moved between device sets: `mode` always/never, or auto (every backend
   but TPU, where it is not measured yet), and only where the probe passes (logged if not).
-  `verdicts`: a directory (the program store's) where the probe's verdict is kept for this
+  `verdicts`: a directory (the program store's) where the probe's pass is kept for this
   runtime (kept_verdict). With several processes, every process must call it (the probe runs
   on the job's devices)."""
   if mode not in AUTO_MODES:
@@ -155,20 +155,20 @@ def enabled(mode: str, platform: str | None = None, verdicts: Path | None = None
 
 
 def kept_verdict(platform: str, directory: Path | None) -> str | None:
-  """probe(platform), or the verdict an earlier process's probe of this runtime kept in
-  `directory` (a later start of a job, a replay: ~0.4 CPU s less a process on CPU). Its file
-  is named after what the probe's outcome depends on (verdict_key); with several processes
-  all probe unless each of them has the verdict kept, and all keep the agreed one."""
-  path = directory / f'move-probe-{verdict_key(platform)}.json' if directory else None
-  kept = _read_verdict(path)
+  """probe(platform), unless an earlier process's probe of this runtime passed and said so in
+  `directory` (a later start of a job, a replay: ~0.3 CPU s less a process on CPU). Its file
+  is named after what the probe's outcome depends on (verdict_key). A failure is not kept: it
+  may have been its moment's (and costs compiles, never results). With several processes all
+  probe unless each of them has the pass kept."""
+  path = directory / f'move-probe-{verdict_key(platform)}.passed' if directory else None
+  passed = path is not None and path.is_file()
   if jax.process_count() > 1:
-    votes = multihost.allgather_json(kept)
-    kept = None if None in votes else next((v for v in votes if v['why_not']), votes[0])
-  if kept is not None:
-    return kept['why_not']
+    passed = all(multihost.allgather_json(passed))
+  if passed:
+    return None
   why_not = probe(platform)
-  if path is not None:
-    _write_verdict(path, {'why_not': why_not})
+  if why_not is None and path is not None:
+    _touch(path)
   return why_not
 
 
@@ -191,18 +191,6 @@ def compile_environment() -> tuple[str, ...]:
           os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', ''))
 
 
-def _read_verdict(path: Path | None) -> dict | None:
-  try:
-    kept = json.loads(path.read_text()) if path else None
-  except (OSError, ValueError):
-    return None  # none kept, or torn: probe again
-  return kept if isinstance(kept, dict) and 'why_not' in kept else None
-
-
-def _write_verdict(path: Path, verdict: dict) -> None:
-  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
-  try:
-    tmp.write_text(json.dumps(verdict))
-    os.replace(tmp, path)  # atomic: a reader sees the whole verdict or none
-  except OSError:
-    tmp.unlink(missing_ok=True)  # a full or read-only store: the next process probes again
+def _touch(path: Path) -> None:
+  with contextlib.suppress(OSError):  # a full or read-only store: the next process probes again
+    path.touch()
