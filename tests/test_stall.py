@@ -260,9 +260,9 @@ def _events(path: Path) -> list[dict]:
   return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _stalled_job(launcher, tmp_path, env) -> tuple[dict, str]:
-  """A 3-process job with `env` (where a worker blocks itself). Returns (its launch-stall
-  record, the supervisor's output); checks that it retrained to the end with no sample dropped
+def _stalled_job(launcher, tmp_path, env) -> HistoryLine:
+  """A 3-process job with `env` (where a worker blocks itself). Returns its launch-stall
+  record; checks that it retrained to the end with no sample dropped
   and left no process. (A SIGSTOPped worker's job: tests/test_benchmark_smoke.py's
   stall_recovery, which asserts the same of it.)"""
   run, events = tmp_path / 'run', tmp_path / 'events.jsonl'
@@ -284,13 +284,13 @@ def _stalled_job(launcher, tmp_path, env) -> tuple[dict, str]:
   assert [e['kind'] for e in _events(events)] == ['start', 'stall', 'start', 'end'], out[-3000:]
   failures = (run / 'failures.txt').read_text()
   assert f'# stall: {stall.note}\n' in failures
-  return stall, out
+  return stall
 
 
 def test_a_worker_blocked_inside_a_step_is_named_with_its_step(launcher, tmp_path):
   """Host 1 blocks between the dispatch of step 6 and its mark, its heartbeat thread alive
   (the coordination service never sees it go silent): the others wait for it in step 6."""
-  stall, out = _stalled_job(launcher, tmp_path, {TEST_BLOCK_ENV: '1:6'})
+  stall = _stalled_job(launcher, tmp_path, {TEST_BLOCK_ENV: '1:6'})
   assert stall.host == 1 and stall.stopped == [], stall
   assert stall.why == 'it never reached the point the others wait in'
   assert stall.phases['1']['step'] == 5 and stall.phases['0']['step'] == 6, stall

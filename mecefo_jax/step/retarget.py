@@ -177,10 +177,15 @@ def verdict_key(platform: str) -> str:
   jax's and jaxlib's versions, the backend, its version and flags (compile_environment), the
   devices' kind and number, the process count."""
   devices = jax.devices(backend=platform)
-  parts = (Path(__file__).read_text(), jax.__version__, jaxlib.__version__,
-           *compile_environment(), platform, devices[0].device_kind, str(len(devices)),
-           str(jax.process_count()))
+  parts = (_own_source(), jax.__version__, jaxlib.__version__, *compile_environment(),
+           platform, devices[0].device_kind, str(len(devices)), str(jax.process_count()))
   return hashlib.sha256('\0'.join(parts).encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _own_source() -> str:
+  """This module's code, read once a process (each Controller asks for the key)."""
+  return Path(__file__).read_text()
 
 
 def compile_environment() -> tuple[str, ...]:
