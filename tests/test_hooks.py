@@ -231,7 +231,8 @@ def test_run_files_lock_the_run_and_write_nothing_before_its_start(tmp_path):
 def test_evals_run_where_the_plan_has_one_unless_the_run_stops_and_once_more_at_the_end():
   losses = iter([2.0, 1.5, 1.0])
   controller = types.SimpleNamespace(evaluate=lambda n: next(losses), live=lambda: (0, 1),
-                                     exclude_from_steps=lambda s: None)
+                                     exclude_from_steps=lambda s: None,
+                                     wait_for_steps=lambda: None)
   emitted, stopping = [], {3}
   hook = Evals(controller, 2, last_step=4, has_eval=True, stopping=lambda r: r.step in stopping,
                emit=emitted.append, evals=[Eval(0, 3.0, 20.1)])
@@ -330,3 +331,33 @@ def test_the_step_loop_ends_at_a_sample_budget_past_train_steps():
       stop=StopRequest(), startup=types.SimpleNamespace(step_done=lambda: None))
   assert StepLoop(parts, Hooks([Last()]), restarted_by=None).run(0.0) == (4, None)
   assert records == [(0, False), (1, False), (2, False), (3, True)]  # 24 >= 20 after step 3
+
+
+def test_an_eval_waits_for_the_steps_dispatched_ahead_before_its_clock_starts(monkeypatch):
+  from mecefo_jax.run import evaluation
+  clock = {'now': 100.0, 'queued': 4.0}  # 4 s of steps dispatched ahead, still on the devices
+
+  def run_queued():  # whatever waits on the state first waits for them
+    clock['now'], clock['queued'] = clock['now'] + clock['queued'], 0.0
+
+  class Controller:
+    excluded = []
+
+    def wait_for_steps(self):
+      run_queued()
+
+    def evaluate(self, n_batches):
+      run_queued()
+      clock['now'] += 0.5
+      return 2.0
+
+    def exclude_from_steps(self, seconds):
+      self.excluded.append(seconds)
+
+    def live(self):
+      return (0, 1)
+  monkeypatch.setattr(evaluation, 'time', types.SimpleNamespace(perf_counter=lambda: clock['now']))
+  evals = Evals(Controller(), 2, 9, has_eval=True, stopping=lambda r: False, emit=print, evals=[])
+  row = evals.row(4, loop_start=90.0)
+  # Only the eval's own 0.5 s is left out of step time and of tokens/s.
+  assert row.eval_s == 0.5 and Controller.excluded == [0.5] and row.wall_s == 14.5

@@ -174,6 +174,11 @@ class Controller:
     """`seconds` into goodput's `bucket` (core/goodput.py), e.g. a restart's."""
     self._ledger.book(bucket, seconds)
 
+  def wait_for_steps(self) -> None:
+    """Waits for the steps dispatched so far: host work timed after it (an eval) is not
+    charged their time."""
+    jax.block_until_ready(self.state)
+
   def exclude_from_steps(self, seconds: float) -> None:
     """`seconds` spent outside steps (an eval): no step's time in the goodput ledger."""
     self._ledger.exclude(seconds)

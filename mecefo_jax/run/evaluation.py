@@ -40,6 +40,9 @@ class Evals(Hook):
       self.emit(self.row(self.last_step, loop_start))  # the final eval
 
   def row(self, step: int, loop_start: float) -> EvalRow:
+    # The loop dispatches steps ahead of their results: wait for them first, or the eval's
+    # time (left out of step time and tokens/s) would hold up to log_every steps' compute.
+    self.controller.wait_for_steps()
     t0 = time.perf_counter()
     with progress_marks.during('evaluating', f'after step {step}'):
       loss = self.controller.evaluate(self.n_batches)
