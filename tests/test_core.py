@@ -12,7 +12,7 @@ from mecefo_jax.core.decider import Decider, DeciderMeta, DeciderState, StreamMi
 from mecefo_jax.core.failures import FailureEvent, FailureSchedule
 from mecefo_jax.core.programs import (EVAL, FUSED, GROUP, REFRESH_COLD, REFRESH_WARM, UPDATE,
                                       Kind, Need, ProgramKey, RunPrograms, programs_for)
-from mecefo_jax.core.roles import Role
+from mecefo_jax.core.roles import Role, slice_list
 from mecefo_jax.core.takeover import Planner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,3 +234,10 @@ def test_the_state_is_the_snapshot_meta_written_before_the_decider_key_for_key()
 def test_the_failure_schedule_keeps_its_old_import_path():
   from mecefo_jax.fault.failures import FailureSchedule as old_home
   assert old_home is FailureSchedule
+
+
+def test_a_slice_list_in_a_log_line_writes_runs_of_three_or_more_as_ranges():
+  assert [slice_list(s) for s in [(), (3,), (0, 1, 4, 5), (5, 7, 8, 9, 20), range(256)]] == [
+      '[]', '[3]', '[0, 1, 4, 5]', '[5, 7-9, 20]', '[0-255]']
+  assert str(ProgramKey(EVAL, tuple(s for s in range(32) if s != 3))) == (
+      'eval program for slices [0-2, 4-31]')

@@ -17,7 +17,7 @@ from mecefo_jax.core import programs
 from mecefo_jax.core.failures import AppliedEvent, FailureEvent, FailureSchedule, apply_event
 from mecefo_jax.core.goodput import Goodput
 from mecefo_jax.core.programs import ProgramKey, RunPrograms
-from mecefo_jax.core.roles import Role
+from mecefo_jax.core.roles import Role, slice_list
 from mecefo_jax.core.takeover import Assignment, Planner
 from mecefo_jax.sections import entry
 
@@ -155,7 +155,7 @@ class Decider:
     self.state.events.append(applied.to_dict())
     log.warning('step %d: slice %d %s (%s); live slices %s', event.step, event.slice,
                 'FAILED' if event.kind == 'fail' else 'repaired, rejoining', event.source,
-                list(self.live()))
+                slice_list(self.live()))
     return True
 
   def _forget_plans(self) -> None:

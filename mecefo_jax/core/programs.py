@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Container, Hashable, Iterator, Mapping, Sequence
 
-from mecefo_jax.core.roles import Role
+from mecefo_jax.core.roles import Role, slice_list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ class ProgramKey:
 
   def __str__(self) -> str:
     variant = '' if self.variant is None else f' {self.variant}'
-    return f'{self.kind.name}{variant} program for slices {list(self.slices)}'
+    return f'{self.kind.name}{variant} program for slices {slice_list(self.slices)}'
 
 
 MOVED, COMPILED = 'moved', 'compiled'  # how the program cache builds what no store holds

@@ -32,3 +32,16 @@ def split_passes(degraded_rows: int, max_rows: int) -> int:
   if max_rows <= 0 or degraded_rows <= max_rows:
     return 1
   return -(-degraded_rows // max_rows)
+
+
+def slice_list(slices) -> str:
+  """`slices` for a log line: '[0, 1, 4, 5]', runs of 3 or more as ranges ('[0-2, 4-31]'), so
+  that a line about one slice of 256 stays one line."""
+  runs: list[list[int]] = []
+  for s in sorted(slices):
+    if runs and s == runs[-1][-1] + 1:
+      runs[-1].append(s)
+    else:
+      runs.append([s])
+  parts = [f'{r[0]}-{r[-1]}' if len(r) >= 3 else ', '.join(map(str, r)) for r in runs]
+  return f"[{', '.join(parts)}]"

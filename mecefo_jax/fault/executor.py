@@ -11,7 +11,7 @@ from mecefo_jax import multihost, sharding
 from mecefo_jax.config import Config
 from mecefo_jax.core.decider import StepPlan
 from mecefo_jax.core.programs import REJOIN, ProgramKey
-from mecefo_jax.core.roles import Role
+from mecefo_jax.core.roles import Role, slice_list
 from mecefo_jax.core.takeover import SliceWork
 from mecefo_jax.data import order
 from mecefo_jax.model.train_state import (at_schedule_count, params_sha256, schedule_count,
@@ -45,7 +45,7 @@ class Executor:
     keep = tuple(s for s in self.state_slices if s in live)
     if not keep:
       raise AllSlicesDown(
-          f'no live slice holds the training state: slices {list(self.state_slices)} held it '
+          f'no live slice holds the training state: slices {slice_list(self.state_slices)} held it '
           f'and are all down')
     if keep != self.state_slices:
       self.state = slice_steps.state_view(self.cfg, self.state, self.submesh(keep))

@@ -16,6 +16,7 @@ from mecefo_jax import multihost
 from mecefo_jax.config import Config
 from mecefo_jax.core import programs
 from mecefo_jax.core.programs import ProgramKey
+from mecefo_jax.core.roles import slice_list
 from mecefo_jax.records import progress_marks
 from mecefo_jax.sections import entry
 from mecefo_jax.step import lowering, retarget
@@ -97,7 +98,7 @@ class Request:
   def __str__(self) -> str:
     """E.g. 'group program onto slices [0, 2]': onto where programs move, else for."""
     where = 'for' if self.store_devices else 'onto'
-    return (f'{self.key.kind.name} program {where} slices {list(self.key.slices)}' +
+    return (f'{self.key.kind.name} program {where} slices {slice_list(self.key.slices)}' +
             (' (background)' if self.ahead else ''))
 
 
