@@ -191,7 +191,7 @@ def test_a_stop_request_ends_the_run_after_its_step_saved_where_snapshots_are():
 def test_metric_rows_write_a_train_row_every_log_every_steps_then_the_steps_other_rows(tmp_path):
   cfg = load_config(None, ['train.steps=5', 'train.log_every=2'])
   rows, tokens = [], iter(range(0, 10_000, 100))
-  hook = MetricRows(cfg, tmp_path, 0, 2, tokens=lambda: next(tokens),
+  hook = MetricRows(cfg, tmp_path, 0, 2, tokens=lambda: next(tokens), samples=lambda: 0,
                     losses=[], mode='quiet', on_log=rows.append)
   with hook.opened():
     for step in range(5):

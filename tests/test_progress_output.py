@@ -130,3 +130,20 @@ def test_the_bar_shows_the_newest_trained_steps_loss_not_the_last_logged_row():
     assert p._fields['loss'] == 'loss 2.5000'
     p.step(2, None)  # a process that ran no part of the step
     assert p._fields['loss'] == 'loss 2.5000'
+
+
+def test_a_run_to_a_sample_budget_counts_samples_not_steps(caplog):
+  """requeue trains fewer samples a step while a slice is down: its end is a sample count, and
+  the bar and the lines count toward that, not toward train.steps."""
+  pytest.importorskip('tqdm')
+  stream = FakeTTY()
+  with progress.Progress(64, 8, 2, 'requeue', mode='bar', stream=stream, unit='sample') as p:
+    p.step(2, 3.0, samples=16)
+    p.step(1, 2.9, samples=20)  # one slice of two down: 4 samples, not 8
+    assert (p._bar.n, p._bar.total, p._bar.unit) == (20, 64, 'sample')
+  with caplog.at_level(logging.INFO, logger='mecefo'):
+    with progress.Progress(64, 0, 2, 'requeue', mode='plain', stream=io.StringIO(),
+                           unit='sample') as p:
+      p.step(1, 3.25, samples=4)
+      p.train_row(ROW)
+  assert 'step 4 samples 4/64 loss 3.2500' in caplog.text, caplog.text

@@ -23,7 +23,8 @@ def ordered(parts: RunParts, progress: str, on_log: Callable[[dict], None] | Non
   cfg, c, meta = parts.cfg, parts.controller, parts.origin.meta
   resume_hint = hints.resume(parts.out_dir, parts.presence.n_hosts)
   rows = MetricRows(cfg, parts.out_dir, parts.origin.step, parts.presence.n_slices,
-                    tokens=c.tokens_trained, losses=meta.losses if meta else [],
+                    tokens=c.tokens_trained, samples=c.stream_position,
+                    losses=meta.losses if meta else [],
                     carried=meta.rows if meta else (), mode=progress, on_log=on_log,
                     enabled=parts.files.is_chief, guard=parts.outputs)
   evals = Evals(c, cfg.train.eval_batches, cfg.train.steps - 1, has_eval=parts.corpus.has_eval,

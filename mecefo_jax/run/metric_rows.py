@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from mecefo_jax import sections
-from mecefo_jax.config import Config
+from mecefo_jax.config import Config, sample_budget
 from mecefo_jax.records.metrics import EvalRow, TrainRow
 from mecefo_jax.run.hooks import Hook, RunEnd, StepRecord
 from mecefo_jax.run.metrics import MetricsWriter, last_logged_step
@@ -26,11 +26,13 @@ class MetricRows(Hook):
   start (a resume). The evals' seconds, left out of tokens/s, are their rows' (`eval_s`)."""
 
   def __init__(self, cfg: Config, out_dir: Path, start_step: int, n_slices: int, *,
-               tokens: Callable[[], int], losses: list, carried: Sequence = (),
+               tokens: Callable[[], int], samples: Callable[[], int], losses: list,
+               carried: Sequence = (),
                mode: str = 'auto', on_log: Callable[[dict], None] | None = None,
                enabled: bool = True, guard: OutputGuard | None = None):
     self.cfg, self.out_dir, self.start_step, self.n_slices = cfg, out_dir, start_step, n_slices
-    self.tokens, self.losses = tokens, losses
+    self.tokens, self.samples, self.losses = tokens, samples, losses
+    self.budget = sample_budget(cfg)  # the run ends at it where set, else at train.steps
     self.eval_s = 0.0  # seconds this start spent in evals (its eval rows')
     self.mode, self.on_log, self.enabled, self.guard = mode, on_log, enabled, guard
     self.tensorboard = False  # event files written
@@ -44,9 +46,10 @@ class MetricRows(Hook):
 
   @contextlib.contextmanager
   def opened(self):
-    t = self.cfg.train
-    progress = Progress(t.steps, self.start_step, self.n_slices, self.cfg.faults.takeover,
-                        self.mode)
+    total, done, unit = ((self.budget, self.samples(), 'sample') if self.budget else
+                         (self.cfg.train.steps, self.start_step, 'step'))
+    progress = Progress(total, done, self.n_slices, self.cfg.faults.takeover, self.mode,
+                        unit=unit)
     writer = MetricsWriter(self.out_dir, fresh=self.start_step == 0, enabled=self.enabled,
                            guard=self.guard)
     self.tokens_at_start = self.tokens()
@@ -81,7 +84,7 @@ class MetricRows(Hook):
 
   def after_step(self, record: StepRecord) -> None:
     loss = record.values['loss'] if record.values else (record.metrics or {}).get('loss')
-    self._progress.step(len(record.live), loss)
+    self._progress.step(len(record.live), loss, self.samples() if self.budget else None)
     for row in record.rows:
       self._show(row)
 

@@ -67,8 +67,11 @@ class Progress:
   """
 
   def __init__(self, total: int, initial: int, n_slices: int, takeover: str, mode: str = 'auto',
-               stream=None):
-    self.total, self.n_slices, self.takeover = total, n_slices, takeover
+               stream=None, unit: str = 'step'):
+    # unit 'sample': a run that ends at a sample budget (train.samples / train.tokens), whose
+    # step count is not known ahead (requeue trains fewer samples a step while a slice is down).
+    self.total, self.n_slices, self.takeover, self.unit = total, n_slices, takeover, unit
+    self._done = initial  # steps or samples done
     self.stream = stream if stream is not None else sys.stderr
     self.mode = resolve_mode(mode, self.stream)
     self._initial = initial
@@ -94,7 +97,7 @@ class Progress:
       # tqdm draws nothing on a terminal of size 0x0: give it a fixed size there.
       size = {'dynamic_ncols': True} if _sized(self.stream) else {'ncols': 120, 'nrows': 24}
       self._bar = self._stack.enter_context(
-          tqdm(total=self.total, initial=self._initial, unit='step', desc='train',
+          tqdm(total=self.total, initial=self._initial, unit=self.unit, desc='train',
                file=self.stream, leave=True, **size))
       self._stack.enter_context(logging_redirect_tqdm())
       watch = _Building(self)
@@ -122,9 +125,12 @@ class Progress:
       self._fields['state'] = what.rstrip('.') + ' ...'
       self._show(refresh=True)
 
-  def step(self, live: int, loss=None) -> None:
+  def step(self, live: int, loss=None, samples: int | None = None) -> None:
     """One training step done with `live` slices up; `loss`: its loss, a float or a device
-    scalar, shown once computed (no wait: the newest step whose loss is ready)."""
+    scalar, shown once computed (no wait: the newest step whose loss is ready); `samples`: the
+    stream's samples done after it (unit 'sample')."""
+    done = self._done + 1 if self.unit == 'step' else samples
+    advanced, self._done = done - self._done, done
     if self._bar is None:
       return
     built = self._fields.pop('state', None) is not None
@@ -133,15 +139,17 @@ class Progress:
     shown = next((v for v in map(_ready, reversed(self._losses)) if v is not None), None)
     if shown is not None:
       self._fields['loss'] = f'loss {shown:.4f}'
-    self._bar.update(1)
+    self._bar.update(advanced)
     self._show(refresh=built)  # at once after a build: the bar said it was building
 
   def train_row(self, row: TrainRow) -> None:
     if self.mode == 'plain':
       live = row.live_slices
       mode = '' if live == self.n_slices else f' ({self._mode(live)})'
-      log.info('step %d/%d loss %.4f grad_norm %.3f live %d/%d%s tok/s %.0f', row.step,
-               self.total, row.loss, row.grad_norm, live, self.n_slices, mode, row.tokens_per_s)
+      at = (f'{row.step}/{self.total}' if self.unit == 'step' else
+            f'{row.step} samples {self._done}/{self.total}')
+      log.info('step %s loss %.4f grad_norm %.3f live %d/%d%s tok/s %.0f', at, row.loss,
+               row.grad_norm, live, self.n_slices, mode, row.tokens_per_s)
     elif self._bar is not None:
       self._fields.update(loss=f'loss {row.loss:.4f}', rate=f'{_rate(row.tokens_per_s)} tok/s')
       self._show()
