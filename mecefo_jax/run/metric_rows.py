@@ -22,13 +22,14 @@ class MetricRows(Hook):
   """A train row every train.log_every steps and after the last; each row of a step (its evals
   after its train row) to the terminal, metrics.jsonl and `on_log(row)`.
 
-  `tokens()`: tokens trained so far; `losses`: [step, loss] of the rows written before this
+  `tokens()`: tokens trained so far; `samples()`: the stream's samples trained or counted
+  (the unit of a sample budget's end); `losses`: [step, loss] of the rows written before this
   start (a resume). The evals' seconds, left out of tokens/s, are their rows' (`eval_s`)."""
 
   def __init__(self, cfg: Config, out_dir: Path, start_step: int, n_slices: int, *,
                tokens: Callable[[], int], samples: Callable[[], int], losses: list,
-               carried: Sequence = (),
-               mode: str = 'auto', on_log: Callable[[dict], None] | None = None,
+               carried: Sequence = (), mode: str = 'auto',
+               on_log: Callable[[dict], None] | None = None,
                enabled: bool = True, guard: OutputGuard | None = None):
     self.cfg, self.out_dir, self.start_step, self.n_slices = cfg, out_dir, start_step, n_slices
     self.tokens, self.samples, self.losses = tokens, samples, losses

@@ -74,7 +74,6 @@ class Progress:
     self._done = initial  # steps or samples done
     self.stream = stream if stream is not None else sys.stderr
     self.mode = resolve_mode(mode, self.stream)
-    self._initial = initial
     self._bar = None
     self._stack = contextlib.ExitStack()
     self._fields = {'loss': '', 'rate': '', 'live': '', 'mode': '', 'eval': ''}
@@ -97,7 +96,7 @@ class Progress:
       # tqdm draws nothing on a terminal of size 0x0: give it a fixed size there.
       size = {'dynamic_ncols': True} if _sized(self.stream) else {'ncols': 120, 'nrows': 24}
       self._bar = self._stack.enter_context(
-          tqdm(total=self.total, initial=self._initial, unit=self.unit, desc='train',
+          tqdm(total=self.total, initial=self._done, unit=self.unit, desc='train',
                file=self.stream, leave=True, **size))
       self._stack.enter_context(logging_redirect_tqdm())
       watch = _Building(self)
