@@ -86,7 +86,7 @@ def test_every_module_is_imported_by_a_fast_test(request):
 CONTROLLER_INTERFACE = {'start', 'step', 'last_plan', 'last_built', 'fetch', 'evaluate', 'state', 'state_mesh',
                         'live', 'events', 'samples', 'goodput', 'tokens_trained', 'step_memory',
                         'first_programs_s', 'first_programs', 'programs_report', 'dump_meta', 'book',
-                        'exclude_from_steps', 'settle', 'close', 'stream_position'}
+                        'exclude_from_steps', 'wait_for_steps', 'settle', 'close', 'stream_position'}
 CONTROLLER = {'self.controller', 'run.controller', 'controller', 'c', 'p.controller',
               'parts.controller', 'self.parts.controller'}  # how run/ names it
 

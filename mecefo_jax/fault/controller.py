@@ -47,10 +47,11 @@ class Controller:
   owns both, the program cache and the background builder.
 
   What the run layer asks of it (run/; tests/test_layout.py keeps it to this): `start` (the
-  first step's programs built: `first_programs_s`, `first_programs`), `step`, `last_plan` and `last_built`, `fetch`, `evaluate`, the state and
-  where it lives (`state`, `state_mesh`, `live`), what happened (`events`, `samples`,
-  `goodput`, `tokens_trained`, `step_memory`, `programs_report`, `dump_meta`), bookings
-  (`book`, `exclude_from_steps`) and `settle` / `close`.
+  first step's programs built: `first_programs_s`, `first_programs`), `step`, `last_plan` and
+  `last_built`, `fetch`, `evaluate`, `wait_for_steps`, the state and where it lives (`state`,
+  `state_mesh`, `live`), what happened (`events`, `samples`, `stream_position`, `goodput`,
+  `tokens_trained`, `step_memory`, `programs_report`, `dump_meta`), bookings (`book`,
+  `exclude_from_steps`) and `settle` / `close`.
   """
 
   def __init__(self, cfg: Config, mesh, graphdef, corpus, schedule: FailureSchedule, state,
