@@ -83,10 +83,11 @@ def test_every_module_is_imported_by_a_fast_test(request):
 # ---- the loop's floors: the run layer asks the controller, which owns building ------------------
 
 # What the run layer may ask of the controller (fault/controller.py's docstring lists it).
-CONTROLLER_INTERFACE = {'start', 'step', 'last_plan', 'last_built', 'fetch', 'evaluate', 'state', 'state_mesh',
-                        'live', 'events', 'samples', 'goodput', 'tokens_trained', 'step_memory',
-                        'first_programs_s', 'first_programs', 'programs_report', 'dump_meta', 'book',
-                        'exclude_from_steps', 'wait_for_steps', 'settle', 'close', 'stream_position'}
+CONTROLLER_INTERFACE = {'start', 'step', 'last_plan', 'last_built', 'fetch', 'evaluate',
+                        'wait_for_steps', 'state', 'state_mesh', 'live', 'events', 'samples',
+                        'goodput', 'tokens_trained', 'step_memory', 'first_programs_s',
+                        'first_programs', 'programs_report', 'dump_meta', 'book',
+                        'exclude_from_steps', 'settle', 'close', 'stream_position'}
 CONTROLLER = {'self.controller', 'run.controller', 'controller', 'c', 'p.controller',
               'parts.controller', 'self.parts.controller'}  # how run/ names it
 
