@@ -150,7 +150,14 @@ def init_seed(cfg: Config, mesh: Mesh) -> jax.Array:
 
 def create_sharded(cfg: Config, mesh: Mesh) -> TrainState:
   """A fresh state created directly in its shardings on `mesh`."""
-  return lower_init(cfg, mesh).compile()(init_seed(cfg, mesh))
+  return _initializer(cfg, mesh)(init_seed(cfg, mesh))
+
+
+@functools.lru_cache(maxsize=8)
+def _initializer(cfg: Config, mesh: Mesh) -> jax.stages.Compiled:
+  """The initializer of (cfg, mesh), compiled once: a benchmark creates a state per arm (its
+  steps donate them), and each compile of it traces the model and its SVD bases again."""
+  return lower_init(cfg, mesh).compile()
 
 
 def params_sha256(params) -> str:
