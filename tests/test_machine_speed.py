@@ -20,3 +20,8 @@ def test_no_rounds_is_a_usage_error(capsys):
     machine_speed.main(['--rounds', '0'])
   assert stop.value.code == 2
   assert capsys.readouterr().err.splitlines()[-1].endswith('--rounds must be >= 1, got 0')
+
+
+def test_without_json_it_prints_its_one_line(capsys, devices):
+  result = machine_speed.main(['--rounds', '1'])
+  assert capsys.readouterr().out.splitlines() == [machine_speed.line(result)]
