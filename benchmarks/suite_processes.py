@@ -156,6 +156,16 @@ def summary(entries: list[dict], last_round: int) -> dict[str, dict]:
           for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]['cpu_s'])}
 
 
+def largest(entries: list[dict], floor_s: float = 1.0) -> list[dict]:
+  """Each process that used at least `floor_s` CPU seconds, the largest first: its kind, its
+  command line and its parent's (which test's process it was is read from them)."""
+  by_pid = {e['pid']: e for e in entries}
+  rows = [{'cpu_s': round(e['cpu_s'], 1), 'kind': kind(e, by_pid), 'cmd': e['cmd'][:300],
+           'parent': by_pid.get(e['ppid'], {}).get('cmd', '')[:300]}
+          for e in entries if e['cpu_s'] >= floor_s and e['pid'] != os.getpid()]
+  return sorted(rows, key=lambda r: -r['cpu_s'])
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--json', type=Path, required=True)
@@ -174,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     code = subprocess.call(command)
   kinds = summary(list(sampler.seen.values()), sampler.round)
   result.update(exit_code=code, wall_s=round(time.monotonic() - started, 1),
-                cpu_s=round(sum(k['cpu_s'] for k in kinds.values()), 1), kinds=kinds)
+                cpu_s=round(sum(k['cpu_s'] for k in kinds.values()), 1), kinds=kinds,
+                processes=largest(list(sampler.seen.values())))
   args.json.write_text(json.dumps(result, indent=1) + '\n')
   print('| kind | CPU s | processes |\n|---|---|---|')
   for name, row in kinds.items():

@@ -41,3 +41,13 @@ def test_what_a_live_parent_reaped_beyond_what_was_seen_is_the_missed_tail():
   kinds = sp.summary(entries, last_round=9)
   assert kinds[sp.TAILS] == {'cpu_s': 1.5, 'processes': 0} and sum(
       k['processes'] for k in kinds.values()) == 4
+
+
+def test_the_largest_processes_are_listed_with_their_parents_command():
+  entries = [_entry(1, 0, 'python train.py --out x', cpu_s=2.0), _entry(2, 1, 'tee', cpu_s=0.4),
+             _entry(3, 1, 'python -m benchmarks.mfu', cpu_s=5.0)]
+  assert sp.largest(entries) == [
+      {'cpu_s': 5.0, 'kind': 'new interpreter: -m benchmarks.mfu',
+       'cmd': 'python -m benchmarks.mfu', 'parent': 'python train.py --out x'},
+      {'cpu_s': 2.0, 'kind': 'new interpreter: train.py', 'cmd': 'python train.py --out x',
+       'parent': ''}]
